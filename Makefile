@@ -1,0 +1,46 @@
+# kvcached: `make run` starts a daemon, `make test` runs the tests. Both set everything up first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+PROTO_SRC := $(wildcard proto/kvcached/v1/*.proto)
+PROTO_OUT := kvcached/v1/kvcache_pb2.py
+
+.PHONY: install run test test-unit test-integration bench proto clean system-deps
+
+install: $(STAMP) $(PROTO_OUT)
+
+# torch first, pinned to the CPU build, so no dependency range can pull CUDA wheels.
+$(STAMP): pyproject.toml agent/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ./agent -e '.[dev]'
+	touch $@
+
+proto $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+
+run: install
+	mkdir -p var
+	$(VENV)/bin/kvcached serve --config config/kvcached.toml
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
+
+test-integration: install
+	$(PY) -m pytest -q tests/integration
+
+# Benchmarks need redis-server (Debian package) for their Redis baseline.
+system-deps:
+	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+
+bench: install system-deps
+	$(PY) bench/bench_core.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) kvcached/v1 var .pytest_cache

@@ -1,0 +1,11 @@
+"""kvcached agent: the engine-side library of kvcached.
+
+It never imports or ships a top-level ``kvcached`` package, so it installs beside the unrelated
+PyPI project of that name. What the daemon and the agent share (addressing, the socket
+protocol codec) lives here and the daemon imports it.
+"""
+
+from kvcached_agent.address import CROSS_LAYER, BlockAddress, chain_digests, chain_root, index_key
+
+__all__ = ["CROSS_LAYER", "BlockAddress", "chain_digests", "chain_root", "index_key"]
+__version__ = "0.1.0"

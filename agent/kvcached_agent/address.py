@@ -1,0 +1,167 @@
+"""Block addressing: BLAKE3-256 chained block digests and 32-byte index keys.
+
+This module is the single definition of how kvcached names a KV block. The daemon imports it
+from here, so an agent and a daemon (or two daemons on two nodes) can never disagree. The exact
+byte encoding, with test vectors, is specified in docs/addressing.md; change neither without
+the other.
+
+- A *chain root* covers what makes KV bytes comparable: model, dtype, block size in tokens and
+  an optional namespace (cache salt, tenant, tensor-parallel rank, ...).
+- Block 0's digest covers the root and its tokens; block i's digest covers block i-1's digest
+  and its tokens. Only full blocks are hashed: a trailing partial block has no address.
+- A BlockAddress is (digest, layer). ``CROSS_LAYER`` names a block that holds every layer in
+  one contiguous unit.
+- The index key hashes the layer into the digest, so one 32-byte key names one stored block.
+
+All hashing uses BLAKE3's key-derivation mode with a distinct context string per purpose
+(domain separation), so a root can never collide with a block digest or an index key.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import blake3
+
+__all__ = [
+    "CROSS_LAYER",
+    "DIGEST_BYTES",
+    "MAX_LAYER",
+    "BlockAddress",
+    "chain_root",
+    "chain_digests",
+    "index_key",
+]
+
+DIGEST_BYTES = 32
+#: Reserved layer value: the block holds all layers in one contiguous unit.
+CROSS_LAYER = 0xFFFFFFFF
+#: Largest ordinary layer number.
+MAX_LAYER = CROSS_LAYER - 1
+MAX_TOKEN = 0xFFFFFFFF
+
+ROOT_CONTEXT = "kvcached 2026-11 chain root v1"
+BLOCK_CONTEXT = "kvcached 2026-11 block digest v1"
+KEY_CONTEXT = "kvcached 2026-11 index key v1"
+
+_U32 = struct.Struct("<I")
+
+
+def _field(value: str | bytes) -> bytes:
+    raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    return _U32.pack(len(raw)) + raw
+
+
+def chain_root(model: str, dtype: str, block_tokens: int, namespace: str | bytes = b"") -> bytes:
+    """The 32-byte root every chain of this (model, dtype, block size, namespace) starts from."""
+    if not model:
+        raise ValueError("model must not be empty")
+    if not dtype:
+        raise ValueError("dtype must not be empty")
+    if not 0 < block_tokens <= MAX_TOKEN:
+        raise ValueError(f"block_tokens must be in 1..{MAX_TOKEN}, got {block_tokens}")
+    data = _field(model) + _field(dtype) + _U32.pack(block_tokens) + _field(namespace)
+    return blake3.blake3(data, derive_key_context=ROOT_CONTEXT).digest()
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    try:
+        packed = array("I", tokens)
+    except OverflowError as exc:
+        raise ValueError(f"token ids must be in 0..{MAX_TOKEN}: {exc}") from None
+    if packed.itemsize != 4:  # pragma: no cover - no supported platform has another size
+        raise RuntimeError("array('I') is not 4 bytes wide on this platform")
+    if struct.pack("=I", 1) != _U32.pack(1):  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def chain_digests(
+    tokens: Sequence[int],
+    block_tokens: int,
+    *,
+    root: bytes | None = None,
+    model: str = "",
+    dtype: str = "",
+    namespace: str | bytes = b"",
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Digests of every full block of ``tokens``, in order.
+
+    Give either ``root`` (from :func:`chain_root`) or ``model``/``dtype``/``namespace``. Give
+    ``parent`` (the digest of the block before ``tokens[0]``) to continue an existing chain.
+    A trailing partial block is not hashed.
+    """
+    if parent is not None:
+        prev = parent
+    elif root is not None:
+        prev = root
+    else:
+        prev = chain_root(model, dtype, block_tokens, namespace)
+    if len(prev) != DIGEST_BYTES:
+        raise ValueError(f"parent/root must be {DIGEST_BYTES} bytes, got {len(prev)}")
+    raw = _tokens_bytes(tokens)
+    step = block_tokens * 4
+    out: list[bytes] = []
+    for start in range(0, (len(tokens) // block_tokens) * step, step):
+        prev = blake3.blake3(prev + raw[start:start + step], derive_key_context=BLOCK_CONTEXT).digest()
+        out.append(prev)
+    return out
+
+
+def index_key(digest: bytes, layer: int) -> bytes:
+    """The 32-byte key under which the block (digest, layer) is stored."""
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(digest)}")
+    if not 0 <= layer <= CROSS_LAYER:
+        raise ValueError(f"layer must be in 0..{CROSS_LAYER}, got {layer}")
+    return blake3.blake3(digest + _U32.pack(layer), derive_key_context=KEY_CONTEXT).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockAddress:
+    """Where a KV block lives in the cache: its chained digest and its layer."""
+
+    digest: bytes
+    layer: int = CROSS_LAYER
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != DIGEST_BYTES:
+            raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(self.digest)}")
+        if not 0 <= self.layer <= CROSS_LAYER:
+            raise ValueError(f"layer must be in 0..{CROSS_LAYER}, got {self.layer}")
+
+    @property
+    def key(self) -> bytes:
+        """The 32-byte index key (layer hashed into the digest)."""
+        return index_key(self.digest, self.layer)
+
+    @property
+    def is_cross_layer(self) -> bool:
+        return self.layer == CROSS_LAYER
+
+    def __str__(self) -> str:
+        layer = "x" if self.layer == CROSS_LAYER else str(self.layer)
+        return f"{self.digest.hex()}:{layer}"
+
+    @classmethod
+    def parse(cls, text: str) -> "BlockAddress":
+        """Parse ``HEX`` or ``HEX:LAYER`` (``x`` or no layer: cross-layer)."""
+        hexpart, _, layer = text.strip().partition(":")
+        try:
+            digest = bytes.fromhex(hexpart)
+        except ValueError:
+            raise ValueError(f"not a hex digest: {hexpart!r}") from None
+        if layer in ("", "x", "X"):
+            return cls(digest)
+        if not layer.isdigit():
+            raise ValueError(f"layer must be a number or 'x', got {layer!r}")
+        return cls(digest, int(layer))
+
+
+def addresses(digests: Iterable[bytes], layer: int = CROSS_LAYER) -> list[BlockAddress]:
+    """The addresses of ``digests`` at one layer."""
+    return [BlockAddress(d, layer) for d in digests]

@@ -1,0 +1,225 @@
+"""The gRPC KvCache service (grpc.aio): a thin translation between protobuf and the Store.
+
+Each handler converts the request, calls the store on the event loop thread and converts the
+answer; store errors (kvcached.errors) and malformed addresses become gRPC status codes with the
+store's message. No policy or tier logic lives here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from kvcached import __version__
+from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted
+from kvcached.index import BlockRecord, Tier
+from kvcached.store import PutItem, Store
+from kvcached.v1 import kvcache_pb2 as pb
+from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
+from kvcached_agent.address import CROSS_LAYER, BlockAddress
+
+__all__ = ["KvCacheService", "STREAM_CHUNK"]
+
+log = logging.getLogger("kvcached.api.grpc")
+
+STREAM_CHUNK = 1 << 20   # payload bytes per GetStream message
+
+_STATUS: dict[type[KvError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    DataLoss: grpc.StatusCode.DATA_LOSS,
+}
+_TIER_FILTER = {pb.TIER_UNSPECIFIED: "", pb.TIER_RAM: "ram", pb.TIER_SSD: "ssd", pb.TIER_GONE: "gone"}
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _status_of(exc: KvError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+def _errors_to_status(handler: F) -> F:
+    """Turn store errors into gRPC statuses; anything unexpected is logged and INTERNAL."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: "KvCacheService", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except KvError as exc:
+            await context.abort(_status_of(exc), str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("%s failed", handler.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{handler.__name__}: internal error (see daemon log)")
+
+    return wrapper  # type: ignore[return-value]
+
+
+def to_address(msg: pb.BlockAddress, where: str) -> BlockAddress:
+    layer = msg.layer if msg.HasField("layer") else CROSS_LAYER
+    try:
+        return BlockAddress(msg.digest, layer)
+    except ValueError as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
+
+
+def from_address(address: BlockAddress) -> pb.BlockAddress:
+    if address.layer == CROSS_LAYER:
+        return pb.BlockAddress(digest=address.digest)
+    return pb.BlockAddress(digest=address.digest, layer=address.layer)
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def block_info(record: BlockRecord) -> pb.BlockInfo:
+    tiers = [pb.TIER_RAM] if record.tiers & Tier.RAM else []
+    if record.tiers & Tier.SSD:
+        tiers.append(pb.TIER_SSD)
+    return pb.BlockInfo(
+        address=from_address(BlockAddress(record.digest, record.layer)), model=record.model, nbytes=record.nbytes,
+        checksum=record.checksum, created=_timestamp(record.created), last_seen=_timestamp(record.last_seen),
+        tiers=tiers, gone_reason="" if record.present else record.gone_reason.text)
+
+
+class KvCacheService(pb_grpc.KvCacheServicer):
+    def __init__(self, store: Store, *, max_message_bytes: int, started_at: float | None = None) -> None:
+        self.store = store
+        self.max_message_bytes = max_message_bytes
+        self.started_at = time.time() if started_at is None else started_at
+
+    @_errors_to_status
+    async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        items = [PutItem(to_address(b.address, f"blocks[{i}].address"), b.payload, b.model, b.checksum)
+                 for i, b in enumerate(request.blocks)]
+        result = self.store.put(items)
+        return pb.PutResponse(stored=result.stored, already_present=result.present)
+
+    @_errors_to_status
+    async def PutStream(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        limit = self.store.ram.max_block_bytes
+        stored = present = 0
+        head: pb.PutChunk | None = None
+        buf = bytearray()
+        n = 0
+
+        def finish() -> None:
+            nonlocal stored, present
+            assert head is not None
+            if len(buf) != head.total_length:
+                raise InvalidArgument(f"block {n - 1}: got {len(buf)} payload bytes, total_length said {head.total_length}")
+            result = self.store.put([PutItem(to_address(head.address, f"block {n - 1}"), bytes(buf), head.model, head.checksum)])
+            stored += result.stored
+            present += result.present
+
+        async for chunk in request_iterator:
+            if chunk.HasField("address"):
+                if head is not None:
+                    finish()
+                if chunk.total_length == 0 or chunk.total_length > limit:
+                    raise InvalidArgument(f"block {n}: total_length {chunk.total_length} is outside 1..{limit} (kv.max_block_mib)")
+                to_address(chunk.address, f"block {n}")
+                head, buf, n = chunk, bytearray(), n + 1
+            elif head is None:
+                raise InvalidArgument("the first PutStream chunk must carry an address")
+            if len(buf) + len(chunk.data) > head.total_length:
+                raise InvalidArgument(f"block {n - 1}: more payload bytes than total_length {head.total_length}")
+            buf += chunk.data
+        if head is not None:
+            finish()
+        return pb.PutResponse(stored=stored, already_present=present)
+
+    @_errors_to_status
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
+        addresses = [to_address(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
+        self._check_response_size(addresses)
+        found, misses = self.store.get(addresses, allow_partial=request.allow_partial)
+        return pb.GetResponse(
+            blocks=[pb.Block(address=from_address(f.address), payload=f.payload, checksum=f.checksum) for f in found],
+            misses=[pb.Miss(address=from_address(m.address), reason=m.reason) for m in misses])
+
+    def _check_response_size(self, addresses: list[BlockAddress]) -> None:
+        total = 0
+        for address in addresses:
+            block = self.store.ram.get(address.key)
+            if block is not None:
+                total += block.length + 128
+        if total > self.max_message_bytes:
+            raise ResourceExhausted(f"the {len(addresses)} blocks make a response of about {total} bytes, over the "
+                                    f"message limit of {self.max_message_bytes} bytes (grpc.max_message_mib); "
+                                    "use GetStream or smaller batches")
+
+    async def GetStream(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetChunk]:
+        try:
+            addresses = [to_address(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
+            if not request.allow_partial:   # fail before streaming anything
+                self.store.require_resident(addresses)
+        except KvError as exc:
+            await context.abort(_status_of(exc), str(exc))
+        for address in addresses:
+            block = self.store.pin(address)
+            if block is None:
+                if not request.allow_partial:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"block {address}: evicted while the stream ran")
+                yield pb.GetChunk(miss=pb.Miss(address=from_address(address), reason=self.store.miss_reason(address)))
+                self.store.counters.misses += 1
+                continue
+            try:
+                view = self.store.ram.arena.view
+                end = block.offset + block.length
+                start = block.offset
+                first = min(end, start + STREAM_CHUNK)
+                yield pb.GetChunk(address=from_address(address), checksum=block.checksum,
+                                  total_length=block.length, data=view[start:first].tobytes())
+                for pos in range(first, end, STREAM_CHUNK):
+                    yield pb.GetChunk(data=view[pos:min(end, pos + STREAM_CHUNK)].tobytes())
+            finally:
+                self.store.unpin(block)
+            self.store.counters.hits += 1
+            self.store.counters.hit_bytes += block.length
+
+    @_errors_to_status
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        layer = request.layer if request.HasField("layer") else CROSS_LAYER
+        r = self.store.lookup(list(request.digests), layer)
+        return pb.LookupResponse(longest=r.longest, gpu=r.gpu, ram=r.ram, ssd=r.ssd, peer=r.peer)
+
+    @_errors_to_status
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        addresses = [to_address(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
+        deleted, missing = self.store.delete(addresses)
+        return pb.DeleteResponse(deleted=deleted, not_found=missing)
+
+    @_errors_to_status
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        s = self.store.stats()
+        ram = pb.TierStats(tier=pb.TIER_RAM, blocks=s["ram_blocks"], bytes=s["ram_bytes"],
+                           reserved_bytes=s["ram_reserved_bytes"], capacity_bytes=s["ram_capacity_bytes"],
+                           evictions=s["ram_evictions"])
+        return pb.StatsResponse(
+            version=__version__, uptime_seconds=time.time() - self.started_at, tiers=[ram],
+            index_entries=s["index_entries"], puts=s["puts"], put_bytes=s["put_bytes"], hits=s["hits"],
+            hit_bytes=s["hit_bytes"], misses=s["misses"], lookups=s["lookups"], deletes=s["deletes"])
+
+    @_errors_to_status
+    async def ListBlocks(self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext) -> pb.ListBlocksResponse:
+        tier = _TIER_FILTER.get(request.tier)
+        if tier is None:
+            raise InvalidArgument(f"cannot filter by tier {pb.Tier.Name(request.tier)}; use TIER_RAM, TIER_SSD, TIER_GONE or none")
+        records, token = self.store.list_blocks(model=request.model, tier=tier, page_token=request.page_token,
+                                                page_size=request.page_size)
+        return pb.ListBlocksResponse(blocks=[block_info(r) for r in records], next_page_token=token)

@@ -1,0 +1,203 @@
+"""The ``kvcached`` command: run the daemon, and inspect or change a running one.
+
+Exit codes: 0 success, 1 the daemon answered with an error (or a fetched block failed its
+checksum), 2 bad usage or configuration (one line naming the key and the problem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from typing import Sequence
+
+DEFAULT_CONFIG = "config/kvcached.toml"
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="PATH", help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists, else built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key; VALUE is read as TOML (repeatable), e.g. --set kv.ram_gib=2")
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    _config_args(p)
+    p.add_argument("--target", help="daemon address in gRPC syntax (unix:PATH or HOST:PORT); "
+                                    "default: the first grpc.listen of the config, or $KVCACHED_TARGET")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcached", description="Tiered KV-cache daemon for LLM inference engines.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    _config_args(p)
+    p.add_argument("--print-config", action="store_true", help="print the effective configuration as JSON and exit")
+
+    p = sub.add_parser("stat", help="daemon counters and tier occupancy")
+    _client_args(p)
+
+    p = sub.add_parser("ls", help="list blocks in the index")
+    _client_args(p)
+    p.add_argument("--model", default="", help="only blocks of this model")
+    p.add_argument("--tier", choices=["ram", "ssd", "gone"], help="only blocks in this tier (gone: metadata only)")
+    p.add_argument("--limit", type=int, default=100, help="at most this many (default 100; 0: all)")
+
+    p = sub.add_parser("put", help="store a file as one block")
+    _client_args(p)
+    p.add_argument("address", help="block address: 64 hex digits, optionally :LAYER (default: cross-layer)")
+    p.add_argument("file", help="payload file ('-' for stdin)")
+    p.add_argument("--model", default="", help="model label for listing")
+
+    p = sub.add_parser("get", help="fetch one block into a file (checksum verified)")
+    _client_args(p)
+    p.add_argument("address", help="block address: 64 hex digits, optionally :LAYER")
+    p.add_argument("file", help="output file ('-' for stdout)")
+
+    p = sub.add_parser("rm", help="delete blocks")
+    _client_args(p)
+    p.add_argument("addresses", nargs="+", help="block addresses")
+
+    p = sub.add_parser("hash", help="print the block digests of a token sequence (docs/addressing.md)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--block-tokens", type=int, required=True)
+    p.add_argument("--namespace", default="")
+    p.add_argument("tokens", nargs="+", type=int, help="token ids")
+    return parser
+
+
+def _die(code: int, message: str) -> int:
+    print(f"kvcached: {message}", file=sys.stderr)
+    return code
+
+
+def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvcached.config import load_config
+
+    path = args.config
+    if path is None and os.path.exists(DEFAULT_CONFIG):
+        path = DEFAULT_CONFIG
+    return load_config(path, args.overrides)
+
+
+def _target(args: argparse.Namespace) -> str:
+    if args.target:
+        return args.target
+    if os.environ.get("KVCACHED_TARGET"):
+        return os.environ["KVCACHED_TARGET"]
+    return _load(args).grpc.listen[0]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvcached.config import as_mapping
+
+    config = _load(args)
+    if args.print_config:
+        print(json.dumps(as_mapping(config), indent=2))
+        return 0
+    from kvcached.daemon import serve
+    from kvcached.logs import setup_logging
+
+    setup_logging(config.log.level, config.log.format)
+    return serve(config)
+
+
+def _iso(ts) -> str:  # type: ignore[no-untyped-def]
+    return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, timezone.utc).isoformat(timespec="seconds")
+
+
+def _client_command(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvcached.client import KvCacheClient
+    from kvcached.v1 import kvcache_pb2 as pb
+    from kvcached_agent.address import BlockAddress
+
+    def parse(text: str) -> BlockAddress:
+        try:
+            return BlockAddress.parse(text)
+        except ValueError as exc:
+            raise SystemExit(_die(2, f"bad address {text!r}: {exc}"))
+
+    with KvCacheClient(_target(args)) as client:
+        if args.command == "stat":
+            s = client.stats()
+            if args.json:
+                print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=2))
+                return 0
+            print(f"kvcached {s.version}, up {s.uptime_seconds:.0f} s, index entries ~{s.index_entries}")
+            for t in s.tiers:
+                print(f"  {pb.Tier.Name(t.tier)[5:].lower():5} {t.blocks} blocks, {t.bytes} bytes "
+                      f"of {t.capacity_bytes} ({t.evictions} evictions)")
+            print(f"  puts {s.puts}, hits {s.hits}, misses {s.misses}, lookups {s.lookups}, deletes {s.deletes}")
+        elif args.command == "ls":
+            tier = {None: pb.TIER_UNSPECIFIED, "ram": pb.TIER_RAM, "ssd": pb.TIER_SSD, "gone": pb.TIER_GONE}[args.tier]
+            for info in client.list_blocks(model=args.model, tier=tier, limit=args.limit or None):
+                address = BlockAddress(info.address.digest, info.address.layer if info.address.HasField("layer") else 0xFFFFFFFF)
+                if args.json:
+                    print(json.dumps(MessageToDict(info, preserving_proto_field_name=True)))
+                else:
+                    where = ",".join(pb.Tier.Name(t)[5:].lower() for t in info.tiers) or f"gone ({info.gone_reason})"
+                    print(f"{address}  {info.nbytes:>10}  {info.model or '-'}  {where}  last seen {_iso(info.last_seen)}")
+        elif args.command == "put":
+            address = parse(args.address)
+            data = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
+            r = client.put_stream([(address, data)], model=args.model)
+            print(json.dumps({"stored": r.stored, "already_present": r.already_present}) if args.json
+                  else f"{address}: {'stored' if r.stored else 'already present'} ({len(data)} bytes)")
+        elif args.command == "get":
+            address = parse(args.address)
+            found, _ = client.get_stream([address])
+            payload = found[0].payload
+            if args.file == "-":
+                sys.stdout.buffer.write(payload)
+            else:
+                with open(args.file, "wb") as fh:
+                    fh.write(payload)
+                print(f"{address}: {len(payload)} bytes, checksum ok", file=sys.stderr)
+        elif args.command == "rm":
+            r = client.delete([parse(a) for a in args.addresses])
+            print(json.dumps({"deleted": r.deleted, "not_found": r.not_found}) if args.json
+                  else f"deleted {r.deleted}, not found {r.not_found}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvcached.config import ConfigError
+
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "hash":
+            from kvcached_agent.address import chain_digests
+
+            for d in chain_digests(args.tokens, args.block_tokens, model=args.model, dtype=args.dtype,
+                                   namespace=args.namespace):
+                print(d.hex())
+            return 0
+        return _client_command(args)
+    except ConfigError as exc:
+        return _die(2, str(exc))
+    except ValueError as exc:
+        return _die(2, str(exc))
+    except OSError as exc:
+        return _die(1, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+    except Exception as exc:  # grpc errors and checksum mismatches
+        import grpc
+
+        from kvcached.client import ChecksumMismatch
+
+        if isinstance(exc, grpc.RpcError):
+            return _die(1, f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
+        if isinstance(exc, ChecksumMismatch):
+            return _die(1, str(exc))
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

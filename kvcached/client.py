@@ -1,0 +1,154 @@
+"""A small blocking client of the KvCache gRPC API, for the CLI, tests and benchmarks.
+
+Engines do not use this: they use the agent library over the Unix socket and shared memory.
+Every payload fetched is checked against its BLAKE3 checksum before it is returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import blake3
+import grpc
+
+from kvcached.v1 import kvcache_pb2 as pb
+from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
+from kvcached_agent.address import CROSS_LAYER, BlockAddress
+
+__all__ = ["KvCacheClient", "ChecksumMismatch", "to_pb", "STREAM_CHUNK"]
+
+STREAM_CHUNK = 1 << 20
+
+
+class ChecksumMismatch(Exception):
+    """A fetched payload does not match the checksum the daemon sent with it."""
+
+
+def to_pb(address: BlockAddress) -> pb.BlockAddress:
+    if address.layer == CROSS_LAYER:
+        return pb.BlockAddress(digest=address.digest)
+    return pb.BlockAddress(digest=address.digest, layer=address.layer)
+
+
+def _from_pb(msg: pb.BlockAddress) -> BlockAddress:
+    return BlockAddress(msg.digest, msg.layer if msg.HasField("layer") else CROSS_LAYER)
+
+
+def _verified(address: BlockAddress, payload: bytes, checksum: bytes) -> bytes:
+    if blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest() != checksum:
+        raise ChecksumMismatch(f"block {address}: payload does not match its BLAKE3 checksum")
+    return payload
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    address: BlockAddress
+    payload: bytes
+    checksum: bytes
+
+
+class KvCacheClient:
+    """Blocking client. ``target`` uses gRPC syntax: ``unix:PATH`` or ``HOST:PORT``."""
+
+    def __init__(self, target: str, *, max_message_mib: int = 64, timeout: float | None = 60.0) -> None:
+        limit = max_message_mib << 20
+        self.channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        self.stub = pb_grpc.KvCacheStub(self.channel)
+        self.timeout = timeout
+
+    def __enter__(self) -> "KvCacheClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def put(self, blocks: Iterable[tuple[BlockAddress, bytes]], model: str = "") -> pb.PutResponse:
+        request = pb.PutRequest(blocks=[pb.Block(address=to_pb(a), payload=p, model=model) for a, p in blocks])
+        return self.stub.Put(request, timeout=self.timeout)
+
+    def put_stream(self, blocks: Iterable[tuple[BlockAddress, bytes]], model: str = "") -> pb.PutResponse:
+        def chunks() -> Iterator[pb.PutChunk]:
+            for address, payload in blocks:
+                checksum = blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
+                view = memoryview(payload)
+                yield pb.PutChunk(address=to_pb(address), model=model, checksum=checksum,
+                                  total_length=len(payload), data=view[:STREAM_CHUNK].tobytes())
+                for pos in range(STREAM_CHUNK, len(payload), STREAM_CHUNK):
+                    yield pb.PutChunk(data=view[pos:pos + STREAM_CHUNK].tobytes())
+        return self.stub.PutStream(chunks(), timeout=self.timeout)
+
+    def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
+            verify: bool = True) -> tuple[list[Fetched], list[pb.Miss]]:
+        response = self.stub.Get(pb.GetRequest(addresses=[to_pb(a) for a in addresses], allow_partial=allow_partial),
+                                 timeout=self.timeout)
+        out = []
+        for block in response.blocks:
+            address = _from_pb(block.address)
+            payload = _verified(address, block.payload, block.checksum) if verify else block.payload
+            out.append(Fetched(address, payload, block.checksum))
+        return out, list(response.misses)
+
+    def get_stream(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[pb.Miss]]:
+        out: list[Fetched] = []
+        misses: list[pb.Miss] = []
+        head: pb.GetChunk | None = None
+        parts: list[bytes] = []
+
+        def finish() -> None:
+            assert head is not None
+            address = _from_pb(head.address)
+            out.append(Fetched(address, _verified(address, b"".join(parts), head.checksum), head.checksum))
+
+        stream = self.stub.GetStream(pb.GetRequest(addresses=[to_pb(a) for a in addresses], allow_partial=allow_partial),
+                                     timeout=self.timeout)
+        for chunk in stream:
+            if chunk.HasField("miss"):
+                misses.append(chunk.miss)
+                continue
+            if chunk.HasField("address"):
+                if head is not None:
+                    finish()
+                head, parts = chunk, []
+            parts.append(chunk.data)
+        if head is not None:
+            finish()
+        return out, misses
+
+    def lookup(self, digests: Sequence[bytes], layer: int = CROSS_LAYER) -> pb.LookupResponse:
+        request = pb.LookupRequest(digests=list(digests))
+        if layer != CROSS_LAYER:
+            request.layer = layer
+        return self.stub.Lookup(request, timeout=self.timeout)
+
+    def delete(self, addresses: Sequence[BlockAddress]) -> pb.DeleteResponse:
+        return self.stub.Delete(pb.DeleteRequest(addresses=[to_pb(a) for a in addresses]), timeout=self.timeout)
+
+    def stats(self) -> pb.StatsResponse:
+        return self.stub.Stats(pb.StatsRequest(), timeout=self.timeout)
+
+    def list_blocks(self, *, model: str = "", tier: int = pb.TIER_UNSPECIFIED, page_size: int = 1000,
+                    limit: int | None = None) -> Iterator[pb.BlockInfo]:
+        """Every matching record, following page tokens (at most ``limit``)."""
+        token = b""
+        n = 0
+        while True:
+            page = self.stub.ListBlocks(pb.ListBlocksRequest(model=model, tier=tier, page_size=page_size,
+                                                             page_token=token), timeout=self.timeout)
+            for info in page.blocks:
+                yield info
+                n += 1
+                if limit is not None and n >= limit:
+                    return
+            token = page.next_page_token
+            if not token:
+                return

@@ -1,0 +1,384 @@
+"""Daemon configuration: TOML (tomllib) plus ``--set section.key=value`` overrides.
+
+Every key is declared once, below, with its type, default and check; config/kvcached.toml
+documents the same keys (a test keeps the two in step). A wrong key, a wrong type or an
+impossible value raises :class:`ConfigError`, whose text is the one line the CLI prints:
+``config: <section.key>: <what is wrong>``.
+
+Relative paths are relative to the daemon's working directory (``make run`` runs from the
+repository, so state lands under ./var; the systemd unit uses absolute paths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["Config", "ConfigError", "ListenAddress", "load_config", "parse_listen", "parse_duration"]
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration problem, named by its ``section.key``."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"config: {key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+# ---------------------------------------------------------------------------------------------
+# value parsers
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a string such as ``"90s"``, ``"15m"``, ``"24h"``, ``"7d"``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration, got a boolean")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise ValueError(f"expected a duration such as 3600, \"90s\", \"24h\" or \"7d\", got {value!r}")
+    if seconds < 0:
+        raise ValueError(f"a duration cannot be negative, got {value!r}")
+    return seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    """A listener in gRPC's own syntax: ``unix:PATH`` or ``HOST:PORT``."""
+
+    text: str
+    unix_path: str | None = None
+    host: str | None = None
+    port: int | None = None
+
+    @property
+    def is_unix(self) -> bool:
+        return self.unix_path is not None
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.is_unix or self.host in ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def parse_listen(text: str) -> ListenAddress:
+    """Parse ``unix:path``, ``unix:///abs/path``, ``host:port`` or ``[v6]:port``."""
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"expected a listener such as \"unix:var/kvcached.sock\" or \"127.0.0.1:7400\", got {text!r}")
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path:
+            raise ValueError(f"empty Unix socket path in {text!r}")
+        if len(os.fsencode(os.path.abspath(path))) > 107:
+            raise ValueError(f"Unix socket path too long (max 107 bytes): {path!r}")
+        return ListenAddress(text, unix_path=path)
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"expected \"unix:PATH\" or \"HOST:PORT\", got {text!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port out of range 0..65535 in {text!r}")
+    if host.startswith("[") != host.endswith("]"):
+        raise ValueError(f"unbalanced brackets in {text!r}")
+    return ListenAddress(text, host=host, port=port)
+
+
+# ---------------------------------------------------------------------------------------------
+# checks (each raises ValueError with the problem; the loader adds the key)
+
+
+def _positive(v: float) -> None:
+    if v <= 0:
+        raise ValueError(f"must be greater than 0, got {v}")
+
+
+def _non_negative(v: float) -> None:
+    if v < 0:
+        raise ValueError(f"must be 0 or more, got {v}")
+
+
+def _one_of(*choices: str) -> Callable[[str], None]:
+    def check(v: str) -> None:
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {v!r}")
+
+    return check
+
+
+def _listen_list(v: list[str]) -> None:
+    if not v:
+        raise ValueError("needs at least one listener")
+    for item in v:
+        parse_listen(item)
+    if len(set(v)) != len(v):
+        raise ValueError("lists the same listener twice")
+
+
+def _listen_or_empty(v: str) -> None:
+    if v:
+        parse_listen(v)
+
+
+def _host_port_or_empty(v: str) -> None:
+    if v and parse_listen(v).is_unix:
+        raise ValueError(f"must be HOST:PORT (UDP/TCP), not a Unix socket: {v!r}")
+
+
+def _peers(v: list[Any]) -> None:
+    names = set()
+    for i, peer in enumerate(v):
+        if not isinstance(peer, dict) or set(peer) != {"name", "address"}:
+            raise ValueError(f"entry {i} must be a table {{ name = \"...\", address = \"HOST:PORT\" }}, got {peer!r}")
+        if not isinstance(peer["name"], str) or not peer["name"]:
+            raise ValueError(f"entry {i}: name must be a non-empty string")
+        if peer["name"] in names:
+            raise ValueError(f"peer name {peer['name']!r} appears twice")
+        names.add(peer["name"])
+        _host_port_or_empty(peer["address"] if isinstance(peer["address"], str) else "?")
+        if not peer["address"]:
+            raise ValueError(f"entry {i}: address must be HOST:PORT")
+
+
+def _key(doc: str, default: Any, check: Callable[[Any], None] | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
+    meta = {"doc": doc, "check": check, "kind": kind}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+
+
+@dataclass(frozen=True)
+class KvSection:
+    ram_gib: float = _key("Size of the shared-memory RAM arena that holds block bytes, GiB.", 1.0, _positive, (int, float))
+    max_block_mib: float = _key("Largest block payload accepted, MiB; also the arena's slab size.", 16.0, _positive, (int, float))
+    ram_policy: str = _key("Eviction policy of the RAM tier (registry key).", "clock")
+    ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd")
+    ssd_gib: float = _key("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, _non_negative, (int, float))
+    ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", "7d")
+    index_dir: str = _key("RocksDB directory of the persistent block index.", "var/index")
+    mirror_pulls: bool = _key("Keep a local copy of blocks pulled from peers.", True)
+    gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", "1h")
+
+
+@dataclass(frozen=True)
+class GrpcSection:
+    listen: list[str] = _key("gRPC listeners in gRPC syntax: \"unix:PATH\" and/or \"HOST:PORT\".", ["unix:var/kvcached.sock"], _listen_list)
+    max_message_mib: int = _key("Largest gRPC message either way, MiB; bigger payloads use GetStream/PutStream.", 64, None, int)
+    grace_s: float = _key("Seconds in-flight requests get to finish on SIGTERM/SIGINT.", 5.0, _non_negative, (int, float))
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    socket: str = _key("Unix socket of the agent endpoint (engine-side agents).", "var/agent.sock")
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    listen: str = _key("Prometheus /metrics HTTP listener HOST:PORT; \"\" disables it.", "127.0.0.1:9464", _host_port_or_empty)
+
+
+@dataclass(frozen=True)
+class QuicSection:
+    listen: str = _key("QUIC (UDP) listener for peer pulls HOST:PORT; \"\" disables the peer tier.", "", _host_port_or_empty)
+    peers: list[dict[str, str]] = _key("Peer daemons: [{ name = \"node-b\", address = \"HOST:PORT\" }, ...].", [], _peers)
+    ca: str = _key("PEM file of the cluster CA that signs every daemon's certificate.", "")
+    cert: str = _key("PEM certificate of this daemon, signed by the cluster CA.", "")
+    key: str = _key("PEM private key of this daemon's certificate.", "")
+
+
+@dataclass(frozen=True)
+class LogSection:
+    level: str = _key("Log level: debug, info, warning or error.", "info", _one_of("debug", "info", "warning", "error"))
+    format: str = _key("Log format: text (key=value) or json (one object a line).", "text", _one_of("text", "json"))
+
+
+SECTIONS: dict[str, type] = {
+    "kv": KvSection,
+    "grpc": GrpcSection,
+    "agent": AgentSection,
+    "metrics": MetricsSection,
+    "quic": QuicSection,
+    "log": LogSection,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    kv: KvSection = field(default_factory=KvSection)
+    grpc: GrpcSection = field(default_factory=GrpcSection)
+    agent: AgentSection = field(default_factory=AgentSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    quic: QuicSection = field(default_factory=QuicSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    @property
+    def ram_bytes(self) -> int:
+        return int(self.kv.ram_gib * GIB)
+
+    @property
+    def max_block_bytes(self) -> int:
+        return int(self.kv.max_block_mib * MIB)
+
+    @property
+    def listeners(self) -> list[ListenAddress]:
+        return [parse_listen(x) for x in self.grpc.listen]
+
+
+def documented_keys() -> dict[str, dict[str, tuple[str, Any]]]:
+    """``{section: {key: (doc, default)}}`` for every key, for docs and the doc-sync test."""
+    out: dict[str, dict[str, tuple[str, Any]]] = {}
+    for name, cls in SECTIONS.items():
+        defaults = cls()
+        out[name] = {f.name: (f.metadata["doc"], getattr(defaults, f.name)) for f in dataclasses.fields(cls)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _type_name(value: object) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a table"}.get(
+        type(value), type(value).__name__)
+
+
+def _unknown(kind: str, name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {kind}{hint}; known: {', '.join(known)}"
+
+
+def _coerce(section: str, f: dataclasses.Field[Any], value: Any) -> Any:
+    key = f"{section}.{f.name}"
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    kind = f.metadata["kind"] or type(default)
+    if f.name.endswith("_ttl"):
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            raise ConfigError(key, str(exc)) from None
+    # bool is an int in Python; never accept one for the other.
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        want = {bool: "a boolean", int: "an integer", str: "a string", list: "a list"}.get(kind, "a number")  # type: ignore[call-overload]
+        raise ConfigError(key, f"expected {want}, got {_type_name(value)} {value!r}")
+    if kind is list and f.name == "listen" and not all(isinstance(x, str) for x in value):
+        raise ConfigError(key, f"expected a list of strings, got {value!r}")
+    check = f.metadata["check"]
+    if check is not None:
+        try:
+            check(value)
+        except ValueError as exc:
+            raise ConfigError(key, str(exc)) from None
+    return float(value) if kind == (int, float) else value
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    name, sep, raw = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(name.strip() or item, "--set expects section.key=value, e.g. --set kv.ram_gib=2")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as var/ssd: take it as a string; the type check still applies
+    return section, key, value
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (),
+                *, total_memory: int | None = None) -> Config:
+    """Read ``path`` (None: defaults only), apply ``overrides``, check everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            with p.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(str(p), "no such file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(str(p), f"not valid TOML: {exc}") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ConfigError(section, "must be a table")
+        data[section][key] = value
+    sections: dict[str, Any] = {}
+    for section, table in data.items():
+        cls = SECTIONS.get(section)
+        if cls is None:
+            raise ConfigError(section, _unknown("section", section, list(SECTIONS)))
+        if not isinstance(table, dict):
+            raise ConfigError(section, f"must be a table [{section}], got {_type_name(table)}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in table.items():
+            if key not in fields:
+                raise ConfigError(f"{section}.{key}", _unknown("key", key, list(fields)))
+            values[key] = _coerce(section, fields[key], value)
+        sections[section] = cls(**values)
+    for section, cls in SECTIONS.items():
+        if section not in sections:
+            defaults = cls()
+            # defaults pass through the same coercion (durations given as strings)
+            sections[section] = cls(**{f.name: _coerce(section, f, getattr(defaults, f.name)) for f in dataclasses.fields(cls)})
+    config = Config(**sections)
+    _check_whole(config, total_memory)
+    return config
+
+
+def _check_whole(config: Config, total_memory: int | None) -> None:
+    """Checks that relate several keys or the machine."""
+    kv = config.kv
+    if total_memory is None:
+        total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if config.ram_bytes >= total_memory:
+        raise ConfigError("kv.ram_gib", f"{kv.ram_gib} GiB is more than this machine's memory ({total_memory / GIB:.1f} GiB)")
+    if config.max_block_bytes < 4096:
+        raise ConfigError("kv.max_block_mib", "must be at least 4 KiB (0.00390625)")
+    if config.max_block_bytes > config.ram_bytes:
+        raise ConfigError("kv.max_block_mib", f"{kv.max_block_mib} MiB does not fit in kv.ram_gib = {kv.ram_gib}")
+    if not 1 <= config.grpc.max_message_mib <= 2047:
+        raise ConfigError("grpc.max_message_mib", f"must be in 1..2047 (gRPC's limit is 2 GiB), got {config.grpc.max_message_mib}")
+    from kvcached.policies import EVICTION_POLICIES  # late: policies import nothing from here
+
+    if kv.ram_policy not in EVICTION_POLICIES:
+        raise ConfigError("kv.ram_policy", f"unknown policy {kv.ram_policy!r}; known: {', '.join(sorted(EVICTION_POLICIES))}")
+    quic = config.quic
+    if quic.listen or quic.peers:
+        for name in ("ca", "cert", "key"):
+            value = getattr(quic, name)
+            if not value:
+                raise ConfigError(f"quic.{name}", "required when quic.listen or quic.peers is set")
+            if not os.path.isfile(value):
+                raise ConfigError(f"quic.{name}", f"no such file: {value}")
+            if not os.access(value, os.R_OK):
+                raise ConfigError(f"quic.{name}", f"not readable: {value}")
+    unix_paths = [a.unix_path for a in config.listeners if a.unix_path]
+    if config.agent.socket in unix_paths:
+        raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")
+
+
+def as_mapping(config: Config) -> Mapping[str, Mapping[str, Any]]:
+    """The effective configuration as plain data (for logs and `kvcached serve --print-config`)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,230 @@
+"""The daemon process: wires config, index, tiers, store and listeners; runs until a signal.
+
+Start-up order: state directories, a check that no other daemon owns our sockets or index,
+the index (with its boot reconcile), the RAM arena, the gRPC listeners (KvCache, health,
+reflection), metrics, background maintenance. Shutdown on SIGTERM or SIGINT: health goes
+NOT_SERVING, listeners stop accepting, in-flight calls get ``grpc.grace_s`` to finish, then
+last-seen times are flushed and the index is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvcached import __version__
+from kvcached.api.grpc_service import KvCacheService
+from kvcached.config import Config, ListenAddress
+from kvcached.index import BlockIndex
+from kvcached.logs import fields
+from kvcached.metrics import start_metrics
+from kvcached.policies import make_eviction_policy
+from kvcached.store import Store
+from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.ram import RamTier
+from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+__all__ = ["Daemon", "StartupError", "serve"]
+
+log = logging.getLogger("kvcached.daemon")
+
+SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KvCache"].full_name
+MAINTENANCE_PERIOD_S = 5.0
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why in one line."""
+
+
+def claim_unix_socket(path: str) -> None:
+    """Make ``path`` free for a new listener: refuse if a live server answers on it, remove a
+    stale socket file left by a crash, refuse to clobber anything that is not a socket."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if not os.path.lexists(path):
+        return
+    import stat
+
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)     # stale: nobody listens
+    else:
+        raise StartupError(f"{path} is in use by a running process (another kvcached?); refusing to start")
+    finally:
+        probe.close()
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.started_at = time.time()
+        self.index: BlockIndex | None = None
+        self.arena: SharedArena | None = None
+        self.store: Store | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health: Any = None
+        self._metrics_server: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._own_sockets: list[str] = []   # Unix sockets this process bound (and removes)
+        self._stop = asyncio.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        listeners = cfg.listeners
+        for address in listeners:
+            if address.unix_path:
+                claim_unix_socket(address.unix_path)
+            elif not address.is_loopback:
+                log.warning("plaintext gRPC on a non-loopback address", extra=fields(listen=address.text))
+        self.index = self._open_index()
+        self.arena = SharedArena(cfg.ram_bytes)
+        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(cfg.kv.ram_policy))
+        self.store = Store(ram, self.index, gone_ttl=cfg.kv.gone_ttl)
+        await self._start_grpc(listeners)
+        if cfg.metrics.listen:
+            try:
+                self._metrics_server = start_metrics(cfg.metrics.listen, self.store)
+            except OSError as exc:
+                raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
+            log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))
+        self._tasks.append(asyncio.create_task(self._maintenance(), name="maintenance"))
+        log.info("ready", extra=fields(version=__version__, ram_bytes=ram.capacity, pid=os.getpid(),
+                                       startup_s=round(time.time() - self.started_at, 3)))
+
+    def _open_index(self) -> BlockIndex:
+        from kvcached.index import IndexError_
+
+        cfg = self.config
+        try:
+            index = BlockIndex(cfg.kv.index_dir)
+        except IndexError_ as exc:
+            raise StartupError(str(exc)) from None
+        estimate = index.count_estimate()
+        t0 = time.monotonic()
+
+        def progress(seen: int) -> None:
+            log.info("reconciling index", extra=fields(seen=seen, of_about=estimate,
+                                                       elapsed_s=round(time.monotonic() - t0, 1)))
+
+        counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000)
+        if counts["seen"]:
+            log.info("index reconciled", extra=fields(**counts, elapsed_s=round(time.monotonic() - t0, 3)))
+        return index
+
+    async def _start_grpc(self, listeners: list[ListenAddress]) -> None:
+        assert self.store is not None
+        limit = self.config.grpc.max_message_mib << 20
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ])
+        kvcache_pb2_grpc.add_KvCacheServicer_to_server(
+            KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at), server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        for address in listeners:
+            try:
+                port = server.add_insecure_port(address.text)
+            except RuntimeError as exc:
+                raise StartupError(f"grpc.listen {address.text}: cannot listen ({exc})") from None
+            if address.unix_path is None and port == 0:
+                raise StartupError(f"grpc.listen {address.text}: cannot listen (address in use?)")
+            log.info("grpc listening", extra=fields(listen=address.text if address.unix_path else f"{address.host}:{port}"))
+        await server.start()
+        self._own_sockets = [a.unix_path for a in listeners if a.unix_path]
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.server = server
+
+    async def _maintenance(self) -> None:
+        """About every few seconds: flush last-seen times; now and then prune old tombstones."""
+        assert self.store is not None and self.index is not None
+        store, index, ttl = self.store, self.index, self.config.kv.gone_ttl
+        next_prune = time.time() + min(ttl / 2, 600)
+        while True:
+            await asyncio.sleep(MAINTENANCE_PERIOD_S)
+            try:
+                store.flush_last_seen()
+                if time.time() >= next_prune:
+                    keys = await asyncio.to_thread(index.expired_tombstones, time.time(), ttl)
+                    if keys:
+                        n = index.delete_expired(keys, time.time(), ttl)
+                        log.info("pruned tombstones", extra=fields(count=n))
+                    next_prune = time.time() + min(ttl / 2, 600)
+            except Exception:
+                log.exception("maintenance failed; will retry")
+
+    def request_stop(self, signame: str = "") -> None:
+        if not self._stop.is_set():
+            log.info("stopping", extra=fields(signal=signame))
+            self._stop.set()
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, stop cleanly."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        try:
+            await self.start()
+            await self._stop.wait()
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(self.config.grpc.grace_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self.store is not None:
+            self.store.flush_last_seen()
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        for path in self._own_sockets:
+            if os.path.lexists(path):
+                os.unlink(path)
+        log.info("stopped", extra=fields(uptime_s=round(time.time() - self.started_at, 1)))
+
+
+def serve(config: Config) -> int:
+    """Run the daemon in this process on uvloop; returns the exit code."""
+    import uvloop
+
+    async def main() -> None:
+        await Daemon(config).run()
+
+    try:
+        uvloop.run(main())
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0

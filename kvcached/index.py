@@ -1,0 +1,230 @@
+"""The persistent block index: RocksDB (rocksdict, raw mode) at ``kv.index_dir``.
+
+The index is the source of truth for block metadata; tiers hold only bytes. One record per
+stored block, keyed by the 32-byte index key (kvcached_agent.address.index_key), in the column
+family ``blocks``; the ``meta`` family holds the schema version. Later issues add families
+(peers, policy state) beside them.
+
+A record whose tier set is empty is a *tombstone*: the bytes are gone (evicted, or lost when
+the daemon restarted and they lived only in RAM), the metadata stays for ``kv.gone_ttl`` so a
+Get can say why it misses, and a later fetch from a peer can still be checked against the
+stored checksum.
+
+Record layout (little-endian, version 1)::
+
+    u8 version | u8 tiers | u8 gone_reason | u8 pad | u32 layer | u64 nbytes |
+    f64 created | f64 last_seen | f64 gone_at | 32 B checksum | 32 B digest | model (UTF-8, rest)
+
+Writes go through the WAL without fsync: a daemon crash loses nothing the OS has; a power loss
+may lose the last writes, which only ever name bytes that lived in RAM and are gone anyway.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Iterator
+
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+
+__all__ = ["BlockIndex", "BlockRecord", "Tier", "GoneReason", "IndexError_"]
+
+log = logging.getLogger("kvcached.index")
+
+SCHEMA_VERSION = 1
+_RECORD = struct.Struct("<BBBxIQddd32s32s")
+_FAMILIES = ("blocks", "meta")
+
+
+class Tier(enum.IntFlag):
+    """Where a block's bytes are (a set: a block can be in several tiers at once)."""
+
+    NONE = 0
+    RAM = 1
+    SSD = 2
+
+
+class GoneReason(enum.IntEnum):
+    NONE = 0
+    EVICTED = 1           # dropped from the last tier that held it
+    LOST_AT_RESTART = 2   # lived only in RAM when the daemon stopped
+
+    @property
+    def text(self) -> str:
+        return {0: "present", 1: "evicted", 2: "lost at restart (it lived only in RAM)"}[self.value]
+
+
+class IndexError_(Exception):
+    """The index cannot be opened or used (locked by another daemon, corrupt, wrong version)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    digest: bytes
+    layer: int
+    model: str
+    nbytes: int
+    checksum: bytes
+    created: float
+    last_seen: float
+    tiers: Tier = Tier.RAM
+    gone_reason: GoneReason = GoneReason.NONE
+    gone_at: float = 0.0
+
+    @property
+    def present(self) -> bool:
+        return self.tiers != Tier.NONE
+
+    def encode(self) -> bytes:
+        return _RECORD.pack(SCHEMA_VERSION, int(self.tiers), int(self.gone_reason), self.layer, self.nbytes,
+                            self.created, self.last_seen, self.gone_at, self.checksum, self.digest) + self.model.encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "BlockRecord":
+        if len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION:
+            raise ValueError(f"index record of {len(raw)} bytes, version {raw[:1].hex() or '?'} is not readable")
+        (_, tiers, reason, layer, nbytes, created, last_seen, gone_at, checksum, digest) = _RECORD.unpack_from(raw)
+        return cls(digest, layer, raw[_RECORD.size:].decode(), nbytes, checksum, created, last_seen,
+                   Tier(tiers), GoneReason(reason), gone_at)
+
+    def gone(self, reason: GoneReason, now: float) -> "BlockRecord":
+        return replace(self, tiers=Tier.NONE, gone_reason=reason, gone_at=now)
+
+
+class BlockIndex:
+    """Block metadata on disk. Not thread-safe: one owner (the store) calls it."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.create_missing_column_families(True)
+        try:
+            self._db = Rdict(self.path, opts, column_families={n: Options(raw_mode=True) for n in _FAMILIES})
+        except Exception as exc:  # rocksdict raises plain Exception
+            text = str(exc)
+            if "lock" in text.lower():
+                raise IndexError_(f"index {self.path} is in use by another process (is another kvcached running?): {text}") from None
+            raise IndexError_(f"cannot open index {self.path}: {text}") from None
+        self._blocks = self._db.get_column_family("blocks")
+        self._blocks_handle = self._db.get_column_family_handle("blocks")
+        meta = self._db.get_column_family("meta")
+        version = meta.get(b"schema_version")
+        if version is None:
+            meta[b"schema_version"] = struct.pack("<I", SCHEMA_VERSION)
+        elif struct.unpack("<I", version)[0] != SCHEMA_VERSION:
+            raise IndexError_(f"index {self.path} has schema version {struct.unpack('<I', version)[0]}, "
+                              f"this kvcached reads {SCHEMA_VERSION}")
+        del meta
+        self._write_opts = WriteOptions()
+
+    # -- point operations ---------------------------------------------------------------------
+
+    def get(self, key: bytes) -> BlockRecord | None:
+        raw = self._blocks.get(key)
+        return None if raw is None else BlockRecord.decode(raw)
+
+    def get_many(self, keys: list[bytes]) -> list[BlockRecord | None]:
+        return [None if raw is None else BlockRecord.decode(raw) for raw in self._blocks[keys]]
+
+    def write(self, puts: Iterable[tuple[bytes, BlockRecord]] = (), deletes: Iterable[bytes] = ()) -> None:
+        """Apply puts and deletes atomically (one WriteBatch)."""
+        batch = WriteBatch(raw_mode=True)
+        batch.set_default_column_family(self._blocks_handle)
+        n = 0
+        for key, record in puts:
+            batch.put(key, record.encode())
+            n += 1
+        for key in deletes:
+            batch.delete(key)
+            n += 1
+        if n:
+            self._db.write(batch, self._write_opts)
+
+    # -- scans --------------------------------------------------------------------------------
+
+    def scan(self, start_after: bytes | None = None) -> Iterator[tuple[bytes, BlockRecord]]:
+        """Every record in key order, optionally starting after ``start_after``."""
+        it = self._blocks.iter()
+        if start_after is None:
+            it.seek_to_first()
+        else:
+            it.seek(start_after)
+            if it.valid() and it.key() == start_after:
+                it.next()
+        while it.valid():
+            yield it.key(), BlockRecord.decode(it.value())
+            it.next()
+
+    def count_estimate(self) -> int:
+        return self._blocks.property_int_value("rocksdb.estimate-num-keys") or 0
+
+    def reconcile_at_boot(self, now: float, gone_ttl: float,
+                          progress: Callable[[int], None] | None = None, batch: int = 10_000) -> dict[str, int]:
+        """Make the index true after a (re)start; returns counts.
+
+        RAM held only bytes, and they are gone now: records whose only tier was RAM become
+        tombstones (reason: lost at restart). Tombstones older than ``gone_ttl`` are deleted.
+        Unreadable records are deleted. ``progress(seen)`` is called every ``batch`` records.
+        """
+        counts = {"seen": 0, "kept": 0, "lost_at_restart": 0, "pruned": 0, "unreadable": 0}
+        puts: list[tuple[bytes, BlockRecord]] = []
+        deletes: list[bytes] = []
+        it = self._blocks.iter()
+        it.seek_to_first()
+        while it.valid():
+            key = it.key()
+            counts["seen"] += 1
+            try:
+                record = BlockRecord.decode(it.value())
+            except (ValueError, UnicodeDecodeError):
+                deletes.append(key)
+                counts["unreadable"] += 1
+            else:
+                if record.tiers & Tier.RAM:
+                    rest = record.tiers & ~Tier.RAM
+                    if rest:
+                        puts.append((key, replace(record, tiers=rest)))
+                        counts["kept"] += 1
+                    else:
+                        puts.append((key, record.gone(GoneReason.LOST_AT_RESTART, now)))
+                        counts["lost_at_restart"] += 1
+                elif not record.present and now - record.gone_at > gone_ttl:
+                    deletes.append(key)
+                    counts["pruned"] += 1
+                else:
+                    counts["kept"] += 1
+            if len(puts) + len(deletes) >= batch:
+                self.write(puts, deletes)
+                puts, deletes = [], []
+            if progress is not None and counts["seen"] % batch == 0:
+                progress(counts["seen"])
+            it.next()
+        del it
+        self.write(puts, deletes)
+        return counts
+
+    def expired_tombstones(self, now: float, gone_ttl: float) -> list[bytes]:
+        """Keys of tombstones older than ``gone_ttl``. Read-only: safe from a worker thread."""
+        return [key for key, rec in self.scan() if not rec.present and now - rec.gone_at > gone_ttl]
+
+    def delete_expired(self, keys: list[bytes], now: float, gone_ttl: float) -> int:
+        """Delete those of ``keys`` that are still expired tombstones (a block may have come
+        back since they were found); returns how many. Call from the index's owner."""
+        doomed = [key for key, rec in zip(keys, self.get_many(keys))
+                  if rec is not None and not rec.present and now - rec.gone_at > gone_ttl]
+        self.write(deletes=doomed)
+        return len(doomed)
+
+    def close(self) -> None:
+        """Flush and close; the object is unusable afterwards."""
+        del self._blocks, self._blocks_handle
+        try:
+            self._db.flush()
+        finally:
+            self._db.close()

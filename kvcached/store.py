@@ -1,0 +1,311 @@
+"""The store: one place that puts, finds, fetches and deletes blocks across tiers and the index.
+
+APIs (gRPC now; the agent socket and peers later) call the store and translate its errors
+(kvcached.errors). Everything here runs on the event loop thread; the clock is passed in so
+tests move time by hand.
+
+Lookup follows SGLang's batch_exists: count from the first digest and stop at the first miss,
+per tier and across all tiers. Tiers that this build does not have yet (gpu view, ssd, peer)
+answer zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import blake3
+
+from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
+from kvcached.tiers.ram import BlockBusy, RamBlock, RamFull, RamTier
+from kvcached_agent.address import DIGEST_BYTES, BlockAddress, index_key
+
+__all__ = ["Store", "PutItem", "Fetched", "Miss", "LookupResult", "payload_checksum"]
+
+log = logging.getLogger("kvcached.store")
+
+_PARALLEL_HASH_BYTES = 1 << 20   # from here on BLAKE3 uses every core
+
+
+def payload_checksum(payload: bytes | memoryview) -> bytes:
+    """The BLAKE3-256 checksum of a block payload."""
+    if len(payload) >= _PARALLEL_HASH_BYTES:
+        return blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
+    return blake3.blake3(payload).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    address: BlockAddress
+    payload: bytes | memoryview
+    model: str = ""
+    checksum: bytes = b""      # empty: the daemon computes it; else it must match
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    address: BlockAddress
+    payload: bytes
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    address: BlockAddress
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Longest-prefix hit counts: per tier, and ``longest`` where each block is in some tier."""
+
+    longest: int
+    ram: int
+    ssd: int = 0
+    gpu: int = 0
+    peer: int = 0
+
+
+@dataclass(slots=True)
+class Counters:
+    puts: int = 0
+    put_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0
+    lookups: int = 0
+    deletes: int = 0
+
+
+@dataclass(slots=True)
+class PutResult:
+    stored: int = 0
+    present: int = 0
+
+
+class Store:
+    def __init__(self, ram: RamTier, index: BlockIndex, *, gone_ttl: float = 3600.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.ram = ram
+        self.index = index
+        self.gone_ttl = gone_ttl
+        self.clock = clock
+        self.counters = Counters()
+        self._touched: set[bytes] = set()
+        ram.on_evict = self._on_ram_evict
+
+    # -- put ----------------------------------------------------------------------------------
+
+    def put(self, items: Sequence[PutItem]) -> PutResult:
+        """Store a batch. Every item is checked before any is stored, so a bad item stores
+        nothing. Blocks already present count as ``present``. If the RAM tier fills with blocks
+        in use, the blocks stored so far stay and ResourceExhausted says how many."""
+        checksums = [self._check_put(i, item) for i, item in enumerate(items)]
+        now = self.clock()
+        result = PutResult()
+        records: list[tuple[bytes, BlockRecord]] = []
+        try:
+            for item, checksum in zip(items, checksums):
+                key = item.address.key
+                if key in self.ram:
+                    result.present += 1
+                    self._touched.add(key)
+                    continue
+                try:
+                    block = self.ram.reserve(key, len(item.payload), checksum)
+                except RamFull as exc:
+                    raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {exc}") from None
+                except ValueError:   # same key twice in this batch and still being written
+                    result.present += 1
+                    continue
+                self.ram.write(block, item.payload)
+                self.ram.commit(block)
+                records.append((key, BlockRecord(item.address.digest, item.address.layer, item.model,
+                                                 len(item.payload), checksum, now, now, Tier.RAM)))
+                result.stored += 1
+                self.counters.puts += 1
+                self.counters.put_bytes += len(item.payload)
+        finally:
+            self.index.write(records)
+        return result
+
+    def _check_put(self, i: int, item: PutItem) -> bytes:
+        n = len(item.payload)
+        if n == 0:
+            raise InvalidArgument(f"block {i} ({item.address}): empty payload")
+        if n > self.ram.max_block_bytes:
+            raise InvalidArgument(f"block {i} ({item.address}): payload of {n} bytes is over the "
+                                  f"limit of {self.ram.max_block_bytes} bytes (kv.max_block_mib)")
+        if item.checksum and len(item.checksum) != DIGEST_BYTES:
+            raise InvalidArgument(f"block {i} ({item.address}): checksum must be {DIGEST_BYTES} bytes "
+                                  f"(BLAKE3-256), got {len(item.checksum)}")
+        checksum = payload_checksum(item.payload)
+        if item.checksum and item.checksum != checksum:
+            raise DataLoss(f"block {i} ({item.address}): payload does not match its BLAKE3 checksum "
+                           "(damaged on the way?); nothing was stored")
+        return checksum
+
+    # -- get ----------------------------------------------------------------------------------
+
+    def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
+        """Fetch a batch. Without ``allow_partial`` any miss raises NotFound naming it."""
+        found: list[Fetched] = []
+        misses: list[Miss] = []
+        for address in addresses:
+            key = address.key
+            block = self.ram.get(key)
+            if block is None:
+                misses.append(Miss(address, self.miss_reason(address)))
+                continue
+            found.append(Fetched(address, self.ram.read(block), block.checksum))
+            self._touched.add(key)
+        self.counters.hits += len(found)
+        self.counters.misses += len(misses)
+        self.counters.hit_bytes += sum(len(f.payload) for f in found)
+        if misses and not allow_partial:
+            first = misses[0]
+            more = f" (and {len(misses) - 1} more of {len(addresses)})" if len(misses) > 1 else ""
+            raise NotFound(f"block {first.address}: {first.reason}{more}")
+        return found, misses
+
+    def pin(self, address: BlockAddress) -> RamBlock | None:
+        """Pin a resident block for a reader that copies out of the arena itself (streaming,
+        agents); None if absent. Pair with :meth:`unpin`."""
+        block = self.ram.get(address.key)
+        if block is not None:
+            self.ram.pin(block)
+            self._touched.add(block.key)
+        return block
+
+    def unpin(self, block: RamBlock) -> None:
+        self.ram.unpin(block)
+
+    def require_resident(self, addresses: Sequence[BlockAddress]) -> None:
+        """Raise NotFound for the first block that is not resident (checks only, fetches nothing)."""
+        for address in addresses:
+            if self.ram.get(address.key) is None:
+                self.counters.misses += 1
+                raise NotFound(f"block {address}: {self.miss_reason(address)}")
+
+    def miss_reason(self, address: BlockAddress) -> str:
+        """Why ``address`` is not here, in words."""
+        record = self.index.get(address.key)
+        if record is None:
+            return "unknown block"
+        if not record.present:
+            return f"{record.gone_reason.text}; its metadata is kept until {self.gone_ttl:.0f} s after it went"
+        return "not resident in any tier this daemon has"
+
+    # -- lookup -------------------------------------------------------------------------------
+
+    def lookup(self, digests: Sequence[bytes], layer: int) -> LookupResult:
+        self.counters.lookups += 1
+        ram = 0
+        for digest in digests:
+            if len(digest) != DIGEST_BYTES:
+                raise InvalidArgument(f"digest {ram} is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
+            if index_key(digest, layer) not in self.ram:
+                break
+            ram += 1
+        return LookupResult(longest=ram, ram=ram)
+
+    # -- delete -------------------------------------------------------------------------------
+
+    def delete(self, addresses: Sequence[BlockAddress]) -> tuple[int, int]:
+        """Remove blocks from every tier and the index; returns (deleted, not_found).
+        A block being read or written raises FailedPrecondition and nothing is deleted."""
+        keys = [a.key for a in addresses]
+        for address, key in zip(addresses, keys):
+            busy = self.ram.busy_reason(key)
+            if busy is not None:
+                raise FailedPrecondition(f"block {address} is in use ({busy}); nothing was deleted")
+        records = self.index.get_many(keys)
+        deleted = 0
+        for key, record in zip(keys, records):
+            try:
+                in_ram = self.ram.delete(key)
+            except BlockBusy as exc:  # pragma: no cover - checked above, same thread
+                raise FailedPrecondition(str(exc)) from None
+            if in_ram or (record is not None and record.present):
+                deleted += 1
+        self.index.write(deletes=[k for k, r in zip(keys, records) if r is not None])
+        self.counters.deletes += deleted
+        return deleted, len(keys) - deleted
+
+    # -- listing and stats --------------------------------------------------------------------
+
+    def list_blocks(self, *, model: str = "", tier: str = "", page_token: bytes = b"",
+                    page_size: int = 100, max_scan: int = 100_000) -> tuple[list[BlockRecord], bytes]:
+        """A page of index records in key order, filtered by model and tier
+        (``ram``, ``ssd``, ``gone`` or empty for all). The token continues the listing;
+        an empty token means the end."""
+        if page_token and len(page_token) != DIGEST_BYTES:
+            raise InvalidArgument("page_token is not one this daemon returned")
+        want = {"": None, "ram": Tier.RAM, "ssd": Tier.SSD, "gone": Tier.NONE}
+        if tier not in want:
+            raise InvalidArgument(f"tier must be one of ram, ssd, gone or empty; got {tier!r}")
+        page_size = max(1, min(page_size or 100, 1000))
+        out: list[BlockRecord] = []
+        last = b""
+        scanned = 0
+        for key, record in self.index.scan(page_token or None):
+            last = key
+            scanned += 1
+            if (not model or record.model == model) and _tier_matches(record, want[tier]):
+                out.append(record)
+                if len(out) == page_size:
+                    break
+            if scanned >= max_scan:
+                break
+        else:
+            return out, b""
+        return out, last
+
+    def stats(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "ram_blocks": len(self.ram),
+            "ram_bytes": self.ram.used_bytes,
+            "ram_reserved_bytes": self.ram.slabs.reserved_bytes,
+            "ram_capacity_bytes": self.ram.capacity,
+            "ram_evictions": self.ram.evictions,
+            "index_entries": self.index.count_estimate(),
+            "puts": c.puts, "put_bytes": c.put_bytes, "hits": c.hits, "misses": c.misses,
+            "hit_bytes": c.hit_bytes, "lookups": c.lookups, "deletes": c.deletes,
+        }
+
+    # -- maintenance --------------------------------------------------------------------------
+
+    def _on_ram_evict(self, blocks: list[RamBlock]) -> None:
+        now = self.clock()
+        keys = [b.key for b in blocks]
+        puts = []
+        for key, record in zip(keys, self.index.get_many(keys)):
+            self._touched.discard(key)
+            if record is None:
+                continue
+            rest = record.tiers & ~Tier.RAM
+            puts.append((key, replace(record, tiers=rest) if rest else record.gone(GoneReason.EVICTED, now)))
+        self.index.write(puts)
+
+    def flush_last_seen(self) -> int:
+        """Write the last-seen time of blocks used since the previous flush (batched, off the
+        hot path); returns how many records were updated."""
+        if not self._touched:
+            return 0
+        keys, self._touched = list(self._touched), set()
+        now = self.clock()
+        puts = [(k, replace(r, last_seen=now)) for k, r in zip(keys, self.index.get_many(keys)) if r is not None and r.present]
+        self.index.write(puts)
+        return len(puts)
+
+
+def _tier_matches(record: BlockRecord, tier: Tier | None) -> bool:
+    if tier is None:
+        return True
+    if tier == Tier.NONE:
+        return not record.present
+    return bool(record.tiers & tier)

@@ -1,0 +1,191 @@
+"""RAM tier: block bytes in the shared arena, block states, eviction within the byte budget.
+
+Contract (the rules of DESIGN.md, enforced here):
+
+- Every block has a state: ``refs == WRITING`` (-1) while its bytes are being written,
+  ``0`` when idle, ``n > 0`` while n readers hold it. Only idle blocks are ever evicted or
+  deleted; only committed blocks are visible to :meth:`get`.
+- The arena is the budget: slots are carved from it, so resident bytes can never exceed
+  ``kv.ram_gib``. When a class has no free slot, the policy's candidates are tried in order; the
+  first idle one of the same class frees its slot, or, if a candidate sits in another class's
+  slab whose blocks are all idle, that whole slab is emptied and changes class. If no candidate
+  works, :class:`RamFull` is raised and nothing was evicted.
+- Evicted blocks are handed to ``on_evict`` (the store keeps their metadata in the index).
+
+Runs on the event loop thread only; no locks, no I/O besides memcpy into the arena.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kvcached.policies import EvictionPolicy
+from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.slabs import SlabAllocator
+
+__all__ = ["RamBlock", "RamFull", "BlockBusy", "RamTier", "WRITING"]
+
+WRITING = -1
+
+
+class RamFull(Exception):
+    """No room can be made without evicting a block that is in use."""
+
+
+class BlockBusy(Exception):
+    """The block is being written or read; it cannot be removed now."""
+
+
+@dataclass(slots=True, eq=False)
+class RamBlock:
+    key: bytes
+    slot: int
+    offset: int
+    length: int
+    checksum: bytes
+    refs: int = WRITING
+
+
+class RamTier:
+    def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy,
+                 on_evict: Callable[[list[RamBlock]], None] = lambda blocks: None) -> None:
+        self.arena = arena
+        self.slabs = SlabAllocator(arena.size, slab_bytes)
+        self.policy = policy
+        self.on_evict = on_evict
+        self._blocks: dict[bytes, RamBlock] = {}
+        self._by_slot: dict[int, RamBlock] = {}
+        self.used_bytes = 0          # payload bytes of committed and in-flight blocks
+        self.evictions = 0
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.slabs.capacity
+
+    @property
+    def max_block_bytes(self) -> int:
+        return self.slabs.slab_bytes
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: bytes) -> bool:
+        block = self._blocks.get(key)
+        return block is not None and block.refs != WRITING
+
+    def get(self, key: bytes) -> RamBlock | None:
+        """The committed block under ``key``, or None (absent or still being written)."""
+        block = self._blocks.get(key)
+        if block is None or block.refs == WRITING:
+            return None
+        return block
+
+    def busy_reason(self, key: bytes) -> str | None:
+        """Why ``key`` cannot be removed now (None: absent or idle)."""
+        block = self._blocks.get(key)
+        if block is None or block.refs == 0:
+            return None
+        return "being written" if block.refs == WRITING else f"{block.refs} readers"
+
+    def blocks(self) -> Iterable[RamBlock]:
+        return self._blocks.values()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def reserve(self, key: bytes, length: int, checksum: bytes) -> RamBlock:
+        """A slot for ``length`` bytes under ``key``, in state WRITING.
+
+        Raises ValueError for a size outside 1..max_block_bytes or a key already present,
+        RamFull when no room can be made.
+        """
+        if key in self._blocks:
+            raise ValueError("block already present")
+        cls = self.slabs.class_for(length)
+        slot = self.slabs.allocate(cls)
+        if slot is None:
+            self._make_room(cls)
+            slot = self.slabs.allocate(cls)
+            assert slot is not None, "room was made but allocation failed"
+        block = RamBlock(key, slot, self.slabs.offset(slot), length, checksum)
+        self._blocks[key] = block
+        self._by_slot[slot] = block
+        self.used_bytes += length
+        return block
+
+    def write(self, block: RamBlock, data: bytes | memoryview) -> None:
+        if block.refs != WRITING or len(data) != block.length:
+            raise ValueError("block is not reserved for writing this many bytes")
+        self.arena.write(block.offset, data)
+
+    def commit(self, block: RamBlock) -> None:
+        """WRITING -> idle: the block becomes visible and evictable."""
+        if block.refs != WRITING:
+            raise ValueError("block is not being written")
+        block.refs = 0
+        self.policy.insert(block.key)
+
+    def abort(self, block: RamBlock) -> None:
+        """Give back a reserved slot whose write failed."""
+        if block.refs != WRITING:
+            raise ValueError("block is not being written")
+        self._drop(block)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def read(self, block: RamBlock) -> bytes:
+        self.policy.touch(block.key)
+        return self.arena.read(block.offset, block.length)
+
+    def pin(self, block: RamBlock) -> None:
+        if block.refs == WRITING:
+            raise BlockBusy("block is being written")
+        block.refs += 1
+        self.policy.touch(block.key)
+
+    def unpin(self, block: RamBlock) -> None:
+        if block.refs <= 0:
+            raise ValueError("block is not pinned")
+        block.refs -= 1
+
+    # -- removal ------------------------------------------------------------------------------
+
+    def delete(self, key: bytes) -> bool:
+        """Remove an idle block. False if absent; BlockBusy if being written or read."""
+        block = self._blocks.get(key)
+        if block is None:
+            return False
+        if block.refs != 0:
+            raise BlockBusy("block is being written" if block.refs == WRITING else f"block has {block.refs} readers")
+        self._drop(block)
+        return True
+
+    def _drop(self, block: RamBlock) -> None:
+        del self._blocks[block.key]
+        del self._by_slot[block.slot]
+        self.policy.remove(block.key)
+        self.slabs.free(block.slot)
+        self.used_bytes -= block.length
+
+    def _make_room(self, cls: int) -> None:
+        """Evict the policy's first workable candidate (one block, or one whole slab)."""
+        for key in self.policy.candidates():
+            block = self._blocks[key]
+            if block.refs != 0:
+                continue
+            slab = self.slabs.slab_of(block.slot)
+            if self.slabs.class_of_slab(slab) == cls:
+                victims = [block]
+            else:
+                victims = [b for s in self.slabs.slots_of(slab) if (b := self._by_slot.get(s)) is not None]
+                if any(b.refs != 0 for b in victims):
+                    continue
+            for victim in victims:
+                self._drop(victim)
+            self.evictions += len(victims)
+            self.on_evict(victims)
+            return
+        raise RamFull(f"RAM tier full: {len(self._blocks)} blocks, {self.used_bytes} bytes, "
+                      "none of them can be evicted now (all in use)")
