@@ -12,13 +12,12 @@ from typing import Iterable, Iterator, Sequence
 import blake3
 import grpc
 
+from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, BlockAddress
 
-__all__ = ["KvCacheClient", "ChecksumMismatch", "to_pb", "STREAM_CHUNK"]
-
-STREAM_CHUNK = 1 << 20
+__all__ = ["KvCacheClient", "ChecksumMismatch", "to_pb"]
 
 
 class ChecksumMismatch(Exception):
@@ -82,9 +81,9 @@ class KvCacheClient:
                 checksum = blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
                 view = memoryview(payload)
                 yield pb.PutChunk(address=to_pb(address), model=model, checksum=checksum,
-                                  total_length=len(payload), data=view[:STREAM_CHUNK].tobytes())
-                for pos in range(STREAM_CHUNK, len(payload), STREAM_CHUNK):
-                    yield pb.PutChunk(data=view[pos:pos + STREAM_CHUNK].tobytes())
+                                  total_length=len(payload), data=view[:STREAM_CHUNK_BYTES].tobytes())
+                for pos in range(STREAM_CHUNK_BYTES, len(payload), STREAM_CHUNK_BYTES):
+                    yield pb.PutChunk(data=view[pos:pos + STREAM_CHUNK_BYTES].tobytes())
         return self.stub.PutStream(chunks(), timeout=self.timeout)
 
     def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,

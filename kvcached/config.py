@@ -174,10 +174,10 @@ class KvSection:
     ram_policy: str = _key("Eviction policy of the RAM tier (registry key).", "clock")
     ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd")
     ssd_gib: float = _key("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, _non_negative, (int, float))
-    ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", "7d")
+    ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", 7 * 86400.0)
     index_dir: str = _key("RocksDB directory of the persistent block index.", "var/index")
     mirror_pulls: bool = _key("Keep a local copy of blocks pulled from peers.", True)
-    gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", "1h")
+    gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", 3600.0)
 
 
 @dataclass(frozen=True)
@@ -338,10 +338,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
             values[key] = _coerce(section, fields[key], value)
         sections[section] = cls(**values)
     for section, cls in SECTIONS.items():
-        if section not in sections:
-            defaults = cls()
-            # defaults pass through the same coercion (durations given as strings)
-            sections[section] = cls(**{f.name: _coerce(section, f, getattr(defaults, f.name)) for f in dataclasses.fields(cls)})
+        sections.setdefault(section, cls())
     config = Config(**sections)
     _check_whole(config, total_memory)
     return config
@@ -353,11 +350,11 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
     if total_memory is None:
         total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if config.ram_bytes >= total_memory:
-        raise ConfigError("kv.ram_gib", f"{kv.ram_gib} GiB is more than this machine's memory ({total_memory / GIB:.1f} GiB)")
+        raise ConfigError("kv.ram_gib", f"{kv.ram_gib:g} GiB is more than this machine's memory ({total_memory / GIB:.1f} GiB)")
     if config.max_block_bytes < 4096:
         raise ConfigError("kv.max_block_mib", "must be at least 4 KiB (0.00390625)")
     if config.max_block_bytes > config.ram_bytes:
-        raise ConfigError("kv.max_block_mib", f"{kv.max_block_mib} MiB does not fit in kv.ram_gib = {kv.ram_gib}")
+        raise ConfigError("kv.max_block_mib", f"{kv.max_block_mib:g} MiB does not fit in kv.ram_gib = {kv.ram_gib:g}")
     if not 1 <= config.grpc.max_message_mib <= 2047:
         raise ConfigError("grpc.max_message_mib", f"must be in 1..2047 (gRPC's limit is 2 GiB), got {config.grpc.max_message_mib}")
     from kvcached.policies import EVICTION_POLICIES  # late: policies import nothing from here

@@ -203,10 +203,11 @@ class Store:
 
     def lookup(self, digests: Sequence[bytes], layer: int) -> LookupResult:
         self.counters.lookups += 1
+        for i, digest in enumerate(digests):
+            if len(digest) != DIGEST_BYTES:
+                raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
         ram = 0
         for digest in digests:
-            if len(digest) != DIGEST_BYTES:
-                raise InvalidArgument(f"digest {ram} is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
             if index_key(digest, layer) not in self.ram:
                 break
             ram += 1

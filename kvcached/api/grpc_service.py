@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvcached import __version__
+from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted
 from kvcached.index import BlockRecord, Tier
 from kvcached.store import PutItem, Store
@@ -23,11 +24,10 @@ from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, BlockAddress
 
-__all__ = ["KvCacheService", "STREAM_CHUNK"]
+__all__ = ["KvCacheService"]
 
 log = logging.getLogger("kvcached.api.grpc")
 
-STREAM_CHUNK = 1 << 20   # payload bytes per GetStream message
 
 _STATUS: dict[type[KvError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -182,11 +182,11 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 view = self.store.ram.arena.view
                 end = block.offset + block.length
                 start = block.offset
-                first = min(end, start + STREAM_CHUNK)
+                first = min(end, start + STREAM_CHUNK_BYTES)
                 yield pb.GetChunk(address=from_address(address), checksum=block.checksum,
                                   total_length=block.length, data=view[start:first].tobytes())
-                for pos in range(first, end, STREAM_CHUNK):
-                    yield pb.GetChunk(data=view[pos:min(end, pos + STREAM_CHUNK)].tobytes())
+                for pos in range(first, end, STREAM_CHUNK_BYTES):
+                    yield pb.GetChunk(data=view[pos:min(end, pos + STREAM_CHUNK_BYTES)].tobytes())
             finally:
                 self.store.unpin(block)
             self.store.counters.hits += 1

@@ -1,0 +1,128 @@
+"""Put/Get/Lookup/Delete/ListBlocks against a real daemon subprocess over its Unix socket."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+from kvcached.v1 import kvcache_pb2 as pb
+from kvcached_agent.address import BlockAddress, chain_digests
+
+SIZES = [1 << 10, 4 << 10, (64 << 10) + 3, 1 << 20, (3 << 20) + 7, 8 << 20]
+
+
+def chain(n: int, seed: int = 0, model: str = "test/model") -> list[bytes]:
+    return chain_digests(list(range(seed, seed + 16 * n)), 16, model=model, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_put_get_round_trip_bit_exact(daemon, size: int) -> None:
+    address = BlockAddress(chain(1, seed=size)[0], layer=size % 80)
+    payload = os.urandom(size)
+    with daemon.client() as c:
+        assert c.put([(address, payload)], model="m").stored == 1
+        (got,), misses = c.get([address])
+        assert not misses and got.payload == payload and got.address == address
+        (streamed,), _ = c.get_stream([address])
+        assert streamed.payload == payload
+
+
+@pytest.mark.parametrize("size", [1 << 10, 1 << 20, 8 << 20])
+def test_put_stream_round_trip(daemon, size: int) -> None:
+    address = BlockAddress(chain(1, seed=7 * size)[0])
+    payload = os.urandom(size)
+    with daemon.client() as c:
+        assert c.put_stream([(address, payload)]).stored == 1
+        assert c.put_stream([(address, payload)]).already_present == 1
+        (got,), _ = c.get([address])
+        assert got.payload == payload
+
+
+def test_batch_put_get_and_already_present(daemon) -> None:
+    digests = chain(32)
+    blocks = [(BlockAddress(d, layer), os.urandom(16 << 10)) for d in digests for layer in (0, 1)]
+    with daemon.client() as c:
+        r = c.put(blocks, model="m")
+        assert (r.stored, r.already_present) == (64, 0)
+        r = c.put(blocks[:10], model="m")
+        assert (r.stored, r.already_present) == (0, 10)
+        found, misses = c.get([a for a, _ in blocks])
+        assert [f.payload for f in found] == [p for _, p in blocks] and not misses
+
+
+def test_lookup_longest_prefix_per_tier(daemon) -> None:
+    digests = chain(64)
+    with daemon.client() as c:
+        assert c.lookup(digests).longest == 0
+        c.put([(BlockAddress(d), b"x" * 4096) for d in digests[:40]])
+        c.put([(BlockAddress(digests[45]), b"y" * 4096)])          # after a gap: never counted
+        r = c.lookup(digests)
+        assert (r.longest, r.ram, r.ssd, r.gpu, r.peer) == (40, 40, 0, 0, 0)
+        assert c.lookup(digests[:10]).longest == 10
+        assert c.lookup(digests, layer=3).longest == 0             # other layer: other blocks
+        assert c.lookup(digests[1:]).longest == 39
+
+
+def test_ram_budget_never_exceeded(daemon) -> None:
+    """A stream of puts several times the arena: evictions keep resident bytes within budget."""
+    budget = int(0.125 * (1 << 30))
+    sizes = [1 << 20, (1 << 20) + 4096, 300 << 10, 2 << 20, 64 << 10]
+    digests = chain(600, seed=99)
+    total = 0
+    with daemon.client() as c:
+        for i, d in enumerate(digests):
+            payload = os.urandom(sizes[i % len(sizes)])
+            total += len(payload)
+            c.put([(BlockAddress(d), payload)])
+            if i % 50 == 0:
+                ram = c.stats().tiers[0]
+                assert ram.bytes <= ram.reserved_bytes <= ram.capacity_bytes <= budget
+        s = c.stats()
+        ram = s.tiers[0]
+        assert total > 3 * budget
+        assert ram.evictions > 0 and ram.reserved_bytes <= ram.capacity_bytes <= budget
+        # the newest block is resident, an early one was evicted and says so
+        (got,), _ = c.get([BlockAddress(digests[-1])])
+        assert len(got.payload) == sizes[(len(digests) - 1) % len(sizes)]
+        with pytest.raises(grpc.RpcError) as err:
+            c.get([BlockAddress(digests[0])])
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "evicted" in err.value.details()
+
+
+def test_delete_and_list_blocks(daemon) -> None:
+    digests = chain(30)
+    with daemon.client() as c:
+        c.put([(BlockAddress(d), b"a" * 5000) for d in digests[:20]], model="model-a")
+        c.put([(BlockAddress(d), b"b" * 5000) for d in digests[20:]], model="model-b")
+        listed = list(c.list_blocks(page_size=7))
+        assert len(listed) == 30 and len({i.address.digest for i in listed}) == 30
+        assert {i.address.digest for i in c.list_blocks(model="model-b", page_size=3)} == set(digests[20:])
+        assert all(list(i.tiers) == [pb.TIER_RAM] for i in listed)
+        r = c.delete([BlockAddress(d) for d in digests[:5]] + [BlockAddress(b"\x01" * 32)])
+        assert (r.deleted, r.not_found) == (5, 1)
+        assert len(list(c.list_blocks())) == 25
+        assert c.lookup(digests).longest == 0
+
+
+def test_get_partial_reports_misses(daemon) -> None:
+    digests = chain(3)
+    with daemon.client() as c:
+        c.put([(BlockAddress(digests[0]), b"z" * 4096)])
+        found, misses = c.get([BlockAddress(d) for d in digests], allow_partial=True)
+        assert len(found) == 1 and [m.reason for m in misses] == ["unknown block"] * 2
+        found, misses = c.get_stream([BlockAddress(d) for d in digests], allow_partial=True)
+        assert len(found) == 1 and len(misses) == 2
+
+
+def test_stats_counts(daemon) -> None:
+    digests = chain(4)
+    with daemon.client() as c:
+        c.put([(BlockAddress(d), b"q" * 8192) for d in digests])
+        c.get([BlockAddress(d) for d in digests[:2]])
+        c.lookup(digests)
+        s = c.stats()
+        assert (s.puts, s.put_bytes, s.hits, s.lookups) == (4, 4 * 8192, 2, 1)
+        assert s.tiers[0].tier == pb.TIER_RAM and s.tiers[0].blocks == 4 and s.index_entries >= 4
