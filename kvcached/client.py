@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-import blake3
 import grpc
 
 from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, BlockAddress
+from kvcached_agent.integrity import payload_checksum
 
 __all__ = ["KvCacheClient", "ChecksumMismatch", "to_pb"]
 
@@ -35,7 +35,7 @@ def _from_pb(msg: pb.BlockAddress) -> BlockAddress:
 
 
 def _verified(address: BlockAddress, payload: bytes, checksum: bytes) -> bytes:
-    if blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest() != checksum:
+    if payload_checksum(payload) != checksum:
         raise ChecksumMismatch(f"block {address}: payload does not match its BLAKE3 checksum")
     return payload
 
@@ -78,7 +78,7 @@ class KvCacheClient:
     def put_stream(self, blocks: Iterable[tuple[BlockAddress, bytes]], model: str = "") -> pb.PutResponse:
         def chunks() -> Iterator[pb.PutChunk]:
             for address, payload in blocks:
-                checksum = blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
+                checksum = payload_checksum(payload)
                 view = memoryview(payload)
                 yield pb.PutChunk(address=to_pb(address), model=model, checksum=checksum,
                                   total_length=len(payload), data=view[:STREAM_CHUNK_BYTES].tobytes())

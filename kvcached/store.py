@@ -16,25 +16,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-import blake3
-
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
 from kvcached.tiers.ram import BlockBusy, RamBlock, RamFull, RamTier
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress, index_key
+from kvcached_agent.integrity import payload_checksum
 
-__all__ = ["Store", "PutItem", "Fetched", "Miss", "LookupResult", "payload_checksum"]
+__all__ = ["Store", "PutItem", "Fetched", "Miss", "LookupResult"]
 
 log = logging.getLogger("kvcached.store")
-
-_PARALLEL_HASH_BYTES = 1 << 20   # from here on BLAKE3 uses every core
-
-
-def payload_checksum(payload: bytes | memoryview) -> bytes:
-    """The BLAKE3-256 checksum of a block payload."""
-    if len(payload) >= _PARALLEL_HASH_BYTES:
-        return blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
-    return blake3.blake3(payload).digest()
 
 
 @dataclass(frozen=True, slots=True)

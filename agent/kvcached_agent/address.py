@@ -19,6 +19,7 @@ All hashing uses BLAKE3's key-derivation mode with a distinct context string per
 
 from __future__ import annotations
 
+import re
 import struct
 from array import array
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "MAX_LAYER",
     "BlockAddress",
     "chain_root",
+    "addresses",
     "chain_digests",
     "index_key",
 ]
@@ -48,6 +50,8 @@ BLOCK_CONTEXT = "kvcached 2026-11 block digest v1"
 KEY_CONTEXT = "kvcached 2026-11 index key v1"
 
 _U32 = struct.Struct("<I")
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+_DECIMAL = re.compile(r"[0-9]{1,10}")
 
 
 def _field(value: str | bytes) -> bytes:
@@ -95,6 +99,8 @@ def chain_digests(
     ``parent`` (the digest of the block before ``tokens[0]``) to continue an existing chain.
     A trailing partial block is not hashed.
     """
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 0 < block_tokens <= MAX_TOKEN:
+        raise ValueError(f"block_tokens must be an integer in 1..{MAX_TOKEN}, got {block_tokens!r}")
     if parent is not None:
         prev = parent
     elif root is not None:
@@ -129,6 +135,10 @@ class BlockAddress:
     layer: int = CROSS_LAYER
 
     def __post_init__(self) -> None:
+        if not isinstance(self.digest, bytes):
+            raise ValueError(f"digest must be bytes, got {type(self.digest).__name__}")
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int):
+            raise ValueError(f"layer must be an integer, got {self.layer!r}")
         if len(self.digest) != DIGEST_BYTES:
             raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(self.digest)}")
         if not 0 <= self.layer <= CROSS_LAYER:
@@ -149,16 +159,15 @@ class BlockAddress:
 
     @classmethod
     def parse(cls, text: str) -> "BlockAddress":
-        """Parse ``HEX`` or ``HEX:LAYER`` (``x`` or no layer: cross-layer)."""
-        hexpart, _, layer = text.strip().partition(":")
-        try:
-            digest = bytes.fromhex(hexpart)
-        except ValueError:
-            raise ValueError(f"not a hex digest: {hexpart!r}") from None
-        if layer in ("", "x", "X"):
+        """Parse ``HEX`` or ``HEX:LAYER`` (64 hex digits; LAYER decimal, or ``x`` for cross-layer)."""
+        hexpart, colon, layer = text.strip().partition(":")
+        if not _HEX64.fullmatch(hexpart):
+            raise ValueError(f"expected {2 * DIGEST_BYTES} hex digits, got {hexpart!r}")
+        digest = bytes.fromhex(hexpart)
+        if not colon or layer in ("x", "X"):
             return cls(digest)
-        if not layer.isdigit():
-            raise ValueError(f"layer must be a number or 'x', got {layer!r}")
+        if not _DECIMAL.fullmatch(layer):
+            raise ValueError(f"layer must be a decimal number or 'x', got {layer!r}")
         return cls(digest, int(layer))
 
 

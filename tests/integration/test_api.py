@@ -126,3 +126,20 @@ def test_stats_counts(daemon) -> None:
         s = c.stats()
         assert (s.puts, s.put_bytes, s.hits, s.lookups) == (4, 4 * 8192, 2, 1)
         assert s.tiers[0].tier == pb.TIER_RAM and s.tiers[0].blocks == 4 and s.index_entries >= 4
+
+
+def test_metrics_endpoint(make_daemon) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = make_daemon(f'metrics.listen="127.0.0.1:{port}"')
+    with d.client() as c:
+        c.put([(BlockAddress(chain(1)[0]), b"m" * 4096)])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'kvcached_blocks{tier="ram"} 1.0' in text
+    assert 'kvcached_bytes{tier="ram"} 4096.0' in text
+    assert 'kvcached_build_info{version="0.1.0"} 1.0' in text
+    assert 'kvcached_puts_total 1.0' in text
