@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -53,6 +54,8 @@ def parse_duration(value: object) -> float:
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
     else:
         raise ValueError(f"expected a duration such as 3600, \"90s\", \"24h\" or \"7d\", got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"a duration must be finite, got {value!r}")
     if seconds < 0:
         raise ValueError(f"a duration cannot be negative, got {value!r}")
     return seconds
@@ -125,10 +128,14 @@ def _one_of(*choices: str) -> Callable[[str], None]:
 def _listen_list(v: list[str]) -> None:
     if not v:
         raise ValueError("needs at least one listener")
-    for item in v:
-        parse_listen(item)
-    if len(set(v)) != len(v):
+    seen = [_same_place(parse_listen(item)) for item in v]
+    if len(set(seen)) != len(seen):
         raise ValueError("lists the same listener twice")
+
+
+def _same_place(address: ListenAddress) -> str:
+    """A form in which two spellings of one listener compare equal."""
+    return os.path.abspath(address.unix_path) if address.unix_path else address.text
 
 
 def _listen_or_empty(v: str) -> None:
@@ -151,9 +158,13 @@ def _peers(v: list[Any]) -> None:
         if peer["name"] in names:
             raise ValueError(f"peer name {peer['name']!r} appears twice")
         names.add(peer["name"])
-        _host_port_or_empty(peer["address"] if isinstance(peer["address"], str) else "?")
-        if not peer["address"]:
-            raise ValueError(f"entry {i}: address must be HOST:PORT")
+        address = peer["address"]
+        if not isinstance(address, str) or not address:
+            raise ValueError(f"entry {i}: address must be HOST:PORT, got {address!r}")
+        try:
+            _host_port_or_empty(address)
+        except ValueError as exc:
+            raise ValueError(f"entry {i}: {exc}") from None
 
 
 def _key(doc: str, default: Any, check: Callable[[Any], None] | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
@@ -283,6 +294,8 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: Any) -> Any:
         raise ConfigError(key, f"expected {want}, got {_type_name(value)} {value!r}")
     if kind is list and f.name == "listen" and not all(isinstance(x, str) for x in value):
         raise ConfigError(key, f"expected a list of strings, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
     check = f.metadata["check"]
     if check is not None:
         try:
@@ -371,8 +384,8 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
                 raise ConfigError(f"quic.{name}", f"no such file: {value}")
             if not os.access(value, os.R_OK):
                 raise ConfigError(f"quic.{name}", f"not readable: {value}")
-    unix_paths = [a.unix_path for a in config.listeners if a.unix_path]
-    if config.agent.socket in unix_paths:
+    unix_paths = [os.path.abspath(a.unix_path) for a in config.listeners if a.unix_path]
+    if os.path.abspath(config.agent.socket) in unix_paths:
         raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")
 
 

@@ -100,7 +100,10 @@ class BlockIndex:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise IndexError_(f"cannot create index directory {self.path}: {exc.strerror or exc}") from None
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)

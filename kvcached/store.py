@@ -85,6 +85,7 @@ class Store:
         self.clock = clock
         self.counters = Counters()
         self._touched: set[bytes] = set()
+        self._pending: dict[bytes, BlockRecord] = {}   # records of the put in progress
         ram.on_evict = self._on_ram_evict
 
     # -- put ----------------------------------------------------------------------------------
@@ -96,7 +97,9 @@ class Store:
         checksums = [self._check_put(i, item) for i, item in enumerate(items)]
         now = self.clock()
         result = PutResult()
-        records: list[tuple[bytes, BlockRecord]] = []
+        # Records of this batch wait here and are written in one batch at the end; a block that
+        # an eviction takes meanwhile leaves as a tombstone (see _on_ram_evict).
+        pending = self._pending
         try:
             for item, checksum in zip(items, checksums):
                 key = item.address.key
@@ -113,13 +116,14 @@ class Store:
                     continue
                 self.ram.write(block, item.payload)
                 self.ram.commit(block)
-                records.append((key, BlockRecord(item.address.digest, item.address.layer, item.model,
-                                                 len(item.payload), checksum, now, now, Tier.RAM)))
+                pending[key] = BlockRecord(item.address.digest, item.address.layer, item.model,
+                                           len(item.payload), checksum, now, now, Tier.RAM)
                 result.stored += 1
                 self.counters.puts += 1
                 self.counters.put_bytes += len(item.payload)
         finally:
-            self.index.write(records)
+            self.index.write(pending.items())
+            pending.clear()
         return result
 
     def _check_put(self, i: int, item: PutItem) -> bytes:
@@ -208,6 +212,7 @@ class Store:
     def delete(self, addresses: Sequence[BlockAddress]) -> tuple[int, int]:
         """Remove blocks from every tier and the index; returns (deleted, not_found).
         A block being read or written raises FailedPrecondition and nothing is deleted."""
+        addresses = list(dict.fromkeys(addresses))   # the same block twice counts once
         keys = [a.key for a in addresses]
         for address, key in zip(addresses, keys):
             busy = self.ram.busy_reason(key)
@@ -276,6 +281,8 @@ class Store:
         puts = []
         for key, record in zip(keys, self.index.get_many(keys)):
             self._touched.discard(key)
+            pending = self._pending.pop(key, None)
+            record = pending or record
             if record is None:
                 continue
             rest = record.tiers & ~Tier.RAM

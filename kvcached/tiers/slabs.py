@@ -3,8 +3,8 @@
 The arena is cut into equal *slabs* of ``slab_bytes`` (the largest block size). A slab is
 either free or serves one *size class*, cut into equal slots of that class's size. Classes run
 from 4 KiB upward with four steps per power of two (x1, x1.25, x1.5, x1.75, all 4 KiB
-multiples), so a block wastes at most a fifth of its slot, and power-of-two blocks (the usual
-KV block) waste nothing. Every slot starts on a 4 KiB boundary, as O_DIRECT reads and
+multiples): a block of 16 KiB or more gets a slot under 1.25 times its size, a smaller one
+wastes less than 4 KiB, and power-of-two blocks (the usual KV block) waste nothing. Every slot starts on a 4 KiB boundary, as O_DIRECT reads and
 cudaHostRegister want.
 
 This is memcached's slab design: allocation and free are O(1), there is no fragmentation
@@ -123,6 +123,8 @@ class SlabAllocator:
 
     def free(self, slot: int) -> None:
         """Give ``slot`` back; a slab whose last slot comes back becomes free for any class."""
+        if not 0 <= slot < self.nslabs * self.slots_per_slab_max:
+            raise ValueError(f"slot {slot} is outside the arena")
         slab_index, index = divmod(slot, self.slots_per_slab_max)
         slab = self._slabs[slab_index]
         if slab.cls < 0 or index >= slab.nslots or not slab.used[index]:

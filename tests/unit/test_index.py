@@ -1,0 +1,267 @@
+"""kvcached.index with a real RocksDB under tmp_path."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from rocksdict import Options, Rdict
+
+from kvcached.index import SCHEMA_VERSION, BlockIndex, BlockRecord, GoneReason, IndexError_, Tier
+
+NOW = 1_000_000.0
+TTL = 3600.0
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+def record(n: int, *, tiers: Tier = Tier.RAM, model: str = "m", gone_at: float = 0.0,
+           reason: GoneReason = GoneReason.NONE, t: float = NOW) -> BlockRecord:
+    return BlockRecord(digest=bytes([n % 256]) * 32, layer=n, model=model, nbytes=1000 + n, checksum=bytes([7]) * 32,
+                       created=t, last_seen=t + 1, tiers=tiers, gone_reason=reason, gone_at=gone_at)
+
+
+def tombstone(n: int, gone_at: float, reason: GoneReason = GoneReason.EVICTED) -> BlockRecord:
+    return record(n, tiers=Tier.NONE, reason=reason, gone_at=gone_at)
+
+
+def raw_put(index: BlockIndex, k: bytes, value: bytes) -> None:
+    """Write bytes the codec would never write (a damaged or foreign record)."""
+    index._blocks[k] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# record codec
+
+
+def test_record_round_trip_with_unicode_model() -> None:
+    rec = BlockRecord(digest=bytes(range(32)), layer=0xFFFFFFFF, model="Qwen/Qwen3-8B · 量子 🦙",
+                      nbytes=(1 << 40) + 3, checksum=bytes(range(32, 64)), created=1.5, last_seen=2.25,
+                      tiers=Tier.RAM | Tier.SSD, gone_reason=GoneReason.NONE, gone_at=0.0)
+    raw = rec.encode()
+    assert raw[0] == SCHEMA_VERSION
+    assert BlockRecord.decode(raw) == rec
+    assert BlockRecord.decode(raw).tiers == Tier.RAM | Tier.SSD
+
+
+def test_record_round_trip_tombstone_and_empty_model() -> None:
+    rec = tombstone(3, 42.0, GoneReason.LOST_AT_RESTART)
+    rec = replace(rec, model="")
+    assert BlockRecord.decode(rec.encode()) == rec
+    assert not rec.present and rec.gone_reason.text.startswith("lost at restart")
+
+
+def test_gone() -> None:
+    rec = record(1, tiers=Tier.RAM | Tier.SSD)
+    assert rec.present
+    gone = rec.gone(GoneReason.EVICTED, 77.0)
+    assert (gone.tiers, gone.gone_reason, gone.gone_at, gone.present) == (Tier.NONE, GoneReason.EVICTED, 77.0, False)
+    assert gone.checksum == rec.checksum and gone.nbytes == rec.nbytes
+    assert GoneReason.EVICTED.text == "evicted" and GoneReason.NONE.text == "present"
+
+
+@pytest.mark.parametrize("raw", [
+    b"",
+    b"\x01",
+    record(1).encode()[:-2],                              # record shorter than the fixed part (model "m" cut)
+    bytes([SCHEMA_VERSION + 1]) + record(1).encode()[1:],  # unknown version
+    record(1).encode()[:2] + b"\x09" + record(1).encode()[3:],   # unknown gone reason
+    record(1).encode() + b"\xff\xfe",                    # model not UTF-8
+])
+def test_unreadable_record_raises_value_error(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        BlockRecord.decode(raw)
+
+
+def test_unreadable_record_message() -> None:
+    with pytest.raises(ValueError, match="index record of 0 bytes, version \\? is not readable"):
+        BlockRecord.decode(b"")
+    with pytest.raises(ValueError, match="version 02"):
+        BlockRecord.decode(bytes([2]) + bytes(200))
+
+
+# ---------------------------------------------------------------------------------------------
+# point operations
+
+
+def test_get_put_delete(index: BlockIndex) -> None:
+    assert index.get(key(1)) is None
+    index.write([(key(1), record(1)), (key(2), record(2))])
+    assert index.get(key(1)) == record(1) and index.get(key(2)) == record(2)
+    index.write(puts=[(key(1), tombstone(1, NOW))], deletes=[key(2)])
+    assert index.get(key(1)) == tombstone(1, NOW)
+    assert index.get(key(2)) is None
+    index.write(deletes=[key(99)])                       # deleting an absent key is fine
+    index.write()                                        # nothing to do
+
+
+def test_write_is_atomic(index: BlockIndex) -> None:
+    index.write([(key(1), record(1))])
+    bad = replace(record(3), layer=-1)                   # does not encode (u32)
+
+    def puts():
+        yield key(2), record(2)
+        yield key(3), bad
+
+    with pytest.raises(Exception):
+        index.write(puts(), deletes=[key(1)])
+    assert index.get(key(1)) == record(1), "the delete of the failed batch did not happen"
+    assert index.get(key(2)) is None, "the first put of the failed batch did not happen"
+
+
+def test_get_many(index: BlockIndex) -> None:
+    index.write([(key(n), record(n)) for n in (1, 3)])
+    assert index.get_many([key(1), key(2), key(3), key(1)]) == [record(1), None, record(3), record(1)]
+    assert index.get_many([]) == []
+
+
+def test_scan_order_and_start_after(index: BlockIndex) -> None:
+    ns = [50, 3, 7, 1000, 256, 8]
+    index.write([(key(n), record(n)) for n in ns])
+    assert [k for k, _ in index.scan()] == [key(n) for n in sorted(ns)]
+    assert [r for _, r in index.scan()] == [record(n) for n in sorted(ns)]
+    assert [k for k, _ in index.scan(start_after=key(8))] == [key(n) for n in (50, 256, 1000)]
+    assert [k for k, _ in index.scan(start_after=key(9))] == [key(n) for n in (50, 256, 1000)], "absent key"
+    assert [k for k, _ in index.scan(start_after=key(0))] == [key(n) for n in sorted(ns)]
+    assert list(index.scan(start_after=key(1000))) == []
+    assert list(index.scan(start_after=b"\xff" * 32)) == []
+
+
+def test_scan_empty(index: BlockIndex) -> None:
+    assert list(index.scan()) == [] and index.count_estimate() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# boot reconciliation
+
+
+def test_reconcile_at_boot(index: BlockIndex) -> None:
+    index.write([
+        (key(1), record(1, tiers=Tier.RAM)),                       # RAM only: lost at restart
+        (key(2), record(2, tiers=Tier.RAM | Tier.SSD)),            # RAM+SSD: SSD only
+        (key(3), record(3, tiers=Tier.SSD)),                       # SSD: kept as is
+        (key(4), tombstone(4, NOW - TTL - 1)),                     # old tombstone: pruned
+        (key(5), tombstone(5, NOW - TTL + 1)),                     # young tombstone: kept
+        (key(6), tombstone(6, NOW - TTL)),                         # exactly gone_ttl old: kept
+    ])
+    raw_put(index, key(7), b"\x63garbage")                          # unreadable: deleted
+    raw_put(index, key(8), record(8).encode() + b"\xff")            # bad UTF-8: deleted
+    counts = index.reconcile_at_boot(NOW, TTL)
+    assert counts == {"seen": 8, "kept": 4, "lost_at_restart": 1, "pruned": 1, "unreadable": 2}
+    assert index.get(key(1)) == record(1).gone(GoneReason.LOST_AT_RESTART, NOW)
+    assert index.get(key(2)) == record(2, tiers=Tier.SSD)
+    assert index.get(key(3)) == record(3, tiers=Tier.SSD)
+    assert index.get(key(4)) is None
+    assert index.get(key(5)) == tombstone(5, NOW - TTL + 1)
+    assert index.get(key(7)) is None and index.get(key(8)) is None
+    assert [k for k, _ in index.scan()] == [key(n) for n in (1, 2, 3, 5, 6)]
+
+
+def test_reconcile_is_idempotent(index: BlockIndex) -> None:
+    index.write([(key(1), record(1)), (key(2), record(2, tiers=Tier.SSD))])
+    index.reconcile_at_boot(NOW, TTL)
+    snapshot = list(index.scan())
+    assert index.reconcile_at_boot(NOW, TTL) == {"seen": 2, "kept": 2, "lost_at_restart": 0, "pruned": 0,
+                                                 "unreadable": 0}
+    assert list(index.scan()) == snapshot
+    counts = index.reconcile_at_boot(NOW + TTL + 1, TTL)
+    assert counts["pruned"] == 1 and index.get(key(1)) is None
+
+
+def test_reconcile_progress_and_small_batches(index: BlockIndex) -> None:
+    index.write([(key(n), record(n)) for n in range(10)])
+    index.write([(key(n), tombstone(n, 0.0)) for n in range(10, 17)])
+    seen: list[int] = []
+    counts = index.reconcile_at_boot(NOW, TTL, progress=seen.append, batch=3)
+    assert seen == [3, 6, 9, 12, 15]
+    assert counts == {"seen": 17, "kept": 0, "lost_at_restart": 10, "pruned": 7, "unreadable": 0}
+    assert [k for k, _ in index.scan()] == [key(n) for n in range(10)]
+    assert all(not r.present and r.gone_reason == GoneReason.LOST_AT_RESTART for _, r in index.scan())
+
+
+def test_reconcile_empty(index: BlockIndex) -> None:
+    called: list[int] = []
+    assert index.reconcile_at_boot(NOW, TTL, progress=called.append)["seen"] == 0
+    assert called == []
+
+
+# ---------------------------------------------------------------------------------------------
+# tombstone expiry
+
+
+def test_expired_tombstones_and_delete_expired(index: BlockIndex) -> None:
+    index.write([
+        (key(1), tombstone(1, NOW - 2 * TTL)),
+        (key(2), tombstone(2, NOW - 2 * TTL)),
+        (key(3), tombstone(3, NOW)),
+        (key(4), record(4)),
+        (key(5), tombstone(5, NOW - 2 * TTL)),
+    ])
+    doomed = index.expired_tombstones(NOW, TTL)
+    assert doomed == [key(1), key(2), key(5)]
+    # between the worker's scan and the owner's delete: block 2 comes back, block 5 goes again
+    # (a fresh tombstone), block 1 is deleted by someone else
+    index.write([(key(2), record(2)), (key(5), tombstone(5, NOW))], deletes=[key(1)])
+    assert index.delete_expired(doomed, NOW, TTL) == 0
+    assert index.get(key(2)) == record(2) and index.get(key(5)) == tombstone(5, NOW)
+    assert index.expired_tombstones(NOW + 2 * TTL, TTL) == [key(3), key(5)]
+    assert index.delete_expired([key(3), key(5), key(4)], NOW + 2 * TTL, TTL) == 2
+    assert [k for k, _ in index.scan()] == [key(2), key(4)]
+    assert index.delete_expired([], NOW, TTL) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# open and close
+
+
+def test_reopen_keeps_data(index_factory: Callable[..., BlockIndex]) -> None:
+    first = index_factory("db")
+    first.write([(key(n), record(n, model="ü")) for n in range(5)])
+    first.write(deletes=[key(2)])
+    first.close()
+    second = index_factory("db")
+    assert [r for _, r in second.scan()] == [record(n, model="ü") for n in (0, 1, 3, 4)]
+    assert second.count_estimate() >= 1
+
+
+def test_second_open_of_the_same_dir_raises(index_factory: Callable[..., BlockIndex], tmp_path: Path) -> None:
+    first = index_factory("db")
+    first.write([(key(1), record(1))])
+    with pytest.raises(IndexError_, match="in use by another process") as info:
+        BlockIndex(tmp_path / "db")
+    assert str(tmp_path / "db") in str(info.value)
+    assert first.get(key(1)) == record(1), "the first one still works"
+    first.close()
+    again = index_factory("db")                          # the lock went with close()
+    assert again.get(key(1)) == record(1)
+
+
+def test_wrong_schema_version(index_factory: Callable[..., BlockIndex], tmp_path: Path) -> None:
+    index_factory("db").close()
+    path = str(tmp_path / "db")
+    db = Rdict(path, Options(raw_mode=True), column_families={n: Options(raw_mode=True) for n in ("blocks", "meta")})
+    meta = db.get_column_family("meta")
+    meta[b"schema_version"] = struct.pack("<I", SCHEMA_VERSION + 1)
+    del meta
+    db.close()
+    with pytest.raises(IndexError_, match=f"schema version {SCHEMA_VERSION + 1}, this kvcached reads {SCHEMA_VERSION}"):
+        BlockIndex(path)
+
+
+def test_open_creates_the_directory(tmp_path: Path) -> None:
+    index = BlockIndex(tmp_path / "a" / "b")
+    try:
+        assert (tmp_path / "a" / "b").is_dir()
+    finally:
+        index.close()
+
+
+def test_cannot_open_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises((IndexError_, OSError)):
+        BlockIndex(tmp_path / "file")
