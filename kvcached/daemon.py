@@ -41,6 +41,31 @@ SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KvCache"].full_name
 MAINTENANCE_PERIOD_S = 5.0
 
 
+# glibc malloc settings (mallopt(3)): keep freed memory in the heap instead of handing it back
+# to the kernel after every call. Request and response buffers of a few MiB are allocated and
+# freed on each call; by default glibc serves them with mmap and unmaps them at free, so every
+# call page-faults its buffers in again (measured: ~15k minor faults and ~50-80 ms of system time
+# per 16 MiB Put; ~500 faults with these settings). The cost is up to _TRIM bytes of heap kept.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_TRIM = 256 << 20
+_TOP_PAD = 64 << 20
+_MMAP = 32 << 20          # glibc's maximum on 64-bit
+
+
+def tune_malloc() -> bool:
+    """Apply the settings above; False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(param, value) == 1 for param, value in
+               ((_M_MMAP_THRESHOLD, _MMAP), (_M_TRIM_THRESHOLD, _TRIM), (_M_TOP_PAD, _TOP_PAD)))
+
+
 class StartupError(Exception):
     """The daemon cannot start; the message says why in one line."""
 
@@ -218,6 +243,9 @@ class Daemon:
 def serve(config: Config) -> int:
     """Run the daemon in this process on uvloop; returns the exit code."""
     import uvloop
+
+    if not tune_malloc():
+        log.warning("mallopt unavailable (not glibc?): large calls will page-fault their buffers")
 
     async def main() -> None:
         await Daemon(config).run()

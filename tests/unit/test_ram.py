@@ -18,7 +18,7 @@ def key(n: int) -> bytes:
 
 
 def put(ram: RamTier, n: int, size: int = SLAB) -> RamBlock:
-    block = ram.reserve(key(n), size, b"c" * 32)
+    block = ram.reserve(key(n), size)
     ram.write(block, payload(n, size))
     ram.commit(block)
     return block
@@ -77,9 +77,9 @@ def test_round_trip_bit_exact() -> None:
         for i, (block, size) in enumerate(zip(blocks, sizes)):
             got = ram.get(key(i))
             assert got is block and got.length == size and got.refs == 0
-            assert got.offset % 4096 == 0
+            assert ram.slabs.offset(got.slot) % 4096 == 0
             assert ram.read(got) == payload(i, size)
-            assert arena.read(got.offset, size) == payload(i, size)
+            assert arena.read(ram.slabs.offset(got.slot), size) == payload(i, size) == ram.view(got).tobytes()
         assert ram.used_bytes == sum(sizes) and ram.evictions == 0
         assert_within_budget(ram)
     finally:
@@ -88,14 +88,14 @@ def test_round_trip_bit_exact() -> None:
 
 def test_write_accepts_a_memoryview(ram: RamTier) -> None:
     data = bytearray(payload(1, 5000))
-    block = ram.reserve(key(1), len(data), b"")
+    block = ram.reserve(key(1), len(data))
     ram.write(block, memoryview(data))
     ram.commit(block)
     assert ram.read(block) == bytes(data)
 
 
 def test_writing_block_is_invisible_and_not_evictable(ram: RamTier) -> None:
-    writing = ram.reserve(key(0), SLAB, b"")
+    writing = ram.reserve(key(0), SLAB)
     assert writing.refs == WRITING
     assert ram.get(key(0)) is None and key(0) not in ram
     assert len(ram) == 1 and ram.used_bytes == SLAB
@@ -116,7 +116,7 @@ def test_writing_block_is_invisible_and_not_evictable(ram: RamTier) -> None:
 
 
 def test_write_and_commit_checks(ram: RamTier) -> None:
-    block = ram.reserve(key(1), 100, b"")
+    block = ram.reserve(key(1), 100)
     with pytest.raises(ValueError):
         ram.write(block, b"x" * 99)
     ram.write(block, b"x" * 100)
@@ -133,23 +133,23 @@ def test_write_and_commit_checks(ram: RamTier) -> None:
 def test_reserve_rejects_bad_sizes_and_duplicates(ram: RamTier) -> None:
     put(ram, 1, 100)
     with pytest.raises(ValueError, match="already present"):
-        ram.reserve(key(1), 100, b"")
-    ram.reserve(key(2), 100, b"")
+        ram.reserve(key(1), 100)
+    ram.reserve(key(2), 100)
     with pytest.raises(ValueError, match="already present"):
-        ram.reserve(key(2), 100, b"")        # still being written
+        ram.reserve(key(2), 100)        # still being written
     for size in (0, SLAB + 1):
         with pytest.raises(ValueError):
-            ram.reserve(key(3), size, b"")
+            ram.reserve(key(3), size)
     assert len(ram) == 2 and ram.used_bytes == 200
 
 
 def test_abort_frees_the_slot(ram: RamTier) -> None:
-    blocks = [ram.reserve(key(n), SLAB, b"") for n in range(4)]
+    blocks = [ram.reserve(key(n), SLAB) for n in range(4)]
     assert ram.slabs.free_slabs == 0
     ram.abort(blocks[2])
     assert len(ram) == 3 and ram.used_bytes == 3 * SLAB and ram.slabs.free_slabs == 1
     assert ram.busy_reason(key(2)) is None and ram.get(key(2)) is None
-    again = ram.reserve(key(2), SLAB, b"")
+    again = ram.reserve(key(2), SLAB)
     assert again.slot == blocks[2].slot
     assert_within_budget(ram)
 
@@ -176,7 +176,7 @@ def test_pin_unpin(ram: RamTier) -> None:
 
 
 def test_delete_of_a_writing_block_raises(ram: RamTier) -> None:
-    ram.reserve(key(1), 10, b"")
+    ram.reserve(key(1), 10)
     with pytest.raises(BlockBusy, match="being written"):
         ram.delete(key(1))
     assert len(ram) == 1
@@ -294,7 +294,7 @@ def test_all_pinned_raises_ram_full_and_evicts_nothing(ram: RamTier, evicted: li
     before = sorted(b.key for b in ram.blocks())
     for size in (16 * KIB, SLAB, 4 * KIB):
         with pytest.raises(RamFull, match="16 blocks"):
-            ram.reserve(key(99), size, b"")
+            ram.reserve(key(99), size)
         assert sorted(b.key for b in ram.blocks()) == before
         assert evicted == [] and ram.evictions == 0
         assert key(99) not in ram._blocks
@@ -306,9 +306,9 @@ def test_all_pinned_raises_ram_full_and_evicts_nothing(ram: RamTier, evicted: li
 
 def test_all_writing_raises_ram_full(ram: RamTier) -> None:
     for n in range(4):
-        ram.reserve(key(n), SLAB, b"")
+        ram.reserve(key(n), SLAB)
     with pytest.raises(RamFull):
-        ram.reserve(key(9), 1, b"")
+        ram.reserve(key(9), 1)
     assert len(ram) == 4
 
 
@@ -320,7 +320,7 @@ def test_cross_class_needs_whole_idle_slab(ram: RamTier, evicted: list[list[RamB
     for n in (0, 16, 32, 48):
         ram.pin(ram.get(key(n)))
     with pytest.raises(RamFull):
-        ram.reserve(key(100), SLAB, b"")
+        ram.reserve(key(100), SLAB)
     assert evicted == [] and len(ram) == 64
     put(ram, 101, 4 * KIB)                   # the small class can still evict one of its own
     assert len(evicted) == 1 and evicted[0][0].key not in {key(0), key(16), key(32), key(48)}

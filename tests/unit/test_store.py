@@ -8,7 +8,8 @@ import pytest
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
 from kvcached.policies.clock import ClockPolicy
-from kvcached.store import Fetched, LookupResult, PutItem, Store, payload_checksum
+from kvcached.store import Fetched, LookupResult, PutItem, Store
+from kvcached_agent.integrity import payload_checksum
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached_agent.address import BlockAddress
@@ -192,9 +193,11 @@ def test_require_resident(store: Store) -> None:
 
 def test_pin_and_unpin(store: Store) -> None:
     store.put([item(1)])
-    block = store.pin(address(1))
-    assert block is not None and block.refs == 1
-    assert store.ram.arena.read(block.offset, block.length) == payload(1, 4 * KIB)
+    pinned = store.pin(address(1))
+    assert pinned is not None
+    block, checksum = pinned
+    assert block.refs == 1 and checksum == payload_checksum(payload(1, 4 * KIB))
+    assert store.ram.view(block).tobytes() == payload(1, 4 * KIB)
     store.unpin(block)
     assert block.refs == 0
     assert store.pin(address(2)) is None
@@ -218,7 +221,7 @@ def test_batch_that_evicts_its_own_blocks_keeps_the_index_true(store: Store) -> 
 def test_ram_full_of_blocks_in_use_is_resource_exhausted(store: Store) -> None:
     store.put([item(n, SLAB) for n in range(3)])
     store.put([item(10, 4 * KIB)])                  # a 4 KiB slab, 15 slots free
-    pins = [store.pin(address(n)) for n in (0, 1, 2, 10)]
+    pins = [store.pin(address(n))[0] for n in (0, 1, 2, 10)]
     with pytest.raises(ResourceExhausted, match="stored 1 of 2 blocks"):
         store.put([item(11, 4 * KIB), item(12, SLAB)])
     assert store.get([address(11)])[0][0].payload == payload(11, 4 * KIB)
@@ -292,7 +295,7 @@ def test_delete_of_a_busy_block_deletes_nothing(store: Store, how: str) -> None:
         store.pin(address(2))
         words = "1 readers"
     else:
-        store.ram.reserve(address(2).key, 100, b"")   # a write in flight (as the agent path does)
+        store.ram.reserve(address(2).key, 100)   # a write in flight (as the agent path does)
         words = "being written"
     with pytest.raises(FailedPrecondition, match=f"block {address(2)} is in use \\({words}\\); nothing was deleted"):
         store.delete([address(1), address(2), address(3)])
