@@ -22,7 +22,7 @@ from kvcached.tiers.ram import BlockBusy, RamBlock, RamFull, RamTier
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress, index_key
 from kvcached_agent.integrity import payload_checksum
 
-__all__ = ["Store", "PutItem", "Fetched", "Miss", "LookupResult"]
+__all__ = ["Store", "PutItem", "Fetched", "Pinned", "Miss", "LookupResult"]
 
 log = logging.getLogger("kvcached.store")
 
@@ -39,6 +39,15 @@ class PutItem:
 class Fetched:
     address: BlockAddress
     payload: bytes
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """A block held for a reader: its bytes stay put until :meth:`Store.unpin`."""
+
+    address: BlockAddress
+    block: RamBlock
     checksum: bytes
 
 
@@ -170,27 +179,35 @@ class Store:
             raise NotFound(f"block {first.address}: {first.reason}{more}")
         return found, misses
 
-    def pin(self, address: BlockAddress) -> tuple[RamBlock, bytes] | None:
-        """Pin a resident block for a reader that copies out of the arena itself (streaming,
-        agents): the block and its checksum, or None if absent. Pair with :meth:`unpin`."""
-        block = self.ram.get(address.key)
-        if block is None:
-            return None
-        record = self.index.get(block.key)
-        assert record is not None, "a resident block has no index record"
-        self.ram.pin(block)
-        self._touched.add(block.key)
-        return block, record.checksum
-
-    def unpin(self, block: RamBlock) -> None:
-        self.ram.unpin(block)
-
-    def require_resident(self, addresses: Sequence[BlockAddress]) -> None:
-        """Raise NotFound for the first block that is not resident (checks only, fetches nothing)."""
-        for address in addresses:
-            if self.ram.get(address.key) is None:
+    def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> list["Pinned | Miss"]:
+        """Pin a batch for a reader that copies out of the arena itself (streams, agents), in
+        request order: while pinned a block can be neither evicted nor deleted, so the batch is
+        a snapshot however long the copy takes. Without ``allow_partial`` a miss pins nothing
+        and raises NotFound. Release every Pinned with :meth:`unpin`."""
+        resident = [(address, self.ram.get(address.key)) for address in addresses]
+        missing = [a for a, b in resident if b is None]
+        if missing and not allow_partial:
+            self.counters.misses += len(missing)
+            more = f" (and {len(missing) - 1} more of {len(addresses)})" if len(missing) > 1 else ""
+            raise NotFound(f"block {missing[0]}: {self.miss_reason(missing[0])}{more}")
+        records = iter(self.index.get_many([b.key for _, b in resident if b is not None]))
+        out: list[Pinned | Miss] = []
+        for address, block in resident:
+            if block is None:
+                out.append(Miss(address, self.miss_reason(address)))
                 self.counters.misses += 1
-                raise NotFound(f"block {address}: {self.miss_reason(address)}")
+                continue
+            record = next(records)
+            assert record is not None, "a resident block has no index record"
+            self.ram.pin(block)
+            self._touched.add(block.key)
+            self.counters.hits += 1
+            self.counters.hit_bytes += block.length
+            out.append(Pinned(address, block, record.checksum))
+        return out
+
+    def unpin(self, pinned: "Pinned") -> None:
+        self.ram.unpin(pinned.block)
 
     def miss_reason(self, address: BlockAddress) -> str:
         """Why ``address`` is not here, in words."""

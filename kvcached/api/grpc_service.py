@@ -19,7 +19,7 @@ from kvcached import __version__
 from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted
 from kvcached.index import BlockRecord, Tier
-from kvcached.store import PutItem, Store
+from kvcached.store import Miss, Pinned, PutItem, Store
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, BlockAddress
@@ -166,30 +166,27 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     async def GetStream(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetChunk]:
         try:
             addresses = [to_address(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
-            if not request.allow_partial:   # fail before streaming anything
-                self.store.require_resident(addresses)
+            entries = self.store.pin(addresses, allow_partial=request.allow_partial)
         except KvError as exc:
             await context.abort(_status_of(exc), str(exc))
-        for address in addresses:
-            pinned = self.store.pin(address)
-            if pinned is None:
-                if not request.allow_partial:
-                    await context.abort(grpc.StatusCode.NOT_FOUND, f"block {address}: evicted while the stream ran")
-                yield pb.GetChunk(miss=pb.Miss(address=from_address(address), reason=self.store.miss_reason(address)))
-                self.store.counters.misses += 1
-                continue
-            block, checksum = pinned
-            try:
-                view = self.store.ram.view(block)
-                yield pb.GetChunk(address=from_address(address), checksum=checksum, total_length=block.length,
-                                  data=view[:STREAM_CHUNK_BYTES].tobytes())
-                for pos in range(STREAM_CHUNK_BYTES, block.length, STREAM_CHUNK_BYTES):
-                    yield pb.GetChunk(data=view[pos:pos + STREAM_CHUNK_BYTES].tobytes())
-            finally:
-                view.release()
-                self.store.unpin(block)
-            self.store.counters.hits += 1
-            self.store.counters.hit_bytes += block.length
+        held = [e for e in entries if isinstance(e, Pinned)]
+        done = 0
+        try:   # every block of the batch is pinned: none can go while the stream runs
+            for entry in entries:
+                if isinstance(entry, Miss):
+                    yield pb.GetChunk(miss=pb.Miss(address=from_address(entry.address), reason=entry.reason))
+                    continue
+                length = entry.block.length
+                with self.store.ram.view(entry.block) as view:
+                    yield pb.GetChunk(address=from_address(entry.address), checksum=entry.checksum,
+                                      total_length=length, data=view[:STREAM_CHUNK_BYTES].tobytes())
+                    for pos in range(STREAM_CHUNK_BYTES, length, STREAM_CHUNK_BYTES):
+                        yield pb.GetChunk(data=view[pos:pos + STREAM_CHUNK_BYTES].tobytes())
+                self.store.unpin(entry)
+                done += 1
+        finally:   # a cancelled or failed stream releases what it still holds
+            for entry in held[done:]:
+                self.store.unpin(entry)
 
     @_errors_to_status
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import grpc
 import pytest
@@ -143,3 +144,38 @@ def test_metrics_endpoint(make_daemon) -> None:
     assert 'kvcached_bytes{tier="ram"} 4096.0' in text
     assert 'kvcached_build_info{version="0.1.0"} 1.0' in text
     assert 'kvcached_puts_total 1.0' in text
+
+
+def test_get_stream_pins_its_batch_until_done_or_cancelled(daemon) -> None:
+    """A streaming Get is a snapshot: its blocks can be neither deleted nor evicted while it
+    runs, and a cancelled stream gives its pins back."""
+    a, b = (BlockAddress(d) for d in chain(2, seed=5))
+    big = os.urandom(8 << 20)
+    with daemon.client() as c:
+        c.put_stream([(a, big), (b, big)])
+        request = pb.GetRequest(addresses=[pb.BlockAddress(digest=a.digest), pb.BlockAddress(digest=b.digest)])
+        stream = c.stub.GetStream(request, timeout=30)
+        first = next(stream)                          # the stream is running: both blocks pinned
+        with pytest.raises(grpc.RpcError) as err:
+            c.delete([b])
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "in use (1 readers)" in err.value.details()
+        # a flood of puts larger than the arena cannot evict them either
+        for d in chain(20, seed=1000):
+            c.put_stream([(BlockAddress(d), os.urandom(8 << 20))])
+        rest = b"".join(chunk.data for chunk in stream)
+        assert first.data + rest == big + big
+        # done: the pins are gone
+        assert c.delete([b]).deleted == 1
+
+        stream = c.stub.GetStream(pb.GetRequest(addresses=[pb.BlockAddress(digest=a.digest)]), timeout=30)
+        next(stream)
+        stream.cancel()
+        for _ in range(100):                          # the daemon sees the cancel shortly after
+            try:
+                assert c.delete([a]).deleted == 1
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                time.sleep(0.05)
+        else:
+            raise AssertionError("a cancelled stream kept its pin")

@@ -8,7 +8,7 @@ import pytest
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
 from kvcached.policies.clock import ClockPolicy
-from kvcached.store import Fetched, LookupResult, PutItem, Store
+from kvcached.store import Fetched, LookupResult, Pinned, PutItem, Store
 from kvcached_agent.integrity import payload_checksum
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
@@ -184,23 +184,27 @@ def test_get_after_a_restart(store: Store, index: BlockIndex, clock: FakeClock) 
         arena.close()
 
 
-def test_require_resident(store: Store) -> None:
-    store.put([item(1)])
-    store.require_resident([address(1)])
-    with pytest.raises(NotFound, match="unknown block"):
-        store.require_resident([address(1), address(2)])
-
-
 def test_pin_and_unpin(store: Store) -> None:
-    store.put([item(1)])
-    pinned = store.pin(address(1))
-    assert pinned is not None
-    block, checksum = pinned
-    assert block.refs == 1 and checksum == payload_checksum(payload(1, 4 * KIB))
-    assert store.ram.view(block).tobytes() == payload(1, 4 * KIB)
-    store.unpin(block)
-    assert block.refs == 0
-    assert store.pin(address(2)) is None
+    store.put([item(1), item(3)])
+    (pinned,) = store.pin([address(1)])
+    assert isinstance(pinned, Pinned) and pinned.address == address(1)
+    assert pinned.block.refs == 1 and pinned.checksum == payload_checksum(payload(1, 4 * KIB))
+    assert store.ram.view(pinned.block).tobytes() == payload(1, 4 * KIB)
+    store.unpin(pinned)
+    assert pinned.block.refs == 0
+
+
+def test_pin_batch_misses(store: Store) -> None:
+    store.put([item(1), item(3)])
+    with pytest.raises(NotFound, match=f"block {address(2)}: unknown block"):
+        store.pin([address(1), address(2), address(3)])
+    assert store.ram.get(address(1).key).refs == 0, "a failed pin holds nothing"
+    entries = store.pin([address(1), address(2), address(3)], allow_partial=True)
+    assert [type(e).__name__ for e in entries] == ["Pinned", "Miss", "Pinned"]
+    assert entries[1].reason == "unknown block"
+    for e in (entries[0], entries[2]):
+        assert e.block.refs == 1
+        store.unpin(e)
 
 
 def test_batch_that_evicts_its_own_blocks_keeps_the_index_true(store: Store) -> None:
@@ -221,7 +225,7 @@ def test_batch_that_evicts_its_own_blocks_keeps_the_index_true(store: Store) -> 
 def test_ram_full_of_blocks_in_use_is_resource_exhausted(store: Store) -> None:
     store.put([item(n, SLAB) for n in range(3)])
     store.put([item(10, 4 * KIB)])                  # a 4 KiB slab, 15 slots free
-    pins = [store.pin(address(n))[0] for n in (0, 1, 2, 10)]
+    pins = store.pin([address(n) for n in (0, 1, 2, 10)])
     with pytest.raises(ResourceExhausted, match="stored 1 of 2 blocks"):
         store.put([item(11, 4 * KIB), item(12, SLAB)])
     assert store.get([address(11)])[0][0].payload == payload(11, 4 * KIB)
@@ -292,7 +296,7 @@ def test_delete_of_a_busy_block_deletes_nothing(store: Store, how: str) -> None:
     store.put([item(1), item(3)])
     if how == "pinned":
         store.put([item(2)])
-        store.pin(address(2))
+        store.pin([address(2)])
         words = "1 readers"
     else:
         store.ram.reserve(address(2).key, 100)   # a write in flight (as the agent path does)
@@ -404,7 +408,7 @@ def test_flush_last_seen(store: Store, clock: FakeClock) -> None:
     clock.advance(60)
     store.get([address(0)])
     store.put([item(1)])                              # present: a use too
-    store.pin(address(2))
+    store.pin([address(2)])
     assert store.flush_last_seen() == 3
     seen = {n: store.index.get(address(n).key) for n in range(4)}
     assert [seen[n].last_seen for n in range(4)] == [T0 + 60] * 3 + [T0]
