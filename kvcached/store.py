@@ -165,10 +165,10 @@ class Store:
                 misses.append(Miss(address, self.miss_reason(address)))
             else:
                 blocks.append((address, block))
-        records = self.index.get_many([b.key for _, b in blocks])
-        for (address, block), record in zip(blocks, records):
-            assert record is not None, "a resident block has no index record"
-            found.append(Fetched(address, self.ram.read(block), record.checksum))
+        checksums = self.index.checksums([b.key for _, b in blocks])
+        for (address, block), checksum in zip(blocks, checksums):
+            assert checksum is not None, "a resident block has no index record"
+            found.append(Fetched(address, self.ram.read(block), checksum))
             self._touched.add(block.key)
         self.counters.hits += len(found)
         self.counters.misses += len(misses)
@@ -190,20 +190,20 @@ class Store:
             self.counters.misses += len(missing)
             more = f" (and {len(missing) - 1} more of {len(addresses)})" if len(missing) > 1 else ""
             raise NotFound(f"block {missing[0]}: {self.miss_reason(missing[0])}{more}")
-        records = iter(self.index.get_many([b.key for _, b in resident if b is not None]))
+        checksums = iter(self.index.checksums([b.key for _, b in resident if b is not None]))
         out: list[Pinned | Miss] = []
         for address, block in resident:
             if block is None:
                 out.append(Miss(address, self.miss_reason(address)))
                 self.counters.misses += 1
                 continue
-            record = next(records)
-            assert record is not None, "a resident block has no index record"
+            checksum = next(checksums)
+            assert checksum is not None, "a resident block has no index record"
             self.ram.pin(block)
             self._touched.add(block.key)
             self.counters.hits += 1
             self.counters.hit_bytes += block.length
-            out.append(Pinned(address, block, record.checksum))
+            out.append(Pinned(address, block, checksum))
         return out
 
     def unpin(self, pinned: "Pinned") -> None:

@@ -120,6 +120,24 @@ def test_get_many(index: BlockIndex) -> None:
     assert index.get_many([]) == []
 
 
+def test_checksums_read_from_the_stored_bytes(index: BlockIndex) -> None:
+    index.write([(key(n), replace(record(n), checksum=bytes([n]) * 32)) for n in (1, 3)])
+    assert index.checksums([key(3), key(2), key(1)]) == [bytes([3]) * 32, None, bytes([1]) * 32]
+    raw_put(index, key(4), b"\x01short")
+    assert index.checksums([key(4)]) == [None]
+
+
+def test_in_place_patches_match_the_codec(index: BlockIndex) -> None:
+    index.write([(key(1), record(1)), (key(2), record(2, tiers=Tier.RAM | Tier.SSD)), (key(3), tombstone(3, NOW))])
+    patched = dict(index.without_tier([key(1), key(2), key(3), key(9)], Tier.RAM, GoneReason.EVICTED, NOW + 5))
+    assert set(patched) == {key(1), key(2)}, "absent records and records not in the tier are left out"
+    assert BlockRecord.decode(patched[key(1)]) == record(1).gone(GoneReason.EVICTED, NOW + 5)
+    assert BlockRecord.decode(patched[key(2)]) == record(2, tiers=Tier.SSD)
+    seen = dict(index.with_last_seen([key(1), key(3)], NOW + 9))
+    assert list(seen) == [key(1)], "tombstones are not touched"
+    assert BlockRecord.decode(seen[key(1)]) == replace(record(1), last_seen=NOW + 9)
+
+
 def test_scan_order_and_start_after(index: BlockIndex) -> None:
     ns = [50, 3, 7, 1000, 256, 8]
     index.write([(key(n), record(n)) for n in ns])
