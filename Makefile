@@ -11,7 +11,8 @@ PROTO_OUT := kvcached/v1/kvcache_pb2.py
 
 install: $(STAMP) $(PROTO_OUT)
 
-# torch first, pinned to the CPU build, so no dependency range can pull CUDA wheels.
+# torch first, at the version whose CPU build these machines' pip finds (a plain `pip install
+# torch` from PyPI would take the CUDA build); the agent's range admits it, so nothing more comes.
 $(STAMP): pyproject.toml agent/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip

@@ -113,6 +113,7 @@ def _iso(ts) -> str:  # type: ignore[no-untyped-def]
 def _client_command(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
+    from kvcached.api.convert import address_from_pb
     from kvcached.client import KvCacheClient
     from kvcached.v1 import kvcache_pb2 as pb
     from kvcached_agent.address import BlockAddress
@@ -137,7 +138,7 @@ def _client_command(args: argparse.Namespace) -> int:
         elif args.command == "ls":
             tier = {None: pb.TIER_UNSPECIFIED, "ram": pb.TIER_RAM, "ssd": pb.TIER_SSD, "gone": pb.TIER_GONE}[args.tier]
             for info in client.list_blocks(model=args.model, tier=tier, limit=args.limit or None):
-                address = BlockAddress(info.address.digest, info.address.layer if info.address.HasField("layer") else 0xFFFFFFFF)
+                address = address_from_pb(info.address)
                 if args.json:
                     print(json.dumps(MessageToDict(info, preserving_proto_field_name=True)))
                 else:

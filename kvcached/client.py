@@ -12,26 +12,17 @@ from typing import Iterable, Iterator, Sequence
 import grpc
 
 from kvcached.api import STREAM_CHUNK_BYTES
+from kvcached.api.convert import address_from_pb, address_to_pb
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, BlockAddress
 from kvcached_agent.integrity import payload_checksum
 
-__all__ = ["KvCacheClient", "ChecksumMismatch", "to_pb"]
+__all__ = ["KvCacheClient", "ChecksumMismatch"]
 
 
 class ChecksumMismatch(Exception):
     """A fetched payload does not match the checksum the daemon sent with it."""
-
-
-def to_pb(address: BlockAddress) -> pb.BlockAddress:
-    if address.layer == CROSS_LAYER:
-        return pb.BlockAddress(digest=address.digest)
-    return pb.BlockAddress(digest=address.digest, layer=address.layer)
-
-
-def _from_pb(msg: pb.BlockAddress) -> BlockAddress:
-    return BlockAddress(msg.digest, msg.layer if msg.HasField("layer") else CROSS_LAYER)
 
 
 def _verified(address: BlockAddress, payload: bytes, checksum: bytes) -> bytes:
@@ -72,7 +63,7 @@ class KvCacheClient:
     # -- calls --------------------------------------------------------------------------------
 
     def put(self, blocks: Iterable[tuple[BlockAddress, bytes]], model: str = "") -> pb.PutResponse:
-        request = pb.PutRequest(blocks=[pb.Block(address=to_pb(a), payload=p, model=model) for a, p in blocks])
+        request = pb.PutRequest(blocks=[pb.Block(address=address_to_pb(a), payload=p, model=model) for a, p in blocks])
         return self.stub.Put(request, timeout=self.timeout)
 
     def put_stream(self, blocks: Iterable[tuple[BlockAddress, bytes]], model: str = "") -> pb.PutResponse:
@@ -80,7 +71,7 @@ class KvCacheClient:
             for address, payload in blocks:
                 checksum = payload_checksum(payload)
                 view = memoryview(payload)
-                yield pb.PutChunk(address=to_pb(address), model=model, checksum=checksum,
+                yield pb.PutChunk(address=address_to_pb(address), model=model, checksum=checksum,
                                   total_length=len(payload), data=view[:STREAM_CHUNK_BYTES].tobytes())
                 for pos in range(STREAM_CHUNK_BYTES, len(payload), STREAM_CHUNK_BYTES):
                     yield pb.PutChunk(data=view[pos:pos + STREAM_CHUNK_BYTES].tobytes())
@@ -88,11 +79,11 @@ class KvCacheClient:
 
     def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
             verify: bool = True) -> tuple[list[Fetched], list[pb.Miss]]:
-        response = self.stub.Get(pb.GetRequest(addresses=[to_pb(a) for a in addresses], allow_partial=allow_partial),
+        response = self.stub.Get(pb.GetRequest(addresses=[address_to_pb(a) for a in addresses], allow_partial=allow_partial),
                                  timeout=self.timeout)
         out = []
         for block in response.blocks:
-            address = _from_pb(block.address)
+            address = address_from_pb(block.address)
             payload = _verified(address, block.payload, block.checksum) if verify else block.payload
             out.append(Fetched(address, payload, block.checksum))
         return out, list(response.misses)
@@ -105,10 +96,10 @@ class KvCacheClient:
 
         def finish() -> None:
             assert head is not None
-            address = _from_pb(head.address)
+            address = address_from_pb(head.address)
             out.append(Fetched(address, _verified(address, b"".join(parts), head.checksum), head.checksum))
 
-        stream = self.stub.GetStream(pb.GetRequest(addresses=[to_pb(a) for a in addresses], allow_partial=allow_partial),
+        stream = self.stub.GetStream(pb.GetRequest(addresses=[address_to_pb(a) for a in addresses], allow_partial=allow_partial),
                                      timeout=self.timeout)
         for chunk in stream:
             if chunk.HasField("miss"):
@@ -130,7 +121,7 @@ class KvCacheClient:
         return self.stub.Lookup(request, timeout=self.timeout)
 
     def delete(self, addresses: Sequence[BlockAddress]) -> pb.DeleteResponse:
-        return self.stub.Delete(pb.DeleteRequest(addresses=[to_pb(a) for a in addresses]), timeout=self.timeout)
+        return self.stub.Delete(pb.DeleteRequest(addresses=[address_to_pb(a) for a in addresses]), timeout=self.timeout)
 
     def stats(self) -> pb.StatsResponse:
         return self.stub.Stats(pb.StatsRequest(), timeout=self.timeout)

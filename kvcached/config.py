@@ -117,6 +117,13 @@ def _non_negative(v: float) -> None:
         raise ValueError(f"must be 0 or more, got {v}")
 
 
+def _path(v: str) -> None:
+    if not v.strip():
+        raise ValueError("must be a path, got an empty string")
+    if "\0" in v:
+        raise ValueError("a path cannot contain a NUL byte")
+
+
 def _one_of(*choices: str) -> Callable[[str], None]:
     def check(v: str) -> None:
         if v not in choices:
@@ -183,10 +190,10 @@ class KvSection:
     ram_gib: float = _key("Size of the shared-memory RAM arena that holds block bytes, GiB.", 1.0, _positive, (int, float))
     max_block_mib: float = _key("Largest block payload accepted, MiB; also the arena's slab size.", 16.0, _positive, (int, float))
     ram_policy: str = _key("Eviction policy of the RAM tier (registry key).", "clock")
-    ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd")
+    ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd", _path)
     ssd_gib: float = _key("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, _non_negative, (int, float))
     ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", 7 * 86400.0)
-    index_dir: str = _key("RocksDB directory of the persistent block index.", "var/index")
+    index_dir: str = _key("RocksDB directory of the persistent block index.", "var/index", _path)
     mirror_pulls: bool = _key("Keep a local copy of blocks pulled from peers.", True)
     gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", 3600.0)
 
@@ -200,7 +207,7 @@ class GrpcSection:
 
 @dataclass(frozen=True)
 class AgentSection:
-    socket: str = _key("Unix socket of the agent endpoint (engine-side agents).", "var/agent.sock")
+    socket: str = _key("Unix socket of the agent endpoint (engine-side agents).", "var/agent.sock", _path)
 
 
 @dataclass(frozen=True)

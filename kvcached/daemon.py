@@ -10,10 +10,12 @@ last-seen times are flushed and the index is closed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -39,6 +41,7 @@ log = logging.getLogger("kvcached.daemon")
 
 SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KvCache"].full_name
 MAINTENANCE_PERIOD_S = 5.0
+PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get the loop back
 
 
 # glibc malloc settings (mallopt(3)): keep freed memory in the heap instead of handing it back
@@ -103,6 +106,8 @@ class Daemon:
         self._metrics_server: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._own_sockets: list[str] = []   # Unix sockets this process bound (and removes)
+        self._scanner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-scan")
+        self._stopping = threading.Event()
         self._stop = asyncio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -179,19 +184,27 @@ class Daemon:
         self.server = server
 
     async def _maintenance(self) -> None:
-        """About every few seconds: flush last-seen times; now and then prune old tombstones."""
+        """About every few seconds: flush last-seen times; now and then prune old tombstones.
+
+        The tombstone scan runs in the scan thread (it reads raw records and stops early when
+        the daemon stops); deletions run here in slices, yielding to requests in between."""
         assert self.store is not None and self.index is not None
         store, index, ttl = self.store, self.index, self.config.kv.gone_ttl
+        loop = asyncio.get_running_loop()
         next_prune = time.time() + min(ttl / 2, 600)
         while True:
             await asyncio.sleep(MAINTENANCE_PERIOD_S)
             try:
                 store.flush_last_seen()
                 if time.time() >= next_prune:
-                    keys = await asyncio.to_thread(index.expired_tombstones, time.time(), ttl)
-                    if keys:
-                        n = index.delete_expired(keys, time.time(), ttl)
-                        log.info("pruned tombstones", extra=fields(count=n))
+                    keys = await loop.run_in_executor(self._scanner, index.expired_tombstones, time.time(), ttl,
+                                                      self._stopping.is_set)
+                    pruned = 0
+                    for i in range(0, len(keys), PRUNE_SLICE):
+                        pruned += index.delete_expired(keys[i:i + PRUNE_SLICE], time.time(), ttl)
+                        await asyncio.sleep(0)
+                    if pruned:
+                        log.info("pruned tombstones", extra=fields(count=pruned))
                     next_prune = time.time() + min(ttl / 2, 600)
             except Exception:
                 log.exception("maintenance failed; will retry")
@@ -213,31 +226,49 @@ class Daemon:
             await self.stop()
 
     async def stop(self) -> None:
+        """Stop in order; a step that fails is logged and the next ones still run, so the index
+        is closed whatever happened before."""
         if self.health is not None:
-            await self.health.enter_graceful_shutdown()
+            await self._step("health", self.health.enter_graceful_shutdown())
         if self.server is not None:
-            await self.server.stop(self.config.grpc.grace_s)
+            await self._step("grpc", self.server.stop(self.config.grpc.grace_s))
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             try:
                 await task
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, Exception):
                 pass
+        self._stopping.set()
+        self._scanner.shutdown(wait=True)        # the scan sees _stopping within one record batch
+        if self._metrics_server is not None:
+            self._step_sync("metrics", self._metrics_server.shutdown)
         if self.store is not None:
-            self.store.flush_last_seen()
+            self._step_sync("last-seen flush", self.store.flush_last_seen)
         if self.index is not None:
-            self.index.close()
+            self._step_sync("index close", self.index.close)
             self.index = None
         if self.arena is not None:
-            self.arena.close()
+            self._step_sync("arena close", self.arena.close)
             self.arena = None
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
         for path in self._own_sockets:
             if os.path.lexists(path):
-                os.unlink(path)
+                self._step_sync("socket removal", os.unlink, path)
         log.info("stopped", extra=fields(uptime_s=round(time.time() - self.started_at, 1)))
+
+    @staticmethod
+    async def _step(name: str, awaitable: Any) -> None:
+        try:
+            await awaitable
+        except Exception:
+            log.exception("shutdown step failed", extra=fields(step=name))
+
+    @staticmethod
+    def _step_sync(name: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("shutdown step failed", extra=fields(step=name))
 
 
 def serve(config: Config) -> int:

@@ -30,3 +30,7 @@ class FailedPrecondition(KvError):
 
 class DataLoss(KvError):
     """Bytes do not match their BLAKE3 checksum."""
+
+
+class Unavailable(KvError):
+    """The daemon cannot do it now (its index cannot be written); nothing of the request was kept."""

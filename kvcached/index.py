@@ -43,6 +43,11 @@ _TIERS, _REASON, _LAST_SEEN, _GONE_AT, _CHECKSUM = 1, 2, 24, 32, 40
 _FAMILIES = ("blocks", "meta")
 
 
+def _is_expired_tombstone(raw: bytes | None, now: float, gone_ttl: float) -> bool:
+    return (raw is not None and len(raw) >= _RECORD.size and raw[0] == SCHEMA_VERSION and raw[_TIERS] == 0
+            and now - _F64.unpack_from(raw, _GONE_AT)[0] > gone_ttl)
+
+
 class Tier(enum.IntFlag):
     """Where a block's bytes are (a set: a block can be in several tiers at once)."""
 
@@ -252,15 +257,28 @@ class BlockIndex:
         self.write(puts, deletes)
         return counts
 
-    def expired_tombstones(self, now: float, gone_ttl: float) -> list[bytes]:
-        """Keys of tombstones older than ``gone_ttl``. Read-only: safe from a worker thread."""
-        return [key for key, rec in self.scan() if not rec.present and now - rec.gone_at > gone_ttl]
+    def expired_tombstones(self, now: float, gone_ttl: float, stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+        """Keys of tombstones older than ``gone_ttl``, read from the raw records (no decode).
+        Read-only: safe from a worker thread; ``stop()`` is polled to end the scan early."""
+        out: list[bytes] = []
+        it = self._blocks.iter()
+        it.seek_to_first()
+        n = 0
+        while it.valid():
+            raw = it.value()
+            if _is_expired_tombstone(raw, now, gone_ttl):
+                out.append(it.key())
+            n += 1
+            if n % 10_000 == 0 and stop():
+                break
+            it.next()
+        del it
+        return out
 
     def delete_expired(self, keys: list[bytes], now: float, gone_ttl: float) -> int:
         """Delete those of ``keys`` that are still expired tombstones (a block may have come
         back since they were found); returns how many. Call from the index's owner."""
-        doomed = [key for key, rec in zip(keys, self.get_many(keys))
-                  if rec is not None and not rec.present and now - rec.gone_at > gone_ttl]
+        doomed = [key for key, raw in zip(keys, self._blocks[keys]) if _is_expired_tombstone(raw, now, gone_ttl)]
         self.write(deletes=doomed)
         return len(doomed)
 

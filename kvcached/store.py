@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
 from kvcached.tiers.ram import BlockBusy, RamBlock, RamFull, RamTier
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress, index_key
@@ -25,6 +25,8 @@ from kvcached_agent.integrity import payload_checksum
 __all__ = ["Store", "PutItem", "Fetched", "Pinned", "Miss", "LookupResult"]
 
 log = logging.getLogger("kvcached.store")
+
+MAX_MODEL_BYTES = 256        # a model label is a name, not a payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +96,15 @@ class Store:
         self.clock = clock
         self.counters = Counters()
         self._touched: set[bytes] = set()
+        # State of the one request in progress. Store methods never await, so requests on the
+        # event loop cannot interleave; a method that comes to await must carry this state in
+        # a per-request object instead.
         self._pending: dict[bytes, BlockRecord] = {}   # records of the request in progress
         self._evicted: set[bytes] = set()              # evicted during it, index not yet told
+        # Readers (streams, later agents) may pin at most this much, so a stalled reader can
+        # never hold the whole tier: puts keep finding room in the other half.
+        self.max_pinned_bytes = ram.capacity // 2
+        self.pinned_bytes = 0
         ram.on_evict = self._on_ram_evict
 
     # -- put ----------------------------------------------------------------------------------
@@ -140,6 +149,8 @@ class Store:
         n = len(item.payload)
         if n == 0:
             raise InvalidArgument(f"block {i} ({item.address}): empty payload")
+        if len(item.model.encode()) > MAX_MODEL_BYTES:
+            raise InvalidArgument(f"block {i} ({item.address}): model label is over {MAX_MODEL_BYTES} bytes")
         if n > self.ram.max_block_bytes:
             raise InvalidArgument(f"block {i} ({item.address}): payload of {n} bytes is over the "
                                   f"limit of {self.ram.max_block_bytes} bytes (kv.max_block_mib)")
@@ -167,7 +178,9 @@ class Store:
                 blocks.append((address, block))
         checksums = self.index.checksums([b.key for _, b in blocks])
         for (address, block), checksum in zip(blocks, checksums):
-            assert checksum is not None, "a resident block has no index record"
+            if checksum is None:
+                misses.append(Miss(address, self._drop_unindexed(block)))
+                continue
             found.append(Fetched(address, self.ram.read(block), checksum))
             self._touched.add(block.key)
         self.counters.hits += len(found)
@@ -185,29 +198,57 @@ class Store:
         a snapshot however long the copy takes. Without ``allow_partial`` a miss pins nothing
         and raises NotFound. Release every Pinned with :meth:`unpin`."""
         resident = [(address, self.ram.get(address.key)) for address in addresses]
-        missing = [a for a, b in resident if b is None]
+        checksums = self.index.checksums([b.key for _, b in resident if b is not None])
+        found = iter(checksums)
+        entries: list[tuple[BlockAddress, RamBlock | None, bytes | None]] = [
+            (address, block, next(found) if block is not None else None) for address, block in resident]
+        missing = [a for a, b, c in entries if b is None or c is None]
         if missing and not allow_partial:
             self.counters.misses += len(missing)
             more = f" (and {len(missing) - 1} more of {len(addresses)})" if len(missing) > 1 else ""
             raise NotFound(f"block {missing[0]}: {self.miss_reason(missing[0])}{more}")
-        checksums = iter(self.index.checksums([b.key for _, b in resident if b is not None]))
+        wanted = sum(b.length for _, b, c in entries if b is not None and c is not None)
+        if self.pinned_bytes + wanted > self.max_pinned_bytes:
+            raise ResourceExhausted(
+                f"readers would pin {self.pinned_bytes + wanted} bytes, over half the RAM tier "
+                f"({self.max_pinned_bytes} bytes; {self.pinned_bytes} pinned now): fetch fewer blocks per stream")
         out: list[Pinned | Miss] = []
-        for address, block in resident:
-            if block is None:
-                out.append(Miss(address, self.miss_reason(address)))
+        for address, block, checksum in entries:
+            if block is None or checksum is None:
+                reason = self.miss_reason(address) if block is None else self._drop_unindexed(block)
+                out.append(Miss(address, reason))
                 self.counters.misses += 1
                 continue
-            checksum = next(checksums)
-            assert checksum is not None, "a resident block has no index record"
             self.ram.pin(block)
+            self.pinned_bytes += block.length
             self._touched.add(block.key)
             self.counters.hits += 1
             self.counters.hit_bytes += block.length
             out.append(Pinned(address, block, checksum))
         return out
 
+    def read(self, pinned: "Pinned", start: int, length: int) -> bytes:
+        """A copy of up to ``length`` bytes of a pinned block from ``start``."""
+        return self.ram.read_range(pinned.block, start, length)
+
     def unpin(self, pinned: "Pinned") -> None:
         self.ram.unpin(pinned.block)
+        self.pinned_bytes -= pinned.block.length
+
+    def _drop_unindexed(self, block: RamBlock) -> str:
+        """A resident block without an index record (its write failed): never served, dropped."""
+        if self.ram.busy_reason(block.key) is None:
+            self.ram.delete(block.key)
+        log.error("resident block without index record dropped", extra={"fields": {"key": block.key.hex()}})
+        return "its index record is missing; the bytes were dropped"
+
+    @property
+    def max_block_bytes(self) -> int:
+        return self.ram.max_block_bytes
+
+    def resident_bytes(self, addresses: Sequence[BlockAddress]) -> int:
+        """Payload bytes of those of ``addresses`` that are resident (sizing an answer)."""
+        return sum(b.length for a in addresses if (b := self.ram.get(a.key)) is not None)
 
     def miss_reason(self, address: BlockAddress) -> str:
         """Why ``address`` is not here, in words."""
@@ -259,7 +300,7 @@ class Store:
     # -- listing and stats --------------------------------------------------------------------
 
     def list_blocks(self, *, model: str = "", tier: str = "", page_token: bytes = b"",
-                    page_size: int = 100, max_scan: int = 100_000) -> tuple[list[BlockRecord], bytes]:
+                    page_size: int = 100, max_scan: int = 10_000) -> tuple[list[BlockRecord], bytes]:
         """A page of index records in key order, filtered by model and tier
         (``ram``, ``ssd``, ``gone`` or empty for all). The token continues the listing;
         an empty token means the end."""
@@ -314,14 +355,25 @@ class Store:
                 self._evicted.add(key)
 
     def _write_index(self) -> None:
-        """One index write for the request: its new records and its evictions' tombstones."""
+        """One index write for the request: its new records and its evictions' tombstones.
+
+        If the index cannot be written, the request's new blocks leave RAM again (what the
+        index does not know must not be served) and Unavailable says so."""
         puts: list[tuple[bytes, BlockRecord | bytes]] = list(self._pending.items())
+        new_keys = [key for key, record in puts if record.present]
+        evicted, self._evicted = list(self._evicted), set()
         self._pending.clear()
-        if self._evicted:
-            keys = list(self._evicted)
-            self._evicted.clear()
-            puts += self.index.without_tier(keys, Tier.RAM, GoneReason.EVICTED, self.clock())
-        self.index.write(puts)
+        try:
+            if evicted:
+                puts += self.index.without_tier(evicted, Tier.RAM, GoneReason.EVICTED, self.clock())
+            self.index.write(puts)
+        except Exception as exc:
+            for key in new_keys:
+                if self.ram.busy_reason(key) is None:
+                    self.ram.delete(key)
+            log.error("index write failed", extra={"fields": {"blocks": len(new_keys), "error": str(exc)}})
+            raise Unavailable(f"the index cannot be written ({exc}); none of the {len(new_keys)} new blocks "
+                              "of this request were kept") from exc
 
     def flush_last_seen(self) -> int:
         """Write the last-seen time of blocks used since the previous flush (batched, off the

@@ -17,7 +17,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvcached import __version__
 from kvcached.api import STREAM_CHUNK_BYTES
-from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted
+from kvcached.api.convert import address_from_pb, address_to_pb, tier_name
+from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
+                             Unavailable)
 from kvcached.index import BlockRecord, Tier
 from kvcached.store import Miss, Pinned, PutItem, Store
 from kvcached.v1 import kvcache_pb2 as pb
@@ -35,6 +37,7 @@ _STATUS: dict[type[KvError], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     DataLoss: grpc.StatusCode.DATA_LOSS,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 _TIER_FILTER = {pb.TIER_UNSPECIFIED: "", pb.TIER_RAM: "ram", pb.TIER_SSD: "ssd", pb.TIER_GONE: "gone"}
 
@@ -66,20 +69,6 @@ def _errors_to_status(handler: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def to_address(msg: pb.BlockAddress, where: str) -> BlockAddress:
-    layer = msg.layer if msg.HasField("layer") else CROSS_LAYER
-    try:
-        return BlockAddress(msg.digest, layer)
-    except ValueError as exc:
-        raise InvalidArgument(f"{where}: {exc}") from None
-
-
-def from_address(address: BlockAddress) -> pb.BlockAddress:
-    if address.layer == CROSS_LAYER:
-        return pb.BlockAddress(digest=address.digest)
-    return pb.BlockAddress(digest=address.digest, layer=address.layer)
-
-
 def _timestamp(seconds: float) -> Timestamp:
     ts = Timestamp()
     ts.FromNanoseconds(int(seconds * 1e9))
@@ -91,27 +80,29 @@ def block_info(record: BlockRecord) -> pb.BlockInfo:
     if record.tiers & Tier.SSD:
         tiers.append(pb.TIER_SSD)
     return pb.BlockInfo(
-        address=from_address(BlockAddress(record.digest, record.layer)), model=record.model, nbytes=record.nbytes,
+        address=address_to_pb(BlockAddress(record.digest, record.layer)), model=record.model, nbytes=record.nbytes,
         checksum=record.checksum, created=_timestamp(record.created), last_seen=_timestamp(record.last_seen),
         tiers=tiers, gone_reason="" if record.present else record.gone_reason.text)
 
 
 class KvCacheService(pb_grpc.KvCacheServicer):
     def __init__(self, store: Store, *, max_message_bytes: int, started_at: float | None = None) -> None:
+        """``max_message_bytes``: the server's message limit, so Get can refuse an answer that
+        would not fit with a message that says what to do instead."""
         self.store = store
         self.max_message_bytes = max_message_bytes
         self.started_at = time.time() if started_at is None else started_at
 
     @_errors_to_status
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        items = [PutItem(to_address(b.address, f"blocks[{i}].address"), b.payload, b.model, b.checksum)
+        items = [PutItem(address_from_pb(b.address, f"blocks[{i}].address"), b.payload, b.model, b.checksum)
                  for i, b in enumerate(request.blocks)]
         result = self.store.put(items)
         return pb.PutResponse(stored=result.stored, already_present=result.present)
 
     @_errors_to_status
     async def PutStream(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        limit = self.store.ram.max_block_bytes
+        limit = self.store.max_block_bytes
         stored = present = 0
         head: pb.PutChunk | None = None
         buf = bytearray()
@@ -122,7 +113,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             assert head is not None
             if len(buf) != head.total_length:
                 raise InvalidArgument(f"block {n - 1}: got {len(buf)} payload bytes, total_length said {head.total_length}")
-            result = self.store.put([PutItem(to_address(head.address, f"block {n - 1}"), bytes(buf), head.model, head.checksum)])
+            result = self.store.put([PutItem(address_from_pb(head.address, f"block {n - 1}"), bytes(buf), head.model, head.checksum)])
             stored += result.stored
             present += result.present
 
@@ -132,7 +123,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                     finish()
                 if chunk.total_length == 0 or chunk.total_length > limit:
                     raise InvalidArgument(f"block {n}: total_length {chunk.total_length} is outside 1..{limit} (kv.max_block_mib)")
-                to_address(chunk.address, f"block {n}")
+                address_from_pb(chunk.address, f"block {n}")
                 head, buf, n = chunk, bytearray(), n + 1
             elif head is None:
                 raise InvalidArgument("the first PutStream chunk must carry an address")
@@ -145,45 +136,43 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @_errors_to_status
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
-        addresses = [to_address(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
-        self._check_response_size(addresses)
-        found, misses = self.store.get(addresses, allow_partial=request.allow_partial)
-        return pb.GetResponse(
-            blocks=[pb.Block(address=from_address(f.address), payload=f.payload, checksum=f.checksum) for f in found],
-            misses=[pb.Miss(address=from_address(m.address), reason=m.reason) for m in misses])
-
-    def _check_response_size(self, addresses: list[BlockAddress]) -> None:
-        total = 0
-        for address in addresses:
-            block = self.store.ram.get(address.key)
-            if block is not None:
-                total += block.length + 128
+        addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
+        total = self.store.resident_bytes(addresses) + 128 * len(addresses)
         if total > self.max_message_bytes:
             raise ResourceExhausted(f"the {len(addresses)} blocks make a response of about {total} bytes, over the "
                                     f"message limit of {self.max_message_bytes} bytes (grpc.max_message_mib); "
                                     "use GetStream or smaller batches")
+        found, misses = self.store.get(addresses, allow_partial=request.allow_partial)
+        return pb.GetResponse(
+            blocks=[pb.Block(address=address_to_pb(f.address), payload=f.payload, checksum=f.checksum) for f in found],
+            misses=[pb.Miss(address=address_to_pb(m.address), reason=m.reason) for m in misses])
 
     async def GetStream(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetChunk]:
+        """The batch is pinned up front (a snapshot no eviction or Delete can break; the store
+        caps how much readers may pin) and each block is released once sent, or when the
+        stream ends early. No view of the arena is held across a yield: every chunk is a copy."""
         try:
-            addresses = [to_address(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
+            addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
             entries = self.store.pin(addresses, allow_partial=request.allow_partial)
         except KvError as exc:
             await context.abort(_status_of(exc), str(exc))
         held = [e for e in entries if isinstance(e, Pinned)]
         done = 0
-        try:   # every block of the batch is pinned: none can go while the stream runs
+        try:
             for entry in entries:
                 if isinstance(entry, Miss):
-                    yield pb.GetChunk(miss=pb.Miss(address=from_address(entry.address), reason=entry.reason))
+                    yield pb.GetChunk(miss=pb.Miss(address=address_to_pb(entry.address), reason=entry.reason))
                     continue
                 length = entry.block.length
-                with self.store.ram.view(entry.block) as view:
-                    yield pb.GetChunk(address=from_address(entry.address), checksum=entry.checksum,
-                                      total_length=length, data=view[:STREAM_CHUNK_BYTES].tobytes())
-                    for pos in range(STREAM_CHUNK_BYTES, length, STREAM_CHUNK_BYTES):
-                        yield pb.GetChunk(data=view[pos:pos + STREAM_CHUNK_BYTES].tobytes())
+                yield pb.GetChunk(address=address_to_pb(entry.address), checksum=entry.checksum, total_length=length,
+                                  data=self.store.read(entry, 0, STREAM_CHUNK_BYTES))
+                for pos in range(STREAM_CHUNK_BYTES, length, STREAM_CHUNK_BYTES):
+                    yield pb.GetChunk(data=self.store.read(entry, pos, STREAM_CHUNK_BYTES))
                 self.store.unpin(entry)
                 done += 1
+        except Exception:
+            log.exception("GetStream failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "GetStream: internal error (see daemon log)")
         finally:   # a cancelled or failed stream releases what it still holds
             for entry in held[done:]:
                 self.store.unpin(entry)
@@ -196,7 +185,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @_errors_to_status
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
-        addresses = [to_address(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
+        addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
         deleted, missing = self.store.delete(addresses)
         return pb.DeleteResponse(deleted=deleted, not_found=missing)
 
@@ -215,7 +204,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     async def ListBlocks(self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext) -> pb.ListBlocksResponse:
         tier = _TIER_FILTER.get(request.tier)
         if tier is None:
-            raise InvalidArgument(f"cannot filter by tier {pb.Tier.Name(request.tier)}; use TIER_RAM, TIER_SSD, TIER_GONE or none")
+            raise InvalidArgument(f"cannot filter by tier {tier_name(request.tier)}; use TIER_RAM, TIER_SSD, TIER_GONE or none")
         records, token = self.store.list_blocks(model=request.model, tier=tier, page_token=request.page_token,
                                                 page_size=request.page_size)
         return pb.ListBlocksResponse(blocks=[block_info(r) for r in records], next_page_token=token)

@@ -140,6 +140,12 @@ class RamTier:
         self.policy.touch(block.key)
         return self.arena.read(self.slabs.offset(block.slot), block.length)
 
+    def read_range(self, block: RamBlock, start: int, length: int) -> bytes:
+        """A copy of up to ``length`` bytes of ``block`` from ``start`` (streaming)."""
+        end = min(block.length, start + length)
+        offset = self.slabs.offset(block.slot)
+        return self.arena.read(offset + start, max(0, end - start))
+
     def view(self, block: RamBlock) -> memoryview:
         """The block's bytes in the arena, without a copy. Valid while the block is pinned."""
         offset = self.slabs.offset(block.slot)

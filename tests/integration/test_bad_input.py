@@ -174,3 +174,27 @@ def test_cli_client_errors(daemon, tmp_path: Path) -> None:
     assert r.returncode == 0 and "ram" in r.stdout
     r = run_cli(["rm", *target, "ab" * 32 + ":7"])
     assert r.returncode == 0 and "deleted 1" in r.stdout
+
+
+def test_stalled_reader_cannot_starve_writers(daemon) -> None:
+    """Readers may pin at most half the RAM tier: a stream that stalls holds its blocks, puts
+    keep working in the other half, and a stream asking for more is refused up front."""
+    with daemon.client() as c:
+        blocks = [(BlockAddress(bytes([i]) * 32), os.urandom(8 << 20)) for i in range(16)]   # fills the 128 MiB arena
+        c.put_stream(blocks)
+        half = [pb.BlockAddress(digest=a.digest) for a, _ in blocks[8:16]]
+        stalled = c.stub.GetStream(pb.GetRequest(addresses=half), timeout=60)
+        next(stalled)                                       # 64 MiB pinned, then nothing read
+        expect_error(lambda: c.get_stream([blocks[0][0]]), grpc.StatusCode.RESOURCE_EXHAUSTED, "over half the RAM tier")
+        for i in range(20):                                 # writers still find room
+            assert c.put_stream([(BlockAddress(bytes([100 + i]) * 32), os.urandom(8 << 20))]).stored == 1
+        stalled.cancel()
+
+
+def test_unknown_tier_enum_and_oversize_model_label(daemon) -> None:
+    with daemon.client() as c:
+        expect_error(lambda: c.stub.ListBlocks(pb.ListBlocksRequest(tier=99)), grpc.StatusCode.INVALID_ARGUMENT,
+                     "cannot filter by tier 99")
+        expect_error(lambda: c.put([(A, b"x")], model="m" * 257), grpc.StatusCode.INVALID_ARGUMENT,
+                     "model label is over 256 bytes")
+        still_serving(c)

@@ -418,3 +418,10 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_as_mapping() -> None:
     m = cfg.as_mapping(Config())
     assert m["kv"]["ram_gib"] == 1.0 and m["grpc"]["listen"] == ["unix:var/kvcached.sock"]
+
+
+@pytest.mark.parametrize("override, key", [('kv.index_dir=""', "kv.index_dir"), ('kv.ssd_dir=" "', "kv.ssd_dir"),
+                                           ('agent.socket=""', "agent.socket")])
+def test_empty_paths_are_refused(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"^config: {key}: must be a path, got an empty string$"):
+        load_config(None, [override])

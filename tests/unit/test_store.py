@@ -5,7 +5,7 @@ from __future__ import annotations
 import blake3
 import pytest
 
-from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
 from kvcached.policies.clock import ClockPolicy
 from kvcached.store import Fetched, LookupResult, Pinned, PutItem, Store
@@ -225,15 +225,58 @@ def test_batch_that_evicts_its_own_blocks_keeps_the_index_true(store: Store) -> 
 def test_ram_full_of_blocks_in_use_is_resource_exhausted(store: Store) -> None:
     store.put([item(n, SLAB) for n in range(3)])
     store.put([item(10, 4 * KIB)])                  # a 4 KiB slab, 15 slots free
-    pins = store.pin([address(n) for n in (0, 1, 2, 10)])
+    # every block in use (readers past the store's pin budget: agents will hold blocks too)
+    blocks = [store.ram.get(address(n).key) for n in (0, 1, 2, 10)]
+    for b in blocks:
+        store.ram.pin(b)
     with pytest.raises(ResourceExhausted, match="stored 1 of 2 blocks"):
         store.put([item(11, 4 * KIB), item(12, SLAB)])
     assert store.get([address(11)])[0][0].payload == payload(11, 4 * KIB)
     assert store.index.get(address(11).key).present, "the block stored before the failure is indexed"
     assert store.index.get(address(12).key) is None and address(12).key not in store.ram
-    for p in pins:
-        store.unpin(p)
+    for b in blocks:
+        store.ram.unpin(b)
     assert store.put([item(12, SLAB)]).stored == 1
+
+
+def test_readers_may_pin_at_most_half_the_tier(store: Store) -> None:
+    store.put([item(n, SLAB) for n in range(4)])
+    held = store.pin([address(0), address(1)])       # half the arena: allowed
+    assert store.pinned_bytes == 2 * SLAB == store.max_pinned_bytes
+    with pytest.raises(ResourceExhausted, match="over half the RAM tier"):
+        store.pin([address(2)])
+    assert store.ram.get(address(2).key).refs == 0, "a refused pin holds nothing"
+    assert store.put([item(9, SLAB)]).stored == 1, "puts still find room"
+    for p in held:
+        store.unpin(p)
+    assert store.pinned_bytes == 0
+    (p,) = store.pin([address(9)])
+    assert store.read(p, 10, 20) == payload(9, SLAB)[10:30] and store.read(p, SLAB - 4, 100) == payload(9, SLAB)[-4:]
+    store.unpin(p)
+
+
+def test_index_write_failure_keeps_nothing_unindexed(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the index cannot record a batch, its blocks leave RAM: nothing unindexed is served."""
+    store.put([item(1)])
+
+    def broken(*args: object, **kw: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.index, "write", broken)
+    with pytest.raises(Unavailable, match="none of the 2 new blocks"):
+        store.put([item(2), item(3), item(1)])
+    monkeypatch.undo()
+    assert address(2).key not in store.ram and address(3).key not in store.ram
+    assert store.get([address(1)])[0][0].payload == payload(1, 4 * KIB), "blocks stored before are untouched"
+    assert store.lookup([address(2).digest], 0).longest == 0
+
+
+def test_resident_block_without_record_is_a_miss_not_a_crash(store: Store) -> None:
+    store.put([item(1), item(2)])
+    store.index.write(deletes=[address(1).key])         # as after a lost index write
+    found, misses = store.get([address(1), address(2)], allow_partial=True)
+    assert [f.address for f in found] == [address(2)]
+    assert "index record is missing" in misses[0].reason and address(1).key not in store.ram
 
 
 # ---------------------------------------------------------------------------------------------
