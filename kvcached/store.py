@@ -20,7 +20,7 @@ from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFo
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
 from kvcached.tiers.ram import BlockBusy, RamBlock, RamFull, RamTier
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress, index_key
-from kvcached_agent.integrity import payload_checksum
+from kvcached_agent.integrity import payload_checksums
 
 __all__ = ["Store", "PutItem", "Fetched", "Pinned", "Miss", "LookupResult"]
 
@@ -113,7 +113,13 @@ class Store:
         """Store a batch. Every item is checked before any is stored, so a bad item stores
         nothing. Blocks already present count as ``present``. If the RAM tier fills with blocks
         in use, the blocks stored so far stay and ResourceExhausted says how many."""
-        checksums = [self._check_put(i, item) for i, item in enumerate(items)]
+        for i, item in enumerate(items):
+            self._check_put(i, item)
+        checksums = payload_checksums([item.payload for item in items])
+        for i, (item, checksum) in enumerate(zip(items, checksums)):
+            if item.checksum and item.checksum != checksum:
+                raise DataLoss(f"block {i} ({item.address}): payload does not match its BLAKE3 checksum "
+                               "(damaged on the way?); nothing was stored")
         now = self.clock()
         result = PutResult()
         # Records of this batch wait in _pending and go to the index in one write at the end,
@@ -145,7 +151,7 @@ class Store:
             self._write_index()
         return result
 
-    def _check_put(self, i: int, item: PutItem) -> bytes:
+    def _check_put(self, i: int, item: PutItem) -> None:
         n = len(item.payload)
         if n == 0:
             raise InvalidArgument(f"block {i} ({item.address}): empty payload")
@@ -157,11 +163,6 @@ class Store:
         if item.checksum and len(item.checksum) != DIGEST_BYTES:
             raise InvalidArgument(f"block {i} ({item.address}): checksum must be {DIGEST_BYTES} bytes "
                                   f"(BLAKE3-256), got {len(item.checksum)}")
-        checksum = payload_checksum(item.payload)
-        if item.checksum and item.checksum != checksum:
-            raise DataLoss(f"block {i} ({item.address}): payload does not match its BLAKE3 checksum "
-                           "(damaged on the way?); nothing was stored")
-        return checksum
 
     # -- get ----------------------------------------------------------------------------------
 

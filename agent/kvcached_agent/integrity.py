@@ -7,9 +7,13 @@ clients). Shared by the daemon and the agent so both compute it the same way.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
 import blake3
 
-__all__ = ["CHECKSUM_BYTES", "payload_checksum"]
+__all__ = ["CHECKSUM_BYTES", "payload_checksum", "payload_checksums"]
 
 CHECKSUM_BYTES = 32
 # From this size on BLAKE3 hashes on every core; below it, on 2 cores, starting the threads
@@ -22,3 +26,27 @@ def payload_checksum(payload: bytes | bytearray | memoryview) -> bytes:
     if len(payload) >= _PARALLEL_HASH_BYTES:
         return blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
     return blake3.blake3(payload).digest()
+
+
+# Across payloads, threads pay off from a few hundred KiB each: BLAKE3 releases the GIL while it
+# hashes (measured: 16 x 1 MiB in ~5.6 ms on two threads, ~8.4 ms on one; for 64 KiB payloads
+# the hand-offs cost more than they give).
+_PARALLEL_BATCH_MIN_PAYLOAD = 256 << 10
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(2, thread_name_prefix="blake3")
+        return _pool
+
+
+def payload_checksums(payloads: Sequence[bytes | bytearray | memoryview]) -> list[bytes]:
+    """Checksums of a batch, hashed on two threads when the payloads are big enough to gain."""
+    big = sum(1 for p in payloads if _PARALLEL_BATCH_MIN_PAYLOAD <= len(p) < _PARALLEL_HASH_BYTES)
+    if big < 2:
+        return [payload_checksum(p) for p in payloads]
+    return list(_hash_pool().map(payload_checksum, payloads))
