@@ -115,28 +115,35 @@ class Store:
         in use, the blocks stored so far stay and ResourceExhausted says how many."""
         for i, item in enumerate(items):
             self._check_put(i, item)
-        checksums = payload_checksums([item.payload for item in items])
-        for i, (item, checksum) in enumerate(zip(items, checksums)):
+        # Engines save the same prefixes again and again: blocks already here are neither
+        # hashed nor copied.
+        todo: list[tuple[int, PutItem]] = []
+        for i, item in enumerate(items):
+            if item.address.key in self.ram:
+                self._touched.add(item.address.key)    # a re-put is a use
+            else:
+                todo.append((i, item))
+        checksums = payload_checksums([item.payload for _, item in todo])
+        for (i, item), checksum in zip(todo, checksums):
             if item.checksum and item.checksum != checksum:
                 raise DataLoss(f"block {i} ({item.address}): payload does not match its BLAKE3 checksum "
                                "(damaged on the way?); nothing was stored")
         now = self.clock()
-        result = PutResult()
+        result = PutResult(present=len(items) - len(todo))
         # Records of this batch wait in _pending and go to the index in one write at the end,
         # with the tombstones of whatever the batch evicted (see _on_ram_evict).
         pending = self._pending
         try:
-            for item, checksum in zip(items, checksums):
+            for (_, item), checksum in zip(todo, checksums):
                 key = item.address.key
-                if key in self.ram:
+                if key in self.ram:      # the same block twice in this batch
                     result.present += 1
-                    self._touched.add(key)
                     continue
                 try:
                     block = self.ram.reserve(key, len(item.payload))
                 except RamFull as exc:
                     raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {exc}") from None
-                except ValueError:   # same key twice in this batch and still being written
+                except ValueError:   # being written by another writer (an agent) right now
                     result.present += 1
                     continue
                 self.ram.write(block, item.payload)
