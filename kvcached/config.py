@@ -124,6 +124,16 @@ def _path(v: str) -> None:
         raise ValueError("a path cannot contain a NUL byte")
 
 
+def _commit_ms(v: float) -> None:
+    if not 0 <= v <= 1000:
+        raise ValueError(f"must be between 0 and 1000 ms, got {v}")
+
+
+def _io_threads(v: int) -> None:
+    if not 1 <= v <= 256:
+        raise ValueError(f"must be between 1 and 256, got {v}")
+
+
 def _one_of(*choices: str) -> Callable[[str], None]:
     def check(v: str) -> None:
         if v not in choices:
@@ -193,6 +203,14 @@ class KvSection:
     ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd", _path)
     ssd_gib: float = _key("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, _non_negative, (int, float))
     ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", 7 * 86400.0)
+    write_policy: str = _key("When new blocks go to SSD: write_back (soon after the Put) or write_through (before it returns).",
+                             "write_back", _one_of("write_back", "write_through"))
+    ssd_durability: str = _key("How SSD block files are made durable: always, batch or none.", "batch",
+                               _one_of("always", "batch", "none"))
+    ssd_commit_ms: float = _key("Longest wait to gather a group commit (ssd_durability = batch), ms.", 10.0,
+                                _commit_ms, (int, float))
+    ssd_direct_io: str = _key("O_DIRECT for SSD reads and writes: auto, on or off.", "auto", _one_of("auto", "on", "off"))
+    ssd_io_threads: int = _key("Threads doing SSD I/O (blocks in flight at once).", 8, _io_threads, int)
     index_dir: str = _key("RocksDB directory of the persistent block index.", "var/index", _path)
     mirror_pulls: bool = _key("Keep a local copy of blocks pulled from peers.", True)
     gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", 3600.0)

@@ -1,10 +1,12 @@
 """The daemon process: wires config, index, tiers, store and listeners; runs until a signal.
 
 Start-up order: state directories, a check that no other daemon owns our sockets or index,
-the index (with its boot reconcile), the RAM arena, the gRPC listeners (KvCache, health,
-reflection), metrics, background maintenance. Shutdown on SIGTERM or SIGINT: health goes
-NOT_SERVING, listeners stop accepting, in-flight calls get ``grpc.grace_s`` to finish, then
-last-seen times are flushed and the index is closed.
+the index (with its boot reconcile), the RAM arena, the SSD tier's directory, the gRPC
+listeners (KvCache, health, reflection), metrics, background tasks: maintenance, the SSD
+reconcile (it runs while the daemon serves), the write-back demoter and the SSD evictor.
+Shutdown on SIGTERM or SIGINT: health goes NOT_SERVING, listeners stop accepting, in-flight
+calls get ``grpc.grace_s`` to finish, background tasks stop, SSD commits in progress finish,
+then last-seen times are flushed and the index is closed.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from kvcached.metrics import start_metrics
 from kvcached.policies import make_eviction_policy
 from kvcached.store import Store
 from kvcached.tiers.arena import SharedArena
+from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.tiers.ram import RamTier
+from kvcached.tiers.ssd import SsdTier
 from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 __all__ = ["Daemon", "StartupError", "serve"]
@@ -41,6 +45,8 @@ log = logging.getLogger("kvcached.daemon")
 
 SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KvCache"].full_name
 MAINTENANCE_PERIOD_S = 5.0
+DEMOTE_PERIOD_S = 1.0
+EVICT_PERIOD_S = 1.0
 PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get the loop back
 
 
@@ -101,6 +107,7 @@ class Daemon:
         self.index: BlockIndex | None = None
         self.arena: SharedArena | None = None
         self.store: Store | None = None
+        self.ssd: SsdTier | None = None
         self.server: grpc.aio.Server | None = None
         self.health: Any = None
         self._metrics_server: Any = None
@@ -123,7 +130,9 @@ class Daemon:
         self.index = self._open_index()
         self.arena = SharedArena(cfg.ram_bytes)
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(cfg.kv.ram_policy))
-        self.store = Store(ram, self.index, gone_ttl=cfg.kv.gone_ttl)
+        self.ssd = self._open_ssd()
+        self.store = Store(ram, self.index, ssd=self.ssd, write_policy=cfg.kv.write_policy,  # type: ignore[arg-type]
+                           ssd_ttl=cfg.kv.ssd_ttl, gone_ttl=cfg.kv.gone_ttl)
         await self._start_grpc(listeners)
         if cfg.metrics.listen:
             try:
@@ -132,8 +141,64 @@ class Daemon:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))
         self._tasks.append(asyncio.create_task(self._maintenance(), name="maintenance"))
+        if self.ssd is not None:
+            self._tasks += [asyncio.create_task(self._reconcile_ssd(), name="ssd-reconcile"),
+                            asyncio.create_task(self._demoter(), name="ssd-demoter"),
+                            asyncio.create_task(self._ssd_evictor(), name="ssd-evictor")]
         log.info("ready", extra=fields(version=__version__, ram_bytes=ram.capacity, pid=os.getpid(),
+                                       ssd_bytes=self.ssd.capacity if self.ssd else 0,
+                                       ssd_direct_io=self.ssd.direct if self.ssd else False,
                                        startup_s=round(time.time() - self.started_at, 3)))
+
+    def _open_ssd(self) -> SsdTier | None:
+        kv = self.config.kv
+        if kv.ssd_gib == 0:
+            return None
+        ssd = SsdTier(kv.ssd_dir, int(kv.ssd_gib * (1 << 30)), durability=kv.ssd_durability,  # type: ignore[arg-type]
+                      commit_s=kv.ssd_commit_ms / 1000, direct_io=kv.ssd_direct_io,  # type: ignore[arg-type]
+                      threads=kv.ssd_io_threads)
+        try:
+            ssd.open()
+        except OSError as exc:
+            raise StartupError(f"kv.ssd_dir {kv.ssd_dir}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        return ssd
+
+    async def _reconcile_ssd(self) -> None:
+        """The SSD boot reconcile, in the scan thread, while the daemon serves."""
+        assert self.store is not None and self.index is not None and self.ssd is not None
+        loop = asyncio.get_running_loop()
+        report = await loop.run_in_executor(self._scanner, reconcile_ssd, self.index, self.ssd, self._stopping.is_set)
+        if self._stopping.is_set():
+            return
+        self.store.finish_ssd_reconcile(report)
+        log.info("SSD tier reconciled", extra=fields(**report.summary()))
+
+    async def _demoter(self) -> None:
+        """Write-back: publish dirty blocks on SSD soon after they are put (woken by puts), and
+        at least once a second; after a round that published nothing, wait a second."""
+        store = self.store
+        assert store is not None
+        while True:
+            await _woken_or_after(store.demote_wanted, DEMOTE_PERIOD_S)
+            try:
+                while store.ram.dirty and await store.demote():
+                    pass
+            except Exception:
+                log.exception("write-back round failed; will retry")
+                await asyncio.sleep(DEMOTE_PERIOD_S)
+
+    async def _ssd_evictor(self) -> None:
+        """SSD eviction by TTL and capacity, about once a second and when the tier is over."""
+        store = self.store
+        assert store is not None
+        while True:
+            await _woken_or_after(store.evict_wanted, EVICT_PERIOD_S)
+            try:
+                await store.evict_ssd()
+            except Exception:
+                log.exception("SSD eviction failed; will retry")
 
     def _open_index(self) -> BlockIndex:
         from kvcached.index import IndexError_
@@ -240,7 +305,9 @@ class Daemon:
             except (asyncio.CancelledError, Exception):
                 pass
         self._stopping.set()
-        self._scanner.shutdown(wait=True)        # the scan sees _stopping within one record batch
+        self._scanner.shutdown(wait=True)        # the scans see _stopping within one record batch
+        if self.ssd is not None:                 # before the arena goes: SSD threads read from it
+            await self._step("ssd close", self.ssd.close())
         if self._metrics_server is not None:
             self._step_sync("metrics", self._metrics_server.shutdown)
         if self.store is not None:
@@ -269,6 +336,15 @@ class Daemon:
             fn(*args)
         except Exception:
             log.exception("shutdown step failed", extra=fields(step=name))
+
+
+async def _woken_or_after(event: asyncio.Event, seconds: float) -> None:
+    """Wait until ``event`` is set or ``seconds`` pass, then clear it."""
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        pass
+    event.clear()
 
 
 def serve(config: Config) -> int:

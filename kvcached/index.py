@@ -2,8 +2,8 @@
 
 The index is the source of truth for block metadata; tiers hold only bytes. One record per
 stored block, keyed by the 32-byte index key (kvcached_agent.address.index_key), in the column
-family ``blocks``; the ``meta`` family holds the schema version. Later issues add families
-(peers, policy state) beside them.
+family ``blocks``; the ``meta`` family holds the schema version; ``ssd_age`` is the SSD tier's
+eviction queue (see :meth:`BlockIndex.ssd_queue`). Later issues add families (peers) beside them.
 
 A record whose tier set is empty is a *tombstone*: the bytes are gone (evicted, or lost when
 the daemon restarted and they lived only in RAM), the metadata stays for ``kv.gone_ttl`` so a
@@ -15,8 +15,10 @@ Record layout (little-endian, version 1)::
     u8 version | u8 tiers | u8 gone_reason | u8 pad | u32 layer | u64 nbytes |
     f64 created | f64 last_seen | f64 gone_at | 32 B checksum | 32 B digest | model (UTF-8, rest)
 
-Writes go through the WAL without fsync: a daemon crash loses nothing the OS has; a power loss
-may lose the last writes, which only ever name bytes that lived in RAM and are gone anyway.
+Writes go through the WAL without fsync: a daemon crash loses nothing the OS has. Writes that
+publish SSD blocks under a durable mode pass ``sync=True`` (one WAL fsync per group commit), so
+after a power loss the index never forgets a block file it acknowledged; other writes lost to a
+power loss only ever name bytes that lived in RAM, or leave orphan files the boot reconcile removes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Callable, Iterable, Iterator
 
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
-__all__ = ["BlockIndex", "BlockRecord", "Tier", "GoneReason", "IndexError_"]
+__all__ = ["BlockIndex", "BlockRecord", "Tier", "GoneReason", "IndexError_", "queue_entry", "queue_time", "raw_ssd_view"]
 
 log = logging.getLogger("kvcached.index")
 
@@ -40,7 +42,8 @@ _RECORD = struct.Struct("<BBBxIQddd32s32s")
 _F64 = struct.Struct("<d")
 # byte offsets of the fields that change in place (see the layout above)
 _TIERS, _REASON, _LAST_SEEN, _GONE_AT, _CHECKSUM = 1, 2, 24, 32, 40
-_FAMILIES = ("blocks", "meta")
+_FAMILIES = ("blocks", "meta", "ssd_age")
+_AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
 
 
 def _is_expired_tombstone(raw: bytes | None, now: float, gone_ttl: float) -> bool:
@@ -60,10 +63,33 @@ class GoneReason(enum.IntEnum):
     NONE = 0
     EVICTED = 1           # dropped from the last tier that held it
     LOST_AT_RESTART = 2   # lived only in RAM when the daemon stopped
+    CORRUPT = 3           # its SSD file failed verification and was quarantined
+    FILE_MISSING = 4      # its SSD file was gone (or did not match) at a read or the boot reconcile
 
     @property
     def text(self) -> str:
-        return {0: "present", 1: "evicted", 2: "lost at restart (it lived only in RAM)"}[self.value]
+        return _REASON_TEXT[self.value]
+
+
+_REASON_TEXT = {0: "present", 1: "evicted", 2: "lost at restart (it lived only in RAM)",
+                3: "its SSD copy was corrupt (quarantined)", 4: "its SSD file was missing or did not match"}
+
+
+def queue_entry(last_seen: float, key: bytes) -> bytes:
+    """The SSD queue entry of ``key`` used last at ``last_seen``."""
+    return _AGE.pack(max(0, int(last_seen * 1e6))) + key
+
+
+def queue_time(entry: bytes) -> float:
+    return _AGE.unpack_from(entry)[0] / 1e6
+
+
+def raw_ssd_view(raw: bytes) -> tuple[Tier, int, float, bytes, bytes, int] | None:
+    """(tiers, nbytes, last_seen, checksum, digest, layer) of a raw record, or None if unreadable."""
+    if len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION:
+        return None
+    _, tiers, _, layer, nbytes, _, last_seen, _, checksum, digest = _RECORD.unpack_from(raw)
+    return Tier(tiers), nbytes, last_seen, checksum, digest, layer
 
 
 class IndexError_(Exception):
@@ -133,6 +159,10 @@ class BlockIndex:
                               f"this kvcached reads {SCHEMA_VERSION}")
         del meta
         self._write_opts = WriteOptions()
+        self._sync_opts = WriteOptions()
+        self._sync_opts.sync = True
+        self._age = self._db.get_column_family("ssd_age")
+        self._age_handle = self._db.get_column_family_handle("ssd_age")
 
     # -- point operations ---------------------------------------------------------------------
 
@@ -149,9 +179,16 @@ class BlockIndex:
         return [None if raw is None or len(raw) < _RECORD.size else raw[_CHECKSUM:_CHECKSUM + 32]
                 for raw in self._blocks[keys]]
 
-    def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = ()) -> None:
-        """Apply puts (records, or encoded records from the ``with_*`` methods) and deletes
-        atomically (one WriteBatch)."""
+    def tiers_of(self, keys: list[bytes]) -> list[Tier]:
+        """The tier set of each of ``keys`` (NONE where absent), from the raw bytes."""
+        return [Tier(raw[_TIERS]) if raw is not None and len(raw) >= _RECORD.size else Tier.NONE
+                for raw in self._blocks[keys]]
+
+    def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = (), *,
+              queue: Iterable[bytes] = (), unqueue: Iterable[bytes] = (), sync: bool = False) -> None:
+        """Apply puts (records, or encoded records from the ``with_*`` methods), deletes and SSD
+        queue entries (from :func:`queue_entry`) atomically, in one WriteBatch; ``sync`` waits
+        for the WAL to reach the disk."""
         batch = WriteBatch(raw_mode=True)
         batch.set_default_column_family(self._blocks_handle)
         n = 0
@@ -161,8 +198,14 @@ class BlockIndex:
         for key in deletes:
             batch.delete(key)
             n += 1
+        for entry in queue:
+            batch.put(entry, b"", column_family=self._age_handle)
+            n += 1
+        for entry in unqueue:
+            batch.delete(entry, column_family=self._age_handle)
+            n += 1
         if n:
-            self._db.write(batch, self._write_opts)
+            self._db.write(batch, self._sync_opts if sync else self._write_opts)
 
     # -- in-place changes: patch the stored bytes, no decode (hot: evictions, touches) ----------
 
@@ -183,6 +226,21 @@ class BlockIndex:
             out.append((key, bytes(patched)))
         return out
 
+    def with_tier(self, keys: list[bytes], tier: Tier) -> list[tuple[bytes, bytes]]:
+        """Encoded records of ``keys`` with ``tier`` added (a tombstone comes back to life).
+        Absent records are left out: a block the index no longer knows stays unknown."""
+        out = []
+        mask = int(tier)
+        for key, raw in zip(keys, self._blocks[keys]):
+            if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION:
+                continue
+            patched = bytearray(raw)
+            patched[_TIERS] |= mask
+            patched[_REASON] = 0
+            _F64.pack_into(patched, _GONE_AT, 0.0)
+            out.append((key, bytes(patched)))
+        return out
+
     def with_last_seen(self, keys: list[bytes], now: float) -> list[tuple[bytes, bytes]]:
         """Encoded records of the present blocks among ``keys`` with last-seen set to ``now``."""
         out = []
@@ -193,6 +251,43 @@ class BlockIndex:
             _F64.pack_into(patched, _LAST_SEEN, now)
             out.append((key, bytes(patched)))
         return out
+
+    # -- the SSD queue ----------------------------------------------------------------------------
+    #
+    # ``ssd_age`` holds one empty-valued entry ``be64(last_seen µs) | key`` per block on SSD,
+    # written when the block's file is published. Touches do not move entries (the hot path
+    # never writes here); the evictor reads from the oldest end and re-queues an entry at the
+    # record's real last-seen time if the block was used since (second chance), so the queue
+    # converges to LRU order. Entries whose record no longer has the SSD tier are stale and are
+    # dropped when met.
+
+    def ssd_queue(self, limit: int) -> list[tuple[bytes, bytes, bytes | None]]:
+        """Up to ``limit`` oldest queue entries: (entry, key, the key's raw record or None)."""
+        entries: list[bytes] = []
+        it = self._age.iter()
+        it.seek_to_first()
+        while it.valid() and len(entries) < limit:
+            entries.append(it.key())
+            it.next()
+        del it
+        keys = [e[_AGE.size:] for e in entries]
+        return list(zip(entries, keys, self._blocks[keys] if keys else []))
+
+    def ssd_records(self, stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[bytes, bytes]]:
+        """(key, raw record) of every record with the SSD tier, in key order, read-only (safe from
+        a worker thread); ``stop()`` is polled to end early."""
+        it = self._blocks.iter()
+        it.seek_to_first()
+        n = 0
+        while it.valid():
+            raw = it.value()
+            if len(raw) >= _RECORD.size and raw[0] == SCHEMA_VERSION and raw[_TIERS] & Tier.SSD:
+                yield it.key(), raw
+            n += 1
+            if n % 10_000 == 0 and stop():
+                break
+            it.next()
+        del it
 
     # -- scans --------------------------------------------------------------------------------
 
@@ -284,7 +379,7 @@ class BlockIndex:
 
     def close(self) -> None:
         """Flush and close; the object is unusable afterwards."""
-        del self._blocks, self._blocks_handle
+        del self._blocks, self._blocks_handle, self._age, self._age_handle
         try:
             self._db.flush()
         finally:

@@ -2,23 +2,41 @@
 
 APIs (gRPC now; the agent socket and peers later) call the store and translate its errors
 (kvcached.errors). Everything here runs on the event loop thread; the clock is passed in so
-tests move time by hand.
+tests move time by hand. Methods that wait for the SSD tier are coroutines; between their
+awaits each runs in synchronous steps, and per-request state (``_pending``/``_evicted``) never
+lives across an await.
+
+With an SSD tier (kvcached.tiers.ssd) the store also moves blocks between tiers:
+
+- ``write_through``: a Put returns once its new blocks are published on SSD (per the durability
+  mode); ``write_back``: a Put returns once they are in RAM and the demoter (:meth:`demote`,
+  driven by the daemon) publishes them soon after, oldest first.
+- A Get of a block only on SSD reads it into a fresh arena slot, verifies it, and serves it
+  (promotion); a damaged file is quarantined and the block is a miss, never served.
+- :meth:`evict_ssd` drops SSD blocks past ``ssd_ttl`` or over capacity, least recently used
+  first, from the index's SSD queue.
 
 Lookup follows SGLang's batch_exists: count from the first digest and stop at the first miss,
-per tier and across all tiers. Tiers that this build does not have yet (gpu view, ssd, peer)
-answer zero.
+per tier and across all tiers. Tiers that this build does not have yet (gpu view, peer) answer
+zero.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from itertools import islice
+from typing import Callable, Literal, Sequence
 
-from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
+from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
+                             Unavailable)
+from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
+from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.tiers.ram import BlockBusy, RamBlock, RamFull, RamTier
+from kvcached.tiers.ssd import SsdFull, SsdTier, SsdWrite, SsdWriteError
+from kvcached.tiers.ssd_format import BlockHeader, file_bytes
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress, index_key
 from kvcached_agent.integrity import payload_checksums
 
@@ -27,6 +45,11 @@ __all__ = ["Store", "PutItem", "Fetched", "Pinned", "Miss", "LookupResult"]
 log = logging.getLogger("kvcached.store")
 
 MAX_MODEL_BYTES = 256        # a model label is a name, not a payload
+DEMOTE_BATCH_BYTES = 64 << 20   # one write-back round publishes at most this much ...
+DEMOTE_BATCH_BLOCKS = 256       # ... or this many blocks
+EVICT_BATCH = 256               # SSD queue entries looked at per step
+
+WritePolicy = Literal["write_through", "write_back"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +102,11 @@ class Counters:
     hit_bytes: int = 0
     lookups: int = 0
     deletes: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    ssd_evictions_ttl: int = 0
+    ssd_evictions_capacity: int = 0
+    ssd_corrupt: int = 0
 
 
 @dataclass(slots=True)
@@ -88,13 +116,23 @@ class PutResult:
 
 
 class Store:
-    def __init__(self, ram: RamTier, index: BlockIndex, *, gone_ttl: float = 3600.0,
+    def __init__(self, ram: RamTier, index: BlockIndex, *, ssd: SsdTier | None = None,
+                 write_policy: WritePolicy = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.ram = ram
         self.index = index
+        self.ssd = ssd
+        self.write_policy = write_policy
+        self.ssd_ttl = ssd_ttl
         self.gone_ttl = gone_ttl
         self.clock = clock
         self.counters = Counters()
+        self.ssd_reconciled = ssd is None    # capacity eviction waits for the boot reconcile's count
+        self.demote_wanted = asyncio.Event()  # set when dirty blocks wait (the daemon's demoter waits on it)
+        self.evict_wanted = asyncio.Event()   # set when the SSD tier is over capacity
+        self._promoting: dict[bytes, asyncio.Future[RamBlock | None]] = {}
+        self._demoting: dict[bytes, asyncio.Future[None]] = {}   # being published: done when it is
+        ram.prefer_clean = ssd is not None
         self._touched: set[bytes] = set()
         # State of the one request in progress. Store methods never await, so requests on the
         # event loop cannot interleave; a method that comes to await must carry this state in
@@ -109,10 +147,24 @@ class Store:
 
     # -- put ----------------------------------------------------------------------------------
 
-    def put(self, items: Sequence[PutItem]) -> PutResult:
+    async def put(self, items: Sequence[PutItem]) -> PutResult:
         """Store a batch. Every item is checked before any is stored, so a bad item stores
-        nothing. Blocks already present count as ``present``. If the RAM tier fills with blocks
-        in use, the blocks stored so far stay and ResourceExhausted says how many."""
+        nothing. Blocks already present (in RAM or on SSD) count as ``present``. If the RAM tier
+        fills with blocks in use, the blocks stored so far stay and ResourceExhausted says how
+        many. Under write_through the new blocks are on SSD before this returns; a block that
+        cannot be published is dropped again and the error says so."""
+        result, new = self._put_ram(items)
+        if self.ssd is not None and new:
+            if self.write_policy == "write_through":
+                failed = await self._publish(new)
+                if failed:
+                    result.stored -= len(failed)
+                    raise self._publish_error(failed, result, len(items))
+            else:
+                self.demote_wanted.set()
+        return result
+
+    def _put_ram(self, items: Sequence[PutItem]) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]]]:
         for i, item in enumerate(items):
             self._check_put(i, item)
         # Engines save the same prefixes again and again: blocks already here are neither
@@ -123,6 +175,12 @@ class Store:
                 self._touched.add(item.address.key)    # a re-put is a use
             else:
                 todo.append((i, item))
+        if self.ssd is not None and todo:
+            on_ssd = self.index.tiers_of([item.address.key for _, item in todo])
+            for (_, item), tiers in zip(todo, on_ssd):
+                if tiers & Tier.SSD:
+                    self._touched.add(item.address.key)
+            todo = [t for t, tiers in zip(todo, on_ssd) if not tiers & Tier.SSD]
         checksums = payload_checksums([item.payload for _, item in todo])
         for (i, item), checksum in zip(todo, checksums):
             if item.checksum and item.checksum != checksum:
@@ -130,6 +188,7 @@ class Store:
                                "(damaged on the way?); nothing was stored")
         now = self.clock()
         result = PutResult(present=len(items) - len(todo))
+        new: list[tuple[RamBlock, BlockRecord]] = []
         # Records of this batch wait in _pending and go to the index in one write at the end,
         # with the tombstones of whatever the batch evicted (see _on_ram_evict).
         pending = self._pending
@@ -148,15 +207,28 @@ class Store:
                     continue
                 self.ram.write(block, item.payload)
                 self.ram.commit(block)
-                pending[key] = BlockRecord(item.address.digest, item.address.layer, item.model,
-                                           len(item.payload), checksum, now, now, Tier.RAM)
+                record = BlockRecord(item.address.digest, item.address.layer, item.model, len(item.payload),
+                                     checksum, now, now, Tier.RAM)
+                pending[key] = record
+                new.append((block, record))
                 self._evicted.discard(key)
                 result.stored += 1
                 self.counters.puts += 1
                 self.counters.put_bytes += len(item.payload)
         finally:
             self._write_index()
-        return result
+        # a block of this batch may have been evicted by a later one of the same batch
+        return result, [(b, r) for b, r in new if self.ram.get(b.key) is b]
+
+    def _publish_error(self, failed: list[tuple[RamBlock, BlockRecord, SsdWriteError]], result: PutResult,
+                       n: int) -> KvError:
+        first = failed[0][2]
+        text = (f"stored {result.stored} of {n} blocks; {len(failed)} could not be written to the SSD tier "
+                f"(kv.write_policy = write_through) and were not kept: {first.strerror or first}")
+        if isinstance(first, SsdFull):
+            return ResourceExhausted(text + f" (SSD directory {self.ssd.directory if self.ssd else ''} is full "
+                                     "even after evicting old blocks)")
+        return Unavailable(text)
 
     def _check_put(self, i: int, item: PutItem) -> None:
         n = len(item.payload)
@@ -173,8 +245,17 @@ class Store:
 
     # -- get ----------------------------------------------------------------------------------
 
-    def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
-        """Fetch a batch. Without ``allow_partial`` any miss raises NotFound naming it."""
+    async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
+        """Fetch a batch (blocks only on SSD are promoted to RAM first). Without
+        ``allow_partial`` any miss raises NotFound naming it."""
+        held = await self._make_resident(addresses)
+        try:
+            return self._get_resident(addresses, allow_partial)
+        finally:
+            for block in held:
+                self.ram.unpin(block)
+
+    def _get_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool) -> tuple[list[Fetched], list[Miss]]:
         found: list[Fetched] = []
         misses: list[Miss] = []
         blocks: list[tuple[BlockAddress, RamBlock]] = []
@@ -200,11 +281,20 @@ class Store:
             raise NotFound(f"block {first.address}: {first.reason}{more}")
         return found, misses
 
-    def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> list["Pinned | Miss"]:
+    async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> list["Pinned | Miss"]:
         """Pin a batch for a reader that copies out of the arena itself (streams, agents), in
         request order: while pinned a block can be neither evicted nor deleted, so the batch is
-        a snapshot however long the copy takes. Without ``allow_partial`` a miss pins nothing
-        and raises NotFound. Release every Pinned with :meth:`unpin`."""
+        a snapshot however long the copy takes. Blocks only on SSD are promoted first. Without
+        ``allow_partial`` a miss pins nothing and raises NotFound. Release every Pinned with
+        :meth:`unpin`."""
+        held = await self._make_resident(addresses)
+        try:
+            return self._pin_resident(addresses, allow_partial)
+        finally:
+            for block in held:
+                self.ram.unpin(block)
+
+    def _pin_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool) -> list["Pinned | Miss"]:
         resident = [(address, self.ram.get(address.key)) for address in addresses]
         checksums = self.index.checksums([b.key for _, b in resident if b is not None])
         found = iter(checksums)
@@ -274,20 +364,32 @@ class Store:
         for i, digest in enumerate(digests):
             if len(digest) != DIGEST_BYTES:
                 raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
+        keys = [index_key(d, layer) for d in digests]
         ram = 0
-        for digest in digests:
-            if index_key(digest, layer) not in self.ram:
+        for key in keys:
+            if key not in self.ram:
                 break
             ram += 1
-        return LookupResult(longest=ram, ram=ram)
+        if self.ssd is None or ram == len(keys):
+            return LookupResult(longest=ram, ram=ram)
+        # Only the keys after the RAM prefix can extend ``longest``; SSD is counted from the start.
+        on_ssd = [bool(t & Tier.SSD) for t in self.index.tiers_of(keys)]
+        ssd = next((i for i, here in enumerate(on_ssd) if not here), len(keys))
+        longest = ram
+        while longest < len(keys) and (on_ssd[longest] or keys[longest] in self.ram):
+            longest += 1
+        return LookupResult(longest=longest, ram=ram, ssd=ssd)
 
     # -- delete -------------------------------------------------------------------------------
 
-    def delete(self, addresses: Sequence[BlockAddress]) -> tuple[int, int]:
-        """Remove blocks from every tier and the index; returns (deleted, not_found).
-        A block being read or written raises FailedPrecondition and nothing is deleted."""
+    async def delete(self, addresses: Sequence[BlockAddress]) -> tuple[int, int]:
+        """Remove blocks from every tier and the index; returns (deleted, not_found). Waits for
+        the daemon's own SSD writes and reads of them to finish; a block that a client is
+        reading or writing raises FailedPrecondition and nothing is deleted."""
         addresses = list(dict.fromkeys(addresses))   # the same block twice counts once
         keys = [a.key for a in addresses]
+        while waits := {id(f): f for k in keys if (f := self._demoting.get(k) or self._promoting.get(k)) is not None}:
+            await asyncio.wait(waits.values())
         for address, key in zip(addresses, keys):
             busy = self.ram.busy_reason(key)
             if busy is not None:
@@ -302,6 +404,10 @@ class Store:
             if in_ram or (record is not None and record.present):
                 deleted += 1
         self.index.write(deletes=[k for k, r in zip(keys, records) if r is not None])
+        if self.ssd is not None:    # the index first: a crash in between leaves an orphan file, never a dangling record
+            for key, record in zip(keys, records):
+                if record is not None and record.tiers & Tier.SSD:
+                    self.ssd.remove_now(key, _header(record))
         self.counters.deletes += deleted
         return deleted, len(keys) - deleted
 
@@ -336,7 +442,7 @@ class Store:
 
     def stats(self) -> dict[str, int]:
         c = self.counters
-        return {
+        out = {
             "ram_blocks": len(self.ram),
             "ram_bytes": self.ram.used_bytes,
             "ram_reserved_bytes": self.ram.slabs.reserved_bytes,
@@ -345,7 +451,264 @@ class Store:
             "index_entries": self.index.count_estimate(),
             "puts": c.puts, "put_bytes": c.put_bytes, "hits": c.hits, "misses": c.misses,
             "hit_bytes": c.hit_bytes, "lookups": c.lookups, "deletes": c.deletes,
+            "ram_dirty_bytes": self.ram.dirty_bytes, "ram_dirty_evictions": self.ram.dirty_evictions,
+            "promotions": c.promotions, "demotions": c.demotions,
         }
+        if self.ssd is not None:
+            sc = self.ssd.counters
+            out |= {
+                "ssd_blocks": self.ssd.blocks, "ssd_bytes": self.ssd.payload_bytes, "ssd_file_bytes": self.ssd.used_bytes, "ssd_capacity_bytes": self.ssd.capacity,
+                "ssd_evictions_ttl": c.ssd_evictions_ttl, "ssd_evictions_capacity": c.ssd_evictions_capacity,
+                "ssd_corrupt": c.ssd_corrupt, "ssd_reads": sc.reads, "ssd_read_bytes": sc.read_bytes,
+                "ssd_writes": sc.writes, "ssd_write_bytes": sc.write_bytes, "ssd_write_errors": sc.write_errors,
+                "ssd_no_space": sc.no_space, "ssd_missing": sc.missing, "ssd_group_commits": sc.group_commits,
+                "ssd_reconciled": int(self.ssd_reconciled),
+            }
+        return out
+
+    # -- SSD tier: promotion, publishing, eviction -------------------------------------------
+
+    async def _make_resident(self, addresses: Sequence[BlockAddress]) -> list[RamBlock]:
+        """Promote the blocks of ``addresses`` that are only on SSD. While it waits, the blocks
+        already resident are pinned (so the batch's own promotions cannot evict them); returns
+        every block it pinned, for the caller to unpin."""
+        if self.ssd is None:
+            return []
+        absent = [a for a in addresses if a.key not in self.ram]
+        if not absent:
+            return []
+        tiers = self.index.tiers_of([a.key for a in absent])
+        wanted = list({a.key: a for a, t in zip(absent, tiers) if t & Tier.SSD}.values())
+        if not wanted:
+            return []
+        held = []
+        for address in addresses:
+            block = self.ram.get(address.key)
+            if block is not None:
+                self.ram.pin(block)
+                held.append(block)
+        try:
+            held += await self._promote(wanted)
+        except BaseException:
+            for block in held:
+                self.ram.unpin(block)
+            raise
+        return held
+
+    async def _promote(self, addresses: list[BlockAddress]) -> list[RamBlock]:
+        """Read SSD blocks into RAM, verified; returns them pinned. A block another request is
+        promoting is waited for, not read twice. A block that cannot get a slot stays a miss."""
+        assert self.ssd is not None
+        loop = asyncio.get_running_loop()
+        records = self.index.get_many([a.key for a in addresses])
+        mine: list[tuple[BlockRecord, RamBlock, asyncio.Future[RamBlock | None]]] = []
+        waits: list[asyncio.Future[RamBlock | None]] = []
+        try:
+            for address, record in zip(addresses, records):
+                key = address.key
+                if record is None or not record.tiers & Tier.SSD or key in self.ram:
+                    continue
+                if key in self._promoting:
+                    waits.append(self._promoting[key])
+                    continue
+                try:
+                    block = self.ram.reserve(key, record.nbytes)
+                except (RamFull, ValueError):   # no room now, or an agent is writing it: a miss
+                    continue
+                future: asyncio.Future[RamBlock | None] = loop.create_future()
+                self._promoting[key] = future
+                mine.append((record, block, future))
+        finally:
+            self._write_index()      # tombstones of what the reservations evicted
+        problems = await asyncio.gather(*(self.ssd.read_into(b.key, _header(r), self.ram.slot_view(b))
+                                          for r, b, _ in mine), return_exceptions=True)
+        held: list[RamBlock] = []
+        bad: list[tuple[BlockRecord, RamBlock, str]] = []
+        for (record, block, future), problem in zip(mine, problems):
+            del self._promoting[block.key]
+            if problem is None:
+                self.ram.commit(block, clean=True)
+                self.ram.pin(block)
+                held.append(block)
+                future.set_result(block)
+            else:
+                self.ram.abort(block)
+                future.set_result(None)
+                bad.append((record, block, problem if isinstance(problem, str) else f"read failed: {problem}"))
+        puts = self.index.with_tier([b.key for b in held], Tier.RAM)
+        known = {key for key, _ in puts}
+        for block in [b for b in held if b.key not in known]:   # deleted meanwhile: not served
+            self.ram.unpin(block)
+            self.ram.delete(block.key)
+            held.remove(block)
+        for record, block, problem in bad:
+            reason = GoneReason.FILE_MISSING if problem == "missing" else GoneReason.CORRUPT
+            puts += self.index.without_tier([block.key], Tier.SSD, reason, self.clock())
+        self.index.write(puts)
+        self.counters.promotions += len(held)
+        for record, block, problem in bad:
+            if problem != "missing":
+                self.counters.ssd_corrupt += 1
+                await self.ssd.quarantine(block.key, _header(record), problem)
+        for block in await asyncio.gather(*waits):
+            if block is not None and self.ram.get(block.key) is block:
+                self.ram.pin(block)
+                held.append(block)
+        return held
+
+    async def _publish(self, blocks: list[tuple[RamBlock, BlockRecord]]) -> list[tuple[RamBlock, BlockRecord, SsdWriteError]]:
+        """Write blocks to SSD (they are pinned meanwhile), then record them: marked clean,
+        the SSD tier in their records, queued for SSD eviction. A full disk gets one forced
+        eviction and one retry. Blocks that still fail stay dirty; under write_through they are
+        dropped (returned, so the caller can say so)."""
+        assert self.ssd is not None
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for block, _ in blocks:
+            self.ram.pin(block)
+            self._demoting[block.key] = done
+        try:
+            errors = await self.ssd.write_many([SsdWrite(b.key, _header(r), self.ram.slot_view(b)) for b, r in blocks])
+            full = [(b, r) for (b, r), e in zip(blocks, errors) if isinstance(e, SsdFull)]
+            if full:
+                await self.evict_ssd(need_bytes=sum(file_bytes(r.nbytes) for _, r in full))
+                again = iter(await self.ssd.write_many([SsdWrite(b.key, _header(r), self.ram.slot_view(b))
+                                                        for b, r in full]))
+                errors = [next(again) if isinstance(e, SsdFull) else e for e in errors]
+        finally:
+            for block, _ in blocks:
+                self.ram.unpin(block)
+                if self._demoting.get(block.key) is done:
+                    del self._demoting[block.key]
+            done.set_result(None)
+        published = [(b, r) for (b, r), e in zip(blocks, errors) if e is None]
+        failed = [(b, r, e) for (b, r), e in zip(blocks, errors) if e is not None]
+        puts = self.index.with_tier([b.key for b, _ in published], Tier.SSD)
+        known = {key for key, _ in puts}
+        queue = [queue_entry(r.last_seen, b.key) for b, r in published if b.key in known]
+        dropped: list[tuple[BlockRecord, RamBlock]] = [(r, b) for b, r in published if b.key not in known]
+        self.index.write(puts, queue=queue, sync=self.ssd.durability != "none")
+        for block, _ in published:
+            if block.key in known:
+                self.ram.mark_clean(block)
+        for record, block in dropped:    # deleted while it was written: its file goes too
+            self.ssd.remove_now(block.key, _header(record))
+        self.counters.demotions += len(known)
+        if self.write_policy == "write_through" and failed:
+            for block, _, _ in failed:
+                if self.ram.busy_reason(block.key) is None:
+                    self.ram.delete(block.key)
+            self.index.write(deletes=[b.key for b, _, _ in failed])
+        if self.ssd.used_bytes > self.ssd.capacity:
+            self.evict_wanted.set()
+        return failed
+
+    async def demote(self) -> int:
+        """One write-back round: publish the oldest dirty blocks (up to a batch); returns how
+        many were published. Blocks being written or already in flight are skipped."""
+        if self.ssd is None or not self.ram.dirty:
+            return 0
+        picks: list[RamBlock] = []
+        nbytes = 0
+        for key in islice(self.ram.dirty, 4 * DEMOTE_BATCH_BLOCKS):
+            block = self.ram.get(key)
+            if block is None or key in self._demoting:
+                continue
+            picks.append(block)
+            nbytes += block.length
+            if len(picks) >= DEMOTE_BATCH_BLOCKS or nbytes >= DEMOTE_BATCH_BYTES:
+                break
+        records = self.index.get_many([b.key for b in picks])
+        for block, record in zip(picks, records):
+            if record is None or not record.present:
+                self._drop_unindexed(block)
+        batch = [(b, r) for b, r in zip(picks, records) if r is not None and r.present]
+        if not batch:
+            return 0
+        failed = await self._publish(batch)
+        if failed:
+            log.warning("write-back failed; blocks stay in RAM only",
+                        extra={"fields": {"blocks": len(failed), "error": str(failed[0][2])}})
+        return len(batch) - len(failed)
+
+    async def evict_ssd(self, need_bytes: int = 0) -> int:
+        """Drop SSD blocks unused for ``ssd_ttl``, then (once the boot reconcile has counted the
+        tier) least recently used ones while the tier is over capacity, and at least
+        ``need_bytes`` more when asked (a full disk). Returns how many were dropped. Blocks in
+        RAM stay there (dirty again); others become tombstones."""
+        if self.ssd is None:
+            return 0
+        ssd = self.ssd
+        now = self.clock()
+        ttl_before = now - self.ssd_ttl
+        freed = dropped = 0
+        while True:
+            over = max(0, ssd.used_bytes - ssd.capacity) if self.ssd_reconciled else 0
+            victims: list[tuple[bytes, BlockHeader]] = []
+            queue: list[bytes] = []
+            unqueue: list[bytes] = []
+            expired_keys: list[bytes] = []
+            done = False
+            entries = self.index.ssd_queue(EVICT_BATCH)
+            for entry, key, raw in entries:
+                view = raw_ssd_view(raw) if raw is not None else None
+                if view is None or not view[0] & Tier.SSD:
+                    unqueue.append(entry)            # stale: the block left SSD already
+                    continue
+                tiers, nbytes, last_seen, checksum, digest, layer = view
+                queued_at = queue_time(entry)
+                wanted = freed < over or freed < need_bytes
+                if last_seen < ttl_before or (wanted and last_seen <= queued_at + 1e-6):
+                    unqueue.append(entry)
+                    victims.append((key, BlockHeader(digest, layer, nbytes, checksum, 0.0)))
+                    if last_seen < ttl_before:
+                        expired_keys.append(key)
+                    freed += file_bytes(nbytes)
+                elif wanted or queued_at < ttl_before:   # used since it was queued: second chance
+                    unqueue.append(entry)
+                    queue.append(queue_entry(last_seen, key))
+                else:
+                    done = True
+                    break
+            if not entries:
+                done = True
+            keys = [k for k, _ in victims]
+            puts = self.index.without_tier(keys, Tier.SSD, GoneReason.EVICTED, now)
+            self.index.write(puts, queue=queue, unqueue=unqueue)
+            for key in keys:
+                block = self.ram.get(key)
+                if block is not None:
+                    self.ram.mark_dirty(block)
+            await ssd.remove_many(victims)
+            dropped += len(victims)
+            self.counters.ssd_evictions_ttl += len(expired_keys)
+            self.counters.ssd_evictions_capacity += len(victims) - len(expired_keys)
+            if done or not (victims or queue or unqueue):
+                break
+        if dropped:
+            log.info("SSD blocks evicted", extra={"fields": {"blocks": dropped, "bytes": freed,
+                                                             "used_bytes": ssd.used_bytes}})
+        return dropped
+
+    def finish_ssd_reconcile(self, report: ReconcileReport) -> None:
+        """Apply the boot reconcile's findings: records whose file was missing or bad lose the
+        SSD tier (unless this run published the block again meanwhile); the tier's size counts
+        the good files; capacity eviction may start."""
+        assert self.ssd is not None
+        keys = report.lost
+        for i in range(0, len(keys), EVICT_BATCH * 40):
+            chunk = keys[i:i + EVICT_BATCH * 40]
+            records = self.index.get_many(chunk)
+            still = [k for k, r in zip(chunk, records) if r is not None and r.tiers & Tier.SSD
+                     and not self.ssd.is_fresh(self.ssd.path_of(k, r.digest, r.layer))]
+            self.index.write(self.index.without_tier(still, Tier.SSD, GoneReason.FILE_MISSING, self.clock()))
+            for key in still:
+                block = self.ram.get(key)
+                if block is not None:
+                    self.ram.mark_dirty(block)
+        self.ssd.reconciled(report.adopted, report.adopted_bytes, report.adopted_file_bytes)
+        self.ssd_reconciled = True
+        if self.ssd.used_bytes > self.ssd.capacity:
+            self.evict_wanted.set()
 
     # -- maintenance --------------------------------------------------------------------------
 
@@ -400,3 +763,8 @@ def _tier_matches(record: BlockRecord, tier: Tier | None) -> bool:
     if tier == Tier.NONE:
         return not record.present
     return bool(record.tiers & tier)
+
+
+def _header(record: BlockRecord) -> BlockHeader:
+    """The SSD file header that describes ``record``'s block."""
+    return BlockHeader(record.digest, record.layer, record.nbytes, record.checksum, record.created)

@@ -97,7 +97,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         items = [PutItem(address_from_pb(b.address, f"blocks[{i}].address"), b.payload, b.model, b.checksum)
                  for i, b in enumerate(request.blocks)]
-        result = self.store.put(items)
+        result = await self.store.put(items)
         return pb.PutResponse(stored=result.stored, already_present=result.present)
 
     @_errors_to_status
@@ -108,19 +108,19 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         buf = bytearray()
         n = 0
 
-        def finish() -> None:
+        async def finish() -> None:
             nonlocal stored, present
             assert head is not None
             if len(buf) != head.total_length:
                 raise InvalidArgument(f"block {n - 1}: got {len(buf)} payload bytes, total_length said {head.total_length}")
-            result = self.store.put([PutItem(address_from_pb(head.address, f"block {n - 1}"), bytes(buf), head.model, head.checksum)])
+            result = await self.store.put([PutItem(address_from_pb(head.address, f"block {n - 1}"), bytes(buf), head.model, head.checksum)])
             stored += result.stored
             present += result.present
 
         async for chunk in request_iterator:
             if chunk.HasField("address"):
                 if head is not None:
-                    finish()
+                    await finish()
                 if chunk.total_length == 0 or chunk.total_length > limit:
                     raise InvalidArgument(f"block {n}: total_length {chunk.total_length} is outside 1..{limit} (kv.max_block_mib)")
                 address_from_pb(chunk.address, f"block {n}")
@@ -131,7 +131,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 raise InvalidArgument(f"block {n - 1}: more payload bytes than total_length {head.total_length}")
             buf += chunk.data
         if head is not None:
-            finish()
+            await finish()
         return pb.PutResponse(stored=stored, already_present=present)
 
     @_errors_to_status
@@ -142,7 +142,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             raise ResourceExhausted(f"the {len(addresses)} blocks make a response of about {total} bytes, over the "
                                     f"message limit of {self.max_message_bytes} bytes (grpc.max_message_mib); "
                                     "use GetStream or smaller batches")
-        found, misses = self.store.get(addresses, allow_partial=request.allow_partial)
+        found, misses = await self.store.get(addresses, allow_partial=request.allow_partial)
         return pb.GetResponse(
             blocks=[pb.Block(address=address_to_pb(f.address), payload=f.payload, checksum=f.checksum) for f in found],
             misses=[pb.Miss(address=address_to_pb(m.address), reason=m.reason) for m in misses])
@@ -153,7 +153,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         stream ends early. No view of the arena is held across a yield: every chunk is a copy."""
         try:
             addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
-            entries = self.store.pin(addresses, allow_partial=request.allow_partial)
+            entries = await self.store.pin(addresses, allow_partial=request.allow_partial)
         except KvError as exc:
             await context.abort(_status_of(exc), str(exc))
         held = [e for e in entries if isinstance(e, Pinned)]
@@ -186,7 +186,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     @_errors_to_status
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
-        deleted, missing = self.store.delete(addresses)
+        deleted, missing = await self.store.delete(addresses)
         return pb.DeleteResponse(deleted=deleted, not_found=missing)
 
     @_errors_to_status
@@ -195,8 +195,13 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         ram = pb.TierStats(tier=pb.TIER_RAM, blocks=s["ram_blocks"], bytes=s["ram_bytes"],
                            reserved_bytes=s["ram_reserved_bytes"], capacity_bytes=s["ram_capacity_bytes"],
                            evictions=s["ram_evictions"])
+        tiers = [ram]
+        if "ssd_blocks" in s:
+            tiers.append(pb.TierStats(tier=pb.TIER_SSD, blocks=s["ssd_blocks"], bytes=s["ssd_bytes"],
+                                      reserved_bytes=s["ssd_file_bytes"], capacity_bytes=s["ssd_capacity_bytes"],
+                                      evictions=s["ssd_evictions_ttl"] + s["ssd_evictions_capacity"]))
         return pb.StatsResponse(
-            version=__version__, uptime_seconds=time.time() - self.started_at, tiers=[ram],
+            version=__version__, uptime_seconds=time.time() - self.started_at, tiers=tiers,
             index_entries=s["index_entries"], puts=s["puts"], put_bytes=s["put_bytes"], hits=s["hits"],
             hit_bytes=s["hit_bytes"], misses=s["misses"], lookups=s["lookups"], deletes=s["deletes"])
 

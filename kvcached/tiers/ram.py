@@ -11,6 +11,10 @@ Contract (the rules of DESIGN.md, enforced here):
   slab whose blocks are all idle, that whole slab is emptied and changes class. If no candidate
   works, :class:`RamFull` is raised and nothing was evicted.
 - Evicted blocks are handed to ``on_evict`` (the store keeps their metadata in the index).
+- A block is *clean* when a copy of its bytes is on the SSD tier, *dirty* otherwise. Dirty
+  blocks are kept in commit order (:attr:`RamTier.dirty`, oldest first) for the write-back
+  demoter; with ``prefer_clean`` eviction looks a little further for a clean victim before it
+  drops a dirty one (whose bytes are then gone).
 
 Runs on the event loop thread only; no locks, no I/O besides memcpy into the arena.
 """
@@ -27,6 +31,7 @@ from kvcached.tiers.slabs import SlabAllocator
 __all__ = ["RamBlock", "RamFull", "BlockBusy", "RamTier", "WRITING"]
 
 WRITING = -1
+CLEAN_SEARCH = 32      # candidates looked at for a clean victim before a dirty one goes
 
 
 class RamFull(Exception):
@@ -46,6 +51,7 @@ class RamBlock:
     slot: int
     length: int
     refs: int = WRITING
+    clean: bool = False
 
 
 class RamTier:
@@ -59,6 +65,10 @@ class RamTier:
         self._by_slot: list[RamBlock | None] = [None] * (self.slabs.nslabs * self.slabs.slots_per_slab_max)
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
         self.evictions = 0
+        self.dirty_evictions = 0     # evicted with no copy on SSD: their bytes are gone
+        self.dirty: dict[bytes, None] = {}   # committed dirty blocks, oldest first
+        self.dirty_bytes = 0
+        self.prefer_clean = False
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -121,12 +131,35 @@ class RamTier:
             raise ValueError("block is not reserved for writing this many bytes")
         self.arena.write(self.slabs.offset(block.slot), data)
 
-    def commit(self, block: RamBlock) -> None:
-        """WRITING -> idle: the block becomes visible and evictable."""
+    def commit(self, block: RamBlock, clean: bool = False) -> None:
+        """WRITING -> idle: the block becomes visible and evictable. ``clean``: its bytes are
+        on SSD already (a promotion)."""
         if block.refs != WRITING:
             raise ValueError("block is not being written")
         block.refs = 0
+        block.clean = clean
+        if not clean:
+            self.dirty[block.key] = None
+            self.dirty_bytes += block.length
         self.policy.insert(block.key)
+
+    def mark_clean(self, block: RamBlock) -> None:
+        """The block's bytes are now on SSD too."""
+        if not block.clean and self.dirty.pop(block.key, 0) is None:
+            self.dirty_bytes -= block.length
+        block.clean = True
+
+    def mark_dirty(self, block: RamBlock) -> None:
+        """The block's SSD copy is gone: RAM holds its only copy again."""
+        if block.clean and block.refs != WRITING:
+            block.clean = False
+            self.dirty[block.key] = None
+            self.dirty_bytes += block.length
+
+    def slot_view(self, block: RamBlock) -> memoryview:
+        """The block's slot, whole pages (page aligned): direct I/O reads and writes use it."""
+        offset = self.slabs.offset(block.slot)
+        return self.arena.view[offset:offset + min(self.slabs.slot_size(block.slot), -(-block.length // 4096) * 4096)]
 
     def abort(self, block: RamBlock) -> None:
         """Give back a reserved slot whose write failed."""
@@ -175,6 +208,8 @@ class RamTier:
         return True
 
     def _drop(self, block: RamBlock) -> None:
+        if self.dirty.pop(block.key, 0) is None:
+            self.dirty_bytes -= block.length
         del self._blocks[block.key]
         self._by_slot[block.slot] = None
         self.policy.remove(block.key)
@@ -182,7 +217,10 @@ class RamTier:
         self.used_bytes -= block.length
 
     def _make_room(self, cls: int) -> None:
-        """Evict the policy's first workable candidate (one block, or one whole slab)."""
+        """Evict the policy's first workable candidate (one block, or one whole slab); with
+        ``prefer_clean``, the first clean one among the next few, else that first one."""
+        fallback: list[RamBlock] | None = None
+        looked = 0
         for key in self.policy.candidates():
             block = self._blocks[key]
             if block.refs != 0:
@@ -194,10 +232,23 @@ class RamTier:
                 victims = [b for s in self.slabs.slots_of(slab) if (b := self._by_slot[s]) is not None]
                 if any(b.refs != 0 for b in victims):
                     continue
-            for victim in victims:
-                self._drop(victim)
-            self.evictions += len(victims)
-            self.on_evict(victims)
+            if not self.prefer_clean or all(v.clean for v in victims):
+                self._evict(victims)
+                return
+            fallback = fallback or victims
+            looked += 1
+            if looked >= CLEAN_SEARCH:
+                break
+        if fallback:
+            self._evict(fallback)
             return
         raise RamFull(f"RAM tier full: {len(self._blocks)} blocks, {self.used_bytes} bytes, "
                       "none of them can be evicted now (all in use)")
+
+    def _evict(self, victims: list[RamBlock]) -> None:
+        for victim in victims:
+            if not victim.clean:
+                self.dirty_evictions += 1
+            self._drop(victim)
+        self.evictions += len(victims)
+        self.on_evict(victims)

@@ -66,8 +66,10 @@ def test_lookup_longest_prefix_per_tier(daemon) -> None:
         assert c.lookup(digests[1:]).longest == 39
 
 
-def test_ram_budget_never_exceeded(daemon) -> None:
-    """A stream of puts several times the arena: evictions keep resident bytes within budget."""
+def test_ram_budget_never_exceeded(make_daemon) -> None:
+    """A stream of puts several times the arena: evictions keep resident bytes within budget.
+    RAM only (no SSD tier), so what is evicted is gone and says so."""
+    daemon = make_daemon("kv.ssd_gib=0")
     budget = int(0.125 * (1 << 30))
     sizes = [1 << 20, (1 << 20) + 4096, 300 << 10, 2 << 20, 64 << 10]
     digests = chain(600, seed=99)

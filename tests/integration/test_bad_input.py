@@ -94,7 +94,7 @@ def test_unknown_block(daemon) -> None:
 
 
 def test_get_of_evicted_block(make_daemon) -> None:
-    d = make_daemon("kv.max_block_mib=1", "kv.ram_gib=0.00390625")   # 4 MiB arena: 4 blocks of 1 MiB
+    d = make_daemon("kv.max_block_mib=1", "kv.ram_gib=0.00390625", "kv.ssd_gib=0")   # 4 MiB arena, no SSD tier
     with d.client() as c:
         addresses = [BlockAddress(bytes([i]) * 32) for i in range(6)]
         for a in addresses:

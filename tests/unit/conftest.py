@@ -6,8 +6,10 @@ RocksDB under tmp_path. Time is a :class:`FakeClock` passed in where the code ta
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import blake3
 import pytest
@@ -100,6 +102,40 @@ def index(index_factory: Callable[..., BlockIndex]) -> BlockIndex:
     return index_factory()
 
 
+class SyncStore:
+    """A Store whose coroutine methods run to completion on a private event loop, so tests of
+    its synchronous logic read as plain calls. Every other attribute is the store's own."""
+
+    def __init__(self, store: Store, loop: asyncio.AbstractEventLoop) -> None:
+        object.__setattr__(self, "_store", store)
+        object.__setattr__(self, "_loop", loop)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if inspect.iscoroutinefunction(attr):
+            return lambda *a, **kw: self._loop.run_until_complete(attr(*a, **kw))
+        return attr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._store, name, value)
+
+
 @pytest.fixture
-def store(ram: RamTier, index: BlockIndex, clock: FakeClock) -> Store:
-    return Store(ram, index, gone_ttl=3600.0, clock=clock)
+def event_loop_for_store() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+@pytest.fixture
+def store(ram: RamTier, index: BlockIndex, clock: FakeClock, event_loop_for_store: asyncio.AbstractEventLoop) -> SyncStore:
+    loop = event_loop_for_store
+    made = loop.run_until_complete(_make(lambda: Store(ram, index, gone_ttl=3600.0, clock=clock)))
+    return SyncStore(made, loop)
+
+
+async def _make(factory: Callable[[], Any]) -> Any:
+    """Build inside the loop (a Store makes asyncio objects)."""
+    return factory()

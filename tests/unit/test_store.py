@@ -13,7 +13,7 @@ from kvcached_agent.integrity import payload_checksum
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached_agent.address import BlockAddress
-from tests.unit.conftest import KIB, SLAB, FakeClock, address, digest, payload
+from tests.unit.conftest import KIB, SLAB, FakeClock, SyncStore, address, digest, payload
 
 T0 = 1_000_000.0
 
@@ -172,7 +172,8 @@ def test_get_after_a_restart(store: Store, index: BlockIndex, clock: FakeClock) 
     assert counts["lost_at_restart"] == 1
     arena = SharedArena(4 * SLAB)
     try:
-        fresh = Store(RamTier(arena, SLAB, ClockPolicy()), index, gone_ttl=store.gone_ttl, clock=clock)
+        fresh = SyncStore(Store(RamTier(arena, SLAB, ClockPolicy()), index, gone_ttl=store.gone_ttl, clock=clock),
+                          store._loop)
         with pytest.raises(NotFound, match="lost at restart") as info:
             fresh.get([address(1)])
         assert "3600 s" in str(info.value)

@@ -1,0 +1,157 @@
+"""Boot reconcile of the SSD tier: make the index and the block files agree again.
+
+After a crash the directory can hold temporary files of interrupted writes, files whose index
+record never got written (or was dropped), files that do not match their record (torn, or
+overwritten by a block whose name collides); the index can name files that are gone. The
+reconcile walks both, in a worker thread, while the daemon already serves:
+
+1. every index record on SSD: its file must exist, with a valid header that matches the record
+   (block, length, checksum) and the right size; else the file is removed and the record loses
+   the SSD tier. Good records are counted (the tier's size) and re-queued for SSD eviction;
+2. every file: temporary files of earlier runs are removed, and so is every block file that no
+   record claims.
+
+Reads need not wait: every SSD read verifies the header and the payload checksum anyway, so a
+block not yet checked is either served verified or is a miss. Files this run publishes are
+left alone (:attr:`SsdTier.fresh`). Payloads are not hashed here (a full read of the tier would
+take minutes); each is verified when it is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvcached.index import BlockIndex, Tier, queue_entry, raw_ssd_view
+from kvcached.tiers.ssd import SsdTier
+from kvcached.tiers.ssd_format import HeaderError, file_bytes
+from kvcached_agent.address import index_key
+
+__all__ = ["ReconcileReport", "reconcile_ssd"]
+
+log = logging.getLogger("kvcached.ssd")
+
+PROGRESS_EVERY = 20_000
+QUEUE_BATCH = 10_000
+
+
+@dataclass(slots=True)
+class ReconcileReport:
+    records: int = 0          # index records on SSD looked at
+    adopted: int = 0          # ... whose file is good
+    adopted_bytes: int = 0    # their payload bytes
+    adopted_file_bytes: int = 0   # ... and file bytes
+    files: int = 0            # files looked at
+    stale_tmp: int = 0        # temporary files of earlier runs removed
+    orphans: int = 0          # block files no record claims, removed
+    bad_files: int = 0        # unreadable headers, wrong size, disagreeing with the record: removed
+    elapsed_s: float = 0.0
+    lost: list[bytes] = field(default_factory=list)   # keys whose record must lose the SSD tier
+
+    def summary(self) -> dict[str, object]:
+        return {k: getattr(self, k) for k in ("records", "adopted", "adopted_bytes", "files", "stale_tmp",
+                                                "orphans", "bad_files", "elapsed_s")} | {"lost": len(self.lost)}
+
+
+def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = lambda: False) -> ReconcileReport:
+    """Run the reconcile (in a worker thread). Files are removed here; the records to change
+    are returned in ``lost`` for the index's owner to apply (it re-checks each one)."""
+    report = ReconcileReport()
+    t0 = time.monotonic()
+
+    def progress(phase: str, seen: int) -> None:
+        if seen % PROGRESS_EVERY == 0:
+            log.info("reconciling SSD tier", extra={"fields": {"phase": phase, "seen": seen,
+                                                               "elapsed_s": round(time.monotonic() - t0, 1)}})
+
+    queue: list[bytes] = []
+    for key, raw in index.ssd_records(stop):
+        view = raw_ssd_view(raw)
+        if view is None:
+            continue
+        _, nbytes, last_seen, checksum, digest, layer = view
+        path = ssd.path_of(key, digest, layer)
+        report.records += 1
+        progress("index", report.records)
+        if ssd.is_fresh(path):
+            continue
+        problem = _check_file(ssd, path, digest, layer, nbytes, checksum)
+        if problem is None:
+            report.adopted += 1
+            report.adopted_bytes += nbytes
+            report.adopted_file_bytes += file_bytes(nbytes)
+            queue.append(queue_entry(last_seen, key))
+            if len(queue) >= QUEUE_BATCH:
+                index.write(queue=queue)
+                queue = []
+            continue
+        report.lost.append(key)
+        if problem != "missing":
+            report.bad_files += 1
+            log.warning("SSD block file does not match the index; removed",
+                        extra={"fields": {"file": path, "problem": problem}})
+            _remove(ssd, path)
+    index.write(queue=queue)
+    if stop():
+        return report
+    for entry in ssd.walk():
+        report.files += 1
+        progress("files", report.files)
+        name = entry.name
+        if ssd.is_stale_tmp(name):
+            report.stale_tmp += 1
+            _remove(ssd, entry.path)
+            continue
+        if not ssd.is_block_name(name) or ssd.is_fresh(entry.path):
+            continue
+        try:
+            header, size = ssd.read_header(entry.path)
+        except FileNotFoundError:
+            continue
+        except (OSError, HeaderError):
+            report.bad_files += 1
+            _remove(ssd, entry.path)
+            continue
+        key = index_key(header.digest, header.layer)
+        record = index.get(key)
+        claimed = (record is not None and ssd.path_of(key, header.digest, header.layer) == entry.path
+                   and _check_file(ssd, entry.path, record.digest, record.layer, record.nbytes, record.checksum,
+                                   (header, size)) is None and bool(record.tiers & Tier.SSD))
+        if not claimed:
+            report.orphans += 1
+            _remove(ssd, entry.path)
+        if report.files % 10_000 == 0 and stop():
+            break
+    report.elapsed_s = round(time.monotonic() - t0, 3)
+    return report
+
+
+def _check_file(ssd: SsdTier, path: str, digest: bytes, layer: int, nbytes: int, checksum: bytes,
+                read: tuple[object, int] | None = None) -> str | None:
+    """Why the file at ``path`` is not that block (``"missing"`` if there is none), or None."""
+    if read is None:
+        try:
+            header, size = ssd.read_header(path)
+        except FileNotFoundError:
+            return "missing"
+        except HeaderError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"unreadable: {exc.strerror or exc}"
+    else:
+        header, size = read  # type: ignore[assignment]
+    if size != file_bytes(nbytes):
+        return f"file is {size} bytes, expected {file_bytes(nbytes)}"
+    return header.disagreement(digest, layer, nbytes, checksum)  # type: ignore[attr-defined]
+
+
+def _remove(ssd: SsdTier, path: str) -> None:
+    if ssd.is_fresh(path):     # published by this run since it was looked at
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

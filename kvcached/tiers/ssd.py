@@ -1,0 +1,558 @@
+"""SSD tier: block files on local disk, published crash-safely, read back verified.
+
+This module owns the files and nothing else: the index (which blocks are on SSD, their
+checksums) belongs to the store, which calls :meth:`SsdTier.write_many` and
+:meth:`SsdTier.read_into` and records the outcome. File format: :mod:`kvcached.tiers.ssd_format`.
+
+Publishing a block (docs/ssd-format.md has the guarantees per mode):
+
+- ``always``: each block alone: write ``<name>.tmp-<boot>``, fsync it, rename, fsync the dir.
+- ``batch``: group commit. Files are written as they come; at most ``commit_s`` after the first
+  one of a group (or when the group is big), every file of the group is fsynced (in parallel:
+  ext4 folds them into few journal commits), renamed, then each directory touched is fsynced
+  once. One fsync per small file costs about six times its write here; a group pays once.
+- ``none``: write, rename; the kernel writes back when it likes.
+
+A block whose write, fsync or rename fails is discarded (its temporary file removed) and
+reported failed; an fsync is never retried (after a failed fsync the page cache may already
+have dropped the dirty pages, so a second fsync can succeed without the data being on disk).
+
+Reads and writes use O_DIRECT with page-aligned buffers where the filesystem supports it (the
+payload goes straight between the file and its arena slot), buffered I/O otherwise. All I/O runs
+on a thread pool, so many blocks are in flight at once; the event loop only schedules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+import mmap
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import blake3
+
+from kvcached.tiers.ssd_format import (HEADER_BYTES, PAGE, SUFFIX, TMP_MARK, BlockHeader, HeaderError, block_dir,
+                                      block_name, file_bytes, leaf_dirs, padded)
+
+__all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "Durability", "DirectIo"]
+
+log = logging.getLogger("kvcached.ssd")
+
+Durability = Literal["always", "batch", "none"]
+DirectIo = Literal["auto", "on", "off"]
+GROUP_MAX_FILES = 256            # a batch group commits at this many files without waiting
+GROUP_MAX_BYTES = 256 << 20      # ... or this many bytes
+QUARANTINE_KEEP = 100            # newest quarantined files kept for inspection
+_NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class SsdWriteError(OSError):
+    """A block could not be published; nothing of it is left on disk."""
+
+
+class SsdFull(SsdWriteError):
+    """The filesystem (or quota) has no room for the block."""
+
+
+@dataclass(slots=True)
+class SsdWrite:
+    """One block to publish. ``payload`` must stay valid (pinned) until the write completes."""
+
+    key: bytes
+    header: BlockHeader
+    payload: memoryview
+
+
+@dataclass(slots=True)
+class SsdCounters:
+    writes: int = 0
+    write_bytes: int = 0
+    write_errors: int = 0
+    no_space: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    corrupt: int = 0
+    missing: int = 0
+    removed: int = 0
+    group_commits: int = 0
+
+
+@dataclass(slots=True)
+class _Written:
+    """A temporary file written and still open, waiting for its group commit."""
+
+    write: SsdWrite
+    fd: int
+    tmp: str
+    final: str
+    future: asyncio.Future[None] = field(repr=False)
+
+
+class _Buffers(threading.local):
+    """Per-thread page-aligned buffers (anonymous mmaps are page aligned, as O_DIRECT needs)."""
+
+    def __init__(self) -> None:
+        self.header = mmap.mmap(-1, HEADER_BYTES)
+        self.tail = mmap.mmap(-1, PAGE)
+
+
+class SsdTier:
+    def __init__(self, directory: str, capacity: int, *, durability: Durability = "batch", commit_s: float = 0.01,
+                 direct_io: DirectIo = "auto", threads: int = 8) -> None:
+        self.directory = os.path.abspath(directory)
+        self.blocks_dir = os.path.join(self.directory, "blocks")
+        self.quarantine_dir = os.path.join(self.directory, "quarantine")
+        self.capacity = capacity
+        self.durability = durability
+        self.commit_s = commit_s
+        self.direct_io_setting = direct_io
+        self.direct = False
+        self.boot_token = secrets.token_hex(4)
+        self.used_bytes = 0          # file bytes of published blocks this tier knows of
+        self.payload_bytes = 0       # their payload bytes
+        self.blocks = 0
+        self.counters = SsdCounters()
+        # Paths published or removed since boot, while the boot reconcile runs (it leaves them alone).
+        self.fresh: set[str] | None = set()
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvcached-ssd")
+        self._buffers = _Buffers()
+        self._group: list[_Written] = []
+        self._group_bytes = 0
+        self._group_timer: asyncio.TimerHandle | None = None
+        self._commits: set[asyncio.Task[None]] = set()
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Create the directory tree and decide on O_DIRECT. Raises OSError (unusable directory)
+        or ValueError (``direct_io = "on"`` where the filesystem refuses it)."""
+        for sub in leaf_dirs():
+            os.makedirs(os.path.join(self.blocks_dir, sub), exist_ok=True)
+        os.makedirs(self.quarantine_dir, exist_ok=True)
+        _fsync_dir(self.directory)
+        if self.direct_io_setting == "off":
+            self.direct = False
+        else:
+            problem = self._probe_direct()
+            if problem and self.direct_io_setting == "on":
+                raise ValueError(f"kv.ssd_direct_io is \"on\" but {self.directory} refuses O_DIRECT: {problem}")
+            self.direct = problem is None
+            if problem:
+                log.info("O_DIRECT unavailable; using buffered I/O", extra={"fields": {"dir": self.directory, "why": problem}})
+
+    def _probe_direct(self) -> str | None:
+        if not hasattr(os, "O_DIRECT"):
+            return "this platform has no O_DIRECT"
+        path = os.path.join(self.directory, f".direct-probe{TMP_MARK}{self.boot_token}")
+        buf = mmap.mmap(-1, PAGE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+            try:
+                os.pwrite(fd, buf, 0)
+                os.preadv(fd, [buf], 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        finally:
+            buf.close()
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        return None
+
+    async def close(self) -> None:
+        """Finish the commits in progress (their blocks stay unpublished if the group has not
+        started) and stop the threads."""
+        if self._group_timer is not None:
+            self._group_timer.cancel()
+            self._group_timer = None
+        if self._group:
+            self._start_commit()
+        if self._commits:
+            await asyncio.gather(*self._commits, return_exceptions=True)
+        self._pool.shutdown(wait=True)
+
+    # -- names --------------------------------------------------------------------------------
+
+    def path_of(self, key: bytes, digest: bytes, layer: int) -> str:
+        return os.path.join(self.blocks_dir, block_dir(key), block_name(digest, layer))
+
+    # -- writing ------------------------------------------------------------------------------
+
+    async def write_many(self, writes: list[SsdWrite]) -> list[SsdWriteError | None]:
+        """Publish ``writes`` under the durability mode; per block, None when published or the
+        error that discarded it (SsdFull for no space)."""
+        loop = asyncio.get_running_loop()
+        fsync_each = self.durability == "always"
+        jobs = [loop.run_in_executor(self._pool, self._write_tmp, w, fsync_each) for w in writes]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        out: list[SsdWriteError | None] = []
+        waits: list[tuple[int, asyncio.Future[None]]] = []
+        for i, (w, res) in enumerate(zip(writes, results)):
+            if isinstance(res, BaseException):
+                out.append(self._failed(w, res))
+                continue
+            fd, tmp, final = res
+            out.append(None)
+            if self.durability == "batch":
+                fut: asyncio.Future[None] = loop.create_future()
+                self._enqueue(_Written(w, fd, tmp, final, fut))
+                waits.append((i, fut))
+            else:
+                self._published(w, final)
+        for i, fut in waits:
+            try:
+                await fut
+            except SsdWriteError as exc:
+                out[i] = exc
+        return out
+
+    def _failed(self, w: SsdWrite, exc: BaseException) -> SsdWriteError:
+        self.counters.write_errors += 1
+        if isinstance(exc, SsdWriteError):
+            if isinstance(exc, SsdFull):
+                self.counters.no_space += 1
+            return exc
+        log.error("SSD write failed", extra={"fields": {"key": w.key.hex(), "error": str(exc)}})
+        return SsdWriteError(getattr(exc, "errno", None) or errno.EIO, f"SSD write failed: {exc}")
+
+    def _published(self, w: SsdWrite, final: str) -> None:
+        self._account(w.header.length, +1)
+        self.counters.writes += 1
+        self.counters.write_bytes += w.header.length
+        if self.fresh is not None:
+            self.fresh.add(final)
+
+    def _write_tmp(self, w: SsdWrite, publish: bool) -> tuple[int, str, str]:
+        """Thread: write the temporary file. With ``publish`` (mode always) also fsync, rename and
+        fsync the directory, and close; else return the open fd for the group commit (mode
+        batch) or close it and rename now (mode none)."""
+        final = self.path_of(w.key, w.header.digest, w.header.layer)
+        tmp = f"{final}{TMP_MARK}{self.boot_token}"
+        bufs = self._buffers
+        bufs.header[:] = w.header.encode()
+        n = w.header.length
+        whole = n - n % PAGE
+        parts: list[Any] = [bufs.header]
+        if whole:
+            parts.append(w.payload[:whole])
+        if n > whole:    # the last partial page goes through a zeroed bounce page (no stale arena bytes on disk)
+            tail = bufs.tail
+            tail[:n - whole] = w.payload[whole:n]
+            tail[n - whole:] = bytes(PAGE - (n - whole))
+            parts.append(tail)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except OSError as exc:
+            raise _write_error(exc, tmp) from None
+        try:
+            _pwritev_all(fd, parts, file_bytes(n))
+            if publish:
+                os.fsync(fd)
+                os.close(fd)
+                fd = -1
+                os.rename(tmp, final)
+                _fsync_dir(os.path.dirname(final))
+            elif self.durability == "none":
+                os.close(fd)
+                fd = -1
+                os.rename(tmp, final)
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            _unlink_quietly(tmp)
+            raise _write_error(exc, tmp) from None
+        return fd, tmp, final
+
+    def _enqueue(self, item: _Written) -> None:
+        self._group.append(item)
+        self._group_bytes += item.write.header.length
+        if len(self._group) >= GROUP_MAX_FILES or self._group_bytes >= GROUP_MAX_BYTES:
+            self._start_commit()
+        elif self._group_timer is None:
+            self._group_timer = asyncio.get_running_loop().call_later(self.commit_s, self._start_commit)
+
+    def _start_commit(self) -> None:
+        if self._group_timer is not None:
+            self._group_timer.cancel()
+            self._group_timer = None
+        group, self._group, self._group_bytes = self._group, [], 0
+        if group:
+            task = asyncio.get_running_loop().create_task(self._commit(group))
+            self._commits.add(task)
+            task.add_done_callback(self._commits.discard)
+
+    async def _commit(self, group: list[_Written]) -> None:
+        """One group commit: fsync every file (in parallel), rename each, fsync each directory."""
+        loop = asyncio.get_running_loop()
+        self.counters.group_commits += 1
+        synced = await asyncio.gather(*(loop.run_in_executor(self._pool, _fsync_close, g.fd) for g in group),
+                                      return_exceptions=True)
+        ok = [g for g, r in zip(group, synced) if r is None]
+        for g, r in zip(group, synced):
+            if r is not None:
+                self._fail_pending(g, r)
+        renamed = await loop.run_in_executor(self._pool, _rename_all, [(g.tmp, g.final) for g in ok])
+        dirs: dict[str, list[_Written]] = {}
+        for g, r in zip(ok, renamed):
+            if r is not None:
+                self._fail_pending(g, r)
+            else:
+                dirs.setdefault(os.path.dirname(g.final), []).append(g)
+        dir_syncs = await asyncio.gather(*(loop.run_in_executor(self._pool, _fsync_dir, d) for d in dirs),
+                                         return_exceptions=True)
+        for (d, members), r in zip(dirs.items(), dir_syncs):
+            for g in members:
+                if r is None:
+                    self._published(g.write, g.final)
+                    if not g.future.done():
+                        g.future.set_result(None)
+                else:   # the names may not be durable: discard them, never fsync again
+                    _unlink_quietly(g.final)
+                    self._fail_pending(g, r)
+
+    def _fail_pending(self, g: _Written, exc: BaseException) -> None:
+        _unlink_quietly(g.tmp)
+        err = self._failed(g.write, exc)
+        if not g.future.done():
+            g.future.set_exception(err)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    async def read_into(self, key: bytes, header: BlockHeader, dest: memoryview) -> str | None:
+        """Read the block described by ``header`` (what the index says it is) into ``dest``
+        (its arena slot, at least :func:`padded` bytes) and verify it. None when the bytes in
+        ``dest[:length]`` are the block; else ``"missing"`` (no file) or why the file is bad."""
+        path = self.path_of(key, header.digest, header.layer)
+        problem = await asyncio.get_running_loop().run_in_executor(self._pool, self._read_verify, path, header, dest)
+        if problem is None:
+            self.counters.reads += 1
+            self.counters.read_bytes += header.length
+        elif problem == "missing":
+            self.counters.missing += 1
+        else:
+            self.counters.corrupt += 1
+        return problem
+
+    def _read_verify(self, path: str, want: BlockHeader, dest: memoryview) -> str | None:
+        n = want.length
+        size = padded(n)
+        if len(dest) < size:
+            raise ValueError(f"destination of {len(dest)} bytes is smaller than {size}")
+        head = self._buffers.header
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0))
+        except FileNotFoundError:
+            return "missing"
+        except OSError as exc:
+            return f"cannot open: {exc.strerror or exc}"
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != file_bytes(n):
+                return f"file is {actual} bytes, expected {file_bytes(n)} (truncated or torn)"
+            got = _preadv_all(fd, [head, dest[:size]], file_bytes(n))
+        except OSError as exc:
+            return f"read failed: {exc.strerror or exc}"
+        finally:
+            os.close(fd)
+        if got != file_bytes(n):
+            return f"short read: {got} of {file_bytes(n)} bytes"
+        try:
+            problem = BlockHeader.decode(head).disagreement(want.digest, want.layer, n, want.checksum)
+        except HeaderError as exc:
+            problem = str(exc)
+        if problem is not None:
+            return problem
+        if blake3.blake3(dest[:n]).digest() != want.checksum:
+            return "payload does not match its BLAKE3 checksum"
+        return None
+
+    # -- removal ------------------------------------------------------------------------------
+
+    async def remove_many(self, items: list[tuple[bytes, BlockHeader]]) -> int:
+        """Unlink the files of these blocks (accounting them out); returns how many existed."""
+        paths = [(self.path_of(k, h.digest, h.layer), h.length) for k, h in items]
+        gone = await asyncio.get_running_loop().run_in_executor(self._pool, _unlink_all, [p for p, _ in paths])
+        for (path, size), existed in zip(paths, gone):
+            self._touched_path(path)
+            if existed:
+                self._account(size, -1)
+                self.counters.removed += 1
+        return sum(gone)
+
+    def remove_now(self, key: bytes, header: BlockHeader) -> bool:
+        """Unlink one block's file on the calling thread (Delete: one unlink is cheap)."""
+        path = self.path_of(key, header.digest, header.layer)
+        self._touched_path(path)
+        existed = _unlink_quietly(path)
+        if existed:
+            self._account(header.length, -1)
+            self.counters.removed += 1
+        return existed
+
+    async def quarantine(self, key: bytes, header: BlockHeader, why: str) -> None:
+        """Move a bad block file aside (for an operator to inspect), keeping the newest few."""
+        path = self.path_of(key, header.digest, header.layer)
+        self._touched_path(path)
+        log.error("corrupt SSD block quarantined", extra={"fields": {"key": key.hex(), "file": path, "problem": why}})
+        moved = await asyncio.get_running_loop().run_in_executor(self._pool, self._quarantine_file, path)
+        if moved:
+            self._account(header.length, -1)
+
+    def _quarantine_file(self, path: str) -> bool:
+        target = os.path.join(self.quarantine_dir, f"{os.path.basename(path)}.{os.getpid()}-{time.time_ns()}")
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return _unlink_quietly(path)
+        try:
+            names = sorted(os.scandir(self.quarantine_dir), key=lambda e: e.stat().st_mtime_ns)
+            for entry in names[:max(0, len(names) - QUARANTINE_KEEP)]:
+                _unlink_quietly(entry.path)
+        except OSError:
+            pass
+        return True
+
+    def _touched_path(self, path: str) -> None:
+        if self.fresh is not None:
+            self.fresh.add(path)
+
+    def is_fresh(self, path: str) -> bool:
+        """Published or removed by this run while the boot reconcile runs (it must not judge it)."""
+        fresh = self.fresh
+        return fresh is not None and path in fresh
+
+    def reconciled(self, blocks: int, payload_bytes: int, file_bytes_: int) -> None:
+        """The boot reconcile is done: account for the good files it found, stop tracking."""
+        self.blocks += blocks
+        self.payload_bytes += payload_bytes
+        self.used_bytes += file_bytes_
+        self.fresh = None
+
+    def _account(self, nbytes: int, sign: int) -> None:
+        self.used_bytes = max(0, self.used_bytes + sign * file_bytes(nbytes))
+        self.payload_bytes = max(0, self.payload_bytes + sign * nbytes)
+        self.blocks = max(0, self.blocks + sign)
+
+    # -- walking (boot reconcile) ---------------------------------------------------------------
+
+    def walk(self) -> Iterator[os.DirEntry[str]]:
+        """Every entry in the leaf directories (files of all kinds, any name)."""
+        for sub in leaf_dirs():
+            try:
+                with os.scandir(os.path.join(self.blocks_dir, sub)) as it:
+                    yield from it
+            except FileNotFoundError:
+                continue
+
+    def is_stale_tmp(self, name: str) -> bool:
+        """A temporary file of an earlier run (this run's own are in flight)."""
+        mark = name.rfind(TMP_MARK)
+        return mark >= 0 and name[mark + len(TMP_MARK):] != self.boot_token
+
+    @staticmethod
+    def is_block_name(name: str) -> bool:
+        return name.endswith(SUFFIX)
+
+    def read_header(self, path: str) -> tuple[BlockHeader, int]:
+        """Thread: the header of a file and the file's size (buffered read of one page).
+        Raises HeaderError or OSError."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            page = os.pread(fd, HEADER_BYTES, 0)
+        finally:
+            os.close(fd)
+        return BlockHeader.decode(page), size
+
+
+# -- helpers (threads) ----------------------------------------------------------------------------
+
+
+def _write_error(exc: OSError, path: str) -> SsdWriteError:
+    if exc.errno in _NOSPACE:
+        return SsdFull(exc.errno, f"no space left for SSD block file ({exc.strerror})", path)
+    return SsdWriteError(exc.errno or errno.EIO, f"SSD write failed: {exc.strerror or exc}", path)
+
+
+def _rest(parts: list[Any], done: int) -> list[memoryview]:
+    """What is left of ``parts`` after the first ``done`` bytes."""
+    out = []
+    for part in parts:
+        view = memoryview(part)
+        if done >= len(view):
+            done -= len(view)
+            continue
+        out.append(view[done:])
+        done = 0
+    return out
+
+
+def _pwritev_all(fd: int, parts: list[Any], total: int) -> None:
+    done = os.pwritev(fd, parts, 0)
+    while done < total:     # a short write (rare on regular files): go on from where it stopped
+        n = os.pwritev(fd, _rest(parts, done), done)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += n
+
+
+def _preadv_all(fd: int, parts: list[Any], total: int) -> int:
+    """Bytes read into ``parts`` from offset 0, up to ``total`` (fewer only at end of file)."""
+    done = os.preadv(fd, parts, 0)
+    while 0 < done < total:
+        n = os.preadv(fd, _rest(parts, done), done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename_all(pairs: list[tuple[str, str]]) -> list[OSError | None]:
+    out: list[OSError | None] = []
+    for tmp, final in pairs:
+        try:
+            os.rename(tmp, final)
+            out.append(None)
+        except OSError as exc:
+            out.append(exc)
+    return out
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _unlink_all(paths: list[str]) -> list[bool]:
+    return [_unlink_quietly(p) for p in paths]
