@@ -520,8 +520,13 @@ class Store:
                 mine.append((record, block, future))
         finally:
             self._write_index()      # tombstones of what the reservations evicted
-        problems = await asyncio.gather(*(self.ssd.read_into(b.key, _header(r), self.ram.slot_view(b))
-                                          for r, b, _ in mine), return_exceptions=True)
+        views = [self.ram.slot_view(b) for _, b, _ in mine]
+        try:
+            problems = await asyncio.gather(*(self.ssd.read_into(b.key, _header(r), v)
+                                              for (r, b, _), v in zip(mine, views)), return_exceptions=True)
+        finally:
+            for view in views:
+                view.release()
         held: list[RamBlock] = []
         bad: list[tuple[BlockRecord, RamBlock, str]] = []
         for (record, block, future), problem in zip(mine, problems):
@@ -566,15 +571,17 @@ class Store:
         for block, _ in blocks:
             self.ram.pin(block)
             self._demoting[block.key] = done
+        writes = [SsdWrite(b.key, _header(r), self.ram.slot_view(b)) for b, r in blocks]
         try:
-            errors = await self.ssd.write_many([SsdWrite(b.key, _header(r), self.ram.slot_view(b)) for b, r in blocks])
-            full = [(b, r) for (b, r), e in zip(blocks, errors) if isinstance(e, SsdFull)]
+            errors = await self.ssd.write_many(writes)
+            full = [w for w, e in zip(writes, errors) if isinstance(e, SsdFull)]
             if full:
-                await self.evict_ssd(need_bytes=sum(file_bytes(r.nbytes) for _, r in full))
-                again = iter(await self.ssd.write_many([SsdWrite(b.key, _header(r), self.ram.slot_view(b))
-                                                        for b, r in full]))
+                await self.evict_ssd(need_bytes=sum(file_bytes(w.header.length) for w in full))
+                again = iter(await self.ssd.write_many(full))
                 errors = [next(again) if isinstance(e, SsdFull) else e for e in errors]
         finally:
+            for w in writes:       # no view of the arena outlives the write (tracebacks keep frames)
+                w.payload.release()
             for block, _ in blocks:
                 self.ram.unpin(block)
                 if self._demoting.get(block.key) is done:

@@ -39,7 +39,7 @@ from typing import Any, Iterator, Literal
 import blake3
 
 from kvcached.tiers.ssd_format import (HEADER_BYTES, PAGE, SUFFIX, TMP_MARK, BlockHeader, HeaderError, block_dir,
-                                      block_name, file_bytes, leaf_dirs, padded)
+                                      block_name, file_bytes, padded)
 
 __all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "Durability", "DirectIo"]
 
@@ -131,10 +131,10 @@ class SsdTier:
     # -- set-up -------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Create the directory tree and decide on O_DIRECT. Raises OSError (unusable directory)
-        or ValueError (``direct_io = "on"`` where the filesystem refuses it)."""
-        for sub in leaf_dirs():
-            os.makedirs(os.path.join(self.blocks_dir, sub), exist_ok=True)
+        """Create the top of the tree (leaf directories come with their first block) and decide
+        on O_DIRECT. Raises OSError (unusable directory) or ValueError (``direct_io = "on"``
+        where the filesystem refuses it)."""
+        os.makedirs(self.blocks_dir, exist_ok=True)
         os.makedirs(self.quarantine_dir, exist_ok=True)
         _fsync_dir(self.directory)
         if self.direct_io_setting == "off":
@@ -242,17 +242,26 @@ class SsdTier:
         bufs.header[:] = w.header.encode()
         n = w.header.length
         whole = n - n % PAGE
-        parts: list[Any] = [bufs.header]
-        if whole:
-            parts.append(w.payload[:whole])
-        if n > whole:    # the last partial page goes through a zeroed bounce page (no stale arena bytes on disk)
-            tail = bufs.tail
-            tail[:n - whole] = w.payload[whole:n]
-            tail[n - whole:] = bytes(PAGE - (n - whole))
-            parts.append(tail)
+        body = w.payload[:whole]
+        try:
+            parts: list[Any] = [bufs.header, body] if whole else [bufs.header]
+            if n > whole:    # the last partial page goes through a zeroed bounce page (no stale arena bytes on disk)
+                tail = bufs.tail
+                tail[:n - whole] = w.payload[whole:n]
+                tail[n - whole:] = bytes(PAGE - (n - whole))
+                parts.append(tail)
+            return self._write_file(final, tmp, parts, n, publish)
+        finally:
+            body.release()     # no view of the arena may outlive the call (a traceback would keep it)
+
+    def _write_file(self, final: str, tmp: str, parts: list[Any], n: int, publish: bool) -> tuple[int, str, str]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
         try:
-            fd = os.open(tmp, flags, 0o600)
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:     # the leaf's first block: make the leaf, durably
+                self._make_leaf(os.path.dirname(final))
+                fd = os.open(tmp, flags, 0o600)
         except OSError as exc:
             raise _write_error(exc, tmp) from None
         try:
@@ -273,6 +282,14 @@ class SsdTier:
             _unlink_quietly(tmp)
             raise _write_error(exc, tmp) from None
         return fd, tmp, final
+
+    def _make_leaf(self, leaf: str) -> None:
+        parent = os.path.dirname(leaf)
+        made_parent = not os.path.isdir(parent)
+        os.makedirs(leaf, exist_ok=True)
+        _fsync_dir(parent)
+        if made_parent:
+            _fsync_dir(self.blocks_dir)
 
     def _enqueue(self, item: _Written) -> None:
         self._group.append(item)
@@ -356,26 +373,28 @@ class SsdTier:
             return "missing"
         except OSError as exc:
             return f"cannot open: {exc.strerror or exc}"
+        body = dest[:size]
         try:
             actual = os.fstat(fd).st_size
             if actual != file_bytes(n):
                 return f"file is {actual} bytes, expected {file_bytes(n)} (truncated or torn)"
-            got = _preadv_all(fd, [head, dest[:size]], file_bytes(n))
+            got = _preadv_all(fd, [head, body], file_bytes(n))
+            if got != file_bytes(n):
+                return f"short read: {got} of {file_bytes(n)} bytes"
+            try:
+                problem = BlockHeader.decode(head).disagreement(want.digest, want.layer, n, want.checksum)
+            except HeaderError as exc:
+                problem = str(exc)
+            if problem is not None:
+                return problem
+            if blake3.blake3(body[:n]).digest() != want.checksum:
+                return "payload does not match its BLAKE3 checksum"
+            return None
         except OSError as exc:
             return f"read failed: {exc.strerror or exc}"
         finally:
             os.close(fd)
-        if got != file_bytes(n):
-            return f"short read: {got} of {file_bytes(n)} bytes"
-        try:
-            problem = BlockHeader.decode(head).disagreement(want.digest, want.layer, n, want.checksum)
-        except HeaderError as exc:
-            problem = str(exc)
-        if problem is not None:
-            return problem
-        if blake3.blake3(dest[:n]).digest() != want.checksum:
-            return "payload does not match its BLAKE3 checksum"
-        return None
+            body.release()
 
     # -- removal ------------------------------------------------------------------------------
 
@@ -450,12 +469,13 @@ class SsdTier:
 
     def walk(self) -> Iterator[os.DirEntry[str]]:
         """Every entry in the leaf directories (files of all kinds, any name)."""
-        for sub in leaf_dirs():
-            try:
-                with os.scandir(os.path.join(self.blocks_dir, sub)) as it:
-                    yield from it
-            except FileNotFoundError:
-                continue
+        for top in _subdirs(self.blocks_dir):
+            for leaf in _subdirs(top):
+                try:
+                    with os.scandir(leaf) as it:
+                        yield from it
+                except FileNotFoundError:
+                    continue
 
     def is_stale_tmp(self, name: str) -> bool:
         """A temporary file of an earlier run (this run's own are in flight)."""
@@ -487,15 +507,23 @@ def _write_error(exc: OSError, path: str) -> SsdWriteError:
     return SsdWriteError(exc.errno or errno.EIO, f"SSD write failed: {exc.strerror or exc}", path)
 
 
+def _subdirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return sorted(e.path for e in it if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+
+
 def _rest(parts: list[Any], done: int) -> list[memoryview]:
-    """What is left of ``parts`` after the first ``done`` bytes."""
+    """What is left of ``parts`` after the first ``done`` bytes (views: release them)."""
     out = []
     for part in parts:
-        view = memoryview(part)
-        if done >= len(view):
-            done -= len(view)
+        size = len(part)
+        if done >= size:
+            done -= size
             continue
-        out.append(view[done:])
+        out.append(memoryview(part)[done:])
         done = 0
     return out
 
@@ -503,7 +531,12 @@ def _rest(parts: list[Any], done: int) -> list[memoryview]:
 def _pwritev_all(fd: int, parts: list[Any], total: int) -> None:
     done = os.pwritev(fd, parts, 0)
     while done < total:     # a short write (rare on regular files): go on from where it stopped
-        n = os.pwritev(fd, _rest(parts, done), done)
+        rest = _rest(parts, done)
+        try:
+            n = os.pwritev(fd, rest, done)
+        finally:
+            for view in rest:
+                view.release()
         if n <= 0:
             raise OSError(errno.EIO, "write made no progress")
         done += n
@@ -513,7 +546,12 @@ def _preadv_all(fd: int, parts: list[Any], total: int) -> int:
     """Bytes read into ``parts`` from offset 0, up to ``total`` (fewer only at end of file)."""
     done = os.preadv(fd, parts, 0)
     while 0 < done < total:
-        n = os.preadv(fd, _rest(parts, done), done)
+        rest = _rest(parts, done)
+        try:
+            n = os.preadv(fd, rest, done)
+        finally:
+            for view in rest:
+                view.release()
         if n <= 0:
             break
         done += n

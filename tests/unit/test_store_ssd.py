@@ -1,0 +1,241 @@
+"""The store with an SSD tier: write-back and write-through, promotion, integrity, SSD eviction,
+the boot reconcile. Real RAM arena, real RocksDB, real files; the clock moved by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from kvcached.errors import NotFound, ResourceExhausted
+from kvcached.index import BlockIndex, GoneReason, Tier
+from kvcached.policies.clock import ClockPolicy
+from kvcached.ssd_reconcile import reconcile_ssd
+from kvcached.store import PutItem, Store
+from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.ram import RamTier
+from kvcached.tiers.ssd import SsdTier
+from kvcached.tiers.ssd_format import HEADER_BYTES, file_bytes
+from tests.unit.conftest import KIB, SLAB, FakeClock, SyncStore, address, digest, payload
+
+TTL = 3600.0
+
+
+def item(n: int, size: int = 60 * KIB) -> PutItem:
+    return PutItem(address(n), payload(n, size), model="m")
+
+
+@pytest.fixture
+def make_store(ram: RamTier, index: BlockIndex, clock: FakeClock, tmp_path: Path,
+               event_loop_for_store: asyncio.AbstractEventLoop) -> Iterator[Callable[..., SyncStore]]:
+    made: list[SsdTier] = []
+
+    def make(policy: str = "write_back", capacity: int = 1 << 30, directory: Path | None = None,
+             durability: str = "none") -> SyncStore:
+        ssd = SsdTier(str(directory or tmp_path / "ssd"), capacity, durability=durability, commit_s=0.001,  # type: ignore[arg-type]
+                      threads=2)
+        ssd.open()
+        made.append(ssd)
+        store = Store(ram, index, ssd=ssd, write_policy=policy, ssd_ttl=TTL, gone_ttl=TTL, clock=clock)  # type: ignore[arg-type]
+        store.ssd_reconciled = True
+        return SyncStore(store, event_loop_for_store)
+
+    yield make
+    for ssd in made:
+        event_loop_for_store.run_until_complete(ssd.close())
+
+
+def file_of(store: SyncStore, n: int) -> Path:
+    a = address(n)
+    return Path(store.ssd.path_of(a.key, a.digest, a.layer))
+
+
+def push_out_of_ram(store: SyncStore, start: int = 1000) -> None:
+    """Fill the 4-slab arena with other blocks (written back too, so nothing waits)."""
+    for n in range(start, start + 4):
+        store.put([item(n, SLAB)])
+        store.demote()
+
+
+def test_write_back_then_promotion(make_store: Callable[..., SyncStore], index: BlockIndex) -> None:
+    store = make_store()
+    store.put([item(1), item(2)])
+    assert index.get(address(1).key).tiers == Tier.RAM and store.ram.dirty_bytes == 2 * 60 * KIB
+    assert store.demote() == 2
+    assert index.get(address(1).key).tiers == Tier.RAM | Tier.SSD and store.ram.dirty_bytes == 0
+    assert file_of(store, 1).stat().st_size == file_bytes(60 * KIB)
+    push_out_of_ram(store)
+    assert index.get(address(1).key).tiers == Tier.SSD, "evicted from RAM, kept on SSD"
+    assert store.ram.dirty_evictions == 0
+    r = store.lookup([digest(1), digest(2), digest(3)], 0)
+    assert (r.longest, r.ram, r.ssd) == (2, 0, 2)
+    (f1, f2), _ = store.get([address(1), address(2)])
+    assert f1.payload == payload(1, 60 * KIB) and f2.payload == payload(2, 60 * KIB)
+    assert store.counters.promotions == 2
+    assert index.get(address(1).key).tiers == Tier.RAM | Tier.SSD
+    assert store.ram.get(address(1).key).clean, "a promoted block is clean: RAM may drop it freely"
+    assert store.put([item(1)]).present == 1
+
+
+def test_put_of_a_block_only_on_ssd_is_present(make_store: Callable[..., SyncStore]) -> None:
+    store = make_store()
+    store.put([item(1)])
+    store.demote()
+    push_out_of_ram(store)
+    writes = store.ssd.counters.writes
+    r = store.put([item(1)])
+    assert (r.stored, r.present) == (0, 1) and store.ssd.counters.writes == writes
+
+
+def test_write_through_publishes_before_returning(make_store: Callable[..., SyncStore], index: BlockIndex) -> None:
+    store = make_store("write_through", durability="batch")
+    assert store.put([item(1), item(2)]).stored == 2
+    assert index.get(address(2).key).tiers == Tier.RAM | Tier.SSD and file_of(store, 2).exists()
+    assert store.ram.dirty_bytes == 0 and store.demote() == 0
+
+
+@pytest.mark.parametrize("damage", ["payload", "header", "truncate"])
+def test_corrupt_file_is_quarantined_never_served(make_store: Callable[..., SyncStore], index: BlockIndex,
+                                                  damage: str) -> None:
+    store = make_store()
+    store.put([item(1)])
+    store.demote()
+    push_out_of_ram(store)
+    path = file_of(store, 1)
+    with open(path, "r+b") as f:
+        if damage == "truncate":
+            f.truncate(HEADER_BYTES + 10)
+        else:
+            pos = HEADER_BYTES + 5000 if damage == "payload" else 40
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x80]))
+    with pytest.raises(NotFound, match="corrupt"):
+        store.get([address(1)])
+    assert store.counters.ssd_corrupt == 1 and not path.exists()
+    assert len(os.listdir(store.ssd.quarantine_dir)) == 1
+    record = index.get(address(1).key)
+    assert not record.present and record.gone_reason == GoneReason.CORRUPT
+    assert store.ram.get(address(1).key) is None
+    assert store.put([item(1)]).stored == 1, "a fresh copy can be stored again"
+
+
+def test_missing_file_is_a_miss(make_store: Callable[..., SyncStore], index: BlockIndex) -> None:
+    store = make_store()
+    store.put([item(1), item(2)])
+    store.demote()
+    push_out_of_ram(store)
+    file_of(store, 1).unlink()
+    found, misses = store.get([address(1), address(2)], allow_partial=True)
+    assert [f.address for f in found] == [address(2)] and "missing" in misses[0].reason
+    assert index.get(address(1).key).gone_reason == GoneReason.FILE_MISSING
+
+
+def test_ttl_eviction(make_store: Callable[..., SyncStore], index: BlockIndex, clock: FakeClock) -> None:
+    store = make_store()
+    store.put([item(1), item(2)])
+    store.demote()
+    push_out_of_ram(store)            # 1 and 2 only on SSD; 1000.. in RAM and on SSD
+    clock.advance(TTL / 2)
+    store.get([address(2)])           # a use: 2 stays
+    store.flush_last_seen()
+    clock.advance(TTL / 2 + 1)
+    assert store.evict_ssd() == 5     # 1 and the four RAM blocks, unused for longer than the TTL
+    assert not file_of(store, 1).exists() and file_of(store, 2).exists()
+    assert index.get(address(1).key).gone_reason == GoneReason.EVICTED
+    assert index.get(address(1003).key).tiers == Tier.RAM, "still in RAM, dirty again"
+    assert store.ram.dirty_bytes > 0 and store.counters.ssd_evictions_ttl == 5
+
+
+def test_capacity_eviction_lru_with_second_chance(make_store: Callable[..., SyncStore], index: BlockIndex,
+                                                  clock: FakeClock) -> None:
+    store = make_store(capacity=6 * file_bytes(30 * KIB))
+    for n in range(1, 9):
+        clock.advance(1)
+        store.put([item(n, 30 * KIB)])
+        store.demote()
+    store.get([address(1)])           # 1 was used again: the evictor gives it a second chance
+    store.flush_last_seen()
+    assert store.ssd.used_bytes > store.ssd.capacity
+    assert store.evict_ssd() == 2
+    assert store.ssd.used_bytes <= store.ssd.capacity
+    on_ssd = [n for n in range(1, 9) if index.get(address(n).key).tiers & Tier.SSD]
+    assert on_ssd == [1, 4, 5, 6, 7, 8]
+    assert store.counters.ssd_evictions_capacity == 2
+
+
+def test_delete_removes_the_file(make_store: Callable[..., SyncStore], index: BlockIndex) -> None:
+    store = make_store()
+    store.put([item(1)])
+    store.demote()
+    assert store.delete([address(1)]) == (1, 0)
+    assert not file_of(store, 1).exists() and index.get(address(1).key) is None and store.ssd.blocks == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real filesystem of 1 MiB."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    os.system(f"umount {mnt}")
+
+
+def test_full_disk_forces_eviction_then_refuses(make_store: Callable[..., SyncStore], index: BlockIndex,
+                                                clock: FakeClock, small_fs: Path) -> None:
+    store = make_store("write_through", directory=small_fs / "ssd", durability="batch")
+    # 1 MiB holds about 14 files of 64 KiB: later puts hit ENOSPC, evict the oldest, and succeed
+    for n in range(1, 25):
+        clock.advance(1)
+        assert store.put([item(n, 60 * KIB)]).stored == 1
+    assert store.ssd.counters.no_space >= 1 and store.counters.ssd_evictions_capacity >= 1
+    assert not index.get(address(1).key).present and index.get(address(24).key).tiers & Tier.SSD
+    # with nothing left to evict (another file fills the disk) a put is refused cleanly
+    store.evict_ssd(need_bytes=1 << 30)
+    assert store.ssd.blocks == 0
+    with open(small_fs / "hog", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    with pytest.raises(ResourceExhausted, match="SSD") as err:
+        store.put([item(30, 60 * KIB)])
+    assert "stored 0 of 1" in str(err.value)
+    assert index.get(address(30).key) is None and store.ram.get(address(30).key) is None
+    assert not any(".tmp-" in p.name for p in small_fs.rglob("*")), "nothing partial is left"
+    (found,), _ = store.get([address(24)])             # reads go on
+    assert found.payload == payload(24, 60 * KIB)
+
+
+def test_reconcile_cleans_up_after_a_crash(make_store: Callable[..., SyncStore], index: BlockIndex,
+                                           tmp_path: Path) -> None:
+    store = make_store()
+    store.put([item(n) for n in range(1, 5)])
+    store.demote()
+    ssd = store.ssd
+    file_of(store, 1).unlink()                                  # record without file
+    with open(file_of(store, 2), "r+b") as f:                   # header disagrees with the record
+        f.seek(12)
+        f.write(b"\x09")
+    orphan = file_of(store, 3)
+    index.write(deletes=[address(3).key])                       # file without record
+    stale = Path(str(file_of(store, 4)) + ".tmp-0badbeef")      # an interrupted write of an earlier run
+    stale.write_bytes(b"torn")
+    fresh_ssd = SsdTier(ssd.directory, 1 << 30)
+    fresh_ssd.open()
+    report = reconcile_ssd(index, fresh_ssd)
+    assert (report.records, report.adopted, report.orphans, report.stale_tmp, report.bad_files) == (3, 1, 1, 1, 1)
+    assert sorted(report.lost) == sorted([address(1).key, address(2).key])
+    assert not orphan.exists() and not stale.exists() and not file_of(store, 2).exists() and file_of(store, 4).exists()
+    store._store.ssd = fresh_ssd
+    store.finish_ssd_reconcile(report)
+    assert fresh_ssd.blocks == 1 and fresh_ssd.used_bytes == file_bytes(60 * KIB) and fresh_ssd.fresh is None
+    assert not index.get(address(1).key).tiers & Tier.SSD and not index.get(address(2).key).tiers & Tier.SSD
+    asyncio.get_event_loop().run_until_complete(fresh_ssd.close())
