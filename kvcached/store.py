@@ -48,6 +48,7 @@ MAX_MODEL_BYTES = 256        # a model label is a name, not a payload
 DEMOTE_BATCH_BYTES = 64 << 20   # one write-back round publishes at most this much ...
 DEMOTE_BATCH_BLOCKS = 256       # ... or this many blocks
 EVICT_BATCH = 256               # SSD queue entries looked at per step
+DIRTY_WAIT_S = 10.0             # longest a write-back Put waits for the demoter (see _throttle_dirty)
 
 WritePolicy = Literal["write_through", "write_back"]
 
@@ -132,6 +133,9 @@ class Store:
         self.evict_wanted = asyncio.Event()   # set when the SSD tier is over capacity
         self._promoting: dict[bytes, asyncio.Future[RamBlock | None]] = {}
         self._demoting: dict[bytes, asyncio.Future[None]] = {}   # being published: done when it is
+        self.dirty_limit = ram.capacity // 2
+        self._round_done = asyncio.Event()    # set (and replaced) after every publishing round
+        self._ssd_failing = False             # the last round published nothing: do not throttle on it
         ram.prefer_clean = ssd is not None
         self._touched: set[bytes] = set()
         # State of the one request in progress. Store methods never await, so requests on the
@@ -162,7 +166,21 @@ class Store:
                     raise self._publish_error(failed, result, len(items))
             else:
                 self.demote_wanted.set()
+                await self._throttle_dirty()
         return result
+
+    async def _throttle_dirty(self) -> None:
+        """Write-back backpressure: while more than half the RAM tier is dirty (not yet on SSD),
+        a Put waits for the demoter, so a writer faster than the disk slows to the disk's pace
+        instead of pushing unwritten blocks out of RAM. A failing SSD, or a wait past
+        ``DIRTY_WAIT_S``, lets the Put go: dirty blocks may then be dropped, and are counted."""
+        deadline = self.clock() + DIRTY_WAIT_S
+        while self.ram.dirty_bytes > self.dirty_limit and not self._ssd_failing and self.clock() < deadline:
+            self.demote_wanted.set()
+            try:
+                await asyncio.wait_for(self._round_done.wait(), DIRTY_WAIT_S)
+            except TimeoutError:
+                return
 
     def _put_ram(self, items: Sequence[PutItem]) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]]]:
         for i, item in enumerate(items):
@@ -589,6 +607,9 @@ class Store:
             done.set_result(None)
         published = [(b, r) for (b, r), e in zip(blocks, errors) if e is None]
         failed = [(b, r, e) for (b, r), e in zip(blocks, errors) if e is not None]
+        self._ssd_failing = bool(failed) and not published
+        self._round_done.set()
+        self._round_done = asyncio.Event()
         puts = self.index.with_tier([b.key for b, _ in published], Tier.SSD)
         known = {key for key, _ in puts}
         queue = [queue_entry(r.last_seen, b.key) for b, r in published if b.key in known]
