@@ -116,6 +116,7 @@ class Daemon:
         self._scanner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-scan")
         self._stopping = threading.Event()
         self._stop = asyncio.Event()
+        self._winding_down = asyncio.Event()   # background loops end after their current round
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -177,24 +178,31 @@ class Daemon:
 
     async def _demoter(self) -> None:
         """Write-back: publish dirty blocks on SSD soon after they are put (woken by puts), and
-        at least once a second; after a round that published nothing, wait a second."""
+        at least once a second; after a round that failed, wait a second. On a clean stop,
+        publish what is left."""
         store = self.store
         assert store is not None
-        while True:
-            await _woken_or_after(store.demote_wanted, DEMOTE_PERIOD_S)
+        while not self._winding_down.is_set():
+            await _woken_or_after(store.demote_wanted, DEMOTE_PERIOD_S, self._winding_down)
             try:
-                while store.ram.dirty and await store.demote():
+                while store.ram.dirty and not self._winding_down.is_set() and await store.demote():
                     pass
             except Exception:
                 log.exception("write-back round failed; will retry")
                 await asyncio.sleep(DEMOTE_PERIOD_S)
+        # A clean stop writes back what is still dirty, within the shutdown grace (stop() waits).
+        flushed = 0
+        while store.ram.dirty and (n := await store.demote()):
+            flushed += n
+        if flushed:
+            log.info("wrote back dirty blocks before stopping", extra=fields(blocks=flushed))
 
     async def _ssd_evictor(self) -> None:
         """SSD eviction by TTL and capacity, about once a second and when the tier is over."""
         store = self.store
         assert store is not None
-        while True:
-            await _woken_or_after(store.evict_wanted, EVICT_PERIOD_S)
+        while not self._winding_down.is_set():
+            await _woken_or_after(store.evict_wanted, EVICT_PERIOD_S, self._winding_down)
             try:
                 await store.evict_ssd()
             except Exception:
@@ -297,6 +305,10 @@ class Daemon:
             await self._step("health", self.health.enter_graceful_shutdown())
         if self.server is not None:
             await self._step("grpc", self.server.stop(self.config.grpc.grace_s))
+        self._winding_down.set()
+        rounds = [t for t in self._tasks if t.get_name() in ("ssd-demoter", "ssd-evictor")]
+        if rounds:   # let a write-back or eviction round in progress finish its I/O first
+            await asyncio.wait(rounds, timeout=self.config.grpc.grace_s)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -338,12 +350,14 @@ class Daemon:
             log.exception("shutdown step failed", extra=fields(step=name))
 
 
-async def _woken_or_after(event: asyncio.Event, seconds: float) -> None:
-    """Wait until ``event`` is set or ``seconds`` pass, then clear it."""
+async def _woken_or_after(event: asyncio.Event, seconds: float, stop: asyncio.Event) -> None:
+    """Wait until ``event`` or ``stop`` is set or ``seconds`` pass, then clear ``event``."""
+    waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(stop.wait())]
     try:
-        await asyncio.wait_for(event.wait(), seconds)
-    except TimeoutError:
-        pass
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
     event.clear()
 
 

@@ -362,9 +362,20 @@ class Store:
     def max_block_bytes(self) -> int:
         return self.ram.max_block_bytes
 
-    def resident_bytes(self, addresses: Sequence[BlockAddress]) -> int:
-        """Payload bytes of those of ``addresses`` that are resident (sizing an answer)."""
-        return sum(b.length for a in addresses if (b := self.ram.get(a.key)) is not None)
+    def stored_bytes(self, addresses: Sequence[BlockAddress]) -> int:
+        """Payload bytes of those of ``addresses`` that a Get would serve, from RAM or SSD
+        (sizing an answer before fetching it)."""
+        total = 0
+        absent = []
+        for a in addresses:
+            block = self.ram.get(a.key)
+            if block is not None:
+                total += block.length
+            else:
+                absent.append(a.key)
+        if self.ssd is not None and absent:
+            total += sum(r.nbytes for r in self.index.get_many(absent) if r is not None and r.tiers & Tier.SSD)
+        return total
 
     def miss_reason(self, address: BlockAddress) -> str:
         """Why ``address`` is not here, in words."""
@@ -544,7 +555,7 @@ class Store:
                                               for (r, b, _), v in zip(mine, views)), return_exceptions=True)
         finally:
             for view in views:
-                view.release()
+                _release(view)
         held: list[RamBlock] = []
         bad: list[tuple[BlockRecord, RamBlock, str]] = []
         for (record, block, future), problem in zip(mine, problems):
@@ -599,7 +610,7 @@ class Store:
                 errors = [next(again) if isinstance(e, SsdFull) else e for e in errors]
         finally:
             for w in writes:       # no view of the arena outlives the write (tracebacks keep frames)
-                w.payload.release()
+                _release(w.payload)
             for block, _ in blocks:
                 self.ram.unpin(block)
                 if self._demoting.get(block.key) is done:
@@ -796,3 +807,12 @@ def _tier_matches(record: BlockRecord, tier: Tier | None) -> bool:
 def _header(record: BlockRecord) -> BlockHeader:
     """The SSD file header that describes ``record``'s block."""
     return BlockHeader(record.digest, record.layer, record.nbytes, record.checksum, record.created)
+
+
+def _release(view: memoryview) -> None:
+    """Release an arena view now; if an I/O thread still holds a slice of it (a request was
+    cancelled mid-I/O), the garbage collector releases it once the thread is done."""
+    try:
+        view.release()
+    except BufferError:
+        pass

@@ -137,7 +137,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     @_errors_to_status
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
         addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
-        total = self.store.resident_bytes(addresses) + 128 * len(addresses)
+        total = self.store.stored_bytes(addresses) + 128 * len(addresses)
         if total > self.max_message_bytes:
             raise ResourceExhausted(f"the {len(addresses)} blocks make a response of about {total} bytes, over the "
                                     f"message limit of {self.max_message_bytes} bytes (grpc.max_message_mib); "

@@ -14,16 +14,17 @@ from kvcached_agent.address import BlockAddress, chain_digests
 
 
 def test_restart_keeps_metadata_and_reports_ram_blocks_gone(make_daemon) -> None:
+    """RAM only (no SSD tier): after a restart the blocks are gone, their metadata is not."""
     digests = chain_digests(list(range(160)), 16, model="m", dtype="fp16")
     blocks = [(BlockAddress(d, 5), os.urandom(20000)) for d in digests]
-    d = make_daemon()
+    d = make_daemon("kv.ssd_gib=0")
     with d.client() as c:
         c.put(blocks, model="restart-model")
         before = {i.address.digest: i for i in c.list_blocks()}
     assert d.stop() == 0
     assert not d.socket.exists(), "the daemon removes its socket on a clean stop"
 
-    d2 = make_daemon(state=d.state)
+    d2 = make_daemon("kv.ssd_gib=0", state=d.state)
     with d2.client() as c:
         after = {i.address.digest: i for i in c.list_blocks()}
         # metadata persists: same blocks, sizes, checksums, model, creation time
