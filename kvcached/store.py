@@ -157,16 +157,26 @@ class Store:
         fills with blocks in use, the blocks stored so far stay and ResourceExhausted says how
         many. Under write_through the new blocks are on SSD before this returns; a block that
         cannot be published is dropped again and the error says so."""
-        result, new = self._put_ram(items)
-        if self.ssd is not None and new:
-            if self.write_policy == "write_through":
+        through = self.ssd is not None and self.write_policy == "write_through"
+        result, new, full = self._put_ram(items, hold=through)
+        if through and new:
+            try:
                 failed = await self._publish(new)
-                if failed:
-                    result.stored -= len(failed)
-                    raise self._publish_error(failed, result, len(items))
-            else:
-                self.demote_wanted.set()
-                await self._throttle_dirty()
+            finally:
+                for block, _ in new:
+                    self.ram.unpin(block)
+            if failed:      # not on SSD: not kept (a write-through Put acknowledges only what is)
+                for block, _, _ in failed:
+                    if self.ram.busy_reason(block.key) is None:
+                        self.ram.delete(block.key)
+                self.index.write(deletes=[b.key for b, _, _ in failed])
+                result.stored -= len(failed)
+                raise self._publish_error(failed, result, len(items))
+        elif new and self.ssd is not None:
+            self.demote_wanted.set()
+            await self._throttle_dirty()
+        if full is not None:
+            raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {full}")
         return result
 
     async def _throttle_dirty(self) -> None:
@@ -182,7 +192,10 @@ class Store:
             except TimeoutError:
                 return
 
-    def _put_ram(self, items: Sequence[PutItem]) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]]]:
+    def _put_ram(self, items: Sequence[PutItem], hold: bool) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]],
+                                                                      RamFull | None]:
+        """The RAM part of a Put: returns what it stored, the new blocks (pinned if ``hold``,
+        so none can be evicted before it is published), and the RamFull that stopped it early."""
         for i, item in enumerate(items):
             self._check_put(i, item)
         # Engines save the same prefixes again and again: blocks already here are neither
@@ -207,6 +220,7 @@ class Store:
         now = self.clock()
         result = PutResult(present=len(items) - len(todo))
         new: list[tuple[RamBlock, BlockRecord]] = []
+        full: RamFull | None = None
         # Records of this batch wait in _pending and go to the index in one write at the end,
         # with the tombstones of whatever the batch evicted (see _on_ram_evict).
         pending = self._pending
@@ -219,12 +233,15 @@ class Store:
                 try:
                     block = self.ram.reserve(key, len(item.payload))
                 except RamFull as exc:
-                    raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {exc}") from None
+                    full = exc
+                    break
                 except ValueError:   # being written by another writer (an agent) right now
                     result.present += 1
                     continue
                 self.ram.write(block, item.payload)
                 self.ram.commit(block)
+                if hold:
+                    self.ram.pin(block)
                 record = BlockRecord(item.address.digest, item.address.layer, item.model, len(item.payload),
                                      checksum, now, now, Tier.RAM)
                 pending[key] = record
@@ -233,10 +250,22 @@ class Store:
                 result.stored += 1
                 self.counters.puts += 1
                 self.counters.put_bytes += len(item.payload)
+        except BaseException:
+            for block, _ in new if hold else ():
+                self.ram.unpin(block)
+            raise
         finally:
-            self._write_index()
-        # a block of this batch may have been evicted by a later one of the same batch
-        return result, [(b, r) for b, r in new if self.ram.get(b.key) is b]
+            try:
+                self._write_index()
+            except Unavailable:
+                for block, _ in new if hold else ():
+                    if block.refs > 0:
+                        self.ram.unpin(block)
+                    if self.ram.busy_reason(block.key) is None:
+                        self.ram.delete(block.key)
+                raise
+        # a block of this batch may have been evicted by a later one of the same batch (not if held)
+        return result, [(b, r) for b, r in new if self.ram.get(b.key) is b], full
 
     def _publish_error(self, failed: list[tuple[RamBlock, BlockRecord, SsdWriteError]], result: PutResult,
                        n: int) -> KvError:
@@ -593,8 +622,7 @@ class Store:
     async def _publish(self, blocks: list[tuple[RamBlock, BlockRecord]]) -> list[tuple[RamBlock, BlockRecord, SsdWriteError]]:
         """Write blocks to SSD (they are pinned meanwhile), then record them: marked clean,
         the SSD tier in their records, queued for SSD eviction. A full disk gets one forced
-        eviction and one retry. Blocks that still fail stay dirty; under write_through they are
-        dropped (returned, so the caller can say so)."""
+        eviction and one retry. Blocks that still fail stay dirty and are returned."""
         assert self.ssd is not None
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for block, _ in blocks:
@@ -632,11 +660,6 @@ class Store:
         for record, block in dropped:    # deleted while it was written: its file goes too
             self.ssd.remove_now(block.key, _header(record))
         self.counters.demotions += len(known)
-        if self.write_policy == "write_through" and failed:
-            for block, _, _ in failed:
-                if self.ram.busy_reason(block.key) is None:
-                    self.ram.delete(block.key)
-            self.index.write(deletes=[b.key for b, _, _ in failed])
         if self.ssd.used_bytes > self.ssd.capacity:
             self.evict_wanted.set()
         return failed

@@ -97,6 +97,17 @@ def test_write_through_publishes_before_returning(make_store: Callable[..., Sync
     assert store.ram.dirty_bytes == 0 and store.demote() == 0
 
 
+def test_write_through_batch_bigger_than_ram(make_store: Callable[..., SyncStore], index: BlockIndex) -> None:
+    """Blocks of a write-through batch stay pinned until published: none is evicted by a later
+    one of the same batch (it would be acknowledged and lost); the rest is refused."""
+    store = make_store("write_through")
+    with pytest.raises(ResourceExhausted, match="stored 4 of 6"):
+        store.put([item(n) for n in range(1, 7)])
+    assert [n for n in range(1, 7) if (r := index.get(address(n).key)) and r.tiers & Tier.SSD] == [1, 2, 3, 4]
+    assert all(b.refs == 0 for b in store.ram.blocks())
+    assert store.put([item(n) for n in range(5, 7)]).stored == 2, "the rest fits once the first are clean"
+
+
 @pytest.mark.parametrize("damage", ["payload", "header", "truncate"])
 def test_corrupt_file_is_quarantined_never_served(make_store: Callable[..., SyncStore], index: BlockIndex,
                                                   damage: str) -> None:
