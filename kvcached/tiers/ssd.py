@@ -192,6 +192,8 @@ class SsdTier:
         """Publish ``writes`` under the durability mode; per block, None when published or the
         error that discarded it (SsdFull for no space)."""
         loop = asyncio.get_running_loop()
+        for w in writes:    # before any file appears: the boot reconcile must not take it for an orphan
+            self._touched_path(self.path_of(w.key, w.header.digest, w.header.layer))
         fsync_each = self.durability == "always"
         jobs = [loop.run_in_executor(self._pool, self._write_tmp, w, fsync_each) for w in writes]
         results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -229,8 +231,6 @@ class SsdTier:
         self._account(w.header.length, +1)
         self.counters.writes += 1
         self.counters.write_bytes += w.header.length
-        if self.fresh is not None:
-            self.fresh.add(final)
 
     def _write_tmp(self, w: SsdWrite, publish: bool) -> tuple[int, str, str]:
         """Thread: write the temporary file. With ``publish`` (mode always) also fsync, rename and
