@@ -135,6 +135,10 @@ def _client_command(args: argparse.Namespace) -> int:
                 print(f"  {pb.Tier.Name(t.tier)[5:].lower():5} {t.blocks} blocks, {t.bytes} bytes "
                       f"of {t.capacity_bytes} ({t.evictions} evictions)")
             print(f"  puts {s.puts}, hits {s.hits}, misses {s.misses}, lookups {s.lookups}, deletes {s.deletes}")
+            if any(t.tier == pb.TIER_SSD for t in s.tiers):
+                print(f"  ssd: {s.promotions} promotions, {s.demotions} demotions, {s.ram_dirty_bytes} dirty bytes in RAM, "
+                      f"{s.dirty_dropped} dropped dirty, {s.ssd_corrupt} corrupt, {s.ssd_write_errors} write errors"
+                      f"{'' if s.ssd_reconciled else ', boot reconcile running'}")
         elif args.command == "ls":
             tier = {None: pb.TIER_UNSPECIFIED, "ram": pb.TIER_RAM, "ssd": pb.TIER_SSD, "gone": pb.TIER_GONE}[args.tier]
             for info in client.list_blocks(model=args.model, tier=tier, limit=args.limit or None):

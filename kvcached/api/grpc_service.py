@@ -203,7 +203,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         return pb.StatsResponse(
             version=__version__, uptime_seconds=time.time() - self.started_at, tiers=tiers,
             index_entries=s["index_entries"], puts=s["puts"], put_bytes=s["put_bytes"], hits=s["hits"],
-            hit_bytes=s["hit_bytes"], misses=s["misses"], lookups=s["lookups"], deletes=s["deletes"])
+            hit_bytes=s["hit_bytes"], misses=s["misses"], lookups=s["lookups"], deletes=s["deletes"],
+            promotions=s["promotions"], demotions=s["demotions"], ram_dirty_bytes=s["ram_dirty_bytes"],
+            dirty_dropped=s["ram_dirty_evictions"] if "ssd_blocks" in s else 0, ssd_corrupt=s.get("ssd_corrupt", 0),
+            ssd_write_errors=s.get("ssd_write_errors", 0), ssd_reconciled=bool(s.get("ssd_reconciled", 0)))
 
     @_errors_to_status
     async def ListBlocks(self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext) -> pb.ListBlocksResponse:

@@ -130,6 +130,8 @@ def test_damaged_files_are_never_served(make_daemon, tmp_path: Path) -> None:
             c.get([addrs[2]])
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "corrupt" in err.value.details()
         assert ssd_stats(c).blocks == 8
+        s = c.stats()
+        assert s.ssd_corrupt == 1 and s.ssd_reconciled and s.promotions >= 8
     assert not payload_bad.exists() and len(os.listdir(tmp_path / "ssd" / "quarantine")) == 1
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "kvcached_ssd_corrupt_blocks_total 1.0" in text and 'kvcached_blocks{tier="ssd"} 8.0' in text
