@@ -36,12 +36,23 @@ test-unit: install
 test-integration: install
 	$(PY) -m pytest -q tests/integration
 
-# Benchmarks need redis-server (Debian package) for their Redis baseline.
+# Benchmarks need redis-server (bench_core.py's Redis baseline) and fio (bench_ssd.py's disk
+# baseline), both Debian packages: one apt-get update, then only the missing ones are installed.
 system-deps:
-	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v fio >/dev/null || missing="$$missing fio"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		apt-get update && apt-get install -y $$missing; \
+	fi
+
+# BENCH_ARGS go to bench_core.py; SSD_BENCH_ARGS to bench_ssd.py (default: --quick if BENCH_ARGS has it).
+SSD_BENCH_ARGS ?= $(filter --quick,$(BENCH_ARGS))
 
 bench: install system-deps
 	$(PY) bench/bench_core.py $(BENCH_ARGS)
+	$(PY) bench/bench_ssd.py $(SSD_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) kvcached/v1 var .pytest_cache

@@ -580,8 +580,11 @@ class Store:
             self._write_index()      # tombstones of what the reservations evicted
         views = [self.ram.slot_view(b) for _, b, _ in mine]
         try:
-            problems = await asyncio.gather(*(self.ssd.read_into(b.key, _header(r), v)
-                                              for (r, b, _), v in zip(mine, views)), return_exceptions=True)
+            problems: list[str | BaseException | None] = list(
+                await self.ssd.read_many([(b.key, _header(r), v) for (r, b, _), v in zip(mine, views)]))
+        except Exception as exc:     # the reads themselves failed (not a bad file): every one is a miss
+            log.exception("SSD reads failed")
+            problems = [exc] * len(mine)
         finally:
             for view in views:
                 _release(view)

