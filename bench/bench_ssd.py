@@ -799,7 +799,7 @@ def bench_reconcile(directory: Path, s: Settings, n: int, threads: int, runner: 
                     f.write(os.urandom(2 * PAGE))
         finally:
             runner.run(writer.close())
-        files = n - s.missing - s.torn + s.orphans + s.stale_tmp
+        files = n - s.missing + s.orphans + s.stale_tmp     # torn files are walked (and removed)
         cold_cache(blocks_dir, drop_caches)
         progress(f"reconcile of {files} files with strays")
         quiet = logging.getLogger("kvcached.ssd")     # one warning per torn file otherwise; the counts are checked

@@ -170,6 +170,10 @@ class BlockIndex:
         raw = self._blocks.get(key)
         return None if raw is None else BlockRecord.decode(raw)
 
+    def raw(self, key: bytes) -> bytes | None:
+        """The stored bytes of ``key``'s record (None if absent); read-only, thread-safe."""
+        return self._blocks.get(key)
+
     def get_many(self, keys: list[bytes]) -> list[BlockRecord | None]:
         return [None if raw is None else BlockRecord.decode(raw) for raw in self._blocks[keys]]
 

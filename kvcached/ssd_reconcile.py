@@ -5,11 +5,12 @@ record never got written (or was dropped), files that do not match their record 
 overwritten by a block whose name collides); the index can name files that are gone. The
 reconcile walks both, in a worker thread, while the daemon already serves:
 
-1. every index record on SSD: its file must exist, with a valid header that matches the record
-   (block, length, checksum) and the right size; else the file is removed and the record loses
-   the SSD tier. Good records are counted (the tier's size) and re-queued for SSD eviction;
-2. every file: temporary files of earlier runs are removed, and so is every block file that no
-   record claims.
+1. every file: temporary files of earlier runs are removed; a block file must have a valid
+   header whose block has an index record on SSD, that names this very path, with the same
+   length and checksum, and the file the right size; a good file is counted (the tier's size)
+   and re-queued for SSD eviction, any other is removed;
+2. every index record on SSD: its file must still exist (one ``stat``); else the record loses
+   the SSD tier.
 
 Reads need not wait: every SSD read verifies the header and the payload checksum anyway, so a
 block not yet checked is either served verified or is a miss. Files this run publishes are
@@ -58,7 +59,11 @@ class ReconcileReport:
 
 def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = lambda: False) -> ReconcileReport:
     """Run the reconcile (in a worker thread). Files are removed here; the records to change
-    are returned in ``lost`` for the index's owner to apply (it re-checks each one)."""
+    are returned in ``lost`` for the index's owner to apply (it re-checks each one).
+
+    One header read per file: the files are walked first (each good file is counted and
+    re-queued, each bad one removed); then the records are walked with a ``stat`` each, to find
+    the ones whose file is gone (never there, or removed by the first pass)."""
     report = ReconcileReport()
     t0 = time.monotonic()
 
@@ -68,38 +73,11 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
                                                                "elapsed_s": round(time.monotonic() - t0, 1)}})
 
     queue: list[bytes] = []
-    for key, raw in index.ssd_records(stop):
-        view = raw_ssd_view(raw)
-        if view is None:
-            continue
-        _, nbytes, last_seen, checksum, digest, layer = view
-        path = ssd.path_of(key, digest, layer)
-        report.records += 1
-        progress("index", report.records)
-        if ssd.is_fresh(path):
-            continue
-        problem = _check_file(ssd, path, digest, layer, nbytes, checksum)
-        if problem is None:
-            report.adopted += 1
-            report.adopted_bytes += nbytes
-            report.adopted_file_bytes += file_bytes(nbytes)
-            queue.append(queue_entry(last_seen, key))
-            if len(queue) >= QUEUE_BATCH:
-                index.write(queue=queue)
-                queue = []
-            continue
-        report.lost.append(key)
-        if problem != "missing":
-            report.bad_files += 1
-            log.warning("SSD block file does not match the index; removed",
-                        extra={"fields": {"file": path, "problem": problem}})
-            _remove(ssd, path)
-    index.write(queue=queue)
-    if stop():
-        return report
     for entry in ssd.walk():
         report.files += 1
         progress("files", report.files)
+        if report.files % 10_000 == 0 and stop():
+            return report
         name = entry.name
         if ssd.is_stale_tmp(name):
             report.stale_tmp += 1
@@ -111,41 +89,51 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
             header, size = ssd.read_header(entry.path)
         except FileNotFoundError:
             continue
-        except (OSError, HeaderError):
+        except (OSError, HeaderError) as exc:
             report.bad_files += 1
+            log.warning("unreadable SSD block file removed", extra={"fields": {"file": entry.path, "problem": str(exc)}})
             _remove(ssd, entry.path)
             continue
         key = index_key(header.digest, header.layer)
-        record = index.get(key)
-        claimed = (record is not None and ssd.path_of(key, header.digest, header.layer) == entry.path
-                   and _check_file(ssd, entry.path, record.digest, record.layer, record.nbytes, record.checksum,
-                                   (header, size)) is None and bool(record.tiers & Tier.SSD))
-        if not claimed:
+        raw = index.raw(key)
+        view = raw_ssd_view(raw) if raw is not None else None
+        problem: str | None
+        if view is None or not view[0] & Tier.SSD:
+            problem = "no index record claims it"
+        elif ssd.path_of(key, header.digest, header.layer) != entry.path:
+            problem = "it lies under another block's name"
+        elif size != file_bytes(view[1]):
+            problem = f"file is {size} bytes, expected {file_bytes(view[1])}"
+        else:
+            problem = header.disagreement(view[4], view[5], view[1], view[3])
+        if problem is None:
+            report.adopted += 1
+            report.adopted_bytes += view[1]           # type: ignore[index]
+            report.adopted_file_bytes += size
+            queue.append(queue_entry(view[2], key))   # type: ignore[index]
+            if len(queue) >= QUEUE_BATCH:
+                index.write(queue=queue)
+                queue = []
+        elif problem == "no index record claims it":
             report.orphans += 1
             _remove(ssd, entry.path)
-        if report.files % 10_000 == 0 and stop():
-            break
+        else:
+            report.bad_files += 1
+            log.warning("SSD block file does not match the index; removed",
+                        extra={"fields": {"file": entry.path, "problem": problem}})
+            _remove(ssd, entry.path)
+    index.write(queue=queue)
+    for key, raw in index.ssd_records(stop):
+        view = raw_ssd_view(raw)
+        if view is None:
+            continue
+        report.records += 1
+        progress("index", report.records)
+        path = ssd.path_of(key, view[4], view[5])
+        if not ssd.is_fresh(path) and not os.path.exists(path):
+            report.lost.append(key)
     report.elapsed_s = round(time.monotonic() - t0, 3)
     return report
-
-
-def _check_file(ssd: SsdTier, path: str, digest: bytes, layer: int, nbytes: int, checksum: bytes,
-                read: tuple[object, int] | None = None) -> str | None:
-    """Why the file at ``path`` is not that block (``"missing"`` if there is none), or None."""
-    if read is None:
-        try:
-            header, size = ssd.read_header(path)
-        except FileNotFoundError:
-            return "missing"
-        except HeaderError as exc:
-            return str(exc)
-        except OSError as exc:
-            return f"unreadable: {exc.strerror or exc}"
-    else:
-        header, size = read  # type: ignore[assignment]
-    if size != file_bytes(nbytes):
-        return f"file is {size} bytes, expected {file_bytes(nbytes)}"
-    return header.disagreement(digest, layer, nbytes, checksum)  # type: ignore[attr-defined]
 
 
 def _remove(ssd: SsdTier, path: str) -> None:
