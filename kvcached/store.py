@@ -699,7 +699,7 @@ class Store:
         """Drop SSD blocks unused for ``ssd_ttl``, then (once the boot reconcile has counted the
         tier) least recently used ones while the tier is over capacity, and at least
         ``need_bytes`` more when asked (a full disk). Returns how many were dropped. Blocks in
-        RAM stay there (dirty again); others become tombstones."""
+        RAM stay there (RAM-only now, not written back again); others become tombstones."""
         if self.ssd is None:
             return 0
         ssd = self.ssd
@@ -739,10 +739,8 @@ class Store:
             keys = [k for k, _ in victims]
             puts = self.index.without_tier(keys, Tier.SSD, GoneReason.EVICTED, now)
             self.index.write(puts, queue=queue, unqueue=unqueue)
-            for key in keys:
-                block = self.ram.get(key)
-                if block is not None:
-                    self.ram.mark_dirty(block)
+            # A copy still in RAM stays there and stays "clean": the policy chose to drop its SSD
+            # copy, so it is not written back again (that would undo the eviction every round).
             await ssd.remove_many(victims)
             dropped += len(victims)
             self.counters.ssd_evictions_ttl += len(expired_keys)

@@ -11,7 +11,9 @@ Contract (the rules of DESIGN.md, enforced here):
   slab whose blocks are all idle, that whole slab is emptied and changes class. If no candidate
   works, :class:`RamFull` is raised and nothing was evicted.
 - Evicted blocks are handed to ``on_evict`` (the store keeps their metadata in the index).
-- A block is *clean* when a copy of its bytes is on the SSD tier, *dirty* otherwise. Dirty
+- A block is *clean* when evicting it loses nothing the tiers want kept: a copy is on SSD, or
+  the SSD tier's own policy dropped that copy (TTL, capacity). *Dirty* blocks are waiting to be
+  written back: only RAM has them. Dirty
   blocks are kept in commit order (:attr:`RamTier.dirty`, oldest first) for the write-back
   demoter; with ``prefer_clean`` eviction looks a little further for a clean victim before it
   drops a dirty one (whose bytes are then gone).

@@ -158,8 +158,9 @@ def test_ttl_eviction(make_store: Callable[..., SyncStore], index: BlockIndex, c
     assert store.evict_ssd() == 5     # 1 and the four RAM blocks, unused for longer than the TTL
     assert not file_of(store, 1).exists() and file_of(store, 2).exists()
     assert index.get(address(1).key).gone_reason == GoneReason.EVICTED
-    assert index.get(address(1003).key).tiers == Tier.RAM, "still in RAM, dirty again"
-    assert store.ram.dirty_bytes > 0 and store.counters.ssd_evictions_ttl == 5
+    assert index.get(address(1003).key).tiers == Tier.RAM, "still in RAM"
+    assert store.ram.dirty_bytes == 0 and store.demote() == 0, "an evicted SSD copy is not written again"
+    assert store.counters.ssd_evictions_ttl == 5
 
 
 def test_capacity_eviction_lru_with_second_chance(make_store: Callable[..., SyncStore], index: BlockIndex,
