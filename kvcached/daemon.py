@@ -170,7 +170,12 @@ class Daemon:
         """The SSD boot reconcile, in the scan thread, while the daemon serves."""
         assert self.store is not None and self.index is not None and self.ssd is not None
         loop = asyncio.get_running_loop()
-        report = await loop.run_in_executor(self._scanner, reconcile_ssd, self.index, self.ssd, self._stopping.is_set)
+        try:
+            report = await loop.run_in_executor(self._scanner, reconcile_ssd, self.index, self.ssd,
+                                                self._stopping.is_set)
+        except Exception:
+            log.exception("SSD reconcile failed; capacity eviction stays off until a restart reconciles the tier")
+            return
         if self._stopping.is_set():
             return
         self.store.finish_ssd_reconcile(report)

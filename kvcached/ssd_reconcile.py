@@ -45,6 +45,9 @@ class ReconcileReport:
     adopted: int = 0          # ... whose file is good
     adopted_bytes: int = 0    # their payload bytes
     adopted_file_bytes: int = 0   # ... and file bytes
+    on_ssd: int = 0               # records on SSD whose file exists, this run's included: the tier's
+    on_ssd_bytes: int = 0         # size when the walk ends (removals of earlier files while the
+    on_ssd_file_bytes: int = 0    # reconcile ran make any count kept along the way wrong)
     files: int = 0            # files looked at
     stale_tmp: int = 0        # temporary files of earlier runs removed
     orphans: int = 0          # block files no record claims, removed
@@ -130,7 +133,11 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
         report.records += 1
         progress("index", report.records)
         path = ssd.path_of(key, view[4], view[5])
-        if not ssd.is_fresh(path) and not os.path.exists(path):
+        if os.path.exists(path):
+            report.on_ssd += 1
+            report.on_ssd_bytes += view[1]
+            report.on_ssd_file_bytes += file_bytes(view[1])
+        elif not ssd.is_fresh(path):
             report.lost.append(key)
     report.elapsed_s = round(time.monotonic() - t0, 3)
     return report
@@ -143,3 +150,5 @@ def _remove(ssd: SsdTier, path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:     # a directory under a block's name, no permission: say so, go on
+        log.error("cannot remove from the SSD directory", extra={"fields": {"file": path, "error": str(exc)}})

@@ -34,8 +34,8 @@ from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvEr
                              Unavailable)
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
 from kvcached.ssd_reconcile import ReconcileReport
-from kvcached.tiers.ram import BlockBusy, RamBlock, RamFull, RamTier
-from kvcached.tiers.ssd import SsdFull, SsdTier, SsdWrite, SsdWriteError
+from kvcached.tiers.ram import WRITING, BlockBusy, RamBlock, RamFull, RamTier
+from kvcached.tiers.ssd import IO_ERROR, SsdFull, SsdTier, SsdWrite, SsdWriteError
 from kvcached.tiers.ssd_format import BlockHeader, file_bytes
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress, index_key
 from kvcached_agent.integrity import payload_checksums
@@ -133,6 +133,7 @@ class Store:
         self.evict_wanted = asyncio.Event()   # set when the SSD tier is over capacity
         self._promoting: dict[bytes, asyncio.Future[RamBlock | None]] = {}
         self._demoting: dict[bytes, asyncio.Future[None]] = {}   # being published: done when it is
+        self._background: set[asyncio.Task[object]] = set()      # promotions and publishes no caller may cancel
         self.dirty_limit = ram.capacity // 2
         self._round_done = asyncio.Event()    # set (and replaced) after every publishing round
         self._ssd_failing = False             # the last round published nothing: do not throttle on it
@@ -159,9 +160,14 @@ class Store:
         cannot be published is dropped again and the error says so."""
         through = self.ssd is not None and self.write_policy == "write_through"
         result, new, full = self._put_ram(items, hold=through)
+        if through:
+            # Blocks of this batch already in RAM but not on SSD yet (another Put of the same
+            # block is publishing it, or it was put under write-back) are made durable too.
+            new += await self._dirty_present(items, {b.key for b, _ in new})
         if through and new:
+            task = self._publish(new)
             try:
-                failed = await self._publish(new)
+                failed = await asyncio.shield(task)
             finally:
                 for block, _ in new:
                     self.ram.unpin(block)
@@ -178,6 +184,20 @@ class Store:
         if full is not None:
             raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {full}")
         return result
+
+    async def _dirty_present(self, items: Sequence[PutItem], mine: set[bytes]) -> list[tuple[RamBlock, BlockRecord]]:
+        """Write-through: blocks of ``items`` that were already in RAM, still dirty once any
+        publish of them in progress is over; returned pinned, with their records."""
+        keys = list({i.address.key for i in items} - mine)
+        while waits := {id(f): f for k in keys if (f := self._demoting.get(k)) is not None}:
+            await asyncio.wait(waits.values())
+        dirty = [b for k in keys if (b := self.ram.get(k)) is not None and not b.clean]
+        out = []
+        for block, record in zip(dirty, self.index.get_many([b.key for b in dirty])):
+            if record is not None and record.present:
+                self.ram.pin(block)
+                out.append((block, record))
+        return out
 
     async def _throttle_dirty(self) -> None:
         """Write-back backpressure: while more than half the RAM tier is dirty (not yet on SSD),
@@ -555,7 +575,11 @@ class Store:
 
     async def _promote(self, addresses: list[BlockAddress]) -> list[RamBlock]:
         """Read SSD blocks into RAM, verified; returns them pinned. A block another request is
-        promoting is waited for, not read twice. A block that cannot get a slot stays a miss."""
+        promoting is waited for, not read twice. A block that cannot get a slot stays a miss.
+
+        The reads run in a task of their own that no caller can cancel: a client that gives up
+        (or its deadline) must not leave a slot reserved or a future that others wait on
+        unresolved."""
         assert self.ssd is not None
         loop = asyncio.get_running_loop()
         records = self.index.get_many([a.key for a in addresses])
@@ -576,61 +600,88 @@ class Store:
                 future: asyncio.Future[RamBlock | None] = loop.create_future()
                 self._promoting[key] = future
                 mine.append((record, block, future))
+                waits.append(future)
         finally:
+            if mine:
+                task = loop.create_task(self._read_and_commit(mine))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             self._write_index()      # tombstones of what the reservations evicted
-        views = [self.ram.slot_view(b) for _, b, _ in mine]
-        try:
-            problems: list[str | BaseException | None] = list(
-                await self.ssd.read_many([(b.key, _header(r), v) for (r, b, _), v in zip(mine, views)]))
-        except Exception as exc:     # the reads themselves failed (not a bad file): every one is a miss
-            log.exception("SSD reads failed")
-            problems = [exc] * len(mine)
-        finally:
-            for view in views:
-                _release(view)
+        blocks = await asyncio.shield(asyncio.gather(*waits)) if waits else []
         held: list[RamBlock] = []
-        bad: list[tuple[BlockRecord, RamBlock, str]] = []
-        for (record, block, future), problem in zip(mine, problems):
-            del self._promoting[block.key]
-            if problem is None:
-                self.ram.commit(block, clean=True)
-                self.ram.pin(block)
-                held.append(block)
-                future.set_result(block)
-            else:
-                self.ram.abort(block)
-                future.set_result(None)
-                bad.append((record, block, problem if isinstance(problem, str) else f"read failed: {problem}"))
-        puts = self.index.with_tier([b.key for b in held], Tier.RAM)
-        known = {key for key, _ in puts}
-        for block in [b for b in held if b.key not in known]:   # deleted meanwhile: not served
-            self.ram.unpin(block)
-            self.ram.delete(block.key)
-            held.remove(block)
-        for record, block, problem in bad:
-            reason = GoneReason.FILE_MISSING if problem == "missing" else GoneReason.CORRUPT
-            puts += self.index.without_tier([block.key], Tier.SSD, reason, self.clock())
-        self.index.write(puts)
-        self.counters.promotions += len(held)
-        for record, block, problem in bad:
-            if problem != "missing":
-                self.counters.ssd_corrupt += 1
-                await self.ssd.quarantine(block.key, _header(record), problem)
-        for block in await asyncio.gather(*waits):
+        for block in blocks:
             if block is not None and self.ram.get(block.key) is block:
                 self.ram.pin(block)
                 held.append(block)
         return held
 
-    async def _publish(self, blocks: list[tuple[RamBlock, BlockRecord]]) -> list[tuple[RamBlock, BlockRecord, SsdWriteError]]:
-        """Write blocks to SSD (they are pinned meanwhile), then record them: marked clean,
-        the SSD tier in their records, queued for SSD eviction. A full disk gets one forced
-        eviction and one retry. Blocks that still fail stay dirty and are returned."""
+    async def _read_and_commit(self, mine: list[tuple[BlockRecord, RamBlock, asyncio.Future[RamBlock | None]]]) -> None:
+        """Read reserved blocks from SSD, commit the good ones, drop the bad ones, resolve every
+        future whatever happens."""
         assert self.ssd is not None
+        bad: list[tuple[BlockRecord, RamBlock, str]] = []
+        try:
+            views = [self.ram.slot_view(b) for _, b, _ in mine]
+            try:
+                problems: list[str | None] = await self.ssd.read_many(
+                    [(b.key, _header(r), v) for (r, b, _), v in zip(mine, views)])
+            except Exception as exc:     # the reads themselves failed (not a bad file): every one is a miss
+                log.exception("SSD reads failed")
+                problems = [f"{IO_ERROR}: {exc}"] * len(mine)
+            finally:
+                for view in views:
+                    _release(view)
+            good: list[RamBlock] = []
+            for (record, block, future), problem in zip(mine, problems):
+                if problem is None:
+                    self.ram.commit(block, clean=True)
+                    good.append(block)
+                else:
+                    self.ram.abort(block)
+                    if not problem.startswith(IO_ERROR):    # an I/O error says nothing about the file
+                        bad.append((record, block, problem))
+            puts = self.index.with_tier([b.key for b in good], Tier.RAM)
+            known = {key for key, _ in puts}
+            for block in good:
+                if block.key not in known and self.ram.busy_reason(block.key) is None:   # deleted meanwhile
+                    self.ram.delete(block.key)
+            for record, block, problem in bad:
+                reason = GoneReason.FILE_MISSING if problem == "missing" else GoneReason.CORRUPT
+                puts += self.index.without_tier([block.key], Tier.SSD, reason, self.clock())
+            self.index.write(puts)
+            self.counters.promotions += len(known)
+            for record, block, problem in bad:    # moved aside before anyone is told it is a miss
+                if problem != "missing":
+                    self.counters.ssd_corrupt += 1
+                    await self.ssd.quarantine(block.key, _header(record), problem)
+        finally:
+            for record, block, future in mine:
+                self._promoting.pop(block.key, None)
+                if block.refs == WRITING and self.ram.holds(block):   # reserved, never committed
+                    self.ram.abort(block)
+                if not future.done():
+                    future.set_result(block if self.ram.get(block.key) is block else None)
+
+    def _publish(self, blocks: list[tuple[RamBlock, BlockRecord]]) -> asyncio.Task[list[tuple[RamBlock, BlockRecord, SsdWriteError]]]:
+        """Start publishing blocks on SSD: claimed now (pinned, and known as being published,
+        so a Delete or another write-through Put of them waits), written and recorded by a task
+        that no caller can cancel (its index step must follow its file step). The task returns
+        the blocks that failed."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for block, _ in blocks:
             self.ram.pin(block)
             self._demoting[block.key] = done
+        task = asyncio.ensure_future(self._publish_claimed(blocks, done))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _publish_claimed(self, blocks: list[tuple[RamBlock, BlockRecord]],
+                               done: asyncio.Future[None]) -> list[tuple[RamBlock, BlockRecord, SsdWriteError]]:
+        """Write claimed blocks to SSD, then record them: marked clean, the SSD tier in their
+        records, queued for SSD eviction. A full disk gets one forced eviction and one retry.
+        Blocks that still fail stay dirty and are returned."""
+        assert self.ssd is not None
         writes = [SsdWrite(b.key, _header(r), self.ram.slot_view(b)) for b, r in blocks]
         try:
             errors = await self.ssd.write_many(writes)
@@ -689,7 +740,7 @@ class Store:
         batch = [(b, r) for b, r in zip(picks, records) if r is not None and r.present]
         if not batch:
             return 0
-        failed = await self._publish(batch)
+        failed = await asyncio.shield(self._publish(batch))
         if failed:
             log.warning("write-back failed; blocks stay in RAM only",
                         extra={"fields": {"blocks": len(failed), "error": str(failed[0][2])}})
@@ -706,8 +757,8 @@ class Store:
         now = self.clock()
         ttl_before = now - self.ssd_ttl
         freed = dropped = 0
+        over = max(0, ssd.used_bytes - ssd.capacity) if self.ssd_reconciled else 0
         while True:
-            over = max(0, ssd.used_bytes - ssd.capacity) if self.ssd_reconciled else 0
             victims: list[tuple[bytes, BlockHeader]] = []
             queue: list[bytes] = []
             unqueue: list[bytes] = []
@@ -720,6 +771,8 @@ class Store:
                     unqueue.append(entry)            # stale: the block left SSD already
                     continue
                 tiers, nbytes, last_seen, checksum, digest, layer = view
+                if key in self._promoting:          # being read right now: not this round
+                    continue
                 queued_at = queue_time(entry)
                 wanted = freed < over or freed < need_bytes
                 if last_seen < ttl_before or (wanted and last_seen <= queued_at + 1e-6):
@@ -729,8 +782,10 @@ class Store:
                         expired_keys.append(key)
                     freed += file_bytes(nbytes)
                 elif wanted or queued_at < ttl_before:   # used since it was queued: second chance
-                    unqueue.append(entry)
-                    queue.append(queue_entry(last_seen, key))
+                    again = queue_entry(last_seen, key)
+                    if again != entry:
+                        unqueue.append(entry)
+                        queue.append(again)
                 else:
                     done = True
                     break
@@ -768,7 +823,7 @@ class Store:
                 block = self.ram.get(key)
                 if block is not None:
                     self.ram.mark_dirty(block)
-        self.ssd.reconciled(report.adopted, report.adopted_bytes, report.adopted_file_bytes)
+        self.ssd.reconciled(report.on_ssd, report.on_ssd_bytes, report.on_ssd_file_bytes)
         self.ssd_reconciled = True
         if self.ssd.used_bytes > self.ssd.capacity:
             self.evict_wanted.set()

@@ -96,6 +96,10 @@ class RamTier:
             return None
         return block
 
+    def holds(self, block: RamBlock) -> bool:
+        """``block`` (this very object, committed or not) is in the tier."""
+        return self._blocks.get(block.key) is block
+
     def busy_reason(self, key: bytes) -> str | None:
         """Why ``key`` cannot be removed now (None: absent or idle)."""
         block = self._blocks.get(key)

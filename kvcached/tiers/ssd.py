@@ -6,7 +6,7 @@ checksums) belongs to the store, which calls :meth:`SsdTier.write_many` and
 
 Publishing a block (docs/ssd-format.md has the guarantees per mode):
 
-- ``always``: each block alone: write ``<name>.tmp-<boot>``, fsync it, rename, fsync the dir.
+- ``always``: each block alone: write ``<name>.tmp-<boot>-<n>``, fsync it, rename, fsync the dir.
 - ``batch``: group commit. Each file is written and fsynced by an I/O thread, many at once (the
   disk serves concurrent fsyncs in parallel); the group, which closes when no other write is in
   flight, when it is big, or at most ``commit_s`` after its first file, is then renamed and
@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -42,7 +44,7 @@ import blake3
 from kvcached.tiers.ssd_format import (HEADER_BYTES, PAGE, SUFFIX, TMP_MARK, BlockHeader, HeaderError, block_dir,
                                       block_name, file_bytes, padded)
 
-__all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "Durability", "DirectIo"]
+__all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "Durability", "DirectIo", "IO_ERROR"]
 
 log = logging.getLogger("kvcached.ssd")
 
@@ -52,6 +54,7 @@ GROUP_MAX_FILES = 256            # a batch group commits at this many files with
 GROUP_MAX_BYTES = 256 << 20      # ... or this many bytes
 QUARANTINE_KEEP = 100            # newest quarantined files kept for inspection
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+IO_ERROR = "I/O error"     # a read problem that says nothing about the file (a miss, no quarantine)
 
 
 class SsdWriteError(OSError):
@@ -123,6 +126,8 @@ class SsdTier:
         self.fresh: set[str] | None = set()
         self.threads = threads
         self._writing = 0            # blocks whose files are being written now (group commit timing)
+        self._tmp_serial = itertools.count()
+        self._removing: dict[str, asyncio.Future[None]] = {}   # names being unlinked or quarantined
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvcached-ssd")
         self._buffers = _Buffers()
         self._group: list[_Written] = []
@@ -195,8 +200,12 @@ class SsdTier:
         error that discarded it (SsdFull for no space). The blocks are split into one job per
         I/O thread (a job per block costs more in hand-offs than a small block's write)."""
         loop = asyncio.get_running_loop()
-        for w in writes:    # before any file appears: the boot reconcile must not take it for an orphan
-            self._touched_path(self.path_of(w.key, w.header.digest, w.header.layer))
+        paths = [self.path_of(w.key, w.header.digest, w.header.layer) for w in writes]
+        for path in paths:  # before any file appears: the boot reconcile must not take it for an orphan
+            self._touched_path(path)
+        # A removal of the same name still queued on a thread would unlink the new file.
+        while pending := {id(f): f for p in paths if (f := self._removing.get(p)) is not None}:
+            await asyncio.wait(pending.values())
         per_job = -(-len(writes) // self.threads) if writes else 1
         chunks = [writes[i:i + per_job] for i in range(0, len(writes), per_job)]
         self._writing += len(writes)       # each chunk takes its own off when its files are written
@@ -259,7 +268,7 @@ class SsdTier:
         ``always`` then renames it and fsyncs the directory; mode ``none`` renames it; mode
         ``batch`` leaves rename and directory fsync to the group commit."""
         final = self.path_of(w.key, w.header.digest, w.header.layer)
-        tmp = f"{final}{TMP_MARK}{self.boot_token}"
+        tmp = f"{final}{TMP_MARK}{self.boot_token}-{next(self._tmp_serial)}"   # unique: two writes never share one
         bufs = self._buffers
         bufs.header[:] = w.header.encode()
         n = w.header.length
@@ -305,12 +314,12 @@ class SsdTier:
             raise _write_error(exc, tmp) from None
 
     def _make_leaf(self, leaf: str) -> None:
-        parent = os.path.dirname(leaf)
-        made_parent = not os.path.isdir(parent)
+        """Create a leaf directory durably (at most 4096 times in the tier's life): its parent
+        and ``blocks/`` are fsynced every time, since another thread may have created the parent
+        and not synced ``blocks/`` yet."""
         os.makedirs(leaf, exist_ok=True)
-        _fsync_dir(parent)
-        if made_parent:
-            _fsync_dir(self.blocks_dir)
+        _fsync_dir(os.path.dirname(leaf))
+        _fsync_dir(self.blocks_dir)
 
     def _enqueue(self, item: _Written) -> None:
         """Add a written, fsynced file to the open group. The group commits when no other write
@@ -385,7 +394,7 @@ class SsdTier:
                 self.counters.read_bytes += header.length
             elif problem == "missing":
                 self.counters.missing += 1
-            else:
+            elif not problem.startswith(IO_ERROR):
                 self.counters.corrupt += 1
         return problems
 
@@ -403,7 +412,7 @@ class SsdTier:
         except FileNotFoundError:
             return "missing"
         except OSError as exc:
-            return f"cannot open: {exc.strerror or exc}"
+            return f"{IO_ERROR}: cannot open: {exc.strerror or exc}"
         body = dest[:size]
         try:
             actual = os.fstat(fd).st_size
@@ -422,7 +431,7 @@ class SsdTier:
                 return "payload does not match its BLAKE3 checksum"
             return None
         except OSError as exc:
-            return f"read failed: {exc.strerror or exc}"
+            return f"{IO_ERROR}: read failed: {exc.strerror or exc}"
         finally:
             os.close(fd)
             body.release()
@@ -432,7 +441,8 @@ class SsdTier:
     async def remove_many(self, items: list[tuple[bytes, BlockHeader]]) -> int:
         """Unlink the files of these blocks (accounting them out); returns how many existed."""
         paths = [(self.path_of(k, h.digest, h.layer), h.length) for k, h in items]
-        gone = await asyncio.get_running_loop().run_in_executor(self._pool, _unlink_all, [p for p, _ in paths])
+        with self._removing_paths([p for p, _ in paths]):
+            gone = await asyncio.get_running_loop().run_in_executor(self._pool, _unlink_all, [p for p, _ in paths])
         for (path, size), existed in zip(paths, gone):
             self._touched_path(path)
             if existed:
@@ -455,7 +465,8 @@ class SsdTier:
         path = self.path_of(key, header.digest, header.layer)
         self._touched_path(path)
         log.error("corrupt SSD block quarantined", extra={"fields": {"key": key.hex(), "file": path, "problem": why}})
-        moved = await asyncio.get_running_loop().run_in_executor(self._pool, self._quarantine_file, path)
+        with self._removing_paths([path]):
+            moved = await asyncio.get_running_loop().run_in_executor(self._pool, self._quarantine_file, path)
         if moved:
             self._account(header.length, -1)
 
@@ -475,6 +486,21 @@ class SsdTier:
             pass
         return True
 
+    @contextlib.contextmanager
+    def _removing_paths(self, paths: list[str]) -> Iterator[None]:
+        """Mark ``paths`` as being removed on a thread until the block ends (writes of the same
+        names wait for it)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for path in paths:
+            self._removing[path] = done
+        try:
+            yield
+        finally:
+            for path in paths:
+                if self._removing.get(path) is done:
+                    del self._removing[path]
+            done.set_result(None)
+
     def _touched_path(self, path: str) -> None:
         if self.fresh is not None:
             self.fresh.add(path)
@@ -485,10 +511,11 @@ class SsdTier:
         return fresh is not None and path in fresh
 
     def reconciled(self, blocks: int, payload_bytes: int, file_bytes_: int) -> None:
-        """The boot reconcile is done: account for the good files it found, stop tracking."""
-        self.blocks += blocks
-        self.payload_bytes += payload_bytes
-        self.used_bytes += file_bytes_
+        """The boot reconcile is done: its count of the tier (every record on SSD with a file,
+        taken at the end of its walk) replaces the one kept so far; stop tracking paths."""
+        self.blocks = blocks
+        self.payload_bytes = payload_bytes
+        self.used_bytes = file_bytes_
         self.fresh = None
 
     def _account(self, nbytes: int, sign: int) -> None:
@@ -511,7 +538,7 @@ class SsdTier:
     def is_stale_tmp(self, name: str) -> bool:
         """A temporary file of an earlier run (this run's own are in flight)."""
         mark = name.rfind(TMP_MARK)
-        return mark >= 0 and name[mark + len(TMP_MARK):] != self.boot_token
+        return mark >= 0 and name[mark + len(TMP_MARK):].split("-")[0] != self.boot_token
 
     @staticmethod
     def is_block_name(name: str) -> bool:

@@ -251,3 +251,59 @@ def test_reconcile_cleans_up_after_a_crash(make_store: Callable[..., SyncStore],
     assert fresh_ssd.blocks == 1 and fresh_ssd.used_bytes == file_bytes(60 * KIB) and fresh_ssd.fresh is None
     assert not index.get(address(1).key).tiers & Tier.SSD and not index.get(address(2).key).tiers & Tier.SSD
     asyncio.get_event_loop().run_until_complete(fresh_ssd.close())
+
+
+def test_cancelled_get_leaves_nothing_behind(make_store: Callable[..., SyncStore], index: BlockIndex) -> None:
+    """A client that gives up while its block is read from SSD (cancel, deadline) leaves no
+    slot reserved and no future unresolved: the next Get and a Delete work."""
+    store = make_store()
+    store.put([item(1)])
+    store.demote()
+    push_out_of_ram(store)
+    raw, loop = store._store, store._loop
+
+    async def cancel_mid_read() -> None:
+        first = asyncio.ensure_future(raw.get([address(1)]))
+        second = asyncio.ensure_future(raw.get([address(1)]))   # waits on the first one's read
+        await asyncio.sleep(0)
+        first.cancel()
+        second.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        await asyncio.gather(*raw._background, return_exceptions=True)
+
+    loop.run_until_complete(cancel_mid_read())
+    assert not raw._promoting
+    assert all(b.refs == 0 for b in store.ram.blocks())
+    (found,), _ = store.get([address(1)])
+    assert found.payload == payload(1, 60 * KIB)
+    assert store.delete([address(1)]) == (1, 0)
+
+
+def test_write_through_put_of_a_block_being_published_waits_for_it(make_store: Callable[..., SyncStore],
+                                                                   index: BlockIndex) -> None:
+    """Two write-through Puts of the same block: the second is answered only once the block is
+    on SSD, not as soon as it finds it in RAM."""
+    store = make_store("write_through", durability="batch")
+    raw, loop = store._store, store._loop
+
+    async def both() -> list[bool]:
+        seen = []
+
+        async def put_and_check() -> None:
+            await raw.put([item(1)])
+            seen.append(bool(index.get(address(1).key).tiers & Tier.SSD))
+
+        await asyncio.gather(put_and_check(), put_and_check())
+        return seen
+
+    assert loop.run_until_complete(both()) == [True, True]
+
+
+def test_a_block_put_under_write_back_is_made_durable_by_a_write_through_put(
+        make_store: Callable[..., SyncStore], index: BlockIndex) -> None:
+    store = make_store("write_back")
+    store.put([item(1)])
+    assert index.get(address(1).key).tiers == Tier.RAM
+    store.write_policy = "write_through"
+    assert store.put([item(1)]).present == 1
+    assert index.get(address(1).key).tiers == Tier.RAM | Tier.SSD
