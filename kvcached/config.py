@@ -134,6 +134,33 @@ def _io_threads(v: int) -> None:
         raise ValueError(f"must be between 1 and 256, got {v}")
 
 
+def _unix_path_or_empty(v: str) -> None:
+    if v:
+        _path(v)
+        if len(os.fsencode(os.path.abspath(v))) > 107:
+            raise ValueError(f"Unix socket path too long (max 107 bytes): {v!r}")
+
+
+def _octal_mode(v: str) -> None:
+    if not re.fullmatch(r"0?[0-7]{3}", v):
+        raise ValueError(f"must be octal permission bits such as \"0660\", got {v!r}")
+
+
+def _heartbeat(v: float) -> None:
+    if not 0.05 <= v <= 3600:
+        raise ValueError(f"must be between 0.05 and 3600 seconds, got {v}")
+
+
+def _max_agents(v: int) -> None:
+    if not 1 <= v <= 65536:
+        raise ValueError(f"must be between 1 and 65536, got {v}")
+
+
+def _max_gpu_blocks(v: int) -> None:
+    if not 1 <= v <= 100_000_000:
+        raise ValueError(f"must be between 1 and 100000000, got {v}")
+
+
 def _one_of(*choices: str) -> Callable[[str], None]:
     def check(v: str) -> None:
         if v not in choices:
@@ -225,7 +252,19 @@ class GrpcSection:
 
 @dataclass(frozen=True)
 class AgentSection:
-    socket: str = _key("Unix socket of the agent endpoint (engine-side agents).", "var/agent.sock", _path)
+    socket: str = _key("Unix socket of the agent endpoint (engine-side agents); \"\" disables it.", "var/agent.sock",
+                       _unix_path_or_empty)
+    mode: str = _key("Permission bits of the agent socket, octal (who may connect).", "0660", _octal_mode)
+    group: str = _key("Group that owns the agent socket (name or number); \"\" keeps the daemon's group.", "")
+    heartbeat_s: float = _key("Agents send a heartbeat when idle this long; one silent for three intervals is dropped.",
+                              5.0, _heartbeat, (int, float))
+    max_agents: int = _key("Most agents connected at once.", 256, _max_agents, int)
+    max_gpu_blocks: int = _key("Most blocks the GPU view keeps per agent (pinned events beyond are refused).",
+                               1_000_000, _max_gpu_blocks, int)
+
+    @property
+    def mode_bits(self) -> int:
+        return int(self.mode, 8)
 
 
 @dataclass(frozen=True)
@@ -410,7 +449,7 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
             if not os.access(value, os.R_OK):
                 raise ConfigError(f"quic.{name}", f"not readable: {value}")
     unix_paths = [os.path.abspath(a.unix_path) for a in config.listeners if a.unix_path]
-    if os.path.abspath(config.agent.socket) in unix_paths:
+    if config.agent.socket and os.path.abspath(config.agent.socket) in unix_paths:
         raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")
 
 

@@ -2,7 +2,7 @@
 
 Start-up order: state directories, a check that no other daemon owns our sockets or index,
 the index (with its boot reconcile), the RAM arena, the SSD tier's directory, the gRPC
-listeners (KvCache, health, reflection), metrics, background tasks: maintenance, the SSD
+listeners (KvCache, health, reflection), the agent socket, metrics, background tasks: maintenance, the SSD
 reconcile (it runs while the daemon serves), the write-back demoter and the SSD evictor.
 Shutdown on SIGTERM or SIGINT: health goes NOT_SERVING, listeners stop accepting, in-flight
 calls get ``grpc.grace_s`` to finish, background tasks stop, SSD commits in progress finish,
@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvcached import __version__
+from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_service import KvCacheService
 from kvcached.config import Config, ListenAddress
 from kvcached.index import BlockIndex
@@ -100,6 +101,20 @@ def claim_unix_socket(path: str) -> None:
         probe.close()
 
 
+def _group_id(group: str) -> int:
+    """The gid of ``group`` (a name or a number); -1 for "" (keep the daemon's own)."""
+    if not group:
+        return -1
+    if group.isdigit():
+        return int(group)
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise StartupError(f"agent.group: no such group {group!r}") from None
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -109,6 +124,7 @@ class Daemon:
         self.store: Store | None = None
         self.ssd: SsdTier | None = None
         self.server: grpc.aio.Server | None = None
+        self.agents: AgentServer | None = None
         self.health: Any = None
         self._metrics_server: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -123,6 +139,10 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.config
         listeners = cfg.listeners
+        agent_gid = -1
+        if cfg.agent.socket:
+            claim_unix_socket(cfg.agent.socket)
+            agent_gid = _group_id(cfg.agent.group)
         for address in listeners:
             if address.unix_path:
                 claim_unix_socket(address.unix_path)
@@ -133,8 +153,19 @@ class Daemon:
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(cfg.kv.ram_policy))
         self.ssd = self._open_ssd()
         self.store = Store(ram, self.index, ssd=self.ssd, write_policy=cfg.kv.write_policy,  # type: ignore[arg-type]
-                           ssd_ttl=cfg.kv.ssd_ttl, gone_ttl=cfg.kv.gone_ttl)
+                           ssd_ttl=cfg.kv.ssd_ttl, gone_ttl=cfg.kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks)
         await self._start_grpc(listeners)
+        if cfg.agent.socket:
+            self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,
+                                      mode=cfg.agent.mode_bits, gid=agent_gid, heartbeat_s=cfg.agent.heartbeat_s,
+                                      max_agents=cfg.agent.max_agents)
+            try:
+                await self.agents.start()
+            except OSError as exc:
+                raise StartupError(f"agent.socket {cfg.agent.socket}: {exc.strerror or exc}") from None
+            self._own_sockets.append(cfg.agent.socket)
+            log.info("agent socket listening", extra=fields(path=cfg.agent.socket, mode=cfg.agent.mode,
+                                                            group=cfg.agent.group or None))
         if cfg.metrics.listen:
             try:
                 self._metrics_server = start_metrics(cfg.metrics.listen, self.store)
@@ -256,7 +287,7 @@ class Daemon:
                 raise StartupError(f"grpc.listen {address.text}: cannot listen (address in use?)")
             log.info("grpc listening", extra=fields(listen=address.text if address.unix_path else f"{address.host}:{port}"))
         await server.start()
-        self._own_sockets = [a.unix_path for a in listeners if a.unix_path]
+        self._own_sockets += [a.unix_path for a in listeners if a.unix_path]
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.server = server
@@ -310,6 +341,8 @@ class Daemon:
             await self._step("health", self.health.enter_graceful_shutdown())
         if self.server is not None:
             await self._step("grpc", self.server.stop(self.config.grpc.grace_s))
+        if self.agents is not None:
+            await self._step("agent socket", self.agents.stop())
         self._winding_down.set()
         rounds = [t for t in self._tasks if t.get_name() in ("ssd-demoter", "ssd-evictor")]
         if rounds:   # let a write-back or eviction round in progress finish its I/O first

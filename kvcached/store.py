@@ -16,20 +16,27 @@ With an SSD tier (kvcached.tiers.ssd) the store also moves blocks between tiers:
 - :meth:`evict_ssd` drops SSD blocks past ``ssd_ttl`` or over capacity, least recently used
   first, from the index's SSD queue.
 
+Agents (kvcached.api.agent_server) write blocks straight into arena slots: :meth:`reserve`
+hands out slots, :meth:`commit_written` makes the written blocks visible at once and records
+them once a background thread has checksummed them (a Get, a pin, a Delete or a write-back of
+such a block waits for its record; under write_through the commit itself waits, then publishes).
+:attr:`gpu` is the view of what each agent holds on its GPU.
+
 Lookup follows SGLang's batch_exists: count from the first digest and stop at the first miss,
-per tier and across all tiers. Tiers that this build does not have yet (gpu view, peer) answer
-zero.
+per tier and across all tiers. The peer tier does not exist yet and answers zero.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
 from itertools import islice
 from typing import Callable, Literal, Sequence
 
+from kvcached.gpu_view import GpuView
 from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
                              Unavailable)
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
@@ -119,7 +126,7 @@ class PutResult:
 class Store:
     def __init__(self, ram: RamTier, index: BlockIndex, *, ssd: SsdTier | None = None,
                  write_policy: WritePolicy = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 max_gpu_blocks: int = 1_000_000, clock: Callable[[], float] = time.time) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
@@ -134,6 +141,9 @@ class Store:
         self._promoting: dict[bytes, asyncio.Future[RamBlock | None]] = {}
         self._demoting: dict[bytes, asyncio.Future[None]] = {}   # being published: done when it is
         self._background: set[asyncio.Task[object]] = set()      # promotions and publishes no caller may cancel
+        self._hashing: dict[bytes, asyncio.Future[None]] = {}    # committed by an agent, record not written yet
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-hash")
+        self.gpu = GpuView(max_gpu_blocks)
         self.dirty_limit = ram.capacity // 2
         self._round_done = asyncio.Event()    # set (and replaced) after every publishing round
         self._ssd_failing = False             # the last round published nothing: do not throttle on it
@@ -165,17 +175,8 @@ class Store:
             # block is publishing it, or it was put under write-back) are made durable too.
             new += await self._dirty_present(items, {b.key for b, _ in new})
         if through and new:
-            task = self._publish(new)
-            try:
-                failed = await asyncio.shield(task)
-            finally:
-                for block, _ in new:
-                    self.ram.unpin(block)
-            if failed:      # not on SSD: not kept (a write-through Put acknowledges only what is)
-                for block, _, _ in failed:
-                    if self.ram.busy_reason(block.key) is None:
-                        self.ram.delete(block.key)
-                self.index.write(deletes=[b.key for b, _, _ in failed])
+            failed = await self._write_through(new)
+            if failed:
                 result.stored -= len(failed)
                 raise self._publish_error(failed, result, len(items))
         elif new and self.ssd is not None:
@@ -185,10 +186,29 @@ class Store:
             raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {full}")
         return result
 
+    async def _write_through(self, new: list[tuple[RamBlock, BlockRecord]]) -> list[tuple[RamBlock, BlockRecord, SsdWriteError]]:
+        """Publish pinned blocks on SSD and unpin them; those that fail are not kept (a
+        write-through store acknowledges only what is on SSD) and are returned."""
+        task = self._publish(new)
+        try:
+            failed = await asyncio.shield(task)
+        finally:
+            for block, _ in new:
+                self.ram.unpin(block)
+        if failed:
+            for block, _, _ in failed:
+                if self.ram.busy_reason(block.key) is None:
+                    self.ram.delete(block.key)
+            self.index.write(deletes=[b.key for b, _, _ in failed])
+        return failed
+
     async def _dirty_present(self, items: Sequence[PutItem], mine: set[bytes]) -> list[tuple[RamBlock, BlockRecord]]:
-        """Write-through: blocks of ``items`` that were already in RAM, still dirty once any
-        publish of them in progress is over; returned pinned, with their records."""
-        keys = list({i.address.key for i in items} - mine)
+        """Write-through: blocks of ``items`` that were already in RAM but are not on SSD."""
+        return await self._dirty_keys(list({i.address.key for i in items} - mine))
+
+    async def _dirty_keys(self, keys: list[bytes]) -> list[tuple[RamBlock, BlockRecord]]:
+        """The blocks of ``keys`` in RAM that are still dirty once any publish of them in
+        progress is over; returned pinned, with their records."""
         while waits := {id(f): f for k in keys if (f := self._demoting.get(k)) is not None}:
             await asyncio.wait(waits.values())
         dirty = [b for k in keys if (b := self.ram.get(k)) is not None and not b.clean]
@@ -315,6 +335,7 @@ class Store:
     async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
         """Fetch a batch (blocks only on SSD are promoted to RAM first). Without
         ``allow_partial`` any miss raises NotFound naming it."""
+        await self._recorded(addresses)
         held = await self._make_resident(addresses)
         try:
             return self._get_resident(addresses, allow_partial)
@@ -354,6 +375,7 @@ class Store:
         a snapshot however long the copy takes. Blocks only on SSD are promoted first. Without
         ``allow_partial`` a miss pins nothing and raises NotFound. Release every Pinned with
         :meth:`unpin`."""
+        await self._recorded(addresses)
         held = await self._make_resident(addresses)
         try:
             return self._pin_resident(addresses, allow_partial)
@@ -400,6 +422,131 @@ class Store:
         self.ram.unpin(pinned.block)
         self.pinned_bytes -= pinned.block.length
 
+    # -- agents: blocks written straight into arena slots ---------------------------------------
+
+    def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | str]:
+        """Slots for blocks an agent is about to write, entry by entry: a RamBlock (WRITING, its
+        bytes counted as held) or why not: ``present`` (RAM or SSD has it: nothing to write),
+        ``busy`` (another writer has it reserved), ``full`` (no room, or agents and readers
+        already hold half the RAM tier), ``invalid`` (a size outside 1..max_block_bytes)."""
+        keys = [a.key for a, _ in entries]
+        on_ssd = self.index.tiers_of(keys) if self.ssd is not None else [Tier.NONE] * len(keys)
+        out: list[RamBlock | str] = []
+        try:
+            for (address, length), tiers in zip(entries, on_ssd):
+                key = address.key
+                if not 0 < length <= self.ram.max_block_bytes:
+                    out.append("invalid")
+                elif key in self.ram or tiers & Tier.SSD:
+                    self._touched.add(key)       # a re-save is a use
+                    out.append("present")
+                elif self.pinned_bytes + length > self.max_pinned_bytes:
+                    out.append("full")
+                else:
+                    try:
+                        block = self.ram.reserve(key, length)
+                    except ValueError:           # reserved by another writer right now
+                        out.append("busy")
+                        continue
+                    except RamFull:
+                        out.append("full")
+                        continue
+                    self._evicted.discard(key)
+                    self.pinned_bytes += length
+                    out.append(block)
+        finally:
+            self._write_index()      # tombstones of what the reservations evicted
+        return out
+
+    def abort_reserved(self, block: RamBlock) -> None:
+        """Give back a reserved slot that was not committed (the agent gave up or went away)."""
+        if block.refs == WRITING and self.ram.holds(block):
+            self.ram.abort(block)
+        self.pinned_bytes -= block.length
+
+    async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]], model: str) -> list[str | None]:
+        """The agent wrote these reserved blocks: each becomes visible (and evictable) now, and
+        is recorded in the index once a background thread has checksummed it. Under
+        write_through this waits for the records and the SSD publish; a block that cannot be
+        published is dropped (``failed``). Per entry: None, ``failed`` or ``unknown`` (not a
+        reserved block any more)."""
+        out: list[str | None] = []
+        batch: list[tuple[BlockAddress, RamBlock]] = []
+        for address, block in written:
+            if block.refs != WRITING or not self.ram.holds(block):
+                out.append("unknown")
+                continue
+            self.pinned_bytes -= block.length
+            self.ram.commit(block)
+            self.ram.pin(block)          # held until recorded: never evicted unrecorded
+            batch.append((address, block))
+            out.append(None)
+        if not batch:
+            return out
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for _, block in batch:
+            self._hashing[block.key] = done
+        task = asyncio.ensure_future(self._record_written(batch, model, done))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if self.ssd is None:
+            return out
+        if self.write_policy == "write_back":
+            self.demote_wanted.set()
+            return out
+        await asyncio.shield(task)
+        new = await self._dirty_keys([b.key for _, b in batch])
+        if new:
+            await self._write_through(new)
+        durable = iter([self.ram.get(b.key) is b and b.clean for _, b in batch])
+        return [r if r is not None or next(durable) else "failed" for r in out]
+
+    async def _record_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str,
+                              done: asyncio.Future[None]) -> None:
+        """Checksum agent-written blocks off the event loop, then record them in one index write."""
+        loop = asyncio.get_running_loop()
+        views = [self.ram.view(b) for _, b in batch]
+        try:
+            try:
+                checksums = await loop.run_in_executor(self._hasher, payload_checksums, views)
+            finally:
+                for view in views:
+                    _release(view)
+            now = self.clock()
+            for (address, block), checksum in zip(batch, checksums):
+                if self.ram.get(block.key) is block:
+                    self._pending[block.key] = BlockRecord(address.digest, address.layer, model, block.length,
+                                                           checksum, now, now, Tier.RAM)
+                    self.counters.puts += 1
+                    self.counters.put_bytes += block.length
+        except BaseException:
+            log.exception("checksumming agent blocks failed; they are dropped")
+            self._pending.clear()
+        finally:
+            for _, block in batch:
+                if self._hashing.get(block.key) is done:
+                    del self._hashing[block.key]
+                if self.ram.holds(block) and block.refs > 0:
+                    self.ram.unpin(block)
+                    if block.key not in self._pending and block.refs == 0:   # never recorded: never served
+                        self.ram.delete(block.key)
+            try:
+                self._write_index()
+            except Unavailable:
+                pass             # logged; the blocks left RAM again
+            done.set_result(None)
+
+    async def _recorded(self, addresses: Sequence[BlockAddress]) -> None:
+        """Wait until agent-written blocks among ``addresses`` have their index records."""
+        if self._hashing:
+            waits = {id(f): f for a in addresses if (f := self._hashing.get(a.key)) is not None}
+            if waits:
+                await asyncio.wait(waits.values())
+
+    def offset_of(self, block: RamBlock) -> int:
+        """Byte offset of the block's slot in the shared arena."""
+        return self.ram.slabs.offset(block.slot)
+
     def _drop_unindexed(self, block: RamBlock) -> str:
         """A resident block without an index record (its write failed): never served, dropped."""
         if self.ram.busy_reason(block.key) is None:
@@ -437,26 +584,33 @@ class Store:
 
     # -- lookup -------------------------------------------------------------------------------
 
-    def lookup(self, digests: Sequence[bytes], layer: int) -> LookupResult:
+    def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> LookupResult:
+        """Longest prefixes of a chain. ``agent`` (an agent session) asks for itself: ``gpu`` is
+        what that agent holds, and it counts towards ``longest`` (the agent can use its own GPU
+        blocks). Without it ``gpu`` is the longest prefix any one agent holds, and ``longest``
+        counts what a Get can return (RAM and SSD)."""
         self.counters.lookups += 1
         for i, digest in enumerate(digests):
             if len(digest) != DIGEST_BYTES:
                 raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
+        gpu = self.gpu.prefix(agent, digests) if agent is not None else self.gpu.longest(digests) if self.gpu else 0
         keys = [index_key(d, layer) for d in digests]
         ram = 0
         for key in keys:
             if key not in self.ram:
                 break
             ram += 1
-        if self.ssd is None or ram == len(keys):
-            return LookupResult(longest=ram, ram=ram)
+        if ram == len(keys) or (self.ssd is None and agent is None):
+            return LookupResult(longest=ram, ram=ram, gpu=gpu)
         # Only the keys after the RAM prefix can extend ``longest``; SSD is counted from the start.
-        on_ssd = [bool(t & Tier.SSD) for t in self.index.tiers_of(keys)]
+        on_ssd = [bool(t & Tier.SSD) for t in self.index.tiers_of(keys)] if self.ssd is not None else [False] * len(keys)
         ssd = next((i for i, here in enumerate(on_ssd) if not here), len(keys))
+        on_gpu = self.gpu.held(agent, digests) if agent is not None else None
         longest = ram
-        while longest < len(keys) and (on_ssd[longest] or keys[longest] in self.ram):
+        while longest < len(keys) and (on_ssd[longest] or keys[longest] in self.ram
+                                       or (on_gpu is not None and digests[longest] in on_gpu)):
             longest += 1
-        return LookupResult(longest=longest, ram=ram, ssd=ssd)
+        return LookupResult(longest=longest, ram=ram, ssd=ssd, gpu=gpu)
 
     # -- delete -------------------------------------------------------------------------------
 
@@ -466,7 +620,8 @@ class Store:
         reading or writing raises FailedPrecondition and nothing is deleted."""
         addresses = list(dict.fromkeys(addresses))   # the same block twice counts once
         keys = [a.key for a in addresses]
-        while waits := {id(f): f for k in keys if (f := self._demoting.get(k) or self._promoting.get(k)) is not None}:
+        while waits := {id(f): f for k in keys
+                        if (f := self._demoting.get(k) or self._promoting.get(k) or self._hashing.get(k)) is not None}:
             await asyncio.wait(waits.values())
         for address, key in zip(addresses, keys):
             busy = self.ram.busy_reason(key)
@@ -531,6 +686,8 @@ class Store:
             "hit_bytes": c.hit_bytes, "lookups": c.lookups, "deletes": c.deletes,
             "ram_dirty_bytes": self.ram.dirty_bytes, "ram_dirty_evictions": self.ram.dirty_evictions,
             "promotions": c.promotions, "demotions": c.demotions,
+            "agents": len(self.gpu), "held_bytes": self.pinned_bytes,
+            "gpu_blocks": sum(len(a.blocks) for a in self.gpu.agents()),
         }
         if self.ssd is not None:
             sc = self.ssd.counters
@@ -727,7 +884,7 @@ class Store:
         nbytes = 0
         for key in islice(self.ram.dirty, 4 * DEMOTE_BATCH_BLOCKS):
             block = self.ram.get(key)
-            if block is None or key in self._demoting:
+            if block is None or key in self._demoting or key in self._hashing:
                 continue
             picks.append(block)
             nbytes += block.length

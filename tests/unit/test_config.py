@@ -421,7 +421,29 @@ def test_as_mapping() -> None:
 
 
 @pytest.mark.parametrize("override, key", [('kv.index_dir=""', "kv.index_dir"), ('kv.ssd_dir=" "', "kv.ssd_dir"),
-                                           ('agent.socket=""', "agent.socket")])
+                                           ('agent.socket=" "', "agent.socket")])
 def test_empty_paths_are_refused(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"^config: {key}: must be a path, got an empty string$"):
         load_config(None, [override])
+
+
+def test_agent_socket_may_be_disabled() -> None:
+    assert load_config(None, ['agent.socket=""']).agent.socket == ""
+
+
+@pytest.mark.parametrize("override, key, problem", [
+    ('agent.mode="rw-rw----"', "agent.mode", "octal permission bits"),
+    ('agent.mode="0999"', "agent.mode", "octal permission bits"),
+    ("agent.mode=660", "agent.mode", "string"),
+    ("agent.heartbeat_s=0", "agent.heartbeat_s", "between 0.05 and 3600"),
+    ("agent.max_agents=0", "agent.max_agents", "between 1 and 65536"),
+    ("agent.max_gpu_blocks=-1", "agent.max_gpu_blocks", "between 1 and 100000000"),
+    ('agent.socket="/tmp/' + "x" * 120 + '.sock"', "agent.socket", "too long"),
+])
+def test_bad_agent_keys(override: str, key: str, problem: str) -> None:
+    assert_error(config_error(override), key, problem)
+
+
+def test_agent_mode_bits() -> None:
+    assert load_config(None, ['agent.mode="0600"']).agent.mode_bits == 0o600
+    assert load_config(None, ['agent.mode="640"']).agent.mode_bits == 0o640

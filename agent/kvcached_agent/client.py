@@ -1,0 +1,192 @@
+"""Blocking client of the daemon's agent socket: connect, Hello, requests, events, heartbeats.
+
+Engines call their KV connectors from ordinary worker threads, so this client is synchronous:
+one request at a time per client (a lock), each answered by the frame carrying its request id.
+Events (pinned, evicted, heartbeat) and releases are sent without waiting; their rare Error
+answers are read with the next reply, logged and kept in :attr:`AgentClient.event_errors`.
+A background thread sends a heartbeat whenever nothing was sent for one interval, so an idle
+engine stays connected and a stopped one is dropped by the daemon.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Deque
+
+from kvcached_agent import protocol as p
+
+__all__ = ["AgentClient", "AgentError", "ConnectionClosed"]
+
+log = logging.getLogger("kvcached_agent")
+
+_RECV = 1 << 16
+
+
+class AgentError(Exception):
+    """The daemon answered an Error frame (``code`` is a protocol.ErrorCode)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        try:
+            name = p.ErrorCode(code).name
+        except ValueError:
+            name = str(code)
+        super().__init__(f"{name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class ConnectionClosed(AgentError):
+    """The daemon closed the connection (or it broke)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(p.ErrorCode.UNAVAILABLE, message)
+
+
+class AgentClient:
+    """A connection to the daemon. :attr:`arena_fd` is the RAM arena (owned by this client)."""
+
+    def __init__(self, path: str, hello: p.Hello, *, timeout: float = 60.0, heartbeat: bool = True) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.event_errors: Deque[AgentError] = collections.deque(maxlen=100)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._decoder = p.FrameDecoder()
+        self._send_lock = threading.Lock()
+        self._call_lock = threading.Lock()
+        self._next_id = 1
+        self._ignore: set[int] = set()     # request ids whose replies nobody waits for
+        self._last_send = time.monotonic()
+        self._closed = False
+        self.arena_fd = -1
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(path)
+            self.welcome = self._handshake(hello)
+        except BaseException:
+            self.close()
+            raise
+        self.heartbeat_s = self.welcome.heartbeat_ms / 1000
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        if heartbeat and self.heartbeat_s > 0:
+            self._heartbeat = threading.Thread(target=self._beat, name="kvcached-agent-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    # -- handshake ------------------------------------------------------------------------------
+
+    def _handshake(self, hello: p.Hello) -> p.Welcome:
+        self._sock.sendall(p.encode(hello, 0))
+        while True:
+            data, fds, _, _ = socket.recv_fds(self._sock, _RECV, 1)
+            for fd in fds:
+                if self.arena_fd < 0:
+                    self.arena_fd = fd
+                else:      # pragma: no cover - the daemon sends one
+                    os.close(fd)
+            if not data:
+                raise ConnectionClosed(f"the daemon at {self.path} closed the connection during the handshake")
+            self._decoder.feed(data)
+            frame = self._decoder.next_frame()
+            if frame is None:
+                continue
+            message = p.decode(frame)
+            if isinstance(message, p.Error):
+                raise AgentError(message.code, message.message)
+            if not isinstance(message, p.Welcome):
+                raise AgentError(p.ErrorCode.HANDSHAKE, f"expected Welcome, got {type(message).__name__}")
+            if self.arena_fd < 0:
+                raise AgentError(p.ErrorCode.HANDSHAKE, "the Welcome came without the arena's file descriptor")
+            return message
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def call(self, message: p.Message) -> p.Message:
+        """Send a request and return its answer; an Error answer raises AgentError."""
+        with self._call_lock:
+            request_id = self._send(message)
+            while True:
+                frame = self._read_frame()
+                if frame.request_id == request_id:
+                    answer = p.decode(frame)
+                    if isinstance(answer, p.Error):
+                        raise AgentError(answer.code, answer.message)
+                    return answer
+                self._stray(frame)
+
+    def send(self, message: p.Message) -> None:
+        """Send a request without waiting: an event, or a request whose answer does not matter
+        (its Error, if any, is logged when read)."""
+        request_id = self._send(message)
+        if message.TYPE not in p.EVENTS:
+            self._ignore.add(request_id)
+
+    def _send(self, message: p.Message) -> int:
+        with self._send_lock:
+            if self._closed:
+                raise ConnectionClosed("the agent client is closed")
+            request_id = self._next_id
+            self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
+            frame = p.encode(message, request_id)
+            try:
+                self._sock.sendall(frame)
+            except OSError as exc:
+                raise ConnectionClosed(f"cannot send to the daemon: {exc}") from exc
+            self._last_send = time.monotonic()
+            return request_id
+
+    def _read_frame(self) -> p.Frame:
+        while True:
+            frame = self._decoder.next_frame()
+            if frame is not None:
+                return frame
+            try:
+                data = self._sock.recv(_RECV)
+            except socket.timeout:
+                raise AgentError(p.ErrorCode.UNAVAILABLE, f"no answer from the daemon within {self.timeout:g} s") from None
+            except OSError as exc:
+                raise ConnectionClosed(f"connection to the daemon broke: {exc}") from exc
+            if not data:
+                raise ConnectionClosed("the daemon closed the connection")
+            self._decoder.feed(data)
+
+    def _stray(self, frame: p.Frame) -> None:
+        """A frame that answers no waiting call: the reply to a request sent without waiting,
+        or an Error about an event or about the connection."""
+        ignored = frame.request_id in self._ignore
+        self._ignore.discard(frame.request_id)
+        if frame.type != p.Error.TYPE:
+            return
+        message = p.decode(frame)
+        assert isinstance(message, p.Error)
+        error = AgentError(message.code, message.message)
+        self.event_errors.append(error)
+        log.warning("daemon refused a request sent without waiting: %s", error,
+                    extra={"request_id": frame.request_id, "ignored": ignored})
+
+    # -- heartbeat and close --------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s / 2):
+            if time.monotonic() - self._last_send >= self.heartbeat_s / 2:
+                try:
+                    self.send(p.Heartbeat())
+                except AgentError:
+                    return
+
+    def close(self) -> None:
+        with self._send_lock:
+            self._closed = True
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+        try:
+            self._sock.close()
+        finally:
+            if self.arena_fd >= 0:
+                os.close(self.arena_fd)
+                self.arena_fd = -1

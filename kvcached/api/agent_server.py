@@ -1,0 +1,263 @@
+"""The agent endpoint: a Unix socket that engine-side agents connect to (thin asyncio layer).
+
+Frames are cut and parsed by kvcached_agent.protocol and answered by an AgentSession; this
+module only moves bytes, hands the arena's file descriptor over (SCM_RIGHTS) in the Welcome,
+and ends connections: on EOF, on a frame that breaks the framing, and when an agent has sent
+nothing for three heartbeat intervals (a hung or stopped engine must not keep its slots). Every
+ending releases what the agent held (AgentSession.close).
+
+The socket is created with the configured mode and group before it listens, so there is no
+moment when anyone else may connect. Requests that complete without waiting (lookups, events,
+allocations, releases) are answered inline, in order; commits and loads, which may wait for a
+checksum, the SSD or a promotion, run as tasks and answer when done (each reply carries its
+request id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+from itertools import count
+from typing import Any
+
+from kvcached import __version__
+from kvcached.api.agent_session import WAITING, AgentSession, PeerCredentials, check_hello
+from kvcached.logs import fields
+from kvcached.store import Store
+from kvcached_agent import protocol as p
+
+__all__ = ["AgentServer"]
+
+log = logging.getLogger("kvcached.agent")
+
+HELLO_TIMEOUT_S = 5.0
+_PEERCRED = struct.Struct("3i")
+_HIGH_WATER = 4 << 20      # reply bytes buffered for an agent that does not read: stop reading its requests
+
+
+class AgentServer:
+    def __init__(self, store: Store, path: str, *, arena_fd: int, arena_bytes: int, mode: int = 0o660,
+                 gid: int = -1, heartbeat_s: float = 5.0, max_agents: int = 256) -> None:
+        self.store = store
+        self.path = path
+        self.arena_fd = arena_fd
+        self.arena_bytes = arena_bytes
+        self.mode = mode
+        self.gid = gid
+        self.heartbeat_s = heartbeat_s
+        self.max_agents = max_agents
+        self.connections: set[AgentConnection] = set()
+        self._sessions = count(1)
+        self._server: asyncio.base_events.Server | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Bind (mode and group set before listen), listen, start the heartbeat watchdog."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.path)
+            os.chmod(self.path, self.mode)
+            if self.gid >= 0:
+                os.chown(self.path, -1, self.gid)
+            sock.listen(128)
+            sock.setblocking(False)
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                lambda: AgentConnection(self), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._watchdog = asyncio.create_task(self._watch(), name="agent-watchdog")
+
+    async def stop(self) -> None:
+        """Stop accepting, end every connection (releasing what each agent held)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.end("daemon stopping", p.ErrorCode.UNAVAILABLE)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _watch(self) -> None:
+        """End connections that have been silent for three heartbeat intervals."""
+        loop = asyncio.get_running_loop()
+        limit = 3 * self.heartbeat_s
+        while True:
+            await asyncio.sleep(self.heartbeat_s / 2)
+            now = loop.time()
+            for conn in list(self.connections):
+                if now - conn.last_seen > limit:
+                    conn.end(f"no heartbeat for {now - conn.last_seen:.1f} s (agent.heartbeat_s = "
+                             f"{self.heartbeat_s:g}; the limit is three intervals)", p.ErrorCode.UNAVAILABLE)
+
+
+class AgentConnection(asyncio.Protocol):
+    """One agent's connection: Hello first, then requests and events until it ends."""
+
+    def __init__(self, server: AgentServer) -> None:
+        self.server = server
+        self.decoder = p.FrameDecoder()
+        self.session: AgentSession | None = None
+        self.transport: asyncio.Transport | None = None
+        self.peer = PeerCredentials(0, -1, -1)
+        self.last_seen = asyncio.get_event_loop().time()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ended = False
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio callbacks ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]   # uvloop's transports are not asyncio.Transport subclasses
+        self.transport.set_write_buffer_limits(high=_HIGH_WATER)
+        self.peer = _peer_credentials(self.transport)
+        self._hello_timer = asyncio.get_event_loop().call_later(
+            HELLO_TIMEOUT_S, self.end, f"no Hello within {HELLO_TIMEOUT_S:g} s", p.ErrorCode.HANDSHAKE)
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_seen = asyncio.get_event_loop().time()
+        self.decoder.feed(data)
+        while not self._ended:
+            try:
+                frame = self.decoder.next_frame()
+            except p.ProtocolError as exc:
+                self.end(str(exc), exc.code, getattr(exc, "request_id", 0))
+                return
+            if frame is None:
+                return
+            self._frame(frame)
+
+    def pause_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self._ended:
+            self.transport.resume_reading()
+
+    def eof_received(self) -> bool | None:
+        self.end("agent closed the connection")
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.end(f"connection lost ({exc})" if exc else "agent closed the connection")
+
+    # -- frames ---------------------------------------------------------------------------------
+
+    def _frame(self, frame: p.Frame) -> None:
+        try:
+            message = p.decode(frame)
+        except p.ProtocolError as exc:
+            self._send(p.Error(exc.code, str(exc)), frame.request_id)
+            if self.session is None:
+                self.end("a broken first frame", exc.code, frame.request_id, answered=True)
+            return
+        if self.session is None:
+            self._hello(message, frame.request_id)
+            return
+        if isinstance(message, WAITING):
+            task = asyncio.ensure_future(self._answer_later(message, frame.request_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        try:
+            answer = self.session.handle(message)
+        except Exception as exc:      # a bug must cost one request, not the daemon
+            log.exception("agent request failed", extra=fields(session=self.session.session))
+            answer = p.Error(p.ErrorCode.INTERNAL, f"internal error: {exc}")
+        if answer is not None:
+            self._send(answer, frame.request_id)
+
+    async def _answer_later(self, message: p.Commit | p.Load, request_id: int) -> None:
+        assert self.session is not None
+        try:
+            answer = await self.session.handle_waiting(message)
+        except Exception as exc:
+            log.exception("agent request failed", extra=fields(session=self.session.session))
+            answer = p.Error(p.ErrorCode.INTERNAL, f"internal error: {exc}")
+        if not self._ended:
+            self._send(answer, request_id)
+
+    def _hello(self, message: p.Message, request_id: int) -> None:
+        server = self.server
+        if not isinstance(message, p.Hello):
+            self.end(f"the first frame must be Hello, got {type(message).__name__}", p.ErrorCode.HANDSHAKE, request_id)
+            return
+        problem = check_hello(message, server.store.max_block_bytes)
+        if problem is not None:
+            code = p.ErrorCode.UNSUPPORTED_VERSION if message.version != p.VERSION else p.ErrorCode.INVALID_ARGUMENT
+            self.end(f"Hello refused: {problem}", code, request_id)
+            return
+        if len(server.store.gpu) >= server.max_agents:
+            self.end(f"{server.max_agents} agents are connected already (agent.max_agents)",
+                     p.ErrorCode.RESOURCE_EXHAUSTED, request_id)
+            return
+        session = AgentSession(server.store, next(server._sessions), message, self.peer)
+        welcome = p.encode(p.Welcome(session.session, server.arena_bytes, server.store.max_block_bytes,
+                                     int(server.heartbeat_s * 1000), __version__), request_id)
+        try:
+            _send_with_fd(self.transport, welcome, server.arena_fd)
+        except OSError as exc:
+            session.close()
+            self.end(f"cannot hand over the arena ({exc.strerror or exc})", p.ErrorCode.INTERNAL, request_id)
+            return
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self.session = session
+        log.info("agent connected", extra=fields(session=session.session, agent_id=message.agent_id,
+                                                 model=message.model, dtype=message.dtype, pid=self.peer.pid,
+                                                 uid=self.peer.uid, gid=self.peer.gid))
+
+    def _send(self, message: p.Message, request_id: int) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(p.encode(message, request_id))
+
+    def end(self, reason: str, code: p.ErrorCode | None = None, request_id: int = 0, *, answered: bool = False) -> None:
+        """End the connection once: answer an Error first if ``code``, release what the agent held."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self.server.connections.discard(self)
+        if self.transport is not None:
+            if code is not None and not answered:
+                self._send(p.Error(code, reason), request_id)
+            self.transport.close()       # flushes the Error first
+        ctx: dict[str, Any] = {"pid": self.peer.pid, "reason": reason}
+        if self.session is not None:
+            slots, pins, gpu = self.session.close()
+            ctx |= {"session": self.session.session, "agent_id": self.session.hello.agent_id,
+                    "released_slots": slots, "released_pins": pins, "gpu_blocks_dropped": gpu}
+            log.info("agent disconnected", extra=fields(**ctx))
+        elif code is not None:
+            log.warning("agent connection refused", extra=fields(**ctx))
+
+
+def _peer_credentials(transport: asyncio.Transport) -> PeerCredentials:
+    sock = transport.get_extra_info("socket")
+    try:
+        pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except (OSError, AttributeError, TypeError):
+        return PeerCredentials(0, -1, -1)
+    return PeerCredentials(pid, uid, gid)
+
+
+def _send_with_fd(transport: asyncio.Transport | None, data: bytes, fd: int) -> None:
+    """Send ``data`` with ``fd`` attached (SCM_RIGHTS) on the transport's socket. Only valid
+    while nothing is buffered in the transport (the Welcome is the first frame sent), so the
+    bytes stay in order. uvloop's transport socket cannot sendmsg, a duplicate of it can."""
+    assert transport is not None and transport.get_write_buffer_size() == 0
+    raw = transport.get_extra_info("socket")
+    dup = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(raw.fileno()))
+    try:
+        sent = socket.send_fds(dup, [data], [fd])
+    finally:
+        dup.close()
+    if sent != len(data):      # a fresh socket's buffer holds a Welcome many times over
+        raise OSError(f"short send of the Welcome ({sent} of {len(data)} bytes)")

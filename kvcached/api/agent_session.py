@@ -1,0 +1,200 @@
+"""One agent connection's state and its answers to requests (no sockets here).
+
+A session is what the daemon knows of one connected agent: who it is (Hello, and the peer
+credentials the kernel vouches for), the slots it reserved and has not committed, the blocks it
+loaded and has not released, and (in the store's GPU view) the blocks it holds on its GPU.
+Handles are numbers private to the session, so an agent can commit or release only what it was
+given. :meth:`AgentSession.close` gives everything back; it runs whenever the connection ends,
+however it ends (EOF, SIGKILL of the agent, a heartbeat timeout, a protocol error).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import count
+from typing import Iterator, Sequence
+
+from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
+                             Unavailable)
+from kvcached.gpu_view import GpuViewFull
+from kvcached.store import Miss, Pinned, Store
+from kvcached.tiers.ram import RamBlock
+from kvcached_agent import protocol as p
+from kvcached_agent.address import BlockAddress
+
+__all__ = ["WAITING", "AgentSession", "PeerCredentials", "check_hello", "error_code"]
+
+log = logging.getLogger("kvcached.agent")
+
+_STATUS = {"present": p.Status.PRESENT, "busy": p.Status.BUSY, "full": p.Status.FULL, "invalid": p.Status.INVALID,
+           "failed": p.Status.FAILED, "unknown": p.Status.UNKNOWN_HANDLE}
+_CODES: list[tuple[type[KvError], p.ErrorCode]] = [
+    (InvalidArgument, p.ErrorCode.INVALID_ARGUMENT), (NotFound, p.ErrorCode.NOT_FOUND),
+    (ResourceExhausted, p.ErrorCode.RESOURCE_EXHAUSTED), (FailedPrecondition, p.ErrorCode.FAILED_PRECONDITION),
+    (DataLoss, p.ErrorCode.DATA_LOSS), (Unavailable, p.ErrorCode.UNAVAILABLE)]
+
+
+WAITING = (p.Commit, p.Load)    # requests answered by AgentSession.handle_waiting
+
+
+def error_code(exc: KvError) -> p.ErrorCode:
+    return next((code for cls, code in _CODES if isinstance(exc, cls)), p.ErrorCode.INTERNAL)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    """What the kernel says about the process at the other end (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def check_hello(hello: p.Hello, max_block_bytes: int) -> str | None:
+    """What is wrong with a Hello, or None."""
+    if hello.version != p.VERSION:
+        return f"agent speaks protocol version {hello.version}; this daemon speaks {p.VERSION}"
+    if not hello.agent_id:
+        return "agent_id must not be empty"
+    if not hello.model or not hello.dtype:
+        return "model and dtype must not be empty"
+    if hello.block_tokens == 0 or hello.num_layers == 0 or hello.layer_block_bytes == 0:
+        return "block_tokens, num_layers and layer_block_bytes must be positive"
+    if hello.layer_block_bytes > max_block_bytes:
+        return (f"a block of one layer is {hello.layer_block_bytes} bytes, over this daemon's limit of "
+                f"{max_block_bytes} (kv.max_block_mib)")
+    return None
+
+
+class AgentSession:
+    def __init__(self, store: Store, session: int, hello: p.Hello, peer: PeerCredentials) -> None:
+        self.store = store
+        self.session = session
+        self.hello = hello
+        self.peer = peer
+        self.closed = False
+        self._handles: Iterator[int] = count(1)
+        self._writes: dict[int, tuple[BlockAddress, RamBlock]] = {}   # reserved, not committed
+        self._reads: dict[int, Pinned] = {}                           # loaded, not released
+        store.gpu.add_agent(session, hello.agent_id, peer.pid)
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(slots reserved, blocks pinned) right now."""
+        return len(self._writes), len(self._reads)
+
+    def handle(self, message: p.Message) -> p.Message | None:
+        """The answer to a request that never waits (None for events); store errors become
+        Error messages. Commit and Load go to :meth:`handle_waiting`."""
+        try:
+            if isinstance(message, p.Lookup):
+                r = self.store.lookup(message.digests, message.layer, agent=self.session)
+                return p.LookupResult(r.longest, r.gpu, r.ram, r.ssd, r.peer)
+            if isinstance(message, p.Allocate):
+                return self._allocate(message)
+            if isinstance(message, p.Release):
+                return self._release(message)
+            if isinstance(message, (p.Pinned, p.Evicted)):
+                return self._gpu_event(message)
+            if isinstance(message, p.Heartbeat):
+                return None
+            if isinstance(message, p.Overlap):
+                return overlap_result(self.store, message.digests)
+            if isinstance(message, p.Hello):
+                return p.Error(p.ErrorCode.HANDSHAKE, "this connection has said Hello already")
+            return p.Error(p.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not a request an agent may send")
+        except KvError as exc:
+            return p.Error(error_code(exc), str(exc))
+
+    async def handle_waiting(self, message: p.Commit | p.Load) -> p.Message:
+        """The answer to a Commit or a Load (they may wait for checksums, the SSD, promotions)."""
+        try:
+            if isinstance(message, p.Commit):
+                return await self._commit(message)
+            return await self._load(message)
+        except KvError as exc:
+            return p.Error(error_code(exc), str(exc))
+
+    def _allocate(self, message: p.Allocate) -> p.Slots:
+        addresses = [BlockAddress(digest, layer) for digest, layer, _ in message.entries]
+        results = self.store.reserve([(a, length) for a, (_, _, length) in zip(addresses, message.entries)])
+        entries: list[tuple[int, int, int]] = []
+        for address, result in zip(addresses, results):
+            if isinstance(result, str):
+                entries.append((_STATUS[result], 0, 0))
+            else:
+                handle = next(self._handles)
+                self._writes[handle] = (address, result)
+                entries.append((p.Status.OK, handle, self.store.offset_of(result)))
+        return p.Slots(entries)
+
+    async def _commit(self, message: p.Commit) -> p.Committed:
+        found = [self._writes.pop(h, None) for h in message.handles]
+        results = iter(await self.store.commit_written([w for w in found if w is not None], self.hello.model))
+        return p.Committed([p.Status.UNKNOWN_HANDLE if w is None else _STATUS.get(next(results) or "", p.Status.OK)
+                            for w in found])
+
+    async def _load(self, message: p.Load) -> p.Loaded:
+        addresses = [BlockAddress(digest, layer) for digest, layer in message.entries]
+        results = await self.store.pin(addresses, allow_partial=True)
+        entries: list[tuple[int, int, int, int]] = []
+        for result in results:
+            if isinstance(result, Miss):
+                entries.append((p.Status.MISS, 0, 0, 0))
+            elif self.closed:          # the agent went away while its blocks were read
+                self.store.unpin(result)
+                entries.append((p.Status.MISS, 0, 0, 0))
+            else:
+                handle = next(self._handles)
+                self._reads[handle] = result
+                entries.append((p.Status.OK, handle, self.store.offset_of(result.block), result.block.length))
+        return p.Loaded(entries)
+
+    def _release(self, message: p.Release) -> p.Released:
+        released = unknown = 0
+        for handle in message.handles:
+            pinned = self._reads.pop(handle, None)
+            if pinned is not None:
+                self.store.unpin(pinned)
+                released += 1
+                continue
+            write = self._writes.pop(handle, None)
+            if write is not None:
+                self.store.abort_reserved(write[1])
+                released += 1
+            else:
+                unknown += 1
+        return p.Released(released, unknown)
+
+    def _gpu_event(self, message: p.Pinned | p.Evicted) -> p.Error | None:
+        if isinstance(message, p.Evicted):
+            self.store.gpu.evicted(self.session, message.digests)
+            return None
+        try:
+            self.store.gpu.pinned(self.session, message.digests)
+        except GpuViewFull as exc:
+            return p.Error(p.ErrorCode.RESOURCE_EXHAUSTED, str(exc))
+        return None
+
+    def close(self) -> tuple[int, int, int]:
+        """Give back everything the agent held: reserved slots, pinned blocks, its GPU view.
+        Returns (slots, pins, gpu blocks) released. Safe to call twice."""
+        if self.closed:
+            return 0, 0, 0
+        self.closed = True
+        writes, reads = list(self._writes.values()), list(self._reads.values())
+        self._writes.clear()
+        self._reads.clear()
+        for _, block in writes:
+            self.store.abort_reserved(block)
+        for pinned in reads:
+            self.store.unpin(pinned)
+        gpu = self.store.gpu.drop_agent(self.session)
+        return len(writes), len(reads), gpu
+
+
+def overlap_result(store: Store, digests: Sequence[bytes]) -> p.OverlapResult:
+    """Every connected agent with the prefix of ``digests`` it holds on its GPU, longest first."""
+    return p.OverlapResult([p.AgentPrefix(info.session, info.pid, prefix, info.agent_id)
+                            for info, prefix in store.gpu.overlap(digests)])
