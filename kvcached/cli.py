@@ -139,6 +139,7 @@ def _client_command(args: argparse.Namespace) -> int:
                 print(f"  ssd: {s.promotions} promotions, {s.demotions} demotions, {s.ram_dirty_bytes} dirty bytes in RAM, "
                       f"{s.dirty_dropped} dropped dirty, {s.ssd_corrupt} corrupt, {s.ssd_write_errors} write errors"
                       f"{'' if s.ssd_reconciled else ', boot reconcile running'}")
+            print(f"  agents: {s.agents} connected, {s.agent_held_bytes} bytes held, {s.gpu_blocks} blocks in the GPU view")
         elif args.command == "ls":
             tier = {None: pb.TIER_UNSPECIFIED, "ram": pb.TIER_RAM, "ssd": pb.TIER_SSD, "gone": pb.TIER_GONE}[args.tier]
             for info in client.list_blocks(model=args.model, tier=tier, limit=args.limit or None):

@@ -120,6 +120,9 @@ class KvCacheClient:
             request.layer = layer
         return self.stub.Lookup(request, timeout=self.timeout)
 
+    def overlap(self, digests: Sequence[bytes]) -> pb.OverlapResponse:
+        return self.stub.Overlap(pb.OverlapRequest(digests=list(digests)), timeout=self.timeout)
+
     def delete(self, addresses: Sequence[BlockAddress]) -> pb.DeleteResponse:
         return self.stub.Delete(pb.DeleteRequest(addresses=[address_to_pb(a) for a in addresses]), timeout=self.timeout)
 

@@ -354,6 +354,8 @@ class Daemon:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
+        if self.store is not None:
+            await self._step("background work", self.store.drain(self.config.grpc.grace_s))
         self._stopping.set()
         self._scanner.shutdown(wait=True)        # the scans see _stopping within one record batch
         if self.ssd is not None:                 # before the arena goes: SSD threads read from it

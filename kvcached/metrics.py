@@ -40,6 +40,11 @@ class StoreCollector(Collector):
                 g.add_metric(["ssd"], s[ssd_key])
             yield g
         yield GaugeMetricFamily("kvcached_index_entries", "Index records (estimate, tombstones included)", value=s["index_entries"])
+        yield GaugeMetricFamily("kvcached_agents_connected", "Agents connected on the agent socket", value=s["agents"])
+        yield GaugeMetricFamily("kvcached_agent_held_bytes", "Arena bytes held by agents and streams (reserved or pinned)",
+                                value=s["held_bytes"])
+        yield GaugeMetricFamily("kvcached_gpu_view_blocks", "Blocks agents report on their GPUs, all agents together",
+                                value=s["gpu_blocks"])
         yield GaugeMetricFamily("kvcached_ram_dirty_bytes", "RAM bytes not yet written back to SSD", value=s["ram_dirty_bytes"])
         for name, key, doc in (("hits", "hits", "Blocks served"), ("misses", "misses", "Blocks asked for and not served"),
                                ("puts", "puts", "Blocks stored"), ("lookups", "lookups", "Lookup calls"),

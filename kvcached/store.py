@@ -503,38 +503,46 @@ class Store:
 
     async def _record_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str,
                               done: asyncio.Future[None]) -> None:
-        """Checksum agent-written blocks off the event loop, then record them in one index write."""
-        loop = asyncio.get_running_loop()
+        """Checksum agent-written blocks off the event loop, then record them in one index write.
+        Blocks that could not be checksummed are dropped (never served unrecorded)."""
         views = [self.ram.view(b) for _, b in batch]
+        checksums: list[bytes] | None = None
         try:
-            try:
-                checksums = await loop.run_in_executor(self._hasher, payload_checksums, views)
-            finally:
-                for view in views:
-                    _release(view)
-            now = self.clock()
-            for (address, block), checksum in zip(batch, checksums):
-                if self.ram.get(block.key) is block:
-                    self._pending[block.key] = BlockRecord(address.digest, address.layer, model, block.length,
-                                                           checksum, now, now, Tier.RAM)
-                    self.counters.puts += 1
-                    self.counters.put_bytes += block.length
-        except BaseException:
+            checksums = await asyncio.get_running_loop().run_in_executor(self._hasher, payload_checksums, views)
+        except Exception:
             log.exception("checksumming agent blocks failed; they are dropped")
-            self._pending.clear()
         finally:
-            for _, block in batch:
-                if self._hashing.get(block.key) is done:
-                    del self._hashing[block.key]
-                if self.ram.holds(block) and block.refs > 0:
-                    self.ram.unpin(block)
-                    if block.key not in self._pending and block.refs == 0:   # never recorded: never served
-                        self.ram.delete(block.key)
-            try:
-                self._write_index()
-            except Unavailable:
-                pass             # logged; the blocks left RAM again
-            done.set_result(None)
+            for view in views:
+                _release(view)
+            self._finish_written(batch, model, checksums, done)
+
+    def _finish_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str, checksums: list[bytes] | None,
+                        done: asyncio.Future[None]) -> None:
+        now = self.clock()
+        for i, (address, block) in enumerate(batch):
+            if self._hashing.get(block.key) is done:
+                del self._hashing[block.key]
+            if not self.ram.holds(block):
+                continue
+            self.ram.unpin(block)
+            if checksums is not None:
+                self._pending[block.key] = BlockRecord(address.digest, address.layer, model, block.length,
+                                                       checksums[i], now, now, Tier.RAM)
+                self.counters.puts += 1
+                self.counters.put_bytes += block.length
+            elif block.refs == 0:
+                self.ram.delete(block.key)
+        try:
+            self._write_index()
+        except Unavailable:
+            pass             # logged; the blocks left RAM again
+        done.set_result(None)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) for background promotions, publishes and checksums: on a
+        clean stop they finish before the tiers close."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout)
 
     async def _recorded(self, addresses: Sequence[BlockAddress]) -> None:
         """Wait until agent-written blocks among ``addresses`` have their index records."""

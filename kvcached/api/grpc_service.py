@@ -24,7 +24,8 @@ from kvcached.index import BlockRecord, Tier
 from kvcached.store import Miss, Pinned, PutItem, Store
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
-from kvcached_agent.address import CROSS_LAYER, BlockAddress
+from kvcached_agent.address import CROSS_LAYER, DIGEST_BYTES, BlockAddress
+from kvcached_agent.protocol import MAX_BATCH
 
 __all__ = ["KvCacheService"]
 
@@ -206,7 +207,20 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             hit_bytes=s["hit_bytes"], misses=s["misses"], lookups=s["lookups"], deletes=s["deletes"],
             promotions=s["promotions"], demotions=s["demotions"], ram_dirty_bytes=s["ram_dirty_bytes"],
             dirty_dropped=s["ram_dirty_evictions"] if "ssd_blocks" in s else 0, ssd_corrupt=s.get("ssd_corrupt", 0),
-            ssd_write_errors=s.get("ssd_write_errors", 0), ssd_reconciled=bool(s.get("ssd_reconciled", 0)))
+            ssd_write_errors=s.get("ssd_write_errors", 0), ssd_reconciled=bool(s.get("ssd_reconciled", 0)),
+            agents=s["agents"], agent_held_bytes=s["held_bytes"], gpu_blocks=s["gpu_blocks"])
+
+    @_errors_to_status
+    async def Overlap(self, request: pb.OverlapRequest, context: grpc.aio.ServicerContext) -> pb.OverlapResponse:
+        digests = list(request.digests)
+        if len(digests) > MAX_BATCH:
+            raise InvalidArgument(f"{len(digests)} digests; at most {MAX_BATCH} per Overlap")
+        for i, digest in enumerate(digests):
+            if len(digest) != DIGEST_BYTES:
+                raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
+        return pb.OverlapResponse(agents=[pb.AgentOverlap(session=info.session, agent_id=info.agent_id, pid=info.pid,
+                                                          prefix=prefix)
+                                          for info, prefix in self.store.gpu.overlap(digests)])
 
     @_errors_to_status
     async def ListBlocks(self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext) -> pb.ListBlocksResponse:

@@ -11,8 +11,8 @@ from kvcached_agent.address import chain_digests
 from .conftest import grpcurl_binary
 
 
-def grpcurl(daemon, *args: str, data: dict | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [grpcurl_binary(), "-plaintext", "-unix"]
+def grpcurl(daemon, *args: str, data: dict | None = None, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    cmd = [grpcurl_binary(), "-plaintext", "-unix", *flags]
     if data is not None:
         cmd += ["-d", json.dumps(data)]
     cmd += [str(daemon.socket), *args]   # grpcurl [flags] ADDRESS (list|describe|METHOD) [SYMBOL]
@@ -75,3 +75,34 @@ def test_errors_are_readable(daemon) -> None:
     assert r.returncode != 0 and "InvalidArgument" in r.stderr and "digest must be 32 bytes, got 5" in r.stderr
     r = grpcurl(daemon, "kvcached.v1.KvCache/Get", data={"addresses": [{"digest": b64(b"\0" * 32)}]})
     assert r.returncode != 0 and "NotFound" in r.stderr and "unknown block" in r.stderr
+
+
+def test_overlap_shows_each_agents_gpu_prefix(daemon) -> None:
+    import os
+    import time
+
+    from kvcached_agent import Agent
+
+    digests = chain_digests(list(range(64)), 16, model="grpcurl", dtype="bfloat16")
+    agent = Agent.connect(str(daemon.state / "agent.sock"), agent_id="router-test", model="grpcurl",
+                          dtype="bfloat16", block_tokens=16, num_layers=1, layer_block_bytes=4096)
+    try:
+        agent.report_pinned(digests[:3])
+        agent.report_evicted(digests[1:2])
+        deadline = time.monotonic() + 10
+        while True:    # events have no answer: poll until the daemon has seen them
+            r = grpcurl(daemon, "kvcached.v1.KvCache/Overlap", data={"digests": [b64(d) for d in digests]},
+                        flags=("-emit-defaults",))
+            assert r.returncode == 0, r.stderr
+            (entry,) = json.loads(r.stdout)["agents"]
+            if entry["prefix"] == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert entry == {"session": entry["session"], "agent_id": "router-test", "pid": os.getpid(), "prefix": 1}
+        r = grpcurl(daemon, "kvcached.v1.KvCache/Lookup", data={"digests": [b64(d) for d in digests]},
+                flags=("-emit-defaults",))
+        assert json.loads(r.stdout)["gpu"] == 1
+    finally:
+        agent.close()
+    r = grpcurl(daemon, "kvcached.v1.KvCache/Overlap", data={"digests": [b64(b"short")]})
+    assert r.returncode != 0 and "InvalidArgument" in r.stderr and "digests[0] is 5 bytes" in r.stderr
