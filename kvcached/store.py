@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -58,6 +59,10 @@ EVICT_BATCH = 256               # SSD queue entries looked at per step
 DIRTY_WAIT_S = 10.0             # longest a write-back Put waits for the demoter (see _throttle_dirty)
 
 WritePolicy = Literal["write_through", "write_back"]
+
+# Engines look up the same prompt prefixes over and over (that is why they cache): the index keys
+# of recent lookups are kept, 0.1 us a hit instead of ~0.9 us of BLAKE3 (about 8 MB when full).
+_lookup_key = functools.lru_cache(maxsize=1 << 15)(index_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,7 +607,7 @@ class Store:
             if len(digest) != DIGEST_BYTES:
                 raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
         gpu = self.gpu.prefix(agent, digests) if agent is not None else self.gpu.longest(digests) if self.gpu else 0
-        keys = [index_key(d, layer) for d in digests]
+        keys = [_lookup_key(d, layer) for d in digests]
         ram = 0
         for key in keys:
             if key not in self.ram:
