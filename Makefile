@@ -48,11 +48,14 @@ system-deps:
 	fi
 
 # BENCH_ARGS go to bench_core.py; SSD_BENCH_ARGS to bench_ssd.py (default: --quick if BENCH_ARGS has it).
+# bench_agent.py and gpu_copy.py (which only says it skipped where CUDA is missing) get --quick if BENCH_ARGS has it.
 SSD_BENCH_ARGS ?= $(filter --quick,$(BENCH_ARGS))
 
 bench: install system-deps
 	$(PY) bench/bench_core.py $(BENCH_ARGS)
 	$(PY) bench/bench_ssd.py $(SSD_BENCH_ARGS)
+	$(PY) bench/bench_agent.py $(filter --quick,$(BENCH_ARGS))
+	$(PY) bench/gpu_copy.py $(filter --quick,$(BENCH_ARGS))
 
 clean:
 	rm -rf $(VENV) kvcached/v1 var .pytest_cache

@@ -200,11 +200,13 @@ def wait_grpc(proc: Proc, target: str, timeout: float = 60.0) -> Any:
                 raise RuntimeError(f"{proc.name} not ready after {timeout:.0f} s:\n{proc.tail()}") from None
 
 
-def start_kvcached(stack: contextlib.ExitStack, tmp: Path, ram_gib: float) -> tuple[Proc, Any]:
+def start_kvcached(stack: contextlib.ExitStack, tmp: Path, ram_gib: float, extra: Sequence[str] = ()) -> tuple[Proc, Any]:
+    """A ``kvcached serve`` subprocess with all its state in ``tmp`` (gRPC on ``tmp/kvcached.sock``,
+    agent socket ``tmp/agent.sock``) and a ready gRPC channel to it; ``extra``: more --set values."""
     exe = Path(sys.executable).with_name("kvcached")
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvcached.cli"]
     sets = [f"kv.ram_gib={ram_gib}", f'grpc.listen=["unix:{tmp}/kvcached.sock"]', 'metrics.listen=""',
-            f'kv.index_dir="{tmp}/index"', f'kv.ssd_dir="{tmp}/ssd"', f'agent.socket="{tmp}/agent.sock"']
+            f'kv.index_dir="{tmp}/index"', f'kv.ssd_dir="{tmp}/ssd"', f'agent.socket="{tmp}/agent.sock"', *extra]
     argv = [*base, "serve", "--config", str(CONFIG)] + [a for s in sets for a in ("--set", s)]
     proc = Proc("kvcached", argv, cwd=tmp, log=tmp / "kvcached.log")
     stack.callback(proc.stop)
@@ -704,11 +706,11 @@ def fmt(value: float, unit: str) -> str:
     return f"{value:.0f} {unit}"
 
 
-def print_table(rows: list[Row], header: str) -> None:
+def print_table(rows: list[Row], header: str, titles: dict[int, str] | None = None) -> None:
     print(header)
     for fig in sorted({r.figure for r in rows}):
         print()
-        print(TITLES[fig])
+        print((titles or TITLES)[fig])
         w = [28, 14, 28, 14, 8, 10, 12]
         print("  " + "".join(h.ljust(x) for h, x in zip(
             ["case", "kvcached", "baseline", "", "ratio", "target", "verdict"], w)).rstrip())

@@ -147,6 +147,7 @@ class Store:
         self._demoting: dict[bytes, asyncio.Future[None]] = {}   # being published: done when it is
         self._background: set[asyncio.Task[object]] = set()      # promotions and publishes no caller may cancel
         self._hashing: dict[bytes, asyncio.Future[None]] = {}    # committed by an agent, record not written yet
+        self._hashing_bytes = 0
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-hash")
         self.gpu = GpuView(max_gpu_blocks)
         self.dirty_limit = ram.capacity // 2
@@ -257,6 +258,10 @@ class Store:
                 if tiers & Tier.SSD:
                     self._touched.add(item.address.key)
             todo = [t for t, tiers in zip(todo, on_ssd) if not tiers & Tier.SSD]
+        for i, item in todo:
+            if self.ram.busy_reason(item.address.key) == "being written":
+                raise FailedPrecondition(f"block {i} ({item.address}) is being written by an agent right now "
+                                         "(reserved, not committed yet); nothing was stored: retry shortly")
         checksums = payload_checksums([item.payload for _, item in todo])
         for (i, item), checksum in zip(todo, checksums):
             if item.checksum and item.checksum != checksum:
@@ -280,9 +285,8 @@ class Store:
                 except RamFull as exc:
                     full = exc
                     break
-                except ValueError:   # being written by another writer (an agent) right now
-                    result.present += 1
-                    continue
+                except ValueError:   # pragma: no cover - checked above, same thread
+                    raise FailedPrecondition(f"block {item.address} is being written by another writer") from None
                 self.ram.write(block, item.payload)
                 self.ram.commit(block)
                 if hold:
@@ -437,11 +441,14 @@ class Store:
         keys = [a.key for a, _ in entries]
         on_ssd = self.index.tiers_of(keys) if self.ssd is not None else [Tier.NONE] * len(keys)
         out: list[RamBlock | str] = []
+        mine: set[bytes] = set()
         try:
             for (address, length), tiers in zip(entries, on_ssd):
                 key = address.key
                 if not 0 < length <= self.ram.max_block_bytes:
                     out.append("invalid")
+                elif key in mine:
+                    out.append("present")        # the same block twice in one batch: written once
                 elif key in self.ram or tiers & Tier.SSD:
                     self._touched.add(key)       # a re-save is a use
                     out.append("present")
@@ -458,10 +465,22 @@ class Store:
                         continue
                     self._evicted.discard(key)
                     self.pinned_bytes += length
+                    mine.add(key)
                     out.append(block)
         finally:
             self._write_index()      # tombstones of what the reservations evicted
         return out
+
+    async def throttle_writes(self) -> None:
+        """Back-pressure for agents' writes: an Allocate waits while committed blocks still
+        waiting for their checksum hold a quarter of the RAM tier (they cannot be evicted yet),
+        and under write_back while the tier is too dirty (see _throttle_dirty), as a Put does.
+        A writer faster than the checksums or the disk slows to their pace instead of being
+        refused for lack of room."""
+        while self._hashing_bytes > self.ram.capacity // 4 and self._hashing:
+            await asyncio.wait({id(f): f for f in self._hashing.values()}.values(), return_when=asyncio.FIRST_COMPLETED)
+        if self.ssd is not None and self.write_policy == "write_back":
+            await self._throttle_dirty()
 
     def abort_reserved(self, block: RamBlock) -> None:
         """Give back a reserved slot that was not committed (the agent gave up or went away)."""
@@ -491,6 +510,7 @@ class Store:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for _, block in batch:
             self._hashing[block.key] = done
+            self._hashing_bytes += block.length
         task = asyncio.ensure_future(self._record_written(batch, model, done))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -527,6 +547,7 @@ class Store:
         for i, (address, block) in enumerate(batch):
             if self._hashing.get(block.key) is done:
                 del self._hashing[block.key]
+            self._hashing_bytes -= block.length
             if not self.ram.holds(block):
                 continue
             self.ram.unpin(block)
@@ -603,16 +624,12 @@ class Store:
         blocks). Without it ``gpu`` is the longest prefix any one agent holds, and ``longest``
         counts what a Get can return (RAM and SSD)."""
         self.counters.lookups += 1
-        for i, digest in enumerate(digests):
-            if len(digest) != DIGEST_BYTES:
-                raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
+        if any(len(d) != DIGEST_BYTES for d in digests):
+            i, digest = next((i, d) for i, d in enumerate(digests) if len(d) != DIGEST_BYTES)
+            raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
         gpu = self.gpu.prefix(agent, digests) if agent is not None else self.gpu.longest(digests) if self.gpu else 0
         keys = [_lookup_key(d, layer) for d in digests]
-        ram = 0
-        for key in keys:
-            if key not in self.ram:
-                break
-            ram += 1
+        ram = self.ram.resident_prefix(keys)
         if ram == len(keys) or (self.ssd is None and agent is None):
             return LookupResult(longest=ram, ram=ram, gpu=gpu)
         # Only the keys after the RAM prefix can extend ``longest``; SSD is counted from the start.

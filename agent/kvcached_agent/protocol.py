@@ -176,8 +176,8 @@ def _digests_body(digests: Sequence[bytes], what: str) -> bytes:
 def _read_digests(r: _Reader) -> list[bytes]:
     n = r.count(DIGEST)
     body, pos = r.body, r.pos
-    r.pos += n * DIGEST
-    return [body[pos + i * DIGEST:pos + (i + 1) * DIGEST] for i in range(n)]
+    r.pos = end = pos + n * DIGEST
+    return [body[i:i + DIGEST] for i in range(pos, end, DIGEST)]
 
 
 def _entries(fmt: struct.Struct, rows: Sequence[tuple[int | bytes, ...]], what: str) -> bytes:

@@ -7,10 +7,9 @@ nothing for three heartbeat intervals (a hung or stopped engine must not keep it
 ending releases what the agent held (AgentSession.close).
 
 The socket is created with the configured mode and group before it listens, so there is no
-moment when anyone else may connect. Requests that complete without waiting (lookups, events,
-allocations, releases) are answered inline, in order; commits and loads, which may wait for a
-checksum, the SSD or a promotion, run as tasks and answer when done (each reply carries its
-request id).
+moment when anyone else may connect. Requests that never wait (lookups, events, releases) are
+answered inline, in order; allocations (write-back back-pressure), commits and loads (checksums,
+the SSD, promotions) run as tasks and answer when done (each reply carries its request id).
 """
 
 from __future__ import annotations
@@ -104,7 +103,8 @@ class AgentConnection(asyncio.Protocol):
         self.session: AgentSession | None = None
         self.transport: asyncio.Transport | None = None
         self.peer = PeerCredentials(0, -1, -1)
-        self.last_seen = asyncio.get_event_loop().time()
+        self._loop = asyncio.get_event_loop()
+        self.last_seen = self._loop.time()
         self._tasks: set[asyncio.Task[None]] = set()
         self._ended = False
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -115,12 +115,12 @@ class AgentConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]   # uvloop's transports are not asyncio.Transport subclasses
         self.transport.set_write_buffer_limits(high=_HIGH_WATER)
         self.peer = _peer_credentials(self.transport)
-        self._hello_timer = asyncio.get_event_loop().call_later(
+        self._hello_timer = self._loop.call_later(
             HELLO_TIMEOUT_S, self.end, f"no Hello within {HELLO_TIMEOUT_S:g} s", p.ErrorCode.HANDSHAKE)
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        self.last_seen = asyncio.get_event_loop().time()
+        self.last_seen = self._loop.time()
         self.decoder.feed(data)
         while not self._ended:
             try:
@@ -145,7 +145,10 @@ class AgentConnection(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.end(f"connection lost ({exc})" if exc else "agent closed the connection")
+        if exc is None or isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            self.end("agent closed the connection")     # e.g. it left without reading a last answer
+        else:
+            self.end(f"connection lost ({exc})")
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -173,7 +176,7 @@ class AgentConnection(asyncio.Protocol):
         if answer is not None:
             self._send(answer, frame.request_id)
 
-    async def _answer_later(self, message: p.Commit | p.Load, request_id: int) -> None:
+    async def _answer_later(self, message: p.Allocate | p.Commit | p.Load, request_id: int) -> None:
         assert self.session is not None
         try:
             answer = await self.session.handle_waiting(message)
@@ -202,6 +205,10 @@ class AgentConnection(asyncio.Protocol):
                                      int(server.heartbeat_s * 1000), __version__), request_id)
         try:
             _send_with_fd(self.transport, welcome, server.arena_fd)
+        except (BrokenPipeError, ConnectionResetError):
+            session.close()
+            self.end("agent left during the handshake")
+            return
         except OSError as exc:
             session.close()
             self.end(f"cannot hand over the arena ({exc.strerror or exc})", p.ErrorCode.INTERNAL, request_id)

@@ -35,7 +35,7 @@ _CODES: list[tuple[type[KvError], p.ErrorCode]] = [
     (DataLoss, p.ErrorCode.DATA_LOSS), (Unavailable, p.ErrorCode.UNAVAILABLE)]
 
 
-WAITING = (p.Commit, p.Load)    # requests answered by AgentSession.handle_waiting
+WAITING = (p.Allocate, p.Commit, p.Load)    # requests answered by AgentSession.handle_waiting
 
 
 def error_code(exc: KvError) -> p.ErrorCode:
@@ -86,13 +86,11 @@ class AgentSession:
 
     def handle(self, message: p.Message) -> p.Message | None:
         """The answer to a request that never waits (None for events); store errors become
-        Error messages. Commit and Load go to :meth:`handle_waiting`."""
+        Error messages. Allocate, Commit and Load go to :meth:`handle_waiting`."""
         try:
             if isinstance(message, p.Lookup):
                 r = self.store.lookup(message.digests, message.layer, agent=self.session)
                 return p.LookupResult(r.longest, r.gpu, r.ram, r.ssd, r.peer)
-            if isinstance(message, p.Allocate):
-                return self._allocate(message)
             if isinstance(message, p.Release):
                 return self._release(message)
             if isinstance(message, (p.Pinned, p.Evicted)):
@@ -107,9 +105,13 @@ class AgentSession:
         except KvError as exc:
             return p.Error(error_code(exc), str(exc))
 
-    async def handle_waiting(self, message: p.Commit | p.Load) -> p.Message:
-        """The answer to a Commit or a Load (they may wait for checksums, the SSD, promotions)."""
+    async def handle_waiting(self, message: p.Allocate | p.Commit | p.Load) -> p.Message:
+        """The answer to an Allocate (it may wait for write-back back-pressure), a Commit or a
+        Load (they may wait for checksums, the SSD, promotions)."""
         try:
+            if isinstance(message, p.Allocate):
+                await self.store.throttle_writes()
+                return self._allocate(message)
             if isinstance(message, p.Commit):
                 return await self._commit(message)
             return await self._load(message)

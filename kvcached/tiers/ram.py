@@ -24,7 +24,7 @@ Runs on the event loop thread only; no locks, no I/O besides memcpy into the are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from kvcached.policies import EvictionPolicy
 from kvcached.tiers.arena import SharedArena
@@ -95,6 +95,17 @@ class RamTier:
         if block is None or block.refs == WRITING:
             return None
         return block
+
+    def resident_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are committed blocks (the lookup hot path)."""
+        blocks = self._blocks
+        n = 0
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.refs == WRITING:
+                break
+            n += 1
+        return n
 
     def holds(self, block: RamBlock) -> bool:
         """``block`` (this very object, committed or not) is in the tier."""
