@@ -111,6 +111,8 @@ class AgentSession:
         try:
             if isinstance(message, p.Allocate):
                 await self.store.throttle_writes()
+                if self.closed:      # the agent went away while it waited: reserve nothing for it
+                    return p.Error(p.ErrorCode.UNAVAILABLE, "connection closed")
                 return self._allocate(message)
             if isinstance(message, p.Commit):
                 return await self._commit(message)
