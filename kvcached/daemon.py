@@ -226,7 +226,9 @@ class Daemon:
             except Exception:
                 log.exception("write-back round failed; will retry")
                 await asyncio.sleep(DEMOTE_PERIOD_S)
-        # A clean stop writes back what is still dirty, within the shutdown grace (stop() waits).
+        # A clean stop writes back what is still dirty, within the shutdown grace (stop() waits);
+        # blocks agents committed last are checksummed first (only recorded blocks are written).
+        await store.drain(self.config.grpc.grace_s)
         flushed = 0
         while store.ram.dirty and (n := await store.demote()):
             flushed += n

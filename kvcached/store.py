@@ -468,7 +468,13 @@ class Store:
                     mine.add(key)
                     out.append(block)
         finally:
-            self._write_index()      # tombstones of what the reservations evicted
+            try:
+                self._write_index()      # tombstones of what the reservations evicted
+            except BaseException:
+                for block in out:
+                    if isinstance(block, RamBlock):
+                        self.abort_reserved(block)
+                raise
         return out
 
     async def throttle_writes(self) -> None:
@@ -496,6 +502,7 @@ class Store:
         reserved block any more)."""
         out: list[str | None] = []
         batch: list[tuple[BlockAddress, RamBlock]] = []
+        through = self.ssd is not None and self.write_policy == "write_through"
         for address, block in written:
             if block.refs != WRITING or not self.ram.holds(block):
                 out.append("unknown")
@@ -503,6 +510,8 @@ class Store:
             self.pinned_bytes -= block.length
             self.ram.commit(block)
             self.ram.pin(block)          # held until recorded: never evicted unrecorded
+            if through:
+                self.ram.pin(block)      # and, under write_through, until published
             batch.append((address, block))
             out.append(None)
         if not batch:
@@ -519,12 +528,21 @@ class Store:
         if self.write_policy == "write_back":
             self.demote_wanted.set()
             return out
-        await asyncio.shield(task)
-        new = await self._dirty_keys([b.key for _, b in batch])
-        if new:
-            await self._write_through(new)
-        durable = iter([self.ram.get(b.key) is b and b.clean for _, b in batch])
-        return [r if r is not None or next(durable) else "failed" for r in out]
+        try:
+            await asyncio.shield(task)
+            new = await self._dirty_keys([b.key for _, b in batch])
+            if new:
+                await self._write_through(new)
+        finally:
+            durable = [self.ram.get(b.key) is b and b.clean for _, b in batch]
+            for (_, block), ok in zip(batch, durable):
+                if self.ram.holds(block):
+                    self.ram.unpin(block)
+                    if not ok and block.refs == 0:      # not on SSD: not kept (write_through)
+                        self.ram.delete(block.key)
+                        self.index.write(deletes=[block.key])
+        it = iter(durable)
+        return [r if r is not None or next(it) else "failed" for r in out]
 
     async def _record_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str,
                               done: asyncio.Future[None]) -> None:
@@ -912,7 +930,7 @@ class Store:
             return 0
         picks: list[RamBlock] = []
         nbytes = 0
-        for key in islice(self.ram.dirty, 4 * DEMOTE_BATCH_BLOCKS):
+        for key in islice(self.ram.dirty, 4 * DEMOTE_BATCH_BLOCKS + len(self._hashing)):
             block = self.ram.get(key)
             if block is None or key in self._demoting or key in self._hashing:
                 continue

@@ -16,6 +16,7 @@ batched and split into protocol-sized requests as needed.
 from __future__ import annotations
 
 import mmap
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,7 +24,7 @@ import torch
 
 from kvcached_agent import protocol as p
 from kvcached_agent.address import CROSS_LAYER, BlockAddress, chain_digests, chain_root
-from kvcached_agent.client import AgentClient, AgentError
+from kvcached_agent.client import AgentClient, AgentError, ConnectionClosed
 from kvcached_agent.copy import ArenaCopier
 
 __all__ = ["Agent", "SaveResult", "LoadResult", "Lookup"]
@@ -58,6 +59,10 @@ class Agent:
         size = client.welcome.arena_bytes
         self._map = mmap.mmap(client.arena_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.copier = ArenaCopier(self._map, size, use_cuda=use_cuda)
+        # Copies and close() exclude each other: unmapping the arena under a running copy would
+        # crash the process (tensors over an mmap do not keep it mapped).
+        self._lock = threading.RLock()
+        self._closed = False
 
     @classmethod
     def connect(cls, path: str, *, agent_id: str, model: str, dtype: str, block_tokens: int, num_layers: int,
@@ -108,8 +113,11 @@ class Agent:
         if len(addresses) != len(tensors):
             raise ValueError(f"{len(addresses)} addresses but {len(tensors)} tensors")
         result = SaveResult()
-        for start in range(0, len(addresses), p.MAX_BATCH):
-            self._save_batch(addresses[start:start + p.MAX_BATCH], tensors[start:start + p.MAX_BATCH], start, result)
+        with self._lock:
+            self._check_open()
+            for start in range(0, len(addresses), p.MAX_BATCH):
+                end = start + p.MAX_BATCH
+                self._save_batch(addresses[start:end], tensors[start:end], start, result)
         return result
 
     def _save_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor], base: int,
@@ -148,8 +156,11 @@ class Agent:
         if len(addresses) != len(tensors):
             raise ValueError(f"{len(addresses)} addresses but {len(tensors)} tensors")
         result = LoadResult()
-        for start in range(0, len(addresses), p.MAX_BATCH):
-            self._load_batch(addresses[start:start + p.MAX_BATCH], tensors[start:start + p.MAX_BATCH], start, result)
+        with self._lock:
+            self._check_open()
+            for start in range(0, len(addresses), p.MAX_BATCH):
+                end = start + p.MAX_BATCH
+                self._load_batch(addresses[start:end], tensors[start:end], start, result)
         return result
 
     def _load_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor], base: int,
@@ -192,15 +203,21 @@ class Agent:
 
     # -- lifetime -------------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionClosed("the agent is closed")
+
     def close(self) -> None:
-        """Disconnect (the daemon releases anything still held) and unmap the arena."""
-        self.client.close()
-        self.copier.close()
-        self.copier.arena = torch.empty(0, dtype=torch.uint8)
-        try:
+        """Disconnect (the daemon releases anything still held) and unmap the arena; waits
+        for a save or load in progress in another thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.copier.close()
+            self.copier.arena = torch.empty(0, dtype=torch.uint8)
             self._map.close()
-        except BufferError:     # a tensor view is still alive somewhere: the mapping goes with it
-            pass
+            self.client.close()
 
     def __enter__(self) -> "Agent":
         return self

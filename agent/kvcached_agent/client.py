@@ -121,23 +121,28 @@ class AgentClient:
     def send(self, message: p.Message) -> None:
         """Send a request without waiting: an event, or a request whose answer does not matter
         (its Error, if any, is logged when read)."""
-        request_id = self._send(message)
-        if message.TYPE not in p.EVENTS:
-            self._ignore.add(request_id)
+        with self._send_lock:     # registered before any reader can see the answer
+            request_id = self._send_locked(message)
+            if message.TYPE not in p.EVENTS:
+                self._ignore.add(request_id)
 
     def _send(self, message: p.Message) -> int:
         with self._send_lock:
-            if self._closed:
-                raise ConnectionClosed("the agent client is closed")
-            request_id = self._next_id
-            self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
-            frame = p.encode(message, request_id)
-            try:
-                self._sock.sendall(frame)
-            except OSError as exc:
-                raise ConnectionClosed(f"cannot send to the daemon: {exc}") from exc
-            self._last_send = time.monotonic()
-            return request_id
+            return self._send_locked(message)
+
+    def _send_locked(self, message: p.Message) -> int:
+        if self._closed:
+            raise ConnectionClosed("the connection to the daemon is closed")
+        request_id = self._next_id
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
+        frame = p.encode(message, request_id)
+        try:
+            self._sock.sendall(frame)
+        except OSError as exc:
+            self._closed = True
+            raise ConnectionClosed(f"cannot send to the daemon: {exc}") from exc
+        self._last_send = time.monotonic()
+        return request_id
 
     def _read_frame(self) -> p.Frame:
         while True:
@@ -147,11 +152,18 @@ class AgentClient:
             try:
                 data = self._sock.recv(_RECV)
             except socket.timeout:
-                raise AgentError(p.ErrorCode.UNAVAILABLE, f"no answer from the daemon within {self.timeout:g} s") from None
+                # The late answer may hand out slots or pins that nobody would release: end the
+                # connection, and the daemon gives back everything this agent held.
+                self._disconnect()
+                raise ConnectionClosed(f"no answer from the daemon within {self.timeout:g} s; "
+                                       "the connection was closed (connect again)") from None
             except OSError as exc:
+                self._disconnect()
                 raise ConnectionClosed(f"connection to the daemon broke: {exc}") from exc
             if not data:
-                raise ConnectionClosed("the daemon closed the connection")
+                self._disconnect()
+                reason = next((f" ({e})" for e in reversed(self.event_errors)), "")
+                raise ConnectionClosed(f"the daemon closed the connection{reason}")
             self._decoder.feed(data)
 
     def _stray(self, frame: p.Frame) -> None:
@@ -178,9 +190,17 @@ class AgentClient:
                 except AgentError:
                     return
 
-    def close(self) -> None:
+    def _disconnect(self) -> None:
+        """Mark the connection dead: later calls fail at once with ConnectionClosed."""
         with self._send_lock:
             self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)     # wakes a recv blocked in another thread
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._disconnect()
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()

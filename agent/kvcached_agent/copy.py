@@ -2,8 +2,9 @@
 
 The arena (the daemon's memfd, mapped once) is viewed as one uint8 tensor. With CUDA, the whole
 mapping is registered as pinned memory (cudaHostRegister), so a GPU <-> arena copy is one DMA
-with no bounce buffer; saves and loads run on their own CUDA streams and finish with an event,
-never blocking the engine's compute stream. Without CUDA, the same calls copy between plain CPU
+with no bounce buffer; saves and loads run on their own CUDA streams (one pair per GPU), start
+after the work already queued on the engine's stream, and finish with an event, never blocking
+the engine's compute stream. Without CUDA, the same calls copy between plain CPU
 tensors and the arena.
 
 Neighbouring blocks that are contiguous both in the engine's memory and in the arena (the
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -48,52 +49,64 @@ class ArenaCopier:
         self.arena = torch.frombuffer(arena, dtype=torch.uint8, count=size)
         self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         self.registered = False
-        self._save_stream = self._load_stream = None
+        self._streams: dict[torch.device, tuple[Any, Any]] = {}     # per GPU: (save stream, load stream)
         if self.cuda:
-            code = torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), size, 0)
+            cudart = torch.cuda.cudart()
+            code = cudart.cudaHostRegister(self.arena.data_ptr(), size, 0)
             if int(code) != 0:
+                cudart.cudaGetLastError()        # clear the error so later CUDA calls do not report it
                 raise RuntimeError(f"cudaHostRegister of the {size}-byte arena failed (error {int(code)}); "
                                    "is RLIMIT_MEMLOCK (LimitMEMLOCK) high enough?")
             self.registered = True
-            self._save_stream = torch.cuda.Stream()
-            self._load_stream = torch.cuda.Stream()
 
     def save(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> int:
         """Copy each tensor's bytes to its arena offset; returns the number of copies made.
         Returns once every byte is in the arena."""
-        runs = _merge([_Run(byte_view(t), o, t.numel() * t.element_size()) for t, o in zip(tensors, offsets)])
-        self._check(runs)
-        if self.cuda:
-            stream = self._save_stream
-            stream.wait_stream(torch.cuda.current_stream())     # the engine's writes come first
-            with torch.cuda.stream(stream):
-                for run in runs:
-                    self.arena[run.offset:run.offset + run.nbytes].copy_(run.tensor, non_blocking=run.tensor.is_cuda)
-                done = torch.cuda.Event()
-                done.record(stream)
-            done.synchronize()
-        else:
-            for run in runs:
-                self.arena[run.offset:run.offset + run.nbytes].copy_(run.tensor)
-        return len(runs)
+        return self._copy(tensors, offsets, to_arena=True)
 
     def load(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> int:
         """Copy arena bytes at each offset into its tensor; returns the number of copies made.
         Returns once every copy is complete (the slots may then be released)."""
+        return self._copy(tensors, offsets, to_arena=False)
+
+    def _copy(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *, to_arena: bool) -> int:
         runs = _merge([_Run(byte_view(t), o, t.numel() * t.element_size()) for t, o in zip(tensors, offsets)])
         self._check(runs)
-        if self.cuda:
-            stream = self._load_stream
-            with torch.cuda.stream(stream):
-                for run in runs:
-                    run.tensor.copy_(self.arena[run.offset:run.offset + run.nbytes], non_blocking=run.tensor.is_cuda)
-                done = torch.cuda.Event()
-                done.record(stream)
-            done.synchronize()
-        else:
-            for run in runs:
-                run.tensor.copy_(self.arena[run.offset:run.offset + run.nbytes])
+        gpu: dict[torch.device, list[_Run]] = {}
+        for run in runs:
+            if run.tensor.is_cuda:
+                gpu.setdefault(run.tensor.device, []).append(run)
+            else:
+                self._copy_run(run, to_arena, non_blocking=False)
+        done = []
+        for device, device_runs in gpu.items():
+            # Each GPU's copies on that GPU's own stream, after the work the engine has already
+            # queued on its current stream there (it wrote the blocks we save, or last used the
+            # memory we load into), then one event: one wait per GPU, never on the compute stream.
+            stream = self._stream(device, to_arena)
+            with torch.cuda.device(device):
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for run in device_runs:
+                        self._copy_run(run, to_arena, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            done.append(event)
+        for event in done:
+            event.synchronize()
         return len(runs)
+
+    def _copy_run(self, run: _Run, to_arena: bool, *, non_blocking: bool) -> None:
+        arena = self.arena[run.offset:run.offset + run.nbytes]
+        if to_arena:
+            arena.copy_(run.tensor, non_blocking=non_blocking)
+        else:
+            run.tensor.copy_(arena, non_blocking=non_blocking)
+
+    def _stream(self, device: torch.device, to_arena: bool) -> Any:
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        return self._streams[device][0 if to_arena else 1]
 
     def _check(self, runs: list[_Run]) -> None:
         for run in runs:

@@ -35,6 +35,7 @@ log = logging.getLogger("kvcached.agent")
 HELLO_TIMEOUT_S = 5.0
 _PEERCRED = struct.Struct("3i")
 _HIGH_WATER = 4 << 20      # reply bytes buffered for an agent that does not read: stop reading its requests
+MAX_IN_FLIGHT = 64         # waiting requests (Allocate, Commit, Load) of one agent: stop reading past it
 
 
 class AgentServer:
@@ -76,8 +77,11 @@ class AgentServer:
             self._watchdog.cancel()
         if self._server is not None:
             self._server.close()
+        tasks = [t for conn in self.connections for t in conn.tasks]
         for conn in list(self.connections):
             conn.end("daemon stopping", p.ErrorCode.UNAVAILABLE)
+        if tasks:       # commits and loads under way finish (and release) before the tiers close
+            await asyncio.wait(tasks, timeout=10.0)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -89,9 +93,14 @@ class AgentServer:
             await asyncio.sleep(self.heartbeat_s / 2)
             now = loop.time()
             for conn in list(self.connections):
-                if now - conn.last_seen > limit:
-                    conn.end(f"no heartbeat for {now - conn.last_seen:.1f} s (agent.heartbeat_s = "
-                             f"{self.heartbeat_s:g}; the limit is three intervals)", p.ErrorCode.UNAVAILABLE)
+                if len(conn.tasks) >= MAX_IN_FLIGHT:   # we stopped reading it: its heartbeats wait in the socket
+                    conn.last_seen = now
+                elif now - conn.last_seen > limit:     # (one that does not read its answers is not exempt)
+                    try:
+                        conn.end(f"no heartbeat for {now - conn.last_seen:.1f} s (agent.heartbeat_s = "
+                                 f"{self.heartbeat_s:g}; the limit is three intervals)", p.ErrorCode.UNAVAILABLE)
+                    except Exception:
+                        log.exception("ending a silent agent connection failed")
 
 
 class AgentConnection(asyncio.Protocol):
@@ -105,8 +114,9 @@ class AgentConnection(asyncio.Protocol):
         self.peer = PeerCredentials(0, -1, -1)
         self._loop = asyncio.get_event_loop()
         self.last_seen = self._loop.time()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
         self._ended = False
+        self._write_paused = False
         self._hello_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio callbacks ----------------------------------------------------------------------
@@ -132,12 +142,26 @@ class AgentConnection(asyncio.Protocol):
                 return
             self._frame(frame)
 
+    @property
+    def held_back(self) -> bool:
+        """The daemon stops reading this agent: its answers go unread, or too many in flight."""
+        return self._write_paused or len(self.tasks) >= MAX_IN_FLIGHT
+
     def pause_writing(self) -> None:
+        self._write_paused = True
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self._ended:
+        self._write_paused = False
+        self._resume()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._resume()
+
+    def _resume(self) -> None:
+        if self.transport is not None and not self._ended and not self.held_back:
             self.transport.resume_reading()
 
     def eof_received(self) -> bool | None:
@@ -165,8 +189,10 @@ class AgentConnection(asyncio.Protocol):
             return
         if isinstance(message, WAITING):
             task = asyncio.ensure_future(self._answer_later(message, frame.request_id))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.tasks.add(task)
+            task.add_done_callback(self._task_done)
+            if len(self.tasks) >= MAX_IN_FLIGHT and self.transport is not None:
+                self.transport.pause_reading()     # resumed as the tasks finish
             return
         try:
             answer = self.session.handle(message)

@@ -191,9 +191,15 @@ class AgentSession:
         self._writes.clear()
         self._reads.clear()
         for _, block in writes:
-            self.store.abort_reserved(block)
+            try:
+                self.store.abort_reserved(block)
+            except Exception:       # one bad entry must not leak the rest
+                log.exception("releasing a reserved slot failed", extra={"fields": {"session": self.session}})
         for pinned in reads:
-            self.store.unpin(pinned)
+            try:
+                self.store.unpin(pinned)
+            except Exception:
+                log.exception("releasing a pinned block failed", extra={"fields": {"session": self.session}})
         gpu = self.store.gpu.drop_agent(self.session)
         return len(writes), len(reads), gpu
 
