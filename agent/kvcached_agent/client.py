@@ -56,6 +56,8 @@ class AgentClient:
         self.event_errors: Deque[AgentError] = collections.deque(maxlen=100)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._decoder = p.FrameDecoder()
+        self._inbox = bytearray(_RECV)
+        self._inview = memoryview(self._inbox)
         self._send_lock = threading.Lock()
         self._call_lock = threading.Lock()
         self._next_id = 1
@@ -150,7 +152,7 @@ class AgentClient:
             if frame is not None:
                 return frame
             try:
-                data = self._sock.recv(_RECV)
+                n = self._sock.recv_into(self._inbox)    # into one buffer: recv(64 KiB) would allocate 64 KiB a call
             except socket.timeout:
                 # The late answer may hand out slots or pins that nobody would release: end the
                 # connection, and the daemon gives back everything this agent held.
@@ -160,11 +162,11 @@ class AgentClient:
             except OSError as exc:
                 self._disconnect()
                 raise ConnectionClosed(f"connection to the daemon broke: {exc}") from exc
-            if not data:
+            if not n:
                 self._disconnect()
                 reason = next((f" ({e})" for e in reversed(self.event_errors)), "")
                 raise ConnectionClosed(f"the daemon closed the connection{reason}")
-            self._decoder.feed(data)
+            self._decoder.feed(self._inview[:n])
 
     def _stray(self, frame: p.Frame) -> None:
         """A frame that answers no waiting call: the reply to a request sent without waiting,
