@@ -1020,3 +1020,36 @@ def test_log_names_agent_pid_from_peer_credentials(daemon, workers) -> None:
     wait_for(lambda: len(log_lines(daemon, "agent disconnected")) == 2, 10, "the worker's disconnect")
     (gone,) = [x for x in log_lines(daemon, "agent disconnected") if "agent_id=logged-worker" in x]
     assert f"pid={w.pid} " in gone and 'reason="agent closed the connection"' in gone
+
+
+# -- addressing: the agent hashes as the daemon and the spec do --------------------------------
+
+def test_agent_hashes_tokens_as_the_spec_says(make_daemon) -> None:
+    """docs/addressing.md section 10, vectors 1 and 2, through Agent.hash_tokens (the same code
+    the daemon imports) and across a split chain (parent=)."""
+    from tests.unit.test_address import BT, DTYPE, MODEL, TOKENS, V1_DIGESTS, V2_DIGESTS, V2_NAMESPACE
+
+    daemon = make_daemon(NO_SSD)
+    with Agent.connect(agent_socket(daemon), agent_id="vectors", model=MODEL, dtype=DTYPE, block_tokens=BT,
+                       num_layers=1, layer_block_bytes=4 * KIB) as agent:
+        assert [d.hex() for d in agent.hash_tokens(TOKENS)] == V1_DIGESTS
+        first = agent.hash_tokens(TOKENS[:BT])
+        assert [d.hex() for d in first + agent.hash_tokens(TOKENS[BT:], parent=first[-1])] == V1_DIGESTS
+        assert agent.hash_tokens(TOKENS[:BT - 1]) == []         # a partial block has no address
+    with Agent.connect(agent_socket(daemon), agent_id="vectors-ns", model=MODEL, dtype=DTYPE, block_tokens=BT,
+                       num_layers=1, layer_block_bytes=4 * KIB, namespace=V2_NAMESPACE) as agent:
+        assert [d.hex() for d in agent.hash_tokens(TOKENS)] == V2_DIGESTS
+
+
+def test_agent_package_stays_out_of_the_daemon_and_the_daemon_out_of_torch() -> None:
+    """The agent installs into engine environments: it must not pull grpc, rocksdict or any
+    top-level `kvcached`; the daemon must not pull torch."""
+    agent = subprocess.run([sys.executable, "-c", (
+        "import sys, kvcached_agent.agent, kvcached_agent.client;"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'rocksdict', 'kvcached', 'google'));"
+        "print(bad); sys.exit(1 if bad else 0)")], capture_output=True, text=True, timeout=120)
+    assert agent.returncode == 0, agent.stdout + agent.stderr
+    daemon = subprocess.run([sys.executable, "-c", (
+        "import sys, kvcached.daemon;"
+        "sys.exit(1 if 'torch' in sys.modules else 0)")], capture_output=True, text=True, timeout=120)
+    assert daemon.returncode == 0, daemon.stdout + daemon.stderr
