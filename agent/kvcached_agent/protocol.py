@@ -534,8 +534,20 @@ def encode(message: Message, request_id: int = 0) -> bytes:
     return HEADER.pack(len(body), VERSION, message.TYPE, 0, request_id & 0xFFFFFFFF) + body
 
 
+_LOOKUP_HEAD = struct.Struct("<II")
+
+
 def decode(frame: Frame) -> Message:
     """The message of ``frame``. ProtocolError (not fatal) for an unknown type or a bad body."""
+    body = frame.body
+    # Fast paths for the lookup round trip (the agent's hot path); anything unusual about
+    # them falls through to the checked general path below, which says what is wrong.
+    if frame.type == Lookup.TYPE and len(body) >= 8:
+        layer, n = _LOOKUP_HEAD.unpack_from(body)
+        if n <= MAX_BATCH and len(body) == 8 + n * DIGEST:
+            return Lookup(layer, [body[i:i + DIGEST] for i in range(8, len(body), DIGEST)])
+    elif frame.type == LookupResult.TYPE and len(body) == 20:
+        return LookupResult(*LookupResult._FIXED.unpack(body))
     cls = MESSAGES.get(frame.type)
     if cls is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type 0x{frame.type:02x}")
