@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/kvcached/v1/*.proto)
 PROTO_OUT := kvcached/v1/kvcache_pb2.py
 
-.PHONY: install run test test-unit test-integration bench proto clean system-deps
+.PHONY: install run test test-unit test-integration bench proto clean system-deps certs
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -56,6 +56,11 @@ bench: install system-deps
 	$(PY) bench/bench_ssd.py $(SSD_BENCH_ARGS)
 	$(PY) bench/bench_agent.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/gpu_copy.py $(filter --quick,$(BENCH_ARGS))
+
+# A cluster CA and certificates for three nodes on this machine (docs/peers.md); CERT_NODES to change.
+CERT_NODES ?= node-a node-b node-c
+certs: install
+	$(VENV)/bin/kvcached certs --dir var/certs $(CERT_NODES)
 
 clean:
 	rm -rf $(VENV) kvcached/v1 var .pytest_cache

@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     _client_args(p)
     p.add_argument("addresses", nargs="+", help="block addresses")
 
+    p = sub.add_parser("certs", help="create the cluster CA and node certificates for peers (docs/peers.md)")
+    p.add_argument("--dir", default="var/certs", help="where the CA and certificates live (default var/certs)")
+    p.add_argument("--days", type=int, default=825, help="validity of new node certificates, days (default 825)")
+    p.add_argument("--san", action="append", default=[], metavar="NODE=NAME_OR_IP",
+                   help="an extra DNS name or IP address in NODE's certificate (repeatable)")
+    p.add_argument("nodes", nargs="*", help="node names to issue certificates for (the CA is made if missing)")
+
     p = sub.add_parser("hash", help="print the block digests of a token sequence (docs/addressing.md)")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", required=True)
@@ -104,6 +111,32 @@ def _serve(args: argparse.Namespace) -> int:
 
     setup_logging(config.log.level, config.log.format)
     return serve(config)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvcached.certs import CertError, make_cluster
+
+    extra: dict[str, list[str]] = {}
+    for item in args.san:
+        node, sep, name = item.partition("=")
+        if not sep or not node or not name:
+            return _die(2, f"--san expects NODE=NAME_OR_IP, got {item!r}")
+        if node not in args.nodes:
+            return _die(2, f"--san {item}: {node!r} is not one of the nodes named")
+        extra.setdefault(node, []).append(name)
+    if not 1 <= args.days <= 3650:
+        return _die(2, f"--days must be in 1..3650, got {args.days}")
+    try:
+        files, done = make_cluster(Path(args.dir), args.nodes, extra, args.days)
+    except CertError as exc:
+        return _die(1, str(exc))
+    for line in done or ["nothing to do: the CA and every certificate named exist"]:
+        print(line)
+    for name, (cert, key) in files.nodes.items():
+        print(f"\n# {name}: in its kvcached.toml\n[quic]\nca = \"{files.ca}\"\ncert = \"{cert}\"\nkey = \"{key}\"")
+    return 0
 
 
 def _iso(ts) -> str:  # type: ignore[no-untyped-def]
@@ -179,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "certs":
+            return _certs(args)
         if args.command == "hash":
             from kvcached_agent.address import chain_digests
 
