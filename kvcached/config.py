@@ -211,6 +211,26 @@ def _peers(v: list[Any]) -> None:
             raise ValueError(f"entry {i}: {exc}") from None
 
 
+def _datagram_size(v: int) -> None:
+    if not 1200 <= v <= 16000:
+        raise ValueError(f"must be between 1200 (QUIC's minimum) and 16000 bytes, got {v}")
+
+
+def _window_mib(v: float) -> None:
+    if not 0.0625 <= v <= 1024:
+        raise ValueError(f"must be between 0.0625 and 1024 MiB, got {v}")
+
+
+def _pull_timeout(v: float) -> None:
+    if not 0.01 <= v <= 300:
+        raise ValueError(f"must be between 0.01 and 300 seconds, got {v}")
+
+
+def _fail_limit(v: int) -> None:
+    if not 1 <= v <= 1000:
+        raise ValueError(f"must be between 1 and 1000, got {v}")
+
+
 def _key(doc: str, default: Any, check: Callable[[Any], None] | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
     meta = {"doc": doc, "check": check, "kind": kind}
     if isinstance(default, list):
@@ -279,6 +299,20 @@ class QuicSection:
     ca: str = _key("PEM file of the cluster CA that signs every daemon's certificate.", "")
     cert: str = _key("PEM certificate of this daemon, signed by the cluster CA.", "")
     key: str = _key("PEM private key of this daemon's certificate.", "")
+    max_datagram_size: int = _key("Largest UDP datagram QUIC sends, bytes: 1350 fits any 1500-byte MTU path; "
+                                  "raise it on jumbo-frame networks.", 1350, _datagram_size, int)
+    max_data_mib: float = _key("Connection flow-control window, MiB (bytes in flight per peer).", 64.0,
+                               _window_mib, (int, float))
+    max_stream_data_mib: float = _key("Stream flow-control window, MiB (bytes in flight per pull).", 16.0,
+                                      _window_mib, (int, float))
+    pull_timeout_s: float = _key("Deadline of a pull from peers: what has not arrived by then is a miss.", 2.0,
+                                 _pull_timeout, (int, float))
+    hedge_ms: float = _key("A pull not finished after this long is also asked of the next peer holding the "
+                           "blocks; 0 asks both at once.", 50.0, _non_negative, (int, float))
+    fail_limit: int = _key("Failed requests in a row that mark a peer down.", 3, _fail_limit, int)
+    backoff_s: float = _key("How long a peer marked down is left alone at first; doubles on each failed retry.",
+                            1.0, _positive, (int, float))
+    backoff_max_s: float = _key("Longest time a peer marked down is left alone.", 60.0, _positive, (int, float))
 
 
 @dataclass(frozen=True)
@@ -448,6 +482,8 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
                 raise ConfigError(f"quic.{name}", f"no such file: {value}")
             if not os.access(value, os.R_OK):
                 raise ConfigError(f"quic.{name}", f"not readable: {value}")
+        if quic.backoff_max_s < quic.backoff_s:
+            raise ConfigError("quic.backoff_max_s", f"{quic.backoff_max_s:g} is less than quic.backoff_s = {quic.backoff_s:g}")
     unix_paths = [os.path.abspath(a.unix_path) for a in config.listeners if a.unix_path]
     if config.agent.socket and os.path.abspath(config.agent.socket) in unix_paths:
         raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")

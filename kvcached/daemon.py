@@ -28,10 +28,12 @@ from grpc_reflection.v1alpha import reflection
 from kvcached import __version__
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_service import KvCacheService
-from kvcached.config import Config, ListenAddress
+from kvcached.config import Config, ListenAddress, parse_listen
 from kvcached.index import BlockIndex
 from kvcached.logs import fields
 from kvcached.metrics import start_metrics
+from kvcached.peers.tier import PeerSettings, PeerTier
+from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
 from kvcached.policies import make_eviction_policy
 from kvcached.store import Store
 from kvcached.tiers.arena import SharedArena
@@ -125,6 +127,7 @@ class Daemon:
         self.ssd: SsdTier | None = None
         self.server: grpc.aio.Server | None = None
         self.agents: AgentServer | None = None
+        self.peers: PeerTier | None = None
         self.health: Any = None
         self._metrics_server: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -154,6 +157,9 @@ class Daemon:
         self.ssd = self._open_ssd()
         self.store = Store(ram, self.index, ssd=self.ssd, write_policy=cfg.kv.write_policy,  # type: ignore[arg-type]
                            ssd_ttl=cfg.kv.ssd_ttl, gone_ttl=cfg.kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks)
+        self.store.mirror_pulls = cfg.kv.mirror_pulls
+        if cfg.quic.listen or cfg.quic.peers:
+            await self._start_peers()
         await self._start_grpc(listeners)
         if cfg.agent.socket:
             self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,
@@ -181,6 +187,33 @@ class Daemon:
                                        ssd_bytes=self.ssd.capacity if self.ssd else 0,
                                        ssd_direct_io=self.ssd.direct if self.ssd else False,
                                        startup_s=round(time.time() - self.started_at, 3)))
+
+    async def _start_peers(self) -> None:
+        """The peer tier: the QUIC server, and a link to each configured peer (docs/peers.md)."""
+        assert self.store is not None and self.index is not None
+        q = self.config.quic
+        try:
+            auth = PeerAuth.from_files(q.ca, q.cert, q.key, [peer["name"] for peer in q.peers])
+            auth.configuration(QuicOptions())          # loads the certificate and key: fail here, not at a pull
+        except (OSError, ValueError, PeerRefused) as exc:
+            raise StartupError(f"quic.cert/quic.key/quic.ca: {exc}") from None
+        listen = parse_listen(q.listen) if q.listen else None
+        settings = PeerSettings(
+            listen=(listen.host.strip("[]"), listen.port) if listen is not None else None,  # type: ignore[union-attr]
+            peers={peer["name"]: _host_port(peer["address"]) for peer in q.peers},
+            options=QuicOptions(q.max_datagram_size, int(q.max_data_mib * (1 << 20)),
+                                int(q.max_stream_data_mib * (1 << 20))),
+            pull_timeout_s=q.pull_timeout_s, hedge_s=q.hedge_ms / 1000, fail_limit=q.fail_limit,
+            backoff_s=q.backoff_s, backoff_max_s=q.backoff_max_s, max_payload=self.config.max_block_bytes)
+        self.peers = PeerTier(self.store, auth, settings)
+        try:
+            await self.peers.start()
+        except OSError as exc:
+            raise StartupError(f"quic.listen {q.listen}: {exc.strerror or exc}") from None
+        self.store.peers = self.peers
+        self.index.watcher = self.peers.local_changed
+        log.info("peer tier listening", extra=fields(listen=q.listen or None, peers=len(q.peers),
+                                                     mirror_pulls=self.config.kv.mirror_pulls))
 
     def _open_ssd(self) -> SsdTier | None:
         kv = self.config.kv
@@ -345,6 +378,8 @@ class Daemon:
             await self._step("grpc", self.server.stop(self.config.grpc.grace_s))
         if self.agents is not None:
             await self._step("agent socket", self.agents.stop())
+        if self.peers is not None:
+            await self._step("peer tier", self.peers.stop())
         self._winding_down.set()
         rounds = [t for t in self._tasks if t.get_name() in ("ssd-demoter", "ssd-evictor")]
         if rounds:   # let a write-back or eviction round in progress finish its I/O first
@@ -390,6 +425,11 @@ class Daemon:
             fn(*args)
         except Exception:
             log.exception("shutdown step failed", extra=fields(step=name))
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    address = parse_listen(text)
+    return address.host.strip("[]"), address.port  # type: ignore[union-attr,return-value]
 
 
 async def _woken_or_after(event: asyncio.Event, seconds: float, stop: asyncio.Event) -> None:

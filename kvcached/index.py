@@ -42,6 +42,7 @@ _RECORD = struct.Struct("<BBBxIQddd32s32s")
 _F64 = struct.Struct("<d")
 # byte offsets of the fields that change in place (see the layout above)
 _TIERS, _REASON, _LAST_SEEN, _GONE_AT, _CHECKSUM = 1, 2, 24, 32, 40
+_LAYER, _DIGEST = 4, 72
 _FAMILIES = ("blocks", "meta", "ssd_age")
 _AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
 
@@ -129,8 +130,20 @@ class BlockRecord:
         return replace(self, tiers=Tier.NONE, gone_reason=reason, gone_at=now)
 
 
+def _present(raw: bytes | None) -> bool:
+    return raw is not None and len(raw) >= _RECORD.size and raw[0] == SCHEMA_VERSION and raw[_TIERS] != 0
+
+
+def _wire_key(raw: bytes) -> bytes:
+    """The block's address as the peer protocol writes it: digest, then u32 layer."""
+    return raw[_DIGEST:_DIGEST + 32] + raw[_LAYER:_LAYER + 4]
+
+
 class BlockIndex:
     """Block metadata on disk. Not thread-safe: one owner (the store) calls it."""
+
+    #: Told (gained wire keys, dropped wire keys) after writes that change presence (peer announcements).
+    watcher: Callable[[list[bytes], list[bytes]], None] | None = None
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -189,18 +202,29 @@ class BlockIndex:
                 for raw in self._blocks[keys]]
 
     def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = (), *,
-              queue: Iterable[bytes] = (), unqueue: Iterable[bytes] = (), sync: bool = False) -> None:
+              queue: Iterable[bytes] = (), unqueue: Iterable[bytes] = (), sync: bool = False,
+              watch: bool = True) -> None:
         """Apply puts (records, or encoded records from the ``with_*`` methods), deletes and SSD
         queue entries (from :func:`queue_entry`) atomically, in one WriteBatch; ``sync`` waits
-        for the WAL to reach the disk."""
+        for the WAL to reach the disk. With a :attr:`watcher`, blocks that become present or
+        stop being present are reported to it once the write is done; ``watch=False`` says the
+        write changes no block's presence (last-seen times)."""
         batch = WriteBatch(raw_mode=True)
         batch.set_default_column_family(self._blocks_handle)
         n = 0
+        watching = self.watcher is not None and watch
+        encoded: list[tuple[bytes, bytes]] = []
+        deleted: list[bytes] = []
         for key, record in puts:
-            batch.put(key, record if isinstance(record, bytes) else record.encode())
+            raw = record if isinstance(record, bytes) else record.encode()
+            batch.put(key, raw)
+            if watching:
+                encoded.append((key, raw))
             n += 1
         for key in deletes:
             batch.delete(key)
+            if watching:
+                deleted.append(key)
             n += 1
         for entry in queue:
             batch.put(entry, b"", column_family=self._age_handle)
@@ -208,8 +232,44 @@ class BlockIndex:
         for entry in unqueue:
             batch.delete(entry, column_family=self._age_handle)
             n += 1
-        if n:
-            self._db.write(batch, self._sync_opts if sync else self._write_opts)
+        if not n:
+            return
+        before = self._blocks[[k for k, _ in encoded] + deleted] if watching and (encoded or deleted) else []
+        self._db.write(batch, self._sync_opts if sync else self._write_opts)
+        if before:
+            self._report(encoded, deleted, before)
+
+    def _report(self, encoded: list[tuple[bytes, bytes]], deleted: list[bytes], before: list[bytes | None]) -> None:
+        gained: list[bytes] = []
+        dropped: list[bytes] = []
+        for (_, raw), old in zip(encoded, before):
+            was, now = _present(old), _present(raw)
+            if now and not was:
+                gained.append(_wire_key(raw))
+            elif was and not now:
+                dropped.append(_wire_key(raw))
+        for old in before[len(encoded):]:
+            if _present(old):
+                dropped.append(_wire_key(old))      # type: ignore[arg-type]
+        if gained or dropped:
+            try:
+                self.watcher(gained, dropped)       # type: ignore[misc]
+            except Exception:
+                log.exception("index watcher failed")
+
+    def present_wire_keys(self) -> list[bytes]:
+        """The wire keys (digest | u32 layer) of every present block, read-only (safe from a
+        worker thread): what a peer snapshot lists."""
+        out = []
+        it = self._blocks.iter()
+        it.seek_to_first()
+        while it.valid():
+            raw = it.value()
+            if _present(raw):
+                out.append(_wire_key(raw))
+            it.next()
+        del it
+        return out
 
     # -- in-place changes: patch the stored bytes, no decode (hot: evictions, touches) ----------
 

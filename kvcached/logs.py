@@ -54,5 +54,5 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # third-party chatter stays at warning unless we debug
-    for name in ("grpc", "asyncio", "aioquic"):
+    for name in ("grpc", "asyncio", "aioquic", "quic"):
         logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)

@@ -34,7 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 from itertools import islice
-from typing import Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 from kvcached.gpu_view import GpuView
 from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
@@ -64,6 +64,16 @@ WritePolicy = Literal["write_through", "write_back"]
 # started afresh once it holds this many (about 6 MB), and at most a few layers are kept.
 LOOKUP_KEYS = 1 << 15
 LOOKUP_LAYERS = 4
+
+
+class PeerTierLike(Protocol):
+    """What the store asks of the peer tier (kvcached.peers.tier.PeerTier)."""
+
+    def usable_mask(self) -> int: ...
+    def holds(self, address: BlockAddress, usable: int) -> bool: ...
+    def held(self, digests: Sequence[bytes], layer: int) -> list[bool]: ...
+    async def fetch(self, addresses: Sequence[BlockAddress], reserve: Callable[[BlockAddress, int], Any],
+                    abort: Callable[[Any], None]) -> list[tuple[BlockAddress, Any, Any]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +177,10 @@ class Store:
         self.max_pinned_bytes = ram.capacity // 2
         self.pinned_bytes = 0
         ram.on_evict = self._on_ram_evict
+        # The peer tier (kvcached.peers.tier.PeerTier), set by the daemon when [quic] is on.
+        self.peers: PeerTierLike | None = None
+        self.mirror_pulls = True
+        self._transient: dict[bytes, bytes] = {}   # pulled, not mirrored: key -> checksum, dropped once read
 
     # -- put ----------------------------------------------------------------------------------
 
@@ -352,7 +366,7 @@ class Store:
             return self._get_resident(addresses, allow_partial)
         finally:
             for block in held:
-                self.ram.unpin(block)
+                self._unpin_block(block)
 
     def _get_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool) -> tuple[list[Fetched], list[Miss]]:
         found: list[Fetched] = []
@@ -364,7 +378,7 @@ class Store:
                 misses.append(Miss(address, self.miss_reason(address)))
             else:
                 blocks.append((address, block))
-        checksums = self.index.checksums([b.key for _, b in blocks])
+        checksums = self._checksums([b.key for _, b in blocks])
         for (address, block), checksum in zip(blocks, checksums):
             if checksum is None:
                 misses.append(Miss(address, self._drop_unindexed(block)))
@@ -380,23 +394,24 @@ class Store:
             raise NotFound(f"block {first.address}: {first.reason}{more}")
         return found, misses
 
-    async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> list["Pinned | Miss"]:
+    async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
+                  peers: bool = True) -> list["Pinned | Miss"]:
         """Pin a batch for a reader that copies out of the arena itself (streams, agents), in
         request order: while pinned a block can be neither evicted nor deleted, so the batch is
         a snapshot however long the copy takes. Blocks only on SSD are promoted first. Without
         ``allow_partial`` a miss pins nothing and raises NotFound. Release every Pinned with
-        :meth:`unpin`."""
+        :meth:`unpin`. ``peers=False`` leaves the peer tier out (serving a peer's pull)."""
         await self._recorded(addresses)
-        held = await self._make_resident(addresses)
+        held = await self._make_resident(addresses, peers)
         try:
             return self._pin_resident(addresses, allow_partial)
         finally:
             for block in held:
-                self.ram.unpin(block)
+                self._unpin_block(block)
 
     def _pin_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool) -> list["Pinned | Miss"]:
         resident = [(address, self.ram.get(address.key)) for address in addresses]
-        checksums = self.index.checksums([b.key for _, b in resident if b is not None])
+        checksums = self._checksums([b.key for _, b in resident if b is not None])
         found = iter(checksums)
         entries: list[tuple[BlockAddress, RamBlock | None, bytes | None]] = [
             (address, block, next(found) if block is not None else None) for address, block in resident]
@@ -430,8 +445,22 @@ class Store:
         return self.ram.read_range(pinned.block, start, length)
 
     def unpin(self, pinned: "Pinned") -> None:
-        self.ram.unpin(pinned.block)
+        self._unpin_block(pinned.block)
         self.pinned_bytes -= pinned.block.length
+
+    def _unpin_block(self, block: RamBlock) -> None:
+        self.ram.unpin(block)
+        if self._transient and block.refs == 0 and self._transient.pop(block.key, None) is not None:
+            if self.ram.get(block.key) is block:      # read once, not mirrored: gone again
+                self.ram.delete(block.key)
+
+    def _checksums(self, keys: list[bytes]) -> list[bytes | None]:
+        """Checksums of resident blocks: from the index, or for pulled blocks that are not
+        mirrored (never indexed), from the pull."""
+        checksums = self.index.checksums(keys)
+        if self._transient:
+            checksums = [c if c is not None else self._transient.get(k) for k, c in zip(keys, checksums)]
+        return checksums
 
     # -- agents: blocks written straight into arena slots ---------------------------------------
 
@@ -655,17 +684,20 @@ class Store:
             cache = self._lookup_keys[layer] = {}
         keys = [cache.get(d) or cache.setdefault(d, index_key(d, layer)) for d in digests]
         ram = self.ram.resident_prefix(keys)
-        if ram == len(keys) or (self.ssd is None and agent is None):
+        if ram == len(keys) or (self.ssd is None and agent is None and self.peers is None):
             return LookupResult(longest=ram, ram=ram, gpu=gpu)
-        # Only the keys after the RAM prefix can extend ``longest``; SSD is counted from the start.
+        # Only the keys after the RAM prefix can extend ``longest``; SSD and peers are counted
+        # from the start. ``longest`` counts a block a usable peer holds: a Get pulls it.
         on_ssd = [bool(t & Tier.SSD) for t in self.index.tiers_of(keys)] if self.ssd is not None else [False] * len(keys)
         ssd = next((i for i, here in enumerate(on_ssd) if not here), len(keys))
+        on_peer = self.peers.held(digests, layer) if self.peers is not None else [False] * len(keys)
+        peer = next((i for i, here in enumerate(on_peer) if not here), len(keys))
         on_gpu = self.gpu.held(agent, digests) if agent is not None else None
         longest = ram
-        while longest < len(keys) and (on_ssd[longest] or keys[longest] in self.ram
+        while longest < len(keys) and (on_ssd[longest] or keys[longest] in self.ram or on_peer[longest]
                                        or (on_gpu is not None and digests[longest] in on_gpu)):
             longest += 1
-        return LookupResult(longest=longest, ram=ram, ssd=ssd, gpu=gpu)
+        return LookupResult(longest=longest, ram=ram, ssd=ssd, gpu=gpu, peer=peer)
 
     # -- delete -------------------------------------------------------------------------------
 
@@ -758,18 +790,22 @@ class Store:
 
     # -- SSD tier: promotion, publishing, eviction -------------------------------------------
 
-    async def _make_resident(self, addresses: Sequence[BlockAddress]) -> list[RamBlock]:
-        """Promote the blocks of ``addresses`` that are only on SSD. While it waits, the blocks
-        already resident are pinned (so the batch's own promotions cannot evict them); returns
-        every block it pinned, for the caller to unpin."""
-        if self.ssd is None:
-            return []
+    async def _make_resident(self, addresses: Sequence[BlockAddress], peers: bool = True) -> list[RamBlock]:
+        """Promote the blocks of ``addresses`` that are only on SSD, then pull from peers those
+        that no local tier holds. While it waits, the blocks already resident are pinned (so the
+        batch's own promotions cannot evict them); returns every block it pinned, for the caller
+        to unpin."""
         absent = [a for a in addresses if a.key not in self.ram]
         if not absent:
             return []
-        tiers = self.index.tiers_of([a.key for a in absent])
+        tiers = self.index.tiers_of([a.key for a in absent]) if self.ssd is not None else [Tier.NONE] * len(absent)
         wanted = list({a.key: a for a, t in zip(absent, tiers) if t & Tier.SSD}.values())
-        if not wanted:
+        remote: list[BlockAddress] = []
+        if peers and self.peers is not None:
+            usable = self.peers.usable_mask()
+            remote = list({a.key: a for a, t in zip(absent, tiers)
+                           if not t & Tier.SSD and (a.key in self._promoting or self.peers.holds(a, usable))}.values())
+        if not wanted and not remote:
             return []
         held = []
         for address in addresses:
@@ -778,10 +814,13 @@ class Store:
                 self.ram.pin(block)
                 held.append(block)
         try:
-            held += await self._promote(wanted)
+            if wanted:
+                held += await self._promote(wanted)
+            if remote:
+                held += await self._pull(remote)
         except BaseException:
             for block in held:
-                self.ram.unpin(block)
+                self._unpin_block(block)
             raise
         return held
 
@@ -815,10 +854,18 @@ class Store:
                 waits.append(future)
         finally:
             if mine:
-                task = loop.create_task(self._read_and_commit(mine))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._in_background(self._read_and_commit(mine))
             self._write_index()      # tombstones of what the reservations evicted
+        return await self._pin_when_resident(waits)
+
+    def _in_background(self, work: Any) -> None:
+        """Run ``work`` in a task no caller can cancel (drain waits for it on a clean stop)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _pin_when_resident(self, waits: list[asyncio.Future[RamBlock | None]]) -> list[RamBlock]:
+        """Wait for promotions or pulls (never cancelling them); pin the blocks that arrived."""
         blocks = await asyncio.shield(asyncio.gather(*waits)) if waits else []
         held: list[RamBlock] = []
         for block in blocks:
@@ -826,6 +873,136 @@ class Store:
                 self.ram.pin(block)
                 held.append(block)
         return held
+
+    async def _pull(self, addresses: list[BlockAddress]) -> list[RamBlock]:
+        """Pull blocks from peers into RAM (flow 5); returns them pinned. A block another
+        request is pulling or promoting is waited for, not pulled twice. As _promote, the work
+        runs in a task no caller can cancel; the peer tier bounds it by its pull deadline."""
+        assert self.peers is not None
+        loop = asyncio.get_running_loop()
+        mine: list[BlockAddress] = []
+        waits: list[asyncio.Future[RamBlock | None]] = []
+        futures: dict[bytes, asyncio.Future[RamBlock | None]] = {}
+        for address in addresses:
+            if address.key in self._promoting:
+                waits.append(self._promoting[address.key])
+            elif address.key not in self.ram:
+                futures[address.key] = self._promoting[address.key] = loop.create_future()
+                waits.append(futures[address.key])
+                mine.append(address)
+        if mine:
+            self._in_background(self._pull_and_commit(mine, futures))
+        return await self._pin_when_resident(waits)
+
+    def _reserve_pulled(self, address: BlockAddress, length: int) -> tuple[tuple[RamBlock, memoryview], memoryview] | None:
+        if not 0 < length <= self.ram.max_block_bytes:
+            return None
+        try:
+            block = self.ram.reserve(address.key, length)
+        except (RamFull, ValueError):     # no room now, or someone is writing it: a miss
+            return None
+        self._evicted.discard(address.key)
+        view = self.ram.slot_view(block)
+        return (block, view), view      # the handle the peer tier gives back, and where the payload goes
+
+    def _abort_pulled(self, handle: tuple[RamBlock, memoryview]) -> None:
+        block, view = handle
+        _release(view)
+        if block.refs == WRITING and self.ram.holds(block):
+            self.ram.abort(block)
+
+    async def _pull_and_commit(self, mine: list[BlockAddress], futures: dict[bytes, asyncio.Future[RamBlock | None]]) -> None:
+        """Fetch, then commit what arrived verified: recorded and (write-back) headed for SSD
+        when mirror_pulls is on, else held only until read. Every future is resolved."""
+        assert self.peers is not None
+        got: list[tuple[BlockAddress, Any, Any]] = []
+        try:
+            got = await self.peers.fetch(mine, self._reserve_pulled, self._abort_pulled)
+            now = self.clock()
+            for address, (block, view), head in got:
+                _release(view)
+                if self.mirror_pulls:
+                    self.ram.commit(block, clean=self.ssd is None)
+                    self._pending[block.key] = BlockRecord(address.digest, address.layer, head.model, block.length,
+                                                           head.checksum, now, now, Tier.RAM)
+                else:
+                    self.ram.commit(block, clean=True)
+                    self._transient[block.key] = head.checksum
+            try:
+                self._write_index()
+            except Unavailable:
+                pass                      # logged; the blocks left RAM again
+            if self.mirror_pulls and self.ssd is not None and got:
+                self.demote_wanted.set()
+        except Exception:
+            log.exception("pulling from peers failed")
+            for _, handle, _ in got:
+                self._abort_pulled(handle)
+        finally:
+            for address in mine:
+                future = futures[address.key]
+                if self._promoting.get(address.key) is future:
+                    del self._promoting[address.key]
+                if not future.done():
+                    block = self.ram.get(address.key)
+                    future.set_result(block if block is not None and block.refs != WRITING else None)
+
+    async def serve_pull(self, rows: Sequence[tuple[bytes, int]], max_payload: int, counters: Any) -> list[Any]:
+        """A peer's Pull: per row a (Block head, payload view, release) or a Miss, in order.
+        Only local tiers are asked (a pull never starts another pull). The blocks stay pinned
+        until their release is called."""
+        from kvcached.peers import protocol as p     # late: the store does not need the peer tier otherwise
+
+        addresses = []
+        out: list[Any] = []
+        for digest, layer in rows:
+            try:
+                addresses.append(BlockAddress(digest, layer))
+            except ValueError:
+                addresses.append(None)
+        valid = [a for a in addresses if a is not None]
+        results = iter(await self.pin(valid, allow_partial=True, peers=False)) if valid else iter(())
+        pinned = []
+        for (digest, layer), address in zip(rows, addresses):
+            result = next(results) if address is not None else None
+            if isinstance(result, Pinned):
+                pinned.append(result)
+            out.append(result if result is not None else p.Miss(digest, layer, p.MissReason.NOT_FOUND))
+        records = {r.digest + r.layer.to_bytes(4, "little"): r
+                   for r in self.index.get_many([x.block.key for x in pinned]) if r is not None}
+        answers: list[Any] = []
+        for (digest, layer), result in zip(rows, out):
+            if not isinstance(result, Pinned):
+                reason = p.MissReason.NOT_FOUND
+                if isinstance(result, Miss) and "corrupt" in result.reason:
+                    reason = p.MissReason.DAMAGED
+                answers.append(result if isinstance(result, p.Miss) else p.Miss(digest, layer, reason))
+                continue
+            record = records.get(digest + layer.to_bytes(4, "little"))
+            if result.block.length > max_payload or record is None:
+                self.unpin(result)
+                answers.append(p.Miss(digest, layer, p.MissReason.TOO_LARGE if record else p.MissReason.NOT_FOUND))
+                continue
+            view = self.ram.view(result.block)
+            counters.served += 1
+            counters.served_bytes += result.block.length
+            answers.append((p.Block(digest, layer, record.model, result.block.length, result.checksum), view,
+                            _releaser(self, result, view)))
+        return answers
+
+    def local_prefix(self, digests: Sequence[bytes], layer: int) -> int:
+        """How long a prefix of the chain RAM and SSD hold (a peer's Exists)."""
+        keys = [index_key(d, layer) for d in digests]
+        ram = self.ram.resident_prefix(keys)
+        if ram == len(keys) or self.ssd is None:
+            return ram
+        tiers = self.index.tiers_of(keys[ram:])
+        n = ram
+        for key, tier in zip(keys[ram:], tiers):
+            if not (tier & Tier.SSD or key in self.ram):
+                break
+            n += 1
+        return n
 
     async def _read_and_commit(self, mine: list[tuple[BlockRecord, RamBlock, asyncio.Future[RamBlock | None]]]) -> None:
         """Read reserved blocks from SSD, commit the good ones, drop the bad ones, resolve every
@@ -1083,7 +1260,7 @@ class Store:
             return 0
         keys, self._touched = list(self._touched), set()
         puts = self.index.with_last_seen(keys, self.clock())
-        self.index.write(puts)
+        self.index.write(puts, watch=False)
         return len(puts)
 
 
@@ -1098,6 +1275,13 @@ def _tier_matches(record: BlockRecord, tier: Tier | None) -> bool:
 def _header(record: BlockRecord) -> BlockHeader:
     """The SSD file header that describes ``record``'s block."""
     return BlockHeader(record.digest, record.layer, record.nbytes, record.checksum, record.created)
+
+
+def _releaser(store: Store, pinned: Pinned, view: memoryview) -> Callable[[], None]:
+    def release() -> None:
+        _release(view)
+        store.unpin(pinned)
+    return release
 
 
 def _release(view: memoryview) -> None:

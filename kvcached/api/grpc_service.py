@@ -86,6 +86,15 @@ def block_info(record: BlockRecord) -> pb.BlockInfo:
         tiers=tiers, gone_reason="" if record.present else record.gone_reason.text)
 
 
+def _peer_stats(store: Store) -> dict[str, Any]:
+    if store.peers is None:
+        return {}
+    s = store.peers.stats()       # type: ignore[attr-defined]
+    peers = [pb.PeerStats(name=name, up=p["up"], connected=p["connected"], blocks=p["blocks"],
+                          last_error=p["last_error"]) for name, p in s.pop("peers").items()]
+    return {"peers": peers, **s}
+
+
 class KvCacheService(pb_grpc.KvCacheServicer):
     def __init__(self, store: Store, *, max_message_bytes: int, started_at: float | None = None) -> None:
         """``max_message_bytes``: the server's message limit, so Get can refuse an answer that
@@ -208,7 +217,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             promotions=s["promotions"], demotions=s["demotions"], ram_dirty_bytes=s["ram_dirty_bytes"],
             dirty_dropped=s["ram_dirty_evictions"] if "ssd_blocks" in s else 0, ssd_corrupt=s.get("ssd_corrupt", 0),
             ssd_write_errors=s.get("ssd_write_errors", 0), ssd_reconciled=bool(s.get("ssd_reconciled", 0)),
-            agents=s["agents"], agent_held_bytes=s["held_bytes"], gpu_blocks=s["gpu_blocks"])
+            agents=s["agents"], agent_held_bytes=s["held_bytes"], gpu_blocks=s["gpu_blocks"],
+            **_peer_stats(self.store))
 
     @_errors_to_status
     async def Overlap(self, request: pb.OverlapRequest, context: grpc.aio.ServicerContext) -> pb.OverlapResponse:

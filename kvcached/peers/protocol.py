@@ -1,0 +1,632 @@
+"""The peer protocol: frames between two kvcached daemons (sans-I/O).
+
+Plain classes, no sockets: :func:`encode` turns a message into bytes, :class:`FrameDecoder`
+turns an ordered byte stream into events, :func:`decode` turns a frame into a message. Any
+ordered byte stream carries it: one QUIC stream per request today, one TLS-over-TCP connection
+for many requests perhaps later (request ids, not streams, pair answers with requests).
+docs/peer-protocol.md specifies the same bytes; the unit tests pin them byte for byte. This
+protocol is versioned apart from the agent protocol (kvcached_agent.protocol): they share the
+addressing and the payload checksum, never a frame layout or a version number.
+
+Every frame is a 12-byte header then a body::
+
+    u32 body length | u8 version | u8 type | u16 flags (0) | u32 request id
+
+little-endian. A Block frame's body is followed by its raw payload (the length is in the
+body): the decoder hands out the Block's head as soon as it is in, then the payload as chunks
+of what was fed, or straight into a buffer the caller gives (an arena slot), never gathering
+it into a body. Limits (body length, payload length, entries per batch, text length) are
+checked before anything is allocated.
+
+A header that is wrong (version, flags, length), or a Block head that is wrong, loses the
+framing: fatal, the receiver answers an Error and ends the stream. Any other body that is
+wrong, or a type the receiver does not know, loses only that request: an Error answers it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, ClassVar, Iterator, NoReturn, Sequence, Union
+
+from kvcached_agent.address import DIGEST_BYTES
+from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
+
+__all__ = [
+    "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "MAX_PAYLOAD", "ErrorCode", "MissReason",
+    "ProtocolError", "FrameDecoder", "encode", "decode", "Message", "Event",
+    "Frame", "BlockHeader", "PayloadChunk", "BlockEnd",
+    "Pull", "Exists", "Announce", "Drop", "Snapshot", "Block", "Miss", "ExistsResult", "Error",
+    "REQUESTS", "EVENTS", "EARLY_DATA_TYPES", "STATE_CHANGING", "allowed_as_early_data",
+]
+
+VERSION = 1
+HEADER = struct.Struct("<IBBHI")
+MAX_BODY = 4 << 20          # bytes after the header (a Block's payload not counted)
+MAX_BATCH = 65536           # entries in one frame: a full batch of addresses is 2.25 MiB
+MAX_TEXT = 1024             # bytes of one text field (UTF-8)
+MAX_PAYLOAD = 1 << 30       # the protocol's ceiling on one payload; a daemon sets its own, lower
+
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_ADDRESS = struct.Struct(f"<{DIGEST_BYTES}sI")
+_DIGEST = struct.Struct(f"<{DIGEST_BYTES}s")
+
+
+class ErrorCode(IntEnum):
+    """Why a request (or the whole stream) failed; carried by :class:`Error`. 1-4 and 6-8 mean
+    what they mean in the agent protocol; the two lists are separate all the same."""
+
+    MALFORMED = 1            # the body does not parse (counts, lengths, text, flags)
+    UNSUPPORTED_VERSION = 2  # a header version this side does not speak
+    UNKNOWN_TYPE = 3         # a message type this side does not know
+    TOO_LARGE = 4            # body over the limit, batch over MAX_BATCH, text over MAX_TEXT, payload over the limit
+    EARLY_DATA = 5           # a message that changes state arrived as 0-RTT early data: send it again after the handshake
+    INVALID_ARGUMENT = 6
+    RESOURCE_EXHAUSTED = 7
+    UNAVAILABLE = 8
+    UNEXPECTED = 9           # a message this side does not take here (an answer as a request, a Snapshot part out of order)
+    INTERNAL = 10
+
+
+class MissReason(IntEnum):
+    """Why a pulled block is not sent; carried by :class:`Miss`. Any Miss is a miss to the puller;
+    the reason says whether asking another peer (or later) can help."""
+
+    NOT_FOUND = 1    # no tier here holds it (dropped since it was announced)
+    DAMAGED = 2      # the copy here failed its checksum: quarantined, never served
+    BUSY = 3         # being written, or it cannot be pinned right now
+    OVERLOADED = 4   # too many pulls in flight here
+    TOO_LARGE = 5    # its payload is over the Pull's max_payload
+
+
+class ProtocolError(Exception):
+    """Bytes this side cannot accept. ``fatal``: the framing is lost; answer, then end the stream.
+    ``request_id``: the request it concerns, where the header was read."""
+
+    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.fatal = fatal
+        self.request_id = request_id
+
+
+# -- body helpers ----------------------------------------------------------------------------
+
+class _Reader:
+    """Fields off one body, in order; every shortfall or overrun is MALFORMED."""
+
+    __slots__ = ("body", "pos", "what")
+
+    def __init__(self, body: bytes, what: str) -> None:
+        self.body, self.pos, self.what = body, 0, what
+
+    def unpack(self, fmt: struct.Struct) -> tuple[Any, ...]:
+        if self.pos + fmt.size > len(self.body):
+            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: body ends early ({len(self.body)} bytes)")
+        out = fmt.unpack_from(self.body, self.pos)
+        self.pos += fmt.size
+        return out
+
+    def text(self, name: str) -> str:
+        (n,) = self.unpack(_U16)
+        if n > MAX_TEXT:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.what}: {name} is {n} bytes, over {MAX_TEXT}")
+        raw = self.body[self.pos:self.pos + n]
+        if len(raw) != n:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: body ends early ({len(self.body)} bytes)")
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {name} is not UTF-8") from None
+
+    def entries(self, fmt: struct.Struct) -> list[tuple[Any, ...]]:
+        """A batch: a u32 count checked against MAX_BATCH and against the bytes that remain."""
+        (n,) = self.unpack(_U32)
+        if n > MAX_BATCH:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.what}: {n} entries, over the limit of {MAX_BATCH}")
+        left = len(self.body) - self.pos
+        if n * fmt.size != left:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {n} entries of {fmt.size} bytes need "
+                                f"{n * fmt.size} bytes, the body has {left}")
+        out = list(fmt.iter_unpack(self.body[self.pos:])) if left else []
+        self.pos = len(self.body)
+        return out
+
+    def end(self) -> None:
+        if self.pos != len(self.body):
+            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {len(self.body) - self.pos} bytes left over")
+
+
+def _text(value: str, name: str) -> bytes:
+    raw = value.encode("utf-8")
+    if len(raw) > MAX_TEXT:
+        raise ValueError(f"{name} is {len(raw)} bytes, over {MAX_TEXT}")
+    return _U16.pack(len(raw)) + raw
+
+
+def _digest(value: bytes, what: str) -> bytes:
+    if len(value) != DIGEST_BYTES:
+        raise ValueError(f"{what}: a digest is {len(value)} bytes, not {DIGEST_BYTES}")
+    return value
+
+
+def _count(n: int, what: str) -> bytes:
+    if n > MAX_BATCH:
+        raise ValueError(f"{what}: {n} entries, over the limit of {MAX_BATCH} (split the batch)")
+    return _U32.pack(n)
+
+
+def _addresses(rows: Sequence[tuple[bytes, int]], what: str) -> bytes:
+    return _count(len(rows), what) + b"".join(_ADDRESS.pack(_digest(d, what), layer) for d, layer in rows)
+
+
+# -- requests --------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Send these blocks: (digest, layer). Answered entry by entry, in this order, by one Block
+    or one Miss each (or by an Error that ends the request). Idempotent."""
+
+    TYPE: ClassVar[int] = 0x01
+    addresses: Sequence[tuple[bytes, int]]
+    max_payload: int = MAX_PAYLOAD      # larger payloads are answered Miss(TOO_LARGE)
+    _FIXED: ClassVar[struct.Struct] = struct.Struct("<Q")
+
+    def encode_body(self) -> bytes:
+        if not 0 < self.max_payload <= MAX_PAYLOAD:
+            raise ValueError(f"Pull: max_payload {self.max_payload} is outside 1..{MAX_PAYLOAD}")
+        return self._FIXED.pack(self.max_payload) + _addresses(self.addresses, "Pull")
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Pull":
+        (max_payload,) = r.unpack(cls._FIXED)
+        if not 0 < max_payload <= MAX_PAYLOAD:
+            raise ProtocolError(ErrorCode.MALFORMED, f"Pull: max_payload {max_payload} is outside 1..{MAX_PAYLOAD}")
+        return cls(r.entries(_ADDRESS), max_payload)
+
+
+@dataclass(frozen=True, slots=True)
+class Exists:
+    """How long a prefix of this chain (one layer) the receiver holds, counting from the first
+    digest and stopping at the first miss (as Lookup). Answered by ExistsResult. Idempotent."""
+
+    TYPE: ClassVar[int] = 0x02
+    layer: int
+    digests: Sequence[bytes]
+
+    def encode_body(self) -> bytes:
+        return _U32.pack(self.layer) + _count(len(self.digests), "Exists") + b"".join(
+            _digest(d, "Exists") for d in self.digests)
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Exists":
+        (layer,) = r.unpack(_U32)
+        return cls(layer, [d for (d,) in r.entries(_DIGEST)])
+
+
+@dataclass(frozen=True, slots=True)
+class _Addresses:
+    addresses: Sequence[tuple[bytes, int]]
+
+    def encode_body(self) -> bytes:
+        return _addresses(self.addresses, type(self).__name__)
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "_Addresses":
+        return cls(r.entries(_ADDRESS))
+
+
+@dataclass(frozen=True, slots=True)
+class Announce(_Addresses):
+    """Event (no reply): the sender now holds these blocks and will serve them. Changes state."""
+
+    TYPE: ClassVar[int] = 0x10
+
+
+@dataclass(frozen=True, slots=True)
+class Drop(_Addresses):
+    """Event (no reply): the sender no longer holds these blocks. Changes state."""
+
+    TYPE: ClassVar[int] = 0x11
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Event (no reply): part of a full listing of what the sender holds, sent on (re)connect.
+    The parts of one listing share a request id and count up from 0; the one with ``last``
+    ends it, and the listing then replaces all the receiver knew of the sender. Changes state."""
+
+    TYPE: ClassVar[int] = 0x12
+    part: int
+    last: bool
+    addresses: Sequence[tuple[bytes, int]]
+    _FIXED: ClassVar[struct.Struct] = struct.Struct("<IB")
+
+    def encode_body(self) -> bytes:
+        return self._FIXED.pack(self.part, 1 if self.last else 0) + _addresses(self.addresses, "Snapshot")
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Snapshot":
+        part, last = r.unpack(cls._FIXED)
+        if last not in (0, 1):
+            raise ProtocolError(ErrorCode.MALFORMED, f"Snapshot: last is {last}, not 0 or 1")
+        return cls(part, last == 1, r.entries(_ADDRESS))
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One pulled block's head; exactly ``payload_length`` raw payload bytes follow the frame's
+    body on the stream. :func:`encode` gives the head only: the sender writes the payload after
+    it as it is (no copy into a frame), the receiver gets it through :class:`FrameDecoder`."""
+
+    TYPE: ClassVar[int] = 0x81
+    digest: bytes
+    layer: int
+    model: str
+    payload_length: int
+    checksum: bytes                 # BLAKE3-256 of the payload (kvcached_agent.integrity)
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIQ{CHECKSUM_BYTES}s")
+
+    @classmethod
+    def of(cls, digest: bytes, layer: int, model: str, payload: bytes | bytearray | memoryview) -> "Block":
+        """The head for ``payload`` (its length and checksum computed here)."""
+        return cls(digest, layer, model, len(payload), payload_checksum(payload))
+
+    def verify(self, payload: bytes | bytearray | memoryview) -> bool:
+        """Whether ``payload`` is the one this head announces (length and checksum)."""
+        return len(payload) == self.payload_length and payload_checksum(payload) == self.checksum
+
+    def encode_body(self) -> bytes:
+        if not 0 < self.payload_length <= MAX_PAYLOAD:
+            raise ValueError(f"Block: payload_length {self.payload_length} is outside 1..{MAX_PAYLOAD}")
+        if len(self.checksum) != CHECKSUM_BYTES:
+            raise ValueError(f"Block: the checksum is {len(self.checksum)} bytes, not {CHECKSUM_BYTES}")
+        return (self._FIXED.pack(_digest(self.digest, "Block"), self.layer, self.payload_length, self.checksum)
+                + _text(self.model, "model"))
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Block":
+        digest, layer, length, checksum = r.unpack(cls._FIXED)
+        if not 0 < length <= MAX_PAYLOAD:
+            code = ErrorCode.MALFORMED if length == 0 else ErrorCode.TOO_LARGE
+            raise ProtocolError(code, f"Block: payload_length {length} is outside 1..{MAX_PAYLOAD}")
+        return cls(digest, layer, r.text("model"), length, checksum)
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """One entry of a Pull that is not sent, and why (a :class:`MissReason`)."""
+
+    TYPE: ClassVar[int] = 0x82
+    digest: bytes
+    layer: int
+    reason: int
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIB")
+
+    def encode_body(self) -> bytes:
+        return self._FIXED.pack(_digest(self.digest, "Miss"), self.layer, self.reason)
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Miss":
+        return cls(*r.unpack(cls._FIXED))
+
+
+@dataclass(frozen=True, slots=True)
+class ExistsResult:
+    """Answer to Exists: how many blocks from the start of the chain the sender holds."""
+
+    TYPE: ClassVar[int] = 0x83
+    count: int
+
+    def encode_body(self) -> bytes:
+        return _U32.pack(self.count)
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "ExistsResult":
+        return cls(*r.unpack(_U32))
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A request (or the stream) failed; the request id says which request."""
+
+    TYPE: ClassVar[int] = 0xFF
+    code: int
+    message: str
+
+    def encode_body(self) -> bytes:
+        cut = self.message.encode("utf-8")[:MAX_TEXT].decode("utf-8", "ignore")   # long messages are cut, not refused
+        return _U16.pack(self.code) + _text(cut, "message")
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Error":
+        (code,) = r.unpack(_U16)
+        return cls(code, r.text("message"))
+
+
+_BLOCK_HEAD_MAX = Block._FIXED.size + 2 + MAX_TEXT
+
+Message = Union[Pull, Exists, Announce, Drop, Snapshot, Block, Miss, ExistsResult, Error]
+
+MESSAGES: dict[int, type] = {cls.TYPE: cls for cls in (
+    Pull, Exists, Announce, Drop, Snapshot, Block, Miss, ExistsResult, Error)}
+#: What one daemon sends another unasked; the rest are answers.
+REQUESTS = frozenset({Pull.TYPE, Exists.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+#: Requests that get no answer (unless an Error).
+EVENTS = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+#: Requests that may arrive as 0-RTT early data. Early data can be replayed by anyone who
+#: recorded it (RFC 8446 section 8, RFC 9001 section 9.2), so only requests that change
+#: nothing (idempotent: a replay costs bytes, not correctness) are taken from it.
+EARLY_DATA_TYPES = frozenset({Pull.TYPE, Exists.TYPE})
+#: Requests that change what the receiver believes the sender holds: never taken as early data.
+STATE_CHANGING = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+
+
+def allowed_as_early_data(type_: int) -> bool:
+    """Whether a frame of this type may be acted on when it arrived as 0-RTT early data. Anything
+    not known to be idempotent (events, answers, unknown types) is refused: Error EARLY_DATA."""
+    return type_ in EARLY_DATA_TYPES
+
+
+# -- framing ---------------------------------------------------------------------------------
+
+def encode(message: Message, request_id: int = 0) -> bytes:
+    """The frame of ``message``: header and body (for a Block, its head: the payload follows
+    as raw bytes, written by the caller). ValueError if it breaks a limit."""
+    body = message.encode_body()
+    if len(body) > MAX_BODY:
+        raise ValueError(f"{type(message).__name__}: body of {len(body)} bytes is over {MAX_BODY} (split the batch)")
+    return HEADER.pack(len(body), VERSION, message.TYPE, 0, request_id & 0xFFFFFFFF) + body
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A whole frame other than a Block (whose head comes as :class:`BlockHeader`)."""
+
+    type: int
+    request_id: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """A Block frame's head is in; ``block.payload_length`` payload bytes come next, either as
+    PayloadChunk events or into the buffer given to :meth:`FrameDecoder.receive_into`."""
+
+    request_id: int
+    block: Block
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadChunk:
+    """The next bytes of the current block's payload: a read-only view of what was fed (no copy)."""
+
+    request_id: int
+    data: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEnd:
+    """The current block's payload is all delivered (in chunks or into the receive_into buffer)."""
+
+    request_id: int
+
+
+Event = Union[Frame, BlockHeader, PayloadChunk, BlockEnd]
+
+
+def decode(frame: Frame) -> Message:
+    """The message of ``frame``. ProtocolError (not fatal) for an unknown type or a bad body."""
+    cls = MESSAGES.get(frame.type)
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type 0x{frame.type:02x}",
+                            request_id=frame.request_id)
+    reader = _Reader(frame.body, cls.__name__)
+    try:
+        message = cls.decode_body(reader)
+        reader.end()
+    except ProtocolError as err:
+        err.request_id = frame.request_id
+        raise
+    return message  # type: ignore[no-any-return]
+
+
+class FrameDecoder:
+    """Cuts one ordered byte stream into events. Feed it what arrives; take the events that are whole.
+
+    Frames other than Block come whole (:class:`Frame`; :func:`decode` them). A Block comes as
+    :class:`BlockHeader`, then its payload, then :class:`BlockEnd`. The payload is never
+    gathered: by default it comes as :class:`PayloadChunk` views of the fed bytes; after
+    :meth:`receive_into` it is written straight into the caller's buffer (an arena slot), and a
+    transport that reads from a socket can ``recv_into(payload_target())`` and report
+    :meth:`payload_written`, so the bytes go from the kernel to the slot once.
+
+    Fed ``bytes`` are kept by reference until used; a mutable buffer is copied (or written into
+    the receive_into buffer at once), so the caller may reuse it. A bad header or Block head
+    raises a fatal ProtocolError (nothing after it can be trusted); the decoder then refuses
+    further input. Lengths are checked as soon as the header (or Block head) is in, before any
+    byte of what they announce is buffered."""
+
+    def __init__(self, max_body: int = MAX_BODY, max_payload: int = MAX_PAYLOAD) -> None:
+        self.max_body = max_body
+        self.max_payload = max_payload
+        self._pending: deque[memoryview] = deque()    # fed, not yet used
+        self._pending_bytes = 0
+        self._head = bytearray()                      # the header and body being gathered
+        self._frame: tuple[int, int, int] | None = None   # (body length, type, request id) once a header is in
+        self._request_id = 0                          # of the Block whose payload is coming
+        self._in_payload = False
+        self._remaining = 0
+        self._sink: memoryview | None = None
+        self._filled = 0
+        self._broken: ProtocolError | None = None
+
+    # -- input --
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._broken is not None or not len(data):
+            return
+        view = memoryview(data).cast("B")
+        if self._sink is not None and not self._pending:
+            view = view[self._to_sink(view):]
+            if not len(view):
+                return
+        if not view.readonly:
+            view = memoryview(bytes(view))
+        self._pending.append(view)
+        self._pending_bytes += len(view)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet handed out (a payload written into the caller's buffer is not counted)."""
+        return self._pending_bytes + len(self._head)
+
+    @property
+    def payload_remaining(self) -> int:
+        """Payload bytes of the current Block not yet handed out or written (0 outside a payload)."""
+        return self._remaining
+
+    def receive_into(self, buffer: bytearray | memoryview) -> None:
+        """Write the rest of the current Block's payload into ``buffer``, which must be writable
+        and exactly :attr:`payload_remaining` bytes long (slice an arena slot to fit). Payload
+        bytes already fed are written at once; the next ones as they are fed."""
+        if not self._in_payload or self._sink is not None:
+            raise RuntimeError("receive_into: no block payload is coming, or it already has a buffer")
+        view = memoryview(buffer).cast("B")
+        if view.readonly or len(view) != self._remaining:
+            raise ValueError(f"receive_into: needs a writable buffer of {self._remaining} bytes, "
+                             f"got {len(view)} bytes{' (read-only)' if view.readonly else ''}")
+        self._sink, self._filled = view, 0
+        while self._pending and self._remaining:
+            chunk = self._pending.popleft()
+            n = self._to_sink(chunk)
+            self._pending_bytes -= n
+            if n < len(chunk):
+                self._pending.appendleft(chunk[n:])
+
+    def payload_target(self) -> memoryview:
+        """The part of the receive_into buffer still to be written (empty if none): a socket
+        transport may ``recv_into`` it and then call :meth:`payload_written`."""
+        if self._sink is None:
+            return memoryview(b"")
+        return self._sink[self._filled:]
+
+    def payload_written(self, n: int) -> None:
+        """``n`` bytes were written at the start of :meth:`payload_target` by the caller."""
+        if self._sink is None or not 0 <= n <= self._remaining:
+            raise ValueError(f"payload_written: {n} bytes, with {self._remaining} expected into a buffer")
+        self._filled += n
+        self._remaining -= n
+
+    def _to_sink(self, view: memoryview) -> int:
+        assert self._sink is not None
+        n = min(len(view), self._remaining)
+        self._sink[self._filled:self._filled + n] = view[:n]
+        self._filled += n
+        self._remaining -= n
+        return n
+
+    # -- output --
+
+    def __iter__(self) -> Iterator[Event]:
+        return self
+
+    def __next__(self) -> Event:
+        event = self.next_event()
+        if event is None:
+            raise StopIteration
+        return event
+
+    def next_event(self) -> Event | None:
+        """The next whole event, or None until more bytes arrive."""
+        if self._broken is not None:
+            raise self._broken
+        if self._in_payload:
+            return self._payload_event()
+        if self._frame is None:
+            if not self._gather(HEADER.size):
+                return None
+            length, version, type_, flags, request_id = HEADER.unpack(self._head)
+            if version != VERSION:
+                self._fail(ErrorCode.UNSUPPORTED_VERSION,
+                           f"frame version {version}; this side speaks version {VERSION}", request_id)
+            if flags:
+                self._fail(ErrorCode.MALFORMED, f"frame flags 0x{flags:04x} are not defined in version {VERSION}",
+                           request_id)
+            if length > self.max_body:
+                self._fail(ErrorCode.TOO_LARGE, f"frame body of {length} bytes is over the limit of {self.max_body}",
+                           request_id)
+            if type_ == Block.TYPE and length > _BLOCK_HEAD_MAX:
+                self._fail(ErrorCode.MALFORMED, f"Block: a head of {length} bytes; at most {_BLOCK_HEAD_MAX}",
+                           request_id)
+            self._frame = (length, type_, request_id)
+            self._head.clear()
+        length, type_, request_id = self._frame
+        pending = self._pending
+        if not self._head and pending and len(pending[0]) >= length:    # the whole body in one piece: one copy
+            chunk = pending.popleft()
+            body = bytes(chunk[:length])
+            if len(chunk) > length:
+                pending.appendleft(chunk[length:])
+            self._pending_bytes -= length
+        elif self._gather(length):
+            body = bytes(self._head)
+            self._head.clear()
+        else:
+            return None
+        self._frame = None
+        if type_ != Block.TYPE:
+            return Frame(type_, request_id, body)
+        reader = _Reader(body, "Block")
+        try:
+            block = Block.decode_body(reader)
+            reader.end()
+        except ProtocolError as err:     # the payload's length is not known: the framing is lost
+            self._fail(err.code, str(err), request_id)
+        if block.payload_length > self.max_payload:
+            self._fail(ErrorCode.TOO_LARGE, f"Block: payload of {block.payload_length} bytes is over the limit "
+                       f"of {self.max_payload}", request_id)
+        self._request_id, self._remaining, self._in_payload = request_id, block.payload_length, True
+        return BlockHeader(request_id, block)
+
+    def _payload_event(self) -> PayloadChunk | BlockEnd | None:
+        if not self._remaining:
+            self._in_payload, self._sink = False, None
+            return BlockEnd(self._request_id)
+        if self._sink is not None or not self._pending:
+            return None
+        chunk = self._pending.popleft()
+        if len(chunk) > self._remaining:
+            self._pending.appendleft(chunk[self._remaining:])
+            chunk = chunk[:self._remaining]
+        self._pending_bytes -= len(chunk)
+        self._remaining -= len(chunk)
+        return PayloadChunk(self._request_id, chunk)
+
+    def _gather(self, n: int) -> bool:
+        """Move fed bytes into the header/body buffer until it holds ``n`` bytes; whether it does."""
+        head, pending = self._head, self._pending
+        while len(head) < n and pending:
+            chunk = pending.popleft()
+            take = n - len(head)
+            if len(chunk) > take:
+                pending.appendleft(chunk[take:])
+                chunk = chunk[:take]
+            head += chunk
+            self._pending_bytes -= len(chunk)
+        return len(head) >= n
+
+    def _fail(self, code: ErrorCode, message: str, request_id: int) -> NoReturn:
+        problem = ProtocolError(code, message, fatal=True, request_id=request_id)
+        self._broken = problem
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._head = bytearray()
+        self._sink = None
+        raise problem

@@ -1,0 +1,406 @@
+"""The peer protocol over QUIC (aioquic): a thin asyncio layer under the sans-I/O codec.
+
+One connection per peer and direction: a daemon dials each configured peer (its
+:class:`PeerClient`: the pulls it makes and the announcements it sends) and answers every
+peer that dials it (:class:`PeerServer`: the pulls it serves and the announcements it hears).
+Each request is one bidirectional stream, so many pulls are in flight at once and a slow one
+holds up no other; the announcements of one connection share one long-lived stream, in order.
+
+Mutual TLS is checked here, at the handshake (tls.py says why aioquic needs help): the server
+asks for a client certificate, checks its chain and name when the handshake completes and
+closes the connection otherwise; a client checks the server it dialled the same way. Data that
+arrives before the handshake completes is 0-RTT early data of a resumed connection: only Pull
+and Exists are acted on (protocol.EARLY_DATA_TYPES); anything else is answered Error EARLY_DATA.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic import events
+from aioquic.quic.connection import QuicConnection
+from aioquic.tls import SessionTicket
+
+from kvcached.peers import protocol as p
+from kvcached.peers.tls import PeerAuth, PeerRefused, ServerTickets
+
+__all__ = ["PeerHandler", "PeerServerProtocol", "PeerClientProtocol", "PullSink", "PeerGone", "REFUSED"]
+
+log = logging.getLogger("kvcached.peers")
+
+REFUSED = 0x101          # application close code: mutual TLS failed (the reason phrase says why)
+_REQUEST_BODY = 4 << 20  # a request body is at most a full batch of addresses
+
+
+class PeerGone(Exception):
+    """The connection ended (or never came up) before the answer was complete."""
+
+
+def _close(quic: QuicConnection, reason: str) -> None:
+    quic.close(error_code=REFUSED, reason_phrase=reason[:200])
+
+
+class PeerHandler(abc.ABC):
+    """What a server does with a verified peer's requests (the peer tier implements it)."""
+
+    @abc.abstractmethod
+    async def pull(self, peer: str, request: p.Pull) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
+        """Per address in order: a Block head, its payload and a release callback (called once
+        the payload is queued), or a Miss."""
+
+    @abc.abstractmethod
+    def exists(self, peer: str, request: p.Exists) -> int:
+        """How long a prefix of the chain this daemon holds."""
+
+    @abc.abstractmethod
+    def event(self, peer: str, message: p.Announce | p.Drop | p.Snapshot, request_id: int) -> None:
+        """An announcement or snapshot part from ``peer``."""
+
+    @abc.abstractmethod
+    def connected(self, peer: str) -> None:
+        """``peer`` dialled in and proved who it is."""
+
+
+class PeerServerProtocol(QuicConnectionProtocol):
+    """One connection a peer dialled. Knows the peer only once it is verified (or resumed a
+    ticket bound to a verified peer): until then nothing it sends is read."""
+
+    def __init__(self, quic: QuicConnection, stream_handler: Any = None, *, auth: PeerAuth,
+                 tickets: ServerTickets, handler: PeerHandler) -> None:
+        super().__init__(quic, stream_handler)
+        self.auth, self.tickets, self.handler = auth, tickets, handler
+        self.peer: str | None = None
+        self.verified = False
+        self._issued: SessionTicket | None = None
+        self._decoders: dict[int, p.FrameDecoder] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        initialize = quic._initialize
+
+        def ask_for_certificate(peer_cid: bytes) -> None:   # aioquic asks only with this flag
+            initialize(peer_cid)
+            quic.tls._request_client_certificate = True
+
+        quic._initialize = ask_for_certificate            # type: ignore[method-assign]
+        quic._session_ticket_fetcher = self._fetch_ticket
+        quic._session_ticket_handler = self._ticket_issued
+
+    def _fetch_ticket(self, label: bytes) -> SessionTicket | None:
+        entry = self.tickets.take(label)
+        if entry is None:
+            return None
+        self.peer = entry[1]
+        return entry[0]
+
+    def _ticket_issued(self, ticket: SessionTicket) -> None:
+        self._issued = ticket           # bound once this connection's peer is verified
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.StreamDataReceived):
+            self._data(event)
+        elif isinstance(event, events.HandshakeCompleted):
+            self._handshake(event)
+        elif isinstance(event, events.StreamReset):
+            self._decoders.pop(event.stream_id, None)
+        elif isinstance(event, events.ConnectionTerminated):
+            for task in self._tasks:
+                task.cancel()
+
+    def _handshake(self, event: events.HandshakeCompleted) -> None:
+        if not event.session_resumed:
+            tls = self._quic.tls
+            try:
+                self.peer = self.auth.check_client(tls._peer_certificate, tls._peer_certificate_chain)
+            except PeerRefused as exc:
+                log.warning("peer refused", extra={"fields": {"side": "server", "reason": str(exc),
+                                                              "address": str(self._quic._network_paths[0].addr)
+                                                              if self._quic._network_paths else ""}})
+                self.peer = None
+                _close(self._quic, str(exc))
+                return
+        if self.peer is None:            # resumed without a ticket we bound: cannot happen, refuse all the same
+            _close(self._quic, "resumed session of an unknown peer")
+            return
+        self.verified = True
+        if self._issued is not None:
+            self.tickets.bind(self._issued, self.peer)
+            self._issued = None
+        self.handler.connected(self.peer)
+
+    def _data(self, event: events.StreamDataReceived) -> None:
+        peer = self.peer
+        if peer is None:
+            return
+        sid = event.stream_id
+        decoder = self._decoders.get(sid)
+        if decoder is None:
+            decoder = self._decoders[sid] = p.FrameDecoder(max_body=_REQUEST_BODY, max_payload=1)
+        decoder.feed(event.data)
+        try:
+            for item in decoder:
+                if isinstance(item, p.Frame):
+                    self._request(peer, sid, item)
+                else:          # a Block is an answer, never a request
+                    raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block frame sent as a request", fatal=True,
+                                          request_id=getattr(item, "request_id", 0))
+        except p.ProtocolError as exc:
+            self._error(sid, exc.request_id or 0, exc.code, str(exc), end=True)
+            self._decoders.pop(sid, None)
+            return
+        if event.end_stream:
+            self._decoders.pop(sid, None)
+
+    def _request(self, peer: str, sid: int, frame: p.Frame) -> None:
+        if not self.verified and not p.allowed_as_early_data(frame.type):
+            self._error(sid, frame.request_id, p.ErrorCode.EARLY_DATA,
+                        "not taken as 0-RTT early data: send it again once the handshake is complete")
+            return
+        try:
+            message = p.decode(frame)
+        except p.ProtocolError as exc:
+            self._error(sid, frame.request_id, exc.code, str(exc))
+            return
+        if isinstance(message, p.Pull):
+            task = asyncio.ensure_future(self._serve_pull(peer, sid, frame.request_id, message))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(message, p.Exists):
+            try:
+                answer: p.Message = p.ExistsResult(self.handler.exists(peer, message))
+            except Exception as exc:     # a bad layer, an index error: this request fails, not the connection
+                answer = p.Error(p.ErrorCode.INVALID_ARGUMENT, str(exc))
+            self._send(sid, p.encode(answer, frame.request_id), end=True)
+        elif isinstance(message, (p.Announce, p.Drop, p.Snapshot)):
+            self.handler.event(peer, message, frame.request_id)
+        else:
+            self._error(sid, frame.request_id, p.ErrorCode.UNEXPECTED,
+                        f"{type(message).__name__} is an answer, not a request")
+
+    async def _serve_pull(self, peer: str, sid: int, request_id: int, request: p.Pull) -> None:
+        try:
+            answers = await self.handler.pull(peer, request)
+        except Exception as exc:
+            log.exception("serving a pull failed", extra={"fields": {"peer": peer}})
+            self._error(sid, request_id, p.ErrorCode.INTERNAL, f"serving the pull failed: {exc}", end=True)
+            return
+        quic = self._quic
+        for answer in answers:
+            if isinstance(answer, p.Miss):
+                quic.send_stream_data(sid, p.encode(answer, request_id))
+                continue
+            head, payload, release = answer
+            try:
+                quic.send_stream_data(sid, p.encode(head, request_id))
+                quic.send_stream_data(sid, payload)     # copied into the stream's buffer
+            finally:
+                release()
+        quic.send_stream_data(sid, b"", end_stream=True)
+        self.transmit()
+
+    def _error(self, sid: int, request_id: int, code: int, message: str, end: bool = False) -> None:
+        self._send(sid, p.encode(p.Error(code, message), request_id), end=end)
+
+    def _send(self, sid: int, data: bytes, end: bool) -> None:
+        try:
+            self._quic.send_stream_data(sid, data, end_stream=end)
+        except Exception:        # the stream was reset or already ended by the peer
+            return
+        self._transmit_soon()
+
+
+class PullSink(abc.ABC):
+    """Where a pull's answers go, entry by entry (the store: slots in the arena)."""
+
+    @abc.abstractmethod
+    def slot(self, block: p.Block) -> memoryview | None:
+        """A writable buffer of exactly ``block.payload_length`` bytes for this block, or None
+        to skip its payload (no room, not asked for)."""
+
+    @abc.abstractmethod
+    def arrived(self, block: p.Block) -> None:
+        """The payload of ``block`` is all in the buffer :meth:`slot` gave."""
+
+    @abc.abstractmethod
+    def missed(self, miss: p.Miss) -> None:
+        """The peer does not send this one."""
+
+
+@dataclass
+class _Request:
+    sid: int
+    decoder: p.FrameDecoder
+    done: asyncio.Future[Any]
+    sink: PullSink | None = None
+    block: p.Block | None = None
+    skipping: bool = False
+    early: bool = False
+    data: bytes = b""
+
+
+class PeerClientProtocol(QuicConnectionProtocol):
+    """The connection this daemon dialled to one peer: it makes pulls and exists queries, and
+    sends this daemon's announcements on one events stream."""
+
+    def __init__(self, quic: QuicConnection, stream_handler: Any = None, *, auth: PeerAuth, peer: str,
+                 max_payload: int) -> None:
+        super().__init__(quic, stream_handler)
+        self.auth, self.peer, self.max_payload = auth, peer, max_payload
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.verified = False
+        self.early = False            # resuming with a session ticket: Pull and Exists may go as 0-RTT data
+        self.refused: str | None = None
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 1
+        self._events_stream: int | None = None
+
+    # -- handshake and lifetime --
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.StreamDataReceived):
+            self._data(event)
+        elif isinstance(event, events.HandshakeCompleted):
+            if not event.session_resumed:    # a resumed session has no certificate; the ticket stands for it
+                tls = self._quic.tls
+                try:
+                    self.auth.check_server(tls._peer_certificate, tls._peer_certificate_chain, self.peer)
+                except PeerRefused as exc:
+                    self.refused = str(exc)
+                    log.warning("peer refused", extra={"fields": {"side": "client", "peer": self.peer,
+                                                                  "reason": str(exc)}})
+                    _close(self._quic, str(exc))
+                    self._fail_all(PeerGone(str(exc)))
+                    return
+            self.verified = True
+            if not self.ready.done():
+                self.ready.set_result(None)
+        elif isinstance(event, events.StreamReset):
+            request = self._requests.pop(event.stream_id, None)
+            if request is not None and not request.done.done():
+                request.done.set_exception(PeerGone(f"{self.peer} reset the stream (code {event.error_code})"))
+        elif isinstance(event, events.ConnectionTerminated):
+            reason = event.reason_phrase or f"error code {event.error_code}"
+            if event.error_code == REFUSED:
+                self.refused = reason
+            self._fail_all(PeerGone(f"connection to {self.peer} ended: {reason}"))
+
+    def _fail_all(self, exc: Exception) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(exc)
+            self.ready.exception()       # retrieved: nobody may be waiting
+        for request in self._requests.values():
+            if not request.done.done():
+                request.done.set_exception(exc)
+        self._requests.clear()
+
+    @property
+    def usable(self) -> bool:
+        return not self._closed.is_set() and self.refused is None
+
+    # -- requests --
+
+    def _start(self, message: p.Message, sink: PullSink | None = None) -> _Request:
+        if not self.verified and not p.allowed_as_early_data(message.TYPE):
+            raise RuntimeError(f"{type(message).__name__} may not be sent before the handshake completes")
+        request_id = self._next_id
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
+        sid = self._quic.get_next_available_stream_id()
+        request = _Request(sid, p.FrameDecoder(max_payload=self.max_payload),
+                           asyncio.get_running_loop().create_future(), sink, early=not self.verified)
+        self._requests[sid] = request
+        self._quic.send_stream_data(sid, p.encode(message, request_id), end_stream=True)
+        self.transmit()
+        return request
+
+    async def exists(self, layer: int, digests: Sequence[bytes]) -> int:
+        request = self._start(p.Exists(layer, digests))
+        try:
+            return int(await request.done)
+        finally:
+            self._abandon(request)
+
+    async def pull(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink) -> None:
+        """Pull ``addresses``; answers go to ``sink`` as they arrive. Returns once every entry
+        is answered; PeerGone if the connection or stream ends first, ProtocolError if the peer
+        answers with an Error or bytes that do not parse."""
+        request = self._start(p.Pull(addresses, self.max_payload), sink)
+        try:
+            await request.done
+        finally:
+            self._abandon(request)
+
+    def _abandon(self, request: _Request) -> None:
+        """Take no more answers for ``request`` (given up: its deadline passed, or it failed):
+        from now on nothing is written into the buffers its sink gave, and the peer is asked
+        to stop sending."""
+        if self._requests.get(request.sid) is request:
+            del self._requests[request.sid]
+            try:
+                self._quic.stop_stream(request.sid, 0)
+                self._transmit_soon()
+            except Exception:
+                pass
+
+    def send_event(self, message: p.Announce | p.Drop | p.Snapshot, request_id: int = 0) -> None:
+        """Queue an announcement or snapshot part on the events stream (after the handshake)."""
+        if not self.verified:
+            raise RuntimeError("announcements wait for the handshake: they change state")
+        if self._events_stream is None:
+            self._events_stream = self._quic.get_next_available_stream_id()
+        self._quic.send_stream_data(self._events_stream, p.encode(message, request_id))
+        self._transmit_soon()
+
+    # -- answers --
+
+    def _data(self, event: events.StreamDataReceived) -> None:
+        request = self._requests.get(event.stream_id)
+        if request is None:
+            return
+        decoder = request.decoder
+        decoder.feed(event.data)
+        try:
+            for item in decoder:
+                self._answer(request, item)
+        except Exception as exc:       # a protocol error or a sink that failed: this request fails
+            self._requests.pop(event.stream_id, None)
+            if not request.done.done():
+                request.done.set_exception(exc)
+            return
+        if event.end_stream:
+            self._requests.pop(event.stream_id, None)
+            if not request.done.done():
+                if decoder.buffered or decoder.payload_remaining:
+                    request.done.set_exception(PeerGone(f"{self.peer} ended the answer in the middle of a frame"))
+                else:
+                    request.done.set_result(None)
+
+    def _answer(self, request: _Request, item: p.Event) -> None:
+        if isinstance(item, p.BlockHeader):
+            sink = request.sink
+            if sink is None:
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block answers only a Pull")
+            view = sink.slot(item.block)
+            request.block, request.skipping = item.block, view is None
+            if view is not None:
+                request.decoder.receive_into(view)
+        elif isinstance(item, p.BlockEnd):
+            block, request.block = request.block, None
+            if block is not None and not request.skipping and request.sink is not None:
+                request.sink.arrived(block)
+        elif isinstance(item, p.PayloadChunk):
+            pass                       # a payload the sink skipped
+        else:
+            message = p.decode(item)
+            if isinstance(message, p.Error):
+                raise p.ProtocolError(p.ErrorCode(message.code) if message.code in p.ErrorCode._value2member_map_
+                                      else p.ErrorCode.INTERNAL, f"{self.peer}: {message.message}")
+            if isinstance(message, p.ExistsResult):
+                if not request.done.done():
+                    request.done.set_result(message.count)
+            elif isinstance(message, p.Miss) and request.sink is not None:
+                request.sink.missed(message)
+            else:
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer this request")

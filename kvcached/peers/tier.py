@@ -1,0 +1,520 @@
+"""The peer tier: pulls from the other daemons of the cluster, and serving theirs.
+
+:class:`PeerTier` owns the QUIC server (the pulls peers make of this daemon, and their
+announcements), one :class:`PeerLink` per configured peer (the pulls this daemon makes, and its
+own announcements), the :class:`~kvcached.peers.directory.PeerDirectory` of who holds what and
+each peer's health. The store calls :meth:`PeerTier.prefix` in Lookup and :meth:`PeerTier.fetch`
+when every local tier misses (flow 5 of DESIGN.md).
+
+A fetch has one deadline (``[quic] pull_timeout_s``): whatever has not arrived by then is a miss,
+never a hang. Each block goes to the first usable peer that holds it; a pull that has not
+finished after ``hedge_ms`` is also asked of the next holder, and the first copy in wins. A
+payload is written straight into the arena slot the store reserved for it, and its BLAKE3
+checksum is checked against the Block head before the store sees it: a damaged copy is dropped,
+counted, and the next holder is asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from aioquic.asyncio.server import QuicServer
+from aioquic.quic.connection import QuicConnection
+from aioquic.tls import SessionTicket
+
+from kvcached.errors import KvError
+from kvcached.peers import protocol as p
+from kvcached.peers.directory import PeerDirectory, PeerHealth, wire_key
+from kvcached.peers.quic import PeerClientProtocol, PeerGone, PeerHandler, PeerServerProtocol, PullSink
+from kvcached.peers.tls import TICKET_LIFETIME_S, PeerAuth, QuicOptions, ServerTickets
+from kvcached_agent.address import BlockAddress
+
+__all__ = ["PeerTier", "PeerSettings", "PeerLink", "PeerCounters"]
+
+log = logging.getLogger("kvcached.peers")
+
+ANNOUNCE_S = 0.05            # announcements are batched this long
+SNAPSHOT_PART = 16384        # addresses per Snapshot part (~590 KB)
+PULL_BATCH = 64              # addresses per Pull: big enough to keep the pipe full, small enough to hedge
+KEEPALIVE_S = 2.0           # an idle connection is pinged this often
+REDIAL_S = 1.0              # a peer that is up but not connected is dialled again this often
+SERVE_MAX_PULLS = 64         # pulls served at once; more are answered Miss(OVERLOADED)
+
+Reserve = Callable[[BlockAddress, int], "tuple[Any, memoryview] | None"]
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    listen: tuple[str, int] | None
+    peers: dict[str, tuple[str, int]]          # name -> (host, port)
+    options: QuicOptions = QuicOptions()
+    pull_timeout_s: float = 2.0
+    hedge_s: float = 0.05
+    fail_limit: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+    max_payload: int = 16 << 20
+
+
+@dataclass
+class PeerCounters:
+    pulled: int = 0            # blocks that arrived whole and verified
+    pulled_bytes: int = 0
+    missed: int = 0            # blocks no peer sent in time
+    corrupt: int = 0           # copies that failed their checksum
+    failed: int = 0            # pulls that failed (timeout, connection lost, error answer)
+    hedged: int = 0            # pulls also asked of a second peer
+    served: int = 0            # blocks sent to peers
+    served_bytes: int = 0
+
+
+@dataclass
+class PeerLink:
+    """This daemon's connection to one peer, dialled when first needed and then kept; the
+    session ticket of its last verified connection (resumption, 0-RTT pulls); the
+    announcements waiting to go to it."""
+
+    name: str
+    address: tuple[str, int]
+    health: PeerHealth
+    client: PeerClientProtocol | None = None
+    ticket: SessionTicket | None = None
+    ticket_at: float = 0.0
+    pending: dict[bytes, bool] = field(default_factory=dict)   # wire key -> held (announce) or not (drop)
+    snapshotting: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    transport: Any = None
+
+
+class PeerTier(PeerHandler):
+    def __init__(self, store: Any, auth: PeerAuth, settings: PeerSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.auth, self.settings, self.clock = store, auth, settings, clock
+        s = settings
+        self.links = {name: PeerLink(name, addr, PeerHealth(name, s.fail_limit, s.backoff_s, s.backoff_max_s))
+                      for name, addr in s.peers.items()}
+        self.directory = PeerDirectory(list(self.links))
+        self.tickets = ServerTickets(time.time)
+        self.counters = PeerCounters()
+        self.serving = 0
+        self._server: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._listing = 0
+
+    # -- lifecycle --
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.settings.listen is not None:
+            host, port = self.settings.listen
+            config = self.auth.configuration(self.settings.options)
+            protocol = functools.partial(PeerServerProtocol, auth=self.auth, tickets=self.tickets, handler=self)
+            self._server, _ = await loop.create_datagram_endpoint(
+                lambda: QuicServer(configuration=config, create_protocol=protocol), local_addr=(host, port))
+        self._spawn(self._announcer())
+        for link in self.links.values():
+            self._spawn(self._dial(link))
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The UDP address the server listens on (port 0 in the config: the one it got)."""
+        return self._server.get_extra_info("sockname")[:2] if self._server is not None else None
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for link in self.links.values():
+            if link.client is not None:
+                link.client.close()
+            if link.transport is not None:
+                link.transport.close()
+        if self._server is not None:
+            self._server.close()
+        await asyncio.sleep(0)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- links: dialling, resumption, announcements --
+
+    def usable_mask(self) -> int:
+        now = self.clock()
+        return self.directory.mask(name for name, link in self.links.items() if link.health.usable(now))
+
+    async def _dial(self, link: PeerLink) -> None:
+        """Keep a connection to ``link``'s peer, so this daemon's snapshot and announcements
+        reach it before any pull needs them: dialled at start, and again after it drops (every
+        REDIAL_S while the peer is up, after its backoff while it is down)."""
+        quiet = False
+        while True:
+            client = link.client
+            if client is not None and client.usable:
+                await self._keepalive(link, client)
+                continue
+            if link.health.usable(self.clock()):
+                try:
+                    await self._client(link, self.clock() + self.settings.pull_timeout_s)
+                    quiet = False
+                    continue
+                except Exception as exc:
+                    self._dial_failed(link, exc)
+                    if not quiet:
+                        log.info("peer not reachable", extra={"fields": {"peer": link.name, "reason": _why(exc)}})
+                        quiet = True          # said once until it connects
+            await asyncio.sleep(max(REDIAL_S, link.health.retry_at - self.clock()))
+
+    async def _keepalive(self, link: PeerLink, client: PeerClientProtocol) -> None:
+        """Until ``client`` closes: ping it when idle, so a peer that died (no close ever comes
+        over UDP) is noticed within KEEPALIVE_S plus the pull deadline, not the idle timeout."""
+        closed = asyncio.ensure_future(client.wait_closed())
+        try:
+            while not closed.done():
+                await asyncio.wait({closed}, timeout=KEEPALIVE_S)
+                if closed.done() or not client.verified:
+                    continue
+                try:
+                    await asyncio.wait_for(client.ping(), self.settings.pull_timeout_s)
+                except (asyncio.TimeoutError, ConnectionError) as exc:
+                    self._dial_failed(link, exc if str(exc) else TimeoutError("no answer to a keep-alive ping"))
+                    client.close()
+                    if link.client is client:
+                        link.client = None
+                    return
+        finally:
+            closed.cancel()
+
+    def _dial_failed(self, link: PeerLink, exc: BaseException) -> None:
+        """A request or connection attempt to ``link``'s peer failed. A connection that never
+        completed, or one to a peer now marked down, is closed (a dead peer's connection would
+        otherwise linger until its idle timeout): the next request dials afresh."""
+        went_down = link.health.failed(self.clock(), _why(exc))
+        client = link.client
+        if client is not None and (not client.verified or went_down):
+            client.close()
+            link.client = None
+        if went_down:
+            log.warning("peer down", extra={"fields": {"peer": link.name, "reason": _why(exc),
+                                                       "retry_s": round(link.health.retry_at - self.clock(), 2)}})
+
+    async def _client(self, link: PeerLink, deadline: float) -> PeerClientProtocol:
+        """The link's connection, dialled if there is none. With a fresh session ticket it is
+        returned at once, before the handshake completes (0-RTT: Pull and Exists only)."""
+        client = link.client
+        if client is not None and client.usable and (client.verified or client.early):
+            return client
+        async with link.lock:
+            client = link.client
+            if client is not None and client.usable:
+                if not (client.verified or client.early):
+                    await asyncio.wait_for(asyncio.shield(client.ready), max(deadline - self.clock(), 0.001))
+                return client
+            loop = asyncio.get_running_loop()
+            host, port = link.address
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+            family, _, _, _, addr = infos[0]
+            config = self.auth.configuration(self.settings.options, server_name=link.name)
+            early = link.ticket is not None and time.time() - link.ticket_at < TICKET_LIFETIME_S
+            if early:
+                config.session_ticket, link.ticket = link.ticket, None       # single use
+            quic = QuicConnection(configuration=config, session_ticket_handler=functools.partial(self._ticket, link))
+            factory = functools.partial(PeerClientProtocol, quic, auth=self.auth, peer=link.name,
+                                        max_payload=self.settings.max_payload)
+            if link.transport is not None:
+                link.transport.close()
+            link.transport, client = await loop.create_datagram_endpoint(
+                factory, local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            client.early = early
+            client.connect(addr)
+            link.client = client
+            self._spawn(self._watch(link, client))
+            if not early:
+                await asyncio.wait_for(asyncio.shield(client.ready), max(deadline - self.clock(), 0.001))
+        return client
+
+    def _ticket(self, link: PeerLink, ticket: SessionTicket) -> None:
+        link.ticket, link.ticket_at = ticket, time.time()
+
+    async def _watch(self, link: PeerLink, client: PeerClientProtocol) -> None:
+        """Once the handshake of ``client`` completes: send the snapshot, then announcements;
+        when the connection ends, forget it."""
+        try:
+            await client.ready
+        except Exception:
+            pass
+        else:
+            log.info("peer connected", extra={"fields": {"peer": link.name}})
+            if link.health.succeeded():
+                log.info("peer up", extra={"fields": {"peer": link.name}})
+            await self._snapshot(link, client)
+        await client.wait_closed()
+        if link.client is client:
+            link.client = None
+            link.pending.clear()
+            link.snapshotting = False
+        if client.refused:
+            log.warning("peer connection refused", extra={"fields": {"peer": link.name, "reason": client.refused}})
+
+    async def _snapshot(self, link: PeerLink, client: PeerClientProtocol) -> None:
+        link.snapshotting = True
+        link.pending.clear()          # changes from now on are sent after the listing
+        try:
+            loop = asyncio.get_running_loop()
+            keys = await loop.run_in_executor(None, self.store.index.present_wire_keys)
+            self._listing = (self._listing + 1) & 0xFFFFFFFF or 1
+            parts = [keys[i:i + SNAPSHOT_PART] for i in range(0, len(keys), SNAPSHOT_PART)] or [[]]
+            for i, part in enumerate(parts):
+                if not client.usable:
+                    return
+                client.send_event(p.Snapshot(i, i == len(parts) - 1, [_split(k) for k in part]), self._listing)
+                await asyncio.sleep(0)
+            log.info("snapshot sent", extra={"fields": {"peer": link.name, "blocks": len(keys)}})
+        except Exception:
+            log.exception("sending a snapshot failed", extra={"fields": {"peer": link.name}})
+        finally:
+            link.snapshotting = False
+
+    def local_changed(self, gained: Iterable[bytes], dropped: Iterable[bytes]) -> None:
+        """The index's watcher: wire keys this daemon now holds, and no longer holds."""
+        live = [link for link in self.links.values() if link.client is not None and link.client.verified]
+        if not live:
+            return
+        for key in gained:
+            for link in live:
+                link.pending[key] = True
+        for key in dropped:
+            for link in live:
+                link.pending[key] = False
+
+    async def _announcer(self) -> None:
+        while True:
+            await asyncio.sleep(ANNOUNCE_S)
+            for link in self.links.values():
+                client = link.client
+                if link.snapshotting or not link.pending or client is None or not client.verified:
+                    continue
+                pending, link.pending = link.pending, {}
+                try:
+                    for message in _announcements(pending):
+                        client.send_event(message)
+                except Exception:
+                    log.exception("sending announcements failed", extra={"fields": {"peer": link.name}})
+
+    # -- the store's side: lookup and fetch --
+
+    def held(self, digests: Sequence[bytes], layer: int) -> list[bool]:
+        """Per digest, whether a usable peer holds it (Lookup's peer column)."""
+        if not len(self.directory):
+            return [False] * len(digests)
+        usable, directory = self.usable_mask(), self.directory
+        return [bool(directory.holders(wire_key(d, layer), usable)) for d in digests]
+
+    def holds(self, address: BlockAddress, usable: int) -> bool:
+        return bool(self.directory.holders(wire_key(address.digest, address.layer), usable))
+
+    async def fetch(self, addresses: Sequence[BlockAddress], reserve: Reserve,
+                    abort: Callable[[Any], None]) -> list[tuple[BlockAddress, Any, p.Block]]:
+        """Pull ``addresses`` from the peers that hold them, into slots from ``reserve``
+        (``abort`` gives one back). Returns what arrived verified, within the deadline."""
+        fetch = _Fetch(self, {wire_key(a.digest, a.layer): a for a in addresses}, reserve, abort)
+        try:
+            await asyncio.wait_for(fetch.run(), self.settings.pull_timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            fetch.close()
+        self.counters.missed += len(fetch.wanted) - len(fetch.got)
+        return list(fetch.got.values())
+
+    async def exists(self, peer: str, layer: int, digests: Sequence[bytes]) -> int:
+        """Ask ``peer`` how long a prefix of the chain it holds (Exists)."""
+        link = self.links[peer]
+        client = await self._client(link, self.clock() + self.settings.pull_timeout_s)
+        return await asyncio.wait_for(client.exists(layer, digests), self.settings.pull_timeout_s)
+
+    # -- PeerHandler: what peers ask of this daemon --
+
+    def connected(self, peer: str) -> None:
+        log.info("peer dialled in", extra={"fields": {"peer": peer}})
+
+    def event(self, peer: str, message: p.Announce | p.Drop | p.Snapshot, request_id: int) -> None:
+        keys = [wire_key(d, layer) for d, layer in message.addresses]
+        if isinstance(message, p.Announce):
+            self.directory.announce(peer, keys)
+        elif isinstance(message, p.Drop):
+            self.directory.drop(peer, keys)
+        elif not self.directory.snapshot(peer, request_id, message.part, message.last, keys):
+            log.warning("snapshot part out of order dropped", extra={"fields": {"peer": peer, "part": message.part}})
+
+    def exists_local(self, layer: int, digests: Sequence[bytes]) -> int:
+        return self.store.local_prefix(digests, layer)
+
+    def exists(self, peer: str, request: p.Exists) -> int:          # type: ignore[override]
+        return self.exists_local(request.layer, request.digests)
+
+    async def pull(self, peer: str, request: p.Pull) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
+        if self.serving >= SERVE_MAX_PULLS:
+            return [p.Miss(d, layer, p.MissReason.OVERLOADED) for d, layer in request.addresses]
+        self.serving += 1
+        try:
+            return await self.store.serve_pull(request.addresses, request.max_payload, self.counters)
+        except KvError:
+            return [p.Miss(d, layer, p.MissReason.BUSY) for d, layer in request.addresses]
+        finally:
+            self.serving -= 1
+
+    def stats(self) -> dict[str, Any]:
+        now = self.clock()
+        return {"peers": {name: {"up": link.health.usable(now), "state": link.health.state.value,
+                                 "connected": bool(link.client and link.client.verified),
+                                 "blocks": self.directory.count(name), "last_error": link.health.last_error}
+                          for name, link in self.links.items()},
+                **{f"peer_{k}": v for k, v in vars(self.counters).items()}}
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _split(key: bytes) -> tuple[bytes, int]:
+    return key[:32], int.from_bytes(key[32:36], "little")
+
+
+def _announcements(pending: dict[bytes, bool]) -> list[p.Announce | p.Drop]:
+    gained = [_split(k) for k, held in pending.items() if held]
+    dropped = [_split(k) for k, held in pending.items() if not held]
+    out: list[p.Announce | p.Drop] = []
+    for i in range(0, len(dropped), p.MAX_BATCH):
+        out.append(p.Drop(dropped[i:i + p.MAX_BATCH]))
+    for i in range(0, len(gained), p.MAX_BATCH):
+        out.append(p.Announce(gained[i:i + p.MAX_BATCH]))
+    return out
+
+
+class _Fetch:
+    """One fetch: which peer was asked for which block, what arrived, what is still wanted."""
+
+    def __init__(self, tier: PeerTier, wanted: dict[bytes, BlockAddress], reserve: Reserve,
+                 abort: Callable[[Any], None]) -> None:
+        self.tier, self.wanted, self.reserve, self.abort = tier, wanted, reserve, abort
+        self.got: dict[bytes, tuple[BlockAddress, Any, p.Block]] = {}
+        self.tried: dict[bytes, set[str]] = {k: set() for k in wanted}
+        self.sinks: list[_Sink] = []
+
+    def _plan(self, keys: Iterable[bytes]) -> dict[str, list[bytes]]:
+        """Each key not in yet to the first usable holder not asked yet."""
+        usable = self.tier.usable_mask()
+        plan: dict[str, list[bytes]] = {}
+        for key in keys:
+            if key in self.got:
+                continue
+            for name in self.tier.directory.holders(key, usable):
+                if name not in self.tried[key]:
+                    plan.setdefault(name, []).append(key)
+                    break
+        return plan
+
+    async def run(self) -> None:
+        while True:
+            plan = self._plan(self.wanted)
+            if not plan:
+                return
+            await asyncio.gather(*(self._hedged(name, keys[i:i + PULL_BATCH])
+                                   for name, keys in plan.items() for i in range(0, len(keys), PULL_BATCH)))
+
+    async def _hedged(self, name: str, keys: list[bytes]) -> None:
+        first = asyncio.ensure_future(self._attempt(name, keys))
+        done, _ = await asyncio.wait({first}, timeout=self.tier.settings.hedge_s)
+        if done:
+            return
+        second = self._plan(k for k in keys if k not in self.got)
+        attempts = {first}
+        for other, rest in second.items():
+            self.tier.counters.hedged += 1
+            attempts.add(asyncio.ensure_future(self._attempt(other, rest)))
+        try:
+            await asyncio.gather(*attempts)
+        finally:
+            for attempt in attempts:
+                attempt.cancel()
+
+    async def _attempt(self, name: str, keys: list[bytes]) -> None:
+        tier = self.tier
+        link = tier.links[name]
+        for key in keys:
+            self.tried[key].add(name)
+        sink = _Sink(self, name, set(keys))
+        self.sinks.append(sink)
+        try:
+            client = await tier._client(link, tier.clock() + tier.settings.pull_timeout_s)
+            await client.pull([_split(k) for k in keys], sink)
+        except (PeerGone, OSError, p.ProtocolError, asyncio.TimeoutError, RuntimeError) as exc:
+            tier.counters.failed += 1
+            tier._dial_failed(link, exc)
+        except asyncio.CancelledError:        # the fetch's deadline passed while this peer had not answered
+            tier.counters.failed += 1
+            tier._dial_failed(link, TimeoutError(f"no answer within {tier.settings.pull_timeout_s:g} s"))
+            raise
+        else:
+            if link.health.succeeded():
+                log.info("peer up", extra={"fields": {"peer": name}})
+        finally:
+            sink.close()
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class _Sink(PullSink):
+    """Answers of one pull from one peer: payloads into reserved slots, checked on arrival."""
+
+    def __init__(self, fetch: _Fetch, peer: str, keys: set[bytes]) -> None:
+        self.fetch, self.peer, self.keys = fetch, peer, keys
+        self.open: dict[bytes, tuple[Any, memoryview]] = {}   # reserved, payload not all in
+        self.closed = False
+
+    def slot(self, block: p.Block) -> memoryview | None:
+        key = wire_key(block.digest, block.layer)
+        fetch = self.fetch
+        if self.closed or key not in self.keys or key in fetch.got or key in self.open:
+            return None
+        if block.payload_length > fetch.tier.settings.max_payload:
+            return None
+        reserved = fetch.reserve(fetch.wanted[key], block.payload_length)
+        if reserved is None:
+            return None
+        self.open[key] = reserved
+        return reserved[1][:block.payload_length]
+
+    def arrived(self, block: p.Block) -> None:
+        key = wire_key(block.digest, block.layer)
+        handle, view = self.open.pop(key)
+        fetch, counters = self.fetch, self.fetch.tier.counters
+        if key in fetch.got or not block.verify(view[:block.payload_length]):
+            if key not in fetch.got:
+                counters.corrupt += 1
+                log.warning("pulled block failed its checksum; dropped",
+                            extra={"fields": {"peer": self.peer, "digest": block.digest.hex(), "layer": block.layer}})
+            fetch.abort(handle)
+            return
+        counters.pulled += 1
+        counters.pulled_bytes += block.payload_length
+        fetch.got[key] = (fetch.wanted[key], handle, block)
+
+    def missed(self, miss: p.Miss) -> None:
+        pass                     # another holder is asked in the next round, if there is one
+
+    def close(self) -> None:
+        """No more answers are taken; slots whose payload did not all arrive are given back."""
+        self.closed = True
+        for handle, _ in self.open.values():
+            self.fetch.abort(handle)
+        self.open.clear()
