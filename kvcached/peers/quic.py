@@ -283,8 +283,8 @@ class PeerClientProtocol(QuicConnectionProtocol):
                 request.done.set_exception(PeerGone(f"{self.peer} reset the stream (code {event.error_code})"))
         elif isinstance(event, events.ConnectionTerminated):
             reason = event.reason_phrase or f"error code {event.error_code}"
-            if event.error_code == REFUSED:
-                self.refused = reason
+            if event.error_code == REFUSED or (not self.verified and 0x100 <= event.error_code <= 0x1FF):
+                self.refused = reason       # the server refused us, or the TLS handshake refused it (an alert)
             self._fail_all(PeerGone(f"connection to {self.peer} ended: {reason}"))
 
     def _fail_all(self, exc: Exception) -> None:

@@ -182,6 +182,8 @@ class PeerTier(PeerHandler):
                     continue
                 try:
                     await asyncio.wait_for(client.ping(), self.settings.pull_timeout_s)
+                    if client.usable and link.health.succeeded():
+                        log.info("peer up", extra={"fields": {"peer": link.name}})
                 except (asyncio.TimeoutError, ConnectionError) as exc:
                     self._dial_failed(link, exc if str(exc) else TimeoutError("no answer to a keep-alive ping"))
                     client.close()
@@ -250,10 +252,8 @@ class PeerTier(PeerHandler):
         except Exception:
             pass
         else:
-            log.info("peer connected", extra={"fields": {"peer": link.name}})
-            if link.health.succeeded():
-                log.info("peer up", extra={"fields": {"peer": link.name}})
-            await self._snapshot(link, client)
+            log.info("peer connected", extra={"fields": {"peer": link.name, "resumed": client.early}})
+            await self._snapshot(link, client)    # the peer is up once it answers (a ping, a pull): it may still refuse us
         await client.wait_closed()
         if link.client is client:
             link.client = None
@@ -261,6 +261,7 @@ class PeerTier(PeerHandler):
             link.snapshotting = False
         if client.refused:
             log.warning("peer connection refused", extra={"fields": {"peer": link.name, "reason": client.refused}})
+            self._dial_failed(link, PeerGone(f"refused: {client.refused}"))    # backs off like any failure
 
     async def _snapshot(self, link: PeerLink, client: PeerClientProtocol) -> None:
         link.snapshotting = True

@@ -233,3 +233,200 @@ def test_a_peer_whose_certificate_is_not_the_expected_name_is_refused_and_logged
     assert lookup(a, data).peer == 0                      # nothing b says is heard
     with a.client() as client:                            # and a still serves
         client.put(list(blocks(1, seed=9).items()))
+
+
+# -- a hand-driven peer in this process (real QUIC, real certificates) -------------------------
+
+import asyncio
+import datetime
+import ssl
+
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic import events as quic_events
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvcached.peers import protocol as pp
+from kvcached.peers.quic import PeerClientProtocol
+from kvcached.peers.tls import ALPN, PeerAuth, QuicOptions
+
+
+class Recorder(PeerClientProtocol):
+    """A client protocol that also keeps the raw answers of streams it did not start itself."""
+
+    def __init__(self, *args, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kw)
+        self.raw: dict[int, bytearray] = {}
+        self.ended: set[int] = set()
+        self.handshake: quic_events.HandshakeCompleted | None = None
+        self.terminated: quic_events.ConnectionTerminated | None = None
+
+    def quic_event_received(self, event: quic_events.QuicEvent) -> None:
+        if isinstance(event, quic_events.StreamDataReceived) and event.stream_id in self.raw:
+            self.raw[event.stream_id] += event.data
+            if event.end_stream:
+                self.ended.add(event.stream_id)
+            return
+        if isinstance(event, quic_events.HandshakeCompleted):
+            self.handshake = event
+        if isinstance(event, quic_events.ConnectionTerminated):
+            self.terminated = event
+        super().quic_event_received(event)
+
+    def send_raw(self, data: bytes, end: bool = True) -> int:
+        sid = self._quic.get_next_available_stream_id()
+        self.raw[sid] = bytearray()
+        self._quic.send_stream_data(sid, data, end_stream=end)
+        self.transmit()
+        return sid
+
+
+async def dial(address: str, auth: PeerAuth | None, name: str, *, certs: Path, ticket=None, tickets=None,  # type: ignore[no-untyped-def]
+               with_cert: bool = True) -> Recorder:
+    config = (auth.configuration(QuicOptions(16000), server_name=name) if auth is not None else
+              QuicConfiguration(is_client=True, alpn_protocols=[ALPN], server_name=name,
+                                cadata=(certs / "ca.pem").read_bytes(), verify_mode=ssl.CERT_REQUIRED,
+                                max_datagram_size=16000))
+    if ticket is not None:
+        config.session_ticket = ticket
+    quic = QuicConnection(configuration=config, session_ticket_handler=(tickets.append if tickets is not None else None))
+    host, port = address.rsplit(":", 1)
+    loop = asyncio.get_running_loop()
+    _, proto = await loop.create_datagram_endpoint(
+        lambda: Recorder(quic, auth=auth or PeerAuth((certs / "ca.pem").read_bytes(), "", "", []), peer=name,
+                         max_payload=1 << 20), local_addr=("127.0.0.1", 0))
+    proto.early = ticket is not None
+    proto.connect((host, int(port)))
+    return proto
+
+
+async def settle(proto: Recorder, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proto.handshake is None and proto.terminated is None:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
+
+
+def issue(certs: Path, name: str, *, ca_dir: Path | None = None, expired: bool = False) -> tuple[Path, Path]:
+    """A node certificate signed by the CA in ``ca_dir`` (default: the cluster's), possibly expired."""
+    ca_dir = ca_dir or certs
+    ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca-key.pem").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = (now - datetime.timedelta(days=30), now - datetime.timedelta(days=1)) if expired else \
+        (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=30))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+    tag = "expired" if expired else "other"
+    cert_path, key_path = certs / f"{name}-{tag}.pem", certs / f"{name}-{tag}-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("kind", ["other-ca", "expired"])
+def test_a_bad_certificate_is_refused_on_both_sides(cluster: Cluster, kind: str) -> None:
+    if kind == "other-ca":
+        run_cli(["certs", "--dir", str(cluster.root / "rogue"), "node-b"])
+        bad = cluster.root / "rogue" / "node-b.pem", cluster.root / "rogue" / "node-b-key.pem"
+    else:
+        bad = issue(cluster.certs, "node-b", expired=True)
+    ca = cluster.certs / "ca.pem"     # b trusts the cluster CA, so a's server gets to see (and refuse) b's certificate
+    a = cluster.daemon("node-a", peers={"node-b": cluster.addresses["node-b"], "node-c": cluster.addresses["node-c"]})
+    b = cluster.daemon("node-b", peers={"node-a": cluster.addresses["node-a"]}, start=False)
+    b.overrides += ["--set", f'quic.cert="{bad[0]}"', "--set", f'quic.key="{bad[1]}"', "--set", f'quic.ca="{ca}"']
+    b.overrides = [o for o in b.overrides if o != "--set"]
+    b.start()
+    c = cluster.daemon("node-c", peers={"node-a": cluster.addresses["node-a"]})
+    wait_for(lambda: "client certificate refused" in a.log(), text="a's server refuses b's certificate")
+    wait_for(lambda: "peer connection refused" in a.log() and "peer=node-b" in a.log(),
+             text="a's client refuses b's server certificate")
+    expected = "unable to get local issuer" if kind == "other-ca" else "no longer valid"
+    assert expected in a.log().split("peer connection refused", 1)[1].split("\n", 1)[0]
+    wait_for(lambda: "peer connection refused" in b.log(), text="b is told why")
+    wait_for(lambda: not peer_stats(b)["node-a"].up,
+             text="b marks a down after repeated refusals (and backs off)")
+    assert not peer_stats(a)["node-b"].connected
+    data = blocks(2, seed=5)
+    with b.client() as client:
+        client.put(list(data.items()))
+    wait_for(lambda: connected(c, "node-a"), text="a good peer still connects")
+    with a.client() as client:
+        client.put(list(data.items()))
+    wait_for(lambda: lookup(c, data).peer == 2, text="c learns a's blocks")
+    with c.client() as client:
+        got, missing = client.get(list(data))
+        assert not missing
+
+
+def test_no_client_certificate_malformed_frames_and_resumption_against_a_live_daemon(cluster: Cluster) -> None:
+    a = cluster.daemon("node-a", peers={"node-c": cluster.addresses["node-c"]})
+    data = blocks(2, seed=7)
+    with a.client() as client:
+        client.put(list(data.items()))
+    address = cluster.addresses["node-a"]
+    good = PeerAuth.from_files(str(cluster.certs / "ca.pem"), str(cluster.certs / "node-c.pem"),
+                               str(cluster.certs / "node-c-key.pem"), ["node-a"])
+
+    async def scenario() -> None:
+        # no client certificate at all: the handshake completes in aioquic, the daemon closes it
+        bare = await dial(address, None, "node-a", certs=cluster.certs)
+        await settle(bare)
+        await asyncio.sleep(0.3)
+        assert bare.terminated is not None and bare.terminated.error_code == 0x101, bare.terminated
+        assert "no certificate" in bare.terminated.reason_phrase
+
+        # a verified peer: bad frames cost their stream only
+        tickets: list = []
+        peer = await dial(address, good, "node-a", certs=cluster.certs, tickets=tickets)
+        await asyncio.wait_for(peer.ready, 5)
+        garbage = peer.send_raw(b"\x05\x00\x00\x00\x09\x01\x00\x00\x01\x00\x00\x00hello")          # version 9
+        oversize = peer.send_raw(pp.HEADER.pack(64 << 20, pp.VERSION, pp.Exists.TYPE, 0, 2))       # 64 MiB body
+        unknown = peer.send_raw(pp.HEADER.pack(0, pp.VERSION, 0x42, 0, 3))                          # unknown type
+        truncated = peer.send_raw(pp.encode(pp.Exists(0xFFFFFFFF, [a.digest for a in data]), 4)[:-5])
+        await asyncio.sleep(0.5)
+        for sid, code in ((garbage, pp.ErrorCode.UNSUPPORTED_VERSION), (oversize, pp.ErrorCode.TOO_LARGE),
+                          (unknown, pp.ErrorCode.UNKNOWN_TYPE)):
+            decoder = pp.FrameDecoder()
+            decoder.feed(bytes(peer.raw[sid]))
+            frame = decoder.next_event()
+            assert isinstance(frame, pp.Frame), (sid, peer.raw[sid])
+            error = pp.decode(frame)
+            assert isinstance(error, pp.Error) and error.code == code, error
+        assert garbage in peer.ended and oversize in peer.ended
+        assert not peer.raw[truncated] or truncated in peer.ended     # a half frame then FIN: nothing to act on
+        assert await peer.exists(0xFFFFFFFF, [x.digest for x in data]) == 2   # the connection goes on
+        await asyncio.sleep(0.3)
+        assert tickets, "the daemon issued a session ticket"
+        peer.close()
+        await asyncio.sleep(0.2)
+
+        # resumption: 0-RTT with the ticket; a Pull as early data is served, an Announce is refused
+        again = await dial(address, good, "node-a", certs=cluster.certs, ticket=tickets[-1])
+        early_announce = again.send_raw(pp.encode(pp.Announce([(x.digest, x.layer) for x in data]), 9))
+        count = await asyncio.wait_for(again.exists(0xFFFFFFFF, [x.digest for x in data]), 5)
+        assert count == 2
+        await asyncio.wait_for(again.ready, 5)
+        assert again.handshake is not None and again.handshake.session_resumed and again.handshake.early_data_accepted
+        await asyncio.sleep(0.3)
+        decoder = pp.FrameDecoder()
+        decoder.feed(bytes(again.raw[early_announce]))
+        error = pp.decode(decoder.next_event())  # type: ignore[arg-type]
+        assert isinstance(error, pp.Error) and error.code == pp.ErrorCode.EARLY_DATA, error
+        again.close()
+
+    asyncio.run(scenario())
+    assert "no certificate was presented" in a.log()
+    with a.client() as client:                 # the daemon goes on serving
+        got, _ = client.get(list(data))
+        assert len(got) == 2
