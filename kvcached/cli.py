@@ -173,6 +173,14 @@ def _client_command(args: argparse.Namespace) -> int:
                       f"{s.dirty_dropped} dropped dirty, {s.ssd_corrupt} corrupt, {s.ssd_write_errors} write errors"
                       f"{'' if s.ssd_reconciled else ', boot reconcile running'}")
             print(f"  agents: {s.agents} connected, {s.agent_held_bytes} bytes held, {s.gpu_blocks} blocks in the GPU view")
+            for peer in s.peers:
+                state = ("up" if peer.up else "down") + (", connected" if peer.connected else "")
+                error = f", last error: {peer.last_error}" if peer.last_error else ""
+                print(f"  peer {peer.name}: {state}, {peer.blocks} blocks announced{error}")
+            if s.peers:
+                print(f"  peer pulls: {s.peer_pulled} blocks ({s.peer_pulled_bytes} bytes), {s.peer_missed} missed, "
+                      f"{s.peer_corrupt} corrupt, {s.peer_failed} failed, {s.peer_hedged} hedged; "
+                      f"served {s.peer_served} ({s.peer_served_bytes} bytes)")
         elif args.command == "ls":
             tier = {None: pb.TIER_UNSPECIFIED, "ram": pb.TIER_RAM, "ssd": pb.TIER_SSD, "gone": pb.TIER_GONE}[args.tier]
             for info in client.list_blocks(model=args.model, tier=tier, limit=args.limit or None):
