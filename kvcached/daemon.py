@@ -197,6 +197,9 @@ class Daemon:
             auth.configuration(QuicOptions())          # loads the certificate and key: fail here, not at a pull
         except (OSError, ValueError, PeerRefused) as exc:
             raise StartupError(f"quic.cert/quic.key/quic.ca: {exc}") from None
+        problem = auth.own_certificate_problem()
+        if problem:
+            log.warning("this daemon's certificate will be refused by its peers", extra=fields(problem=problem))
         listen = parse_listen(q.listen) if q.listen else None
         settings = PeerSettings(
             listen=(listen.host.strip("[]"), listen.port) if listen is not None else None,  # type: ignore[union-attr]

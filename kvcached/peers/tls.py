@@ -85,6 +85,17 @@ class PeerAuth:
         config.load_cert_chain(self.cert_path, self.key_path)
         return config
 
+    def own_certificate_problem(self) -> str | None:
+        """Why peers would refuse this daemon's own certificate (expired, not yet valid, not
+        from the cluster CA), or None: said at start, where an operator looks."""
+        try:
+            cert = x509.load_pem_x509_certificate(Path(self.cert_path).read_bytes())
+            builder = verification.PolicyBuilder().store(self._store).time(self.clock())
+            builder.build_client_verifier().verify(cert, [])
+        except (OSError, ValueError, verification.VerificationError) as exc:
+            return str(exc)
+        return None
+
     def _chain(self, leaf: x509.Certificate | None, chain: list[x509.Certificate]) -> x509.Certificate:
         if leaf is None:
             raise PeerRefused("no certificate was presented")
