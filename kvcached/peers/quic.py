@@ -94,6 +94,9 @@ class PeerServerProtocol(QuicConnectionProtocol):
         if entry is None:
             return None
         self.peer = entry[1]
+        # A resumed handshake carries no certificate: aioquic would wait for one it never asked
+        # for and kill the connection. The ticket stands for the verified peer instead.
+        self._quic.tls._request_client_certificate = False
         return entry[0]
 
     def _ticket_issued(self, ticket: SessionTicket) -> None:

@@ -104,6 +104,7 @@ class PeerTier(PeerHandler):
         self.counters = PeerCounters()
         self.serving = 0
         self._server: Any = None
+        self._server_protocol: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listing = 0
 
@@ -115,7 +116,7 @@ class PeerTier(PeerHandler):
             host, port = self.settings.listen
             config = self.auth.configuration(self.settings.options)
             protocol = functools.partial(PeerServerProtocol, auth=self.auth, tickets=self.tickets, handler=self)
-            self._server, _ = await loop.create_datagram_endpoint(
+            self._server, self._server_protocol = await loop.create_datagram_endpoint(
                 lambda: QuicServer(configuration=config, create_protocol=protocol), local_addr=(host, port))
         self._spawn(self._announcer())
         for link in self.links.values():
@@ -135,7 +136,7 @@ class PeerTier(PeerHandler):
             if link.transport is not None:
                 link.transport.close()
         if self._server is not None:
-            self._server.close()
+            self._server_protocol.close()      # closes every connection peers opened here, then the socket
         await asyncio.sleep(0)
 
     def _spawn(self, coro: Any) -> None:
@@ -185,6 +186,9 @@ class PeerTier(PeerHandler):
                     if client.usable and link.health.succeeded():
                         log.info("peer up", extra={"fields": {"peer": link.name}})
                 except (asyncio.TimeoutError, ConnectionError) as exc:
+                    for waiter in client._ping_waiters.values():    # answered by nobody now: no stray errors later
+                        waiter.cancel()
+                    client._ping_waiters.clear()
                     self._dial_failed(link, exc if str(exc) else TimeoutError("no answer to a keep-alive ping"))
                     client.close()
                     if link.client is client:
@@ -408,6 +412,7 @@ class _Fetch:
         self.got: dict[bytes, tuple[BlockAddress, Any, p.Block]] = {}
         self.tried: dict[bytes, set[str]] = {k: set() for k in wanted}
         self.sinks: list[_Sink] = []
+        self.losers: set[asyncio.Future[None]] = set()   # hedged attempts cancelled because the other won
 
     def _plan(self, keys: Iterable[bytes]) -> dict[str, list[bytes]]:
         """Each key not in yet to the first usable holder not asked yet."""
@@ -440,11 +445,17 @@ class _Fetch:
         for other, rest in second.items():
             self.tier.counters.hedged += 1
             attempts.add(asyncio.ensure_future(self._attempt(other, rest)))
+        pending = set(attempts)
         try:
-            await asyncio.gather(*attempts)
+            while pending and not all(k in self.got for k in keys):
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for attempt in attempts:
+            for attempt in pending:            # lost the race (or the deadline passed): stop its stream
+                if all(k in self.got for k in keys):
+                    self.losers.add(attempt)
                 attempt.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
 
     async def _attempt(self, name: str, keys: list[bytes]) -> None:
         tier = self.tier
@@ -459,9 +470,10 @@ class _Fetch:
         except (PeerGone, OSError, p.ProtocolError, asyncio.TimeoutError, RuntimeError) as exc:
             tier.counters.failed += 1
             tier._dial_failed(link, exc)
-        except asyncio.CancelledError:        # the fetch's deadline passed while this peer had not answered
-            tier.counters.failed += 1
-            tier._dial_failed(link, TimeoutError(f"no answer within {tier.settings.pull_timeout_s:g} s"))
+        except asyncio.CancelledError:
+            if asyncio.current_task() not in self.losers:      # the deadline passed, not a lost hedge race
+                tier.counters.failed += 1
+                tier._dial_failed(link, TimeoutError(f"no answer within {tier.settings.pull_timeout_s:g} s"))
             raise
         else:
             if link.health.succeeded():

@@ -1,0 +1,507 @@
+"""The peer tier end to end in one process: real Stores (memfd arena, RocksDB index), each with a
+real PeerTier over QUIC on 127.0.0.1 and mutual TLS with certificates from kvcached.certs.
+Tests run their own event loop (asyncio.run), as the other async unit tests do."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import gc
+import socket
+import ssl
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import pytest
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvcached.certs import make_cluster
+from kvcached.index import BlockIndex
+from kvcached.peers import protocol as p
+from kvcached.peers.directory import PeerState, wire_key
+from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
+from kvcached.peers.tier import PeerSettings, PeerTier
+from kvcached.peers.tls import ALPN, PeerAuth, QuicOptions
+from kvcached.policies.clock import ClockPolicy
+from kvcached.store import PutItem, Store
+from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.ram import RamTier
+from tests.unit.conftest import KIB, SLAB, address, payload
+
+A, B, C = "node-a", "node-b", "node-c"
+OPTIONS = QuicOptions(max_datagram_size=16000)
+SIZE = 6 * KIB
+ALL = (1 << 62) - 1          # every peer's bit, for PeerDirectory.holders
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def until(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class Node:
+    """One daemon's store; its tier is started and stopped by the Cluster."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.arena = SharedArena(16 * SLAB, name=f"kvcached-peer-test-{name}")
+        self.ram = RamTier(self.arena, SLAB, ClockPolicy())
+        self.index = BlockIndex(root / f"index-{name}")
+        self.store = Store(self.ram, self.index)
+        self.tier: PeerTier | None = None
+
+    @property
+    def t(self) -> PeerTier:
+        assert self.tier is not None
+        return self.tier
+
+    def close(self) -> None:
+        self.index.close()
+        gc.collect()                  # arena slices kept alive by finished tasks
+        with contextlib.suppress(BufferError):
+            self.arena.close()
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, names: tuple[str, ...], settings: dict[str, Any]) -> None:
+        self.names, self.settings = names, settings
+        self.files, _ = make_cluster(tmp_path / "certs", [A, B, C])
+        self.ports = {name: free_port() for name in names}   # peers need each other's address up front
+        self.nodes = {name: Node(name, tmp_path) for name in names}
+
+    def __getitem__(self, name: str) -> Node:
+        return self.nodes[name]
+
+    def auth(self, name: str, peers: list[str] | None = None) -> PeerAuth:
+        cert, key = self.files.nodes[name]
+        return PeerAuth.from_files(str(self.files.ca), str(cert), str(key),
+                                   [n for n in self.names if n != name] if peers is None else peers)
+
+    def addr(self, name: str) -> tuple[str, int]:
+        return ("127.0.0.1", self.ports[name])
+
+    async def start(self, name: str) -> PeerTier:
+        node = self.nodes[name]
+        kw = {"pull_timeout_s": 1.0, "hedge_s": 0.05, "fail_limit": 3, "backoff_s": 1.0} | self.settings
+        peers = {n: self.addr(n) for n in self.names if n != name}
+        tier = PeerTier(node.store, self.auth(name), PeerSettings(listen=self.addr(name), peers=peers,
+                                                                  options=OPTIONS, **kw))
+        await tier.start()
+        assert tier.address == self.addr(name)
+        node.tier = tier                       # wired as daemon._start_peers does
+        node.store.peers = tier
+        node.index.watcher = tier.local_changed
+        return tier
+
+    async def stop(self, name: str) -> None:
+        node = self.nodes[name]
+        if node.tier is not None:
+            node.index.watcher = None
+            node.store.peers = None
+            await node.tier.stop()
+            node.tier = None
+
+    async def connected(self) -> None:
+        """Every running tier holds a verified connection to every other running one."""
+        up = [n for n in self.names if self.nodes[n].tier is not None]
+        await until(lambda: all((cl := self.nodes[n].t.links[m].client) is not None and cl.verified
+                                for n in up for m in up if m != n), "all peers connected")
+
+
+@contextlib.asynccontextmanager
+async def cluster(tmp_path: Path, names: tuple[str, ...] = (A, B, C), **settings: Any) -> AsyncIterator[Cluster]:
+    c = Cluster(tmp_path, names, settings)
+    try:
+        for name in names:
+            await c.start(name)
+        await c.connected()
+        yield c
+    finally:
+        for name in names:
+            await c.stop(name)
+        await asyncio.sleep(0.05)             # let the closes go out
+        for node in c.nodes.values():
+            node.close()
+
+
+def items(ns: range) -> list[PutItem]:
+    return [PutItem(address(n), payload(n, SIZE), model="m") for n in ns]
+
+
+def addrs(ns: range) -> list[Any]:
+    return [address(n) for n in ns]
+
+
+def digests(ns: range) -> list[bytes]:
+    return [address(n).digest for n in ns]
+
+
+def holders(node: Node, n: int) -> list[str]:
+    return node.t.directory.holders(wire_key(address(n).digest, 0), ALL)
+
+
+async def get_exact(node: Node, ns: range) -> None:
+    found, misses = await node.store.get(addrs(ns))
+    assert misses == [] and [f.payload for f in found] == [payload(n, SIZE) for n in ns]
+
+
+# ---------------------------------------------------------------------------------------------
+# announcements, lookup, pulls
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_put_announced_then_pulled(tmp_path: Path, mirror: bool) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path) as c:
+            b, n = c[B], 4
+            b.store.mirror_pulls = mirror
+            await c[A].store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n and c[C].t.directory.count(A) == n, "announcements")
+            r = b.store.lookup(digests(range(n)), 0)
+            assert (r.ram, r.peer, r.longest) == (0, n, n)
+            await get_exact(b, range(n))
+            assert b.t.counters.pulled == n and b.t.counters.corrupt == 0
+            assert c[A].t.counters.served == n
+            if mirror:
+                assert b.store.lookup(digests(range(n)), 0).ram == n
+                await until(lambda: c[C].t.directory.count(B) == n, "C learns that B holds them")
+                assert holders(c[C], 0) == [A, B]
+                await get_exact(b, range(n))           # served from B's RAM now
+                assert b.t.counters.pulled == n
+            else:
+                assert b.store.lookup(digests(range(n)), 0).ram == 0
+                assert all(b.index.get(a.key) is None for a in addrs(range(n)))
+                assert b.ram.used_bytes == 0 and b.ram.slabs.reserved_bytes == 0
+                await asyncio.sleep(0.3)               # several announcement rounds: nothing goes out
+                assert c[C].t.directory.count(B) == 0 and c[A].t.directory.count(B) == 0
+    asyncio.run(body())
+
+
+def test_delete_drops_and_snapshot_replaces(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            a, b = c[A], c[B]
+            await a.store.put(items(range(6)))
+            await until(lambda: b.t.directory.count(A) == 6, "announcements")
+            assert await a.store.delete(addrs(range(2))) == (2, 0)
+            await until(lambda: b.t.directory.count(A) == 4, "the Drop")
+            assert holders(b, 0) == holders(b, 1) == [] and holders(b, 2) == [A]
+            assert b.store.lookup(digests(range(6)), 0).peer == 0
+
+            await c.stop(A)                             # A is away; what it deletes now nobody hears
+            assert await a.store.delete(addrs(range(2, 4))) == (2, 0)
+            await asyncio.sleep(0.2)
+            assert b.t.directory.count(A) == 4         # old knowledge stands until A's next listing
+            await c.start(A)
+            await until(lambda: b.t.directory.count(A) == 2, "A's snapshot on reconnect")
+            assert [holders(b, n) for n in range(6)] == [[], [], [], [], [A], [A]]
+            assert b.store.lookup(digests(range(4, 6)), 0).peer == 2
+    asyncio.run(body())
+
+
+def test_stopped_tier_closes_its_peers_connections(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            link = c[B].t.links[A]
+            old = link.client
+            assert old is not None and old.usable
+            await c.stop(A)
+            # a CONNECTION_CLOSE takes one datagram (and ~3 PTO of draining); without it B notices
+            # only when a keep-alive ping sent after the stop goes unanswered for pull_timeout_s (1 s)
+            await until(lambda: not old.usable, "B's connection to A to close", 0.8)
+    asyncio.run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# damaged copies
+
+
+def corrupt(node: Node, n: int) -> None:
+    """Flip a byte of the block's bytes in the arena: its index checksum stays the good one."""
+    block = node.ram.get(address(n).key)
+    assert block is not None
+    view = node.ram.view(block)
+    view[100] ^= 0xFF
+    view.release()
+
+
+def test_checksum_mismatch_falls_back_to_another_holder(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, hedge_s=0.5) as c:   # no hedging: A's bad copy arrives first
+            a, b = c[A], c[B]
+            await a.store.put(items(range(2)))
+            await c[C].store.put(items(range(1)))
+            await until(lambda: b.t.directory.count(A) == 2 and b.t.directory.count(C) == 1, "announcements")
+            corrupt(a, 0)
+            corrupt(a, 1)
+            await get_exact(b, range(1))                 # A's copy fails its checksum, C's is taken
+            assert b.t.counters.corrupt == 1 and a.t.counters.served >= 1 and c[C].t.counters.served == 1
+
+            reserved, used, blocks = b.ram.slabs.reserved_bytes, b.ram.used_bytes, len(b.ram)
+            found, misses = await b.store.get(addrs(range(1, 2)), allow_partial=True)   # only A holds it
+            assert found == [] and [m.address for m in misses] == [address(1)]
+            assert b.t.counters.corrupt == 2
+            key = address(1).key
+            assert b.ram.get(key) is None and b.index.get(key) is None and key not in b.ram
+            assert (b.ram.slabs.reserved_bytes, b.ram.used_bytes, len(b.ram)) == (reserved, used, blocks)
+            assert b.store.lookup(digests(range(1, 2)), 0).ram == 0
+    asyncio.run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# deadline, health, hedging
+
+
+def test_dead_holder_misses_within_deadline_goes_down_and_comes_back(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B), pull_timeout_s=1.0, fail_limit=2, backoff_s=0.5) as c:
+            a, b, n = c[A], c[B], 3
+            link = b.t.links[A]
+            await a.store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await c.stop(A)
+            for _ in range(2):
+                start = time.monotonic()
+                found, misses = await b.store.get(addrs(range(n)), allow_partial=True)
+                assert time.monotonic() - start < 1.0 + 0.75
+                assert found == [] and len(misses) == n
+                if link.health.state is PeerState.DOWN:
+                    break
+            assert link.health.state is PeerState.DOWN and link.health.last_error
+            assert b.t.counters.failed >= 1 and b.t.counters.missed >= n
+            r = b.store.lookup(digests(range(n)), 0)
+            assert (r.peer, r.longest) == (0, 0)       # a down peer's blocks are not offered
+            start = time.monotonic()
+            found, _ = await b.store.get(addrs(range(n)), allow_partial=True)
+            assert found == [] and time.monotonic() - start < 0.25   # a miss at once, no round trip
+
+            await c.start(A)
+            await until(lambda: b.store.lookup(digests(range(n)), 0).peer == n, "A's backoff to end")
+            await get_exact(b, range(n))               # the peer is used again ...
+            assert link.health.state is PeerState.UP and link.health.failures == 0   # ... and is up
+    asyncio.run(body())
+
+
+def slow_serving(node: Node, delay: float) -> None:
+    serve = node.store.serve_pull
+
+    async def slow(*args: Any, **kw: Any) -> Any:
+        await asyncio.sleep(delay)
+        return await serve(*args, **kw)
+    node.store.serve_pull = slow                       # type: ignore[method-assign]
+
+
+def test_hedged_pull_asks_the_next_holder(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, hedge_s=0.05, pull_timeout_s=3.0) as c:
+            b, n = c[B], 4
+            for name in (A, C):
+                await c[name].store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n and b.t.directory.count(C) == n, "announcements")
+            slow_serving(c[A], 0.6)                   # A is B's first choice (configuration order)
+            start = time.monotonic()
+            await get_exact(b, range(n))
+            assert time.monotonic() - start < 3.0
+            assert b.t.counters.hedged >= 1 and c[C].t.counters.served == n and b.t.counters.failed == 0
+    asyncio.run(body())
+
+
+def test_hedged_pull_does_not_wait_for_the_slow_peer(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, hedge_s=0.05, pull_timeout_s=3.0) as c:
+            b, n = c[B], 4
+            for name in (A, C):
+                await c[name].store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n and b.t.directory.count(C) == n, "announcements")
+            slow_serving(c[A], 1.2)
+            start = time.monotonic()
+            await get_exact(b, range(n))
+            assert time.monotonic() - start < 0.6, "the fetch waited for A although C sent every block"
+    asyncio.run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# resumption and 0-RTT
+
+
+def test_resumed_connection_pulls_with_0rtt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    handshakes: list[tuple[str | None, bool, bool]] = []
+    handshake = PeerServerProtocol._handshake
+
+    def spy(self: PeerServerProtocol, event: events.HandshakeCompleted) -> None:
+        handshake(self, event)
+        handshakes.append((self.peer, event.session_resumed, self.verified))
+    monkeypatch.setattr(PeerServerProtocol, "_handshake", spy)
+
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            b, link = c[B], c[B].t.links[A]
+            await c[A].store.put(items(range(3)))
+            await until(lambda: b.t.directory.count(A) == 3 and link.ticket is not None, "announcements, a ticket")
+            old = link.client
+            assert old is not None and not old.early
+            old.close()
+            await asyncio.wait_for(old.wait_closed(), 5)
+            await until(lambda: link.client is not None and link.client is not old, "the link dialled again")
+            new = link.client
+            assert new.early                            # resumed with the ticket: pulls may go as 0-RTT
+            await get_exact(b, range(3))
+            await until(lambda: (B, True, True) in handshakes, "the server to accept the resumed session", 3)
+            assert new.usable and link.client is new
+    asyncio.run(body())
+
+
+class RawClient(PeerClientProtocol):
+    """A client that hands the answers on chosen streams over as raw bytes."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.raw: dict[int, bytearray] = {}
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.StreamDataReceived) and event.stream_id in self.raw:
+            self.raw[event.stream_id] += event.data
+        else:
+            super().quic_event_received(event)
+
+
+async def dial(config: QuicConfiguration, addr: tuple[str, int], auth: PeerAuth, peer: str) -> tuple[Any, RawClient]:
+    loop = asyncio.get_running_loop()
+    quic = QuicConnection(configuration=config)
+    transport, client = await loop.create_datagram_endpoint(
+        lambda: RawClient(quic, auth=auth, peer=peer, max_payload=SLAB), local_addr=("127.0.0.1", 0))
+    client.connect(addr)
+    return transport, client
+
+
+def test_state_changing_early_data_is_refused(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            link = c[B].t.links[A]
+            await until(lambda: link.ticket is not None, "a session ticket from A")
+            ticket, link.ticket = link.ticket, None
+            config = c.auth(B).configuration(OPTIONS, server_name=A)
+            config.session_ticket = ticket
+            transport, client = await dial(config, c.addr(A), c.auth(B), A)
+            try:
+                assert not client.ready.done()
+                sid = client._quic.get_next_available_stream_id()
+                client.raw[sid] = bytearray()
+                client._quic.send_stream_data(sid, p.encode(p.Announce([(address(99).digest, 0)]), 7),
+                                              end_stream=True)
+                client.transmit()                       # goes out as 0-RTT data, before the handshake is done
+                await until(lambda: len(client.raw[sid]) >= p.HEADER.size + 4, "an answer", 5)
+                decoder = p.FrameDecoder()
+                decoder.feed(bytes(client.raw[sid]))
+                frame = decoder.next_event()
+                assert isinstance(frame, p.Frame) and frame.request_id == 7
+                answer = p.decode(frame)
+                assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.EARLY_DATA == 5
+                assert client._quic.tls.session_resumed
+                assert c[A].t.directory.count(B) == 0   # the Announce was not acted on
+            finally:
+                transport.close()
+    asyncio.run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# mutual TLS
+
+
+def expired_cert(c: Cluster, directory: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for ``name`` signed by the real cluster CA, expired yesterday."""
+    ca_cert = x509.load_pem_x509_certificate(c.files.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key(c.files.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=10)).not_valid_after(now - datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    directory.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_server_refuses_bad_client_certificates(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:     # A accepts only node-b
+            other, _ = make_cluster(tmp_path / "other-ca", [B])
+
+            def client_config(chain: tuple[Path, Path] | None) -> QuicConfiguration:
+                config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], server_name=A,
+                                           cadata=c.files.ca.read_bytes(), verify_mode=ssl.CERT_REQUIRED,
+                                           max_datagram_size=OPTIONS.max_datagram_size)
+                if chain is not None:
+                    config.load_cert_chain(str(chain[0]), str(chain[1]))
+                return config
+
+            cases = {"another CA": (client_config(other.nodes[B]), "client certificate refused"),
+                     "expired": (client_config(expired_cert(c, tmp_path / "expired", B)), "client certificate refused"),
+                     "not a peer": (client_config(c.files.nodes[C]), "node-c"),
+                     "no certificate": (client_config(None), "no certificate")}
+            for case, (config, why) in cases.items():
+                transport, client = await dial(config, c.addr(A), c.auth(B), A)
+                try:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(client.ready), 5)
+                        client.send_event(p.Announce([(address(99).digest, 0)]))
+                        client.send_event(p.Snapshot(0, True, [(address(98).digest, 0)]), 1)
+                    await asyncio.wait_for(client.wait_closed(), 5)
+                    assert client.refused is not None and why in client.refused, (case, client.refused)
+                    assert len(c[A].t.directory) == 0, case
+                finally:
+                    transport.close()
+            await c[A].store.put(items(range(2)))     # a good peer is still served
+            await until(lambda: c[B].t.directory.count(A) == 2, "announcements")
+            await get_exact(c[B], range(2))
+    asyncio.run(body())
+
+
+def test_client_refuses_a_server_with_another_name(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            # a tier of A that expects node-c at B's address: B's certificate names node-b
+            tier = PeerTier(c[A].store, c.auth(A, [C]), PeerSettings(listen=None, peers={C: c.addr(B)},
+                                                                     options=OPTIONS, pull_timeout_s=1.0))
+            await tier.start()
+            try:
+                link = tier.links[C]
+                await until(lambda: link.health.last_error, "the dial to fail")
+                why = link.health.last_error + " " + str(link.client.refused if link.client else "")
+                assert "node-c" in why and "node-b" in why
+                assert link.client is None or not link.client.verified
+                assert link.health.failures >= 1 and tier.directory.count(C) == 0
+            finally:
+                await tier.stop()
+    asyncio.run(body())
