@@ -482,8 +482,8 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
                 raise ConfigError(f"quic.{name}", f"no such file: {value}")
             if not os.access(value, os.R_OK):
                 raise ConfigError(f"quic.{name}", f"not readable: {value}")
-        if quic.backoff_max_s < quic.backoff_s:
-            raise ConfigError("quic.backoff_max_s", f"{quic.backoff_max_s:g} is less than quic.backoff_s = {quic.backoff_s:g}")
+    if quic.backoff_max_s < quic.backoff_s:
+        raise ConfigError("quic.backoff_max_s", f"{quic.backoff_max_s:g} is less than quic.backoff_s = {quic.backoff_s:g}")
     unix_paths = [os.path.abspath(a.unix_path) for a in config.listeners if a.unix_path]
     if config.agent.socket and os.path.abspath(config.agent.socket) in unix_paths:
         raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")

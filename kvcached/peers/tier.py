@@ -338,12 +338,6 @@ class PeerTier(PeerHandler):
         self.counters.missed += len(fetch.wanted) - len(fetch.got)
         return list(fetch.got.values())
 
-    async def exists(self, peer: str, layer: int, digests: Sequence[bytes]) -> int:
-        """Ask ``peer`` how long a prefix of the chain it holds (Exists)."""
-        link = self.links[peer]
-        client = await self._client(link, self.clock() + self.settings.pull_timeout_s)
-        return await asyncio.wait_for(client.exists(layer, digests), self.settings.pull_timeout_s)
-
     # -- PeerHandler: what peers ask of this daemon --
 
     def connected(self, peer: str) -> None:
@@ -358,11 +352,8 @@ class PeerTier(PeerHandler):
         elif not self.directory.snapshot(peer, request_id, message.part, message.last, keys):
             log.warning("snapshot part out of order dropped", extra={"fields": {"peer": peer, "part": message.part}})
 
-    def exists_local(self, layer: int, digests: Sequence[bytes]) -> int:
-        return self.store.local_prefix(digests, layer)
-
-    def exists(self, peer: str, request: p.Exists) -> int:          # type: ignore[override]
-        return self.exists_local(request.layer, request.digests)
+    def exists(self, peer: str, request: p.Exists) -> int:
+        return self.store.local_prefix(request.digests, request.layer)
 
     async def pull(self, peer: str, request: p.Pull) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
         if self.serving >= SERVE_MAX_PULLS:

@@ -96,15 +96,11 @@ class PeerAuth:
             return str(exc)
         return None
 
-    def _chain(self, leaf: x509.Certificate | None, chain: list[x509.Certificate]) -> x509.Certificate:
-        if leaf is None:
-            raise PeerRefused("no certificate was presented")
-        return leaf
-
     def check_server(self, leaf: x509.Certificate | None, chain: list[x509.Certificate], name: str) -> None:
         """The certificate of the server dialled as ``name``: chains to the CA, valid now, names
         ``name``, allows serverAuth."""
-        leaf = self._chain(leaf, chain)
+        if leaf is None:
+            raise PeerRefused("no certificate was presented")
         builder = verification.PolicyBuilder().store(self._store).time(self.clock())
         try:
             builder.build_server_verifier(x509.DNSName(name)).verify(leaf, chain)
@@ -114,7 +110,8 @@ class PeerAuth:
     def check_client(self, leaf: x509.Certificate | None, chain: list[x509.Certificate]) -> str:
         """The certificate a client presented: chains to the CA, valid now, allows clientAuth,
         and names one of the configured peers. Returns that peer's name."""
-        leaf = self._chain(leaf, chain)
+        if leaf is None:
+            raise PeerRefused("no certificate was presented")
         builder = verification.PolicyBuilder().store(self._store).time(self.clock())
         try:
             verified = builder.build_client_verifier().verify(leaf, chain)

@@ -254,11 +254,25 @@ def test_wrong_type_in_a_file(tmp_path: Path) -> None:
     ('metrics.listen="unix:m.sock"', "metrics.listen", ("not a Unix socket",)),
     ('metrics.listen="nohost"', "metrics.listen", ("HOST:PORT",)),
     ('quic.listen="0.0.0.0:99999"', "quic.listen", ("port out of range",)),
+    ("quic.max_datagram_size=1000", "quic.max_datagram_size", ("between 1200", "1000")),
+    ("quic.max_datagram_size=65000", "quic.max_datagram_size", ("16000", "65000")),
+    ("quic.max_data_mib=0", "quic.max_data_mib", ("between 0.0625 and 1024",)),
+    ("quic.max_stream_data_mib=4096", "quic.max_stream_data_mib", ("between 0.0625 and 1024",)),
+    ("quic.pull_timeout_s=0", "quic.pull_timeout_s", ("between 0.01 and 300",)),
+    ("quic.hedge_ms=-1", "quic.hedge_ms", ("0 or more",)),
+    ("quic.fail_limit=0", "quic.fail_limit", ("between 1 and 1000",)),
+    ("quic.backoff_s=0", "quic.backoff_s", ("greater than 0",)),
+    ('quic.pull_timeout_s="2s"', "quic.pull_timeout_s", ()),
     ('log.level="verbose"', "log.level", ("debug, info, warning, error", "'verbose'")),
     ('log.format="xml"', "log.format", ("text, json",)),
 ])
 def test_impossible_value(override: str, key: str, words: tuple[str, ...]) -> None:
     assert_error(config_error(override), key, *words)
+
+
+def test_quic_backoff_max_below_backoff() -> None:
+    exc = config_error("quic.backoff_s=10", "quic.backoff_max_s=5")
+    assert_error(exc, "quic.backoff_max_s", "less than quic.backoff_s = 10")
 
 
 def test_ram_bigger_than_the_machine() -> None:
