@@ -35,6 +35,9 @@ log = logging.getLogger("kvcached.peers")
 
 REFUSED = 0x101          # application close code: mutual TLS failed (the reason phrase says why)
 _REQUEST_BODY = 4 << 20  # a request body is at most a full batch of addresses
+SEND_QUEUE_BYTES = 8 << 20   # per connection: answer bytes handed to aioquic and not yet sent
+SEND_STALL_S = 30.0          # an answer whose queue has not moved this long is given up (stream reset)
+STALLED = 0x102              # stream reset code: the peer stopped reading an answer
 
 
 class PeerGone(Exception):
@@ -79,6 +82,14 @@ class PeerServerProtocol(QuicConnectionProtocol):
         self._issued: SessionTicket | None = None
         self._decoders: dict[int, p.FrameDecoder] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.send_queue_bytes = SEND_QUEUE_BYTES
+        self.stall_s = SEND_STALL_S
+        self.peak_queued = 0                   # the most answer bytes ever queued and not yet sent
+        self.stalled = 0                       # answers given up because the peer stopped reading
+        self._written: dict[int, int] = {}     # stream being answered -> bytes handed to aioquic
+        self._room = asyncio.Event()           # set when queued bytes may have gone down
+        self._stopped: set[int] = set()        # answers the peer asked us to stop sending
+        self._gone = False
         initialize = quic._initialize
 
         def ask_for_certificate(peer_cid: bytes) -> None:   # aioquic asks only with this flag
@@ -109,9 +120,52 @@ class PeerServerProtocol(QuicConnectionProtocol):
             self._handshake(event)
         elif isinstance(event, events.StreamReset):
             self._decoders.pop(event.stream_id, None)
+        elif isinstance(event, events.StopSendingReceived):
+            if event.stream_id in self._written:
+                self._stopped.add(event.stream_id)
+                self._room.set()
         elif isinstance(event, events.ConnectionTerminated):
-            for task in self._tasks:
-                task.cancel()
+            self._gone = True          # pulls being answered stop and unpin what they hold
+            self._room.set()
+
+    def transmit(self) -> None:
+        super().transmit()
+        if self._written:                # what was queued may have gone out: answers waiting for room go on
+            self._room.set()
+
+    def _queued(self) -> int:
+        """Answer bytes handed to aioquic and not yet sent, over every stream being answered.
+        Reads the streams' highest sent offset (aioquic has no public call for it); a sent byte
+        waits in aioquic's buffer only until it is acknowledged, which the congestion window bounds."""
+        streams = self._quic._streams
+        return sum(written - (streams[sid].sender.highest_offset if sid in streams else written)
+                   for sid, written in self._written.items())
+
+    async def _wait_for_room(self, sid: int, need: int) -> bool:
+        """Wait until ``need`` more bytes fit in the send queue (or it is empty: a block larger
+        than the whole queue still goes, alone). False if the answer is to stop: the connection
+        ended, the peer sent STOP_SENDING, or the queue did not move for SEND_STALL_S (the
+        stream is then reset, so a peer that stops reading cannot keep blocks pinned)."""
+        while not (self._gone or sid in self._stopped):
+            queued = self._queued()
+            if queued == 0 or queued + need <= self.send_queue_bytes:
+                self.peak_queued = max(self.peak_queued, queued + need)
+                return True
+            self.transmit()              # send what the queue holds before waiting for it to go out
+            if self._queued() < queued:
+                continue
+            self._room.clear()
+            try:
+                await asyncio.wait_for(self._room.wait(), self.stall_s)
+            except asyncio.TimeoutError:
+                if self._queued() >= queued:
+                    log.warning("peer stopped reading an answer; giving it up",
+                                extra={"fields": {"peer": self.peer, "stream": sid, "queued": queued}})
+                    self.stalled += 1
+                    self._quic.reset_stream(sid, STALLED)
+                    self.transmit()
+                    return False
+        return False
 
     def _handshake(self, event: events.HandshakeCompleted) -> None:
         if not event.session_resumed:
@@ -184,25 +238,47 @@ class PeerServerProtocol(QuicConnectionProtocol):
                         f"{type(message).__name__} is an answer, not a request")
 
     async def _serve_pull(self, peer: str, sid: int, request_id: int, request: p.Pull) -> None:
+        """Answer a Pull in order. Payloads are copied into aioquic only as the send queue has
+        room (a slow peer cannot make this daemon buffer a whole batch), and every pinned block
+        is released whatever happens: sent, the stream reset by the peer, the connection gone."""
         try:
             answers = await self.handler.pull(peer, request)
         except Exception as exc:
             log.exception("serving a pull failed", extra={"fields": {"peer": peer}})
             self._error(sid, request_id, p.ErrorCode.INTERNAL, f"serving the pull failed: {exc}", end=True)
             return
-        quic = self._quic
-        for answer in answers:
-            if isinstance(answer, p.Miss):
-                quic.send_stream_data(sid, p.encode(answer, request_id))
-                continue
-            head, payload, release = answer
-            try:
-                quic.send_stream_data(sid, p.encode(head, request_id))
-                quic.send_stream_data(sid, payload)     # copied into the stream's buffer
-            finally:
-                release()
-        quic.send_stream_data(sid, b"", end_stream=True)
-        self.transmit()
+        pending = iter(answers)
+        self._written[sid] = 0
+        try:
+            for answer in pending:
+                if isinstance(answer, p.Miss):
+                    data: bytes | memoryview = p.encode(answer, request_id)
+                    if not await self._wait_for_room(sid, len(data)):
+                        return
+                    self._quic.send_stream_data(sid, data)
+                    self._written[sid] += len(data)
+                    continue
+                head, payload, release = answer
+                try:
+                    data = p.encode(head, request_id)
+                    if not await self._wait_for_room(sid, len(data) + len(payload)):
+                        return
+                    self._quic.send_stream_data(sid, data)
+                    self._quic.send_stream_data(sid, payload)     # copied into the stream's buffer
+                    self._written[sid] += len(data) + len(payload)
+                finally:
+                    release()
+            self._quic.send_stream_data(sid, b"", end_stream=True)
+        except RuntimeError:             # the peer reset the stream (gave up on this pull)
+            return
+        finally:
+            for rest in pending:         # not sent: unpin
+                if not isinstance(rest, p.Miss):
+                    rest[2]()
+            del self._written[sid]
+            self._stopped.discard(sid)
+            if not self._gone:
+                self.transmit()
 
     def _error(self, sid: int, request_id: int, code: int, message: str, end: bool = False) -> None:
         self._send(sid, p.encode(p.Error(code, message), request_id), end=end)

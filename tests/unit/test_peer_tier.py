@@ -26,6 +26,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kvcached.certs import make_cluster
 from kvcached.index import BlockIndex
 from kvcached.peers import protocol as p
+from kvcached.peers import quic as quic_layer
 from kvcached.peers.directory import PeerState, wire_key
 from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
 from kvcached.peers.tier import PeerSettings, PeerTier
@@ -504,4 +505,53 @@ def test_client_refuses_a_server_with_another_name(tmp_path: Path) -> None:
                 assert link.health.failures >= 1 and tier.directory.count(C) == 0
             finally:
                 await tier.stop()
+    asyncio.run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# the server's send queue
+
+
+def server_protocols(node: Node) -> list[PeerServerProtocol]:
+    return list(set(node.t._server_protocol._protocols.values()))      # keyed by connection ID: repeats
+
+
+def test_a_large_pull_goes_out_through_a_bounded_send_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quic_layer, "SEND_QUEUE_BYTES", 16 * KIB)
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            a, b, n = c[A], c[B], 64                  # 384 KiB answered through a 16 KiB queue
+            await a.store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await get_exact(b, range(n))
+            peaks = [proto.peak_queued for proto in server_protocols(a)]
+            assert 0 < max(peaks) <= 16 * KIB, peaks
+            assert a.store.pinned_bytes == 0 and a.t.counters.served == n
+    asyncio.run(body())
+
+
+def test_a_peer_that_vanishes_mid_answer_leaves_nothing_pinned(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quic_layer, "SEND_QUEUE_BYTES", 16 * KIB)
+    monkeypatch.setattr(quic_layer, "SEND_STALL_S", 0.3)
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            a, n = c[A], 40                           # 240 KiB: more than aioquic's first congestion window
+            await a.store.put(items(range(n)))
+            await until(lambda: c[B].t.directory.count(A) == n, "announcements")
+            transport, client = await dial(c.auth(B).configuration(OPTIONS, server_name=A), c.addr(A), c.auth(B), A)
+            await asyncio.wait_for(client.ready, 5)
+            sid = client._quic.get_next_available_stream_id()
+            client.raw[sid] = bytearray()
+            client._quic.send_stream_data(sid, p.encode(p.Pull([(d, 0) for d in digests(range(n))]), 1),
+                                          end_stream=True)
+            client.datagram_received = lambda data, addr: None     # deaf from now on: acknowledges nothing
+            client.transmit()
+            await until(lambda: any(proto._written for proto in server_protocols(a)), "A to start answering")
+            await until(lambda: a.store.pinned_bytes == 0, "A to give the stalled answer up", 5)
+            assert all(not proto._written for proto in server_protocols(a))
+            assert sum(proto.stalled for proto in server_protocols(a)) == 1
+            transport.close()
+            await c.connected()
+            await get_exact(c[B], range(n))           # A goes on serving its real peer
     asyncio.run(body())
