@@ -27,24 +27,28 @@ run: install
 	mkdir -p var
 	$(VENV)/bin/kvcached serve --config config/kvcached.toml
 
-test: install
+test: install system-deps
 	$(PY) -m pytest -q tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
 
-test-integration: install
+test-integration: install system-deps
 	$(PY) -m pytest -q tests/integration
 
-# Benchmarks need redis-server (bench_core.py's Redis baseline) and fio (bench_ssd.py's disk
-# baseline), both Debian packages: one apt-get update, then only the missing ones are installed.
+# System packages (Debian): redis-server (bench_core.py's Redis baseline), fio (bench_ssd.py's
+# disk baseline), prometheus for promtool (tests check /metrics and deploy/*.yml with it) and
+# systemd for systemd-analyze (tests verify deploy/kvcached.service). One apt-get update, then
+# only the missing ones are installed.
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v fio >/dev/null || missing="$$missing fio"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
-		apt-get update && apt-get install -y $$missing; \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \
 	fi
 
 # BENCH_ARGS go to bench_core.py; SSD_BENCH_ARGS to bench_ssd.py (default: --quick if BENCH_ARGS has it).

@@ -160,6 +160,9 @@ class Daemon:
         self.store.mirror_pulls = cfg.kv.mirror_pulls
         if cfg.quic.listen or cfg.quic.peers:
             await self._start_peers()
+        if cfg.metrics.listen:              # read latencies, for the tiers this daemon runs
+            self.store.reads.time_reads(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)
+                                        + ["peer"] * bool(self.peers))
         await self._start_grpc(listeners)
         if cfg.agent.socket:
             self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,

@@ -1,7 +1,9 @@
 """Prometheus metrics on ``[metrics] listen`` (prometheus_client).
 
-Gauges and counters are read from the store when Prometheus scrapes (a custom collector), so the
-hot path pays nothing for them. Only tiers this daemon runs are exported.
+Everything is read from the store when Prometheus scrapes (a custom collector): gauges and
+counters from the store's own counters, read latencies from kvcached.reads histograms, so the
+hot path pays an integer add, or a bisect for a latency, and never a label lookup or a lock.
+Only tiers this daemon runs are exported. docs/metrics.md lists every metric.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import logging
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    InfoMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
 from kvcached import __version__
@@ -35,6 +38,8 @@ class StoreCollector(Collector):
                 ("kvcached_bytes", "Payload bytes resident per tier", "ram_bytes", "ssd_bytes"),
                 ("kvcached_capacity_bytes", "Capacity per tier", "ram_capacity_bytes", "ssd_capacity_bytes")):
             g = GaugeMetricFamily(name, doc, labels=["tier"])
+            if name == "kvcached_blocks":        # what agents report pinned on their GPUs, all agents together
+                g.add_metric(["gpu"], s["gpu_blocks"])
             g.add_metric(["ram"], s[ram_key])
             if ssd:
                 g.add_metric(["ssd"], s[ssd_key])
@@ -43,14 +48,22 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("kvcached_agents_connected", "Agents connected on the agent socket", value=s["agents"])
         yield GaugeMetricFamily("kvcached_agent_held_bytes", "Arena bytes held by agents and streams (reserved or pinned)",
                                 value=s["held_bytes"])
-        yield GaugeMetricFamily("kvcached_gpu_view_blocks", "Blocks agents report on their GPUs, all agents together",
-                                value=s["gpu_blocks"])
         yield GaugeMetricFamily("kvcached_ram_dirty_bytes", "RAM bytes not yet written back to SSD", value=s["ram_dirty_bytes"])
-        for name, key, doc in (("hits", "hits", "Blocks served"), ("misses", "misses", "Blocks asked for and not served"),
-                               ("puts", "puts", "Blocks stored"), ("lookups", "lookups", "Lookup calls"),
+        for name, key, doc in (("puts", "puts", "Blocks stored"), ("lookups", "lookups", "Lookup calls"),
                                ("promotions", "promotions", "Blocks read from SSD into RAM"),
                                ("demotions", "demotions", "Blocks published on SSD from RAM")):
             yield CounterMetricFamily(f"kvcached_{name}", doc, value=s[key])
+        yield from self._reads(ssd)
+        peers = self.store.peers.stats() if self.store.peers is not None else None
+        if peers is not None:
+            yield from _peer_metrics(peers)
+        integrity = CounterMetricFamily("kvcached_integrity_failures", "Blocks that failed their checksum, never "
+                                        "served (SSD: quarantined; peer: the pulled copy dropped)", labels=["tier"])
+        if ssd:
+            integrity.add_metric(["ssd"], s["ssd_corrupt"])
+        if peers is not None:
+            integrity.add_metric(["peer"], peers["peer_corrupt"])
+        yield integrity
         ev = CounterMetricFamily("kvcached_evictions", "Blocks evicted per tier and reason", labels=["tier", "reason"])
         ev.add_metric(["ram", "capacity"], s["ram_evictions"])
         if ssd:
@@ -61,12 +74,13 @@ class StoreCollector(Collector):
         if not ssd:
             return
         for name, key, doc in (
-                ("ssd_corrupt_blocks", "ssd_corrupt", "SSD block files that failed verification (quarantined, never served)"),
                 ("ssd_missing_blocks", "ssd_missing", "SSD block files the index named that were gone at a read"),
                 ("ssd_reads", "ssd_reads", "Verified SSD block reads"),
                 ("ssd_read_bytes", "ssd_read_bytes", "Payload bytes read from SSD"),
                 ("ssd_writes", "ssd_writes", "SSD block files published"),
                 ("ssd_write_bytes", "ssd_write_bytes", "Payload bytes published on SSD"),
+                ("ssd_bytes_written", "ssd_file_bytes_written",
+                 "Bytes of block files published on SSD, headers and padding included (drive wear)"),
                 ("ssd_write_errors", "ssd_write_errors", "SSD block writes that failed (discarded, never acknowledged)"),
                 ("ssd_no_space", "ssd_no_space", "SSD block writes that met a full disk"),
                 ("ssd_group_commits", "ssd_group_commits", "Group commits (ssd_durability = batch)")):
@@ -75,6 +89,50 @@ class StoreCollector(Collector):
                                 value=s["ssd_file_bytes"])
         yield GaugeMetricFamily("kvcached_ssd_reconciled", "1 once the boot reconcile of the SSD tier has finished",
                                 value=s["ssd_reconciled"])
+
+
+    def _reads(self, ssd: bool) -> Iterator[Metric]:
+        reads = self.store.reads
+        tiers = ["ram"] + (["ssd"] if ssd else []) + (["peer"] if self.store.peers is not None else [])
+        for name, counts, doc in (("hits", reads.hits, "Blocks served, per tier that held them"),
+                                  ("misses", reads.misses, "Blocks asked for that a tier did not hold (a block "
+                                   "served from SSD is a RAM miss and an SSD hit)")):
+            family = CounterMetricFamily(f"kvcached_{name}", doc, labels=["tier"])
+            for tier in tiers:
+                family.add_metric([tier], counts[tier])
+            yield family
+        if reads.latency is None:
+            return
+        family = HistogramMetricFamily("kvcached_lookup_seconds", "Time to answer a read (Lookup, Get, agent lookup "
+                                       "or load, peer pull served), by the deepest tier it reached and its outcome",
+                                       labels=["tier", "outcome"])
+        for (tier, result), histogram in reads.latency.items():
+            buckets, total = histogram.cumulative()
+            family.add_metric([tier, result], buckets, total)
+        yield family
+
+
+def _peer_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    up = GaugeMetricFamily("kvcached_peer_up", "1 while a configured peer is usable (connected or not yet failing), "
+                           "0 while it is down and backed off", labels=["peer"])
+    blocks = GaugeMetricFamily("kvcached_peer_blocks", "Blocks a peer has announced", labels=["peer"])
+    for name, peer in stats["peers"].items():
+        up.add_metric([name], 1 if peer["up"] else 0)
+        blocks.add_metric([name], peer["blocks"])
+    yield up
+    yield blocks
+    pulls = CounterMetricFamily("kvcached_quic_pulls", "Blocks this daemon asked peers for, by outcome (ok: arrived "
+                                "and verified; miss: no peer sent it; corrupt: failed its checksum; failed: the peer "
+                                "failed or timed out)", labels=["outcome"])
+    for result, key in (("ok", "peer_pulled"), ("miss", "peer_missed"), ("corrupt", "peer_corrupt"),
+                        ("failed", "peer_failed")):
+        pulls.add_metric([result], stats[key])
+    yield pulls
+    for name, key, doc in (("quic_pulled_bytes", "peer_pulled_bytes", "Payload bytes pulled from peers"),
+                           ("quic_hedged", "peer_hedged", "Pulls also asked of a second peer after the hedge delay"),
+                           ("quic_served_blocks", "peer_served", "Blocks sent to peers"),
+                           ("quic_served_bytes", "peer_served_bytes", "Payload bytes sent to peers")):
+        yield CounterMetricFamily(f"kvcached_{name}", doc, value=stats[key])
 
 
 def start_metrics(listen: str, store: Store) -> Any:

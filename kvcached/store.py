@@ -40,6 +40,7 @@ from kvcached.gpu_view import GpuView
 from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
                              Unavailable)
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
+from kvcached.reads import ReadStats, outcome
 from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.tiers.ram import WRITING, BlockBusy, RamBlock, RamFull, RamTier
 from kvcached.tiers.ssd import IO_ERROR, SsdFull, SsdTier, SsdWrite, SsdWriteError
@@ -134,6 +135,16 @@ class Counters:
 
 
 @dataclass(slots=True)
+class _Reached:
+    """How far one read had to go: blocks promoted from SSD and pulled from peers for it, and
+    whether the peer tier was in play."""
+
+    peers: bool
+    promoted: int = 0
+    pulled: int = 0
+
+
+@dataclass(slots=True)
 class PutResult:
     stored: int = 0
     present: int = 0
@@ -151,6 +162,7 @@ class Store:
         self.gone_ttl = gone_ttl
         self.clock = clock
         self.counters = Counters()
+        self.reads = ReadStats()
         self.ssd_reconciled = ssd is None    # capacity eviction waits for the boot reconcile's count
         self.demote_wanted = asyncio.Event()  # set when dirty blocks wait (the daemon's demoter waits on it)
         self.evict_wanted = asyncio.Event()   # set when the SSD tier is over capacity
@@ -360,15 +372,17 @@ class Store:
     async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
         """Fetch a batch (blocks only on SSD are promoted to RAM first). Without
         ``allow_partial`` any miss raises NotFound naming it."""
+        started = time.perf_counter()
         await self._recorded(addresses)
-        held = await self._make_resident(addresses)
+        held, reached = await self._make_resident(addresses)
         try:
-            return self._get_resident(addresses, allow_partial)
+            return self._get_resident(addresses, allow_partial, reached, started)
         finally:
             for block in held:
                 self._unpin_block(block)
 
-    def _get_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool) -> tuple[list[Fetched], list[Miss]]:
+    def _get_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool, reached: "_Reached",
+                      started: float) -> tuple[list[Fetched], list[Miss]]:
         found: list[Fetched] = []
         misses: list[Miss] = []
         blocks: list[tuple[BlockAddress, RamBlock]] = []
@@ -388,6 +402,7 @@ class Store:
         self.counters.hits += len(found)
         self.counters.misses += len(misses)
         self.counters.hit_bytes += sum(len(f.payload) for f in found)
+        self._count_read(len(addresses), len(found), reached, started)
         if misses and not allow_partial:
             first = misses[0]
             more = f" (and {len(misses) - 1} more of {len(addresses)})" if len(misses) > 1 else ""
@@ -401,15 +416,17 @@ class Store:
         a snapshot however long the copy takes. Blocks only on SSD are promoted first. Without
         ``allow_partial`` a miss pins nothing and raises NotFound. Release every Pinned with
         :meth:`unpin`. ``peers=False`` leaves the peer tier out (serving a peer's pull)."""
+        started = time.perf_counter()
         await self._recorded(addresses)
-        held = await self._make_resident(addresses, peers)
+        held, reached = await self._make_resident(addresses, peers)
         try:
-            return self._pin_resident(addresses, allow_partial)
+            return self._pin_resident(addresses, allow_partial, reached, started)
         finally:
             for block in held:
                 self._unpin_block(block)
 
-    def _pin_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool) -> list["Pinned | Miss"]:
+    def _pin_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool, reached: "_Reached",
+                      started: float) -> list["Pinned | Miss"]:
         resident = [(address, self.ram.get(address.key)) for address in addresses]
         checksums = self._checksums([b.key for _, b in resident if b is not None])
         found = iter(checksums)
@@ -418,6 +435,7 @@ class Store:
         missing = [a for a, b, c in entries if b is None or c is None]
         if missing and not allow_partial:
             self.counters.misses += len(missing)
+            self._count_read(len(addresses), len(addresses) - len(missing), reached, started)
             more = f" (and {len(missing) - 1} more of {len(addresses)})" if len(missing) > 1 else ""
             raise NotFound(f"block {missing[0]}: {self.miss_reason(missing[0])}{more}")
         wanted = sum(b.length for _, b, c in entries if b is not None and c is not None)
@@ -438,7 +456,13 @@ class Store:
             self.counters.hits += 1
             self.counters.hit_bytes += block.length
             out.append(Pinned(address, block, checksum))
+        self._count_read(len(addresses), len(addresses) - len(missing), reached, started)
         return out
+
+    def _count_read(self, asked: int, found: int, reached: "_Reached", started: float) -> None:
+        tier = self.reads.blocks(asked, found, reached.promoted, reached.pulled, ssd=self.ssd is not None,
+                                 peers=reached.peers)
+        self.reads.took(tier, outcome(asked, found), started)
 
     def read(self, pinned: "Pinned", start: int, length: int) -> bytes:
         """A copy of up to ``length`` bytes of a pinned block from ``start``."""
@@ -672,6 +696,7 @@ class Store:
         what that agent holds, and it counts towards ``longest`` (the agent can use its own GPU
         blocks). Without it ``gpu`` is the longest prefix any one agent holds, and ``longest``
         counts what a Get can return (RAM and SSD)."""
+        started = time.perf_counter()
         self.counters.lookups += 1
         if digests and set(map(len, digests)) != {DIGEST_BYTES}:
             i, digest = next((i, d) for i, d in enumerate(digests) if len(d) != DIGEST_BYTES)
@@ -685,6 +710,7 @@ class Store:
         keys = [cache.get(d) or cache.setdefault(d, index_key(d, layer)) for d in digests]
         ram = self.ram.resident_prefix(keys)
         if ram == len(keys) or (self.ssd is None and agent is None and self.peers is None):
+            self.reads.took("gpu" if agent is not None and gpu >= len(keys) else "ram", outcome(len(keys), ram), started)
             return LookupResult(longest=ram, ram=ram, gpu=gpu)
         # Only the keys after the RAM prefix can extend ``longest``; SSD and peers are counted
         # from the start. ``longest`` counts a block a usable peer holds: a Get pulls it.
@@ -697,6 +723,9 @@ class Store:
         while longest < len(keys) and (on_ssd[longest] or keys[longest] in self.ram or on_peer[longest]
                                        or (on_gpu is not None and digests[longest] in on_gpu)):
             longest += 1
+        tier = ("gpu" if agent is not None and gpu >= max(longest, 1) else "peer" if self.peers is not None
+                else "ssd" if self.ssd is not None else "ram")
+        self.reads.took(tier, outcome(len(keys), longest), started)
         return LookupResult(longest=longest, ram=ram, ssd=ssd, gpu=gpu, peer=peer)
 
     # -- delete -------------------------------------------------------------------------------
@@ -782,7 +811,8 @@ class Store:
                 "ssd_blocks": self.ssd.blocks, "ssd_bytes": self.ssd.payload_bytes, "ssd_file_bytes": self.ssd.used_bytes, "ssd_capacity_bytes": self.ssd.capacity,
                 "ssd_evictions_ttl": c.ssd_evictions_ttl, "ssd_evictions_capacity": c.ssd_evictions_capacity,
                 "ssd_corrupt": c.ssd_corrupt, "ssd_reads": sc.reads, "ssd_read_bytes": sc.read_bytes,
-                "ssd_writes": sc.writes, "ssd_write_bytes": sc.write_bytes, "ssd_write_errors": sc.write_errors,
+                "ssd_writes": sc.writes, "ssd_write_bytes": sc.write_bytes,
+                "ssd_file_bytes_written": sc.file_bytes_written, "ssd_write_errors": sc.write_errors,
                 "ssd_no_space": sc.no_space, "ssd_missing": sc.missing, "ssd_group_commits": sc.group_commits,
                 "ssd_reconciled": int(self.ssd_reconciled),
             }
@@ -790,14 +820,16 @@ class Store:
 
     # -- SSD tier: promotion, publishing, eviction -------------------------------------------
 
-    async def _make_resident(self, addresses: Sequence[BlockAddress], peers: bool = True) -> list[RamBlock]:
+    async def _make_resident(self, addresses: Sequence[BlockAddress],
+                             peers: bool = True) -> tuple[list[RamBlock], "_Reached"]:
         """Promote the blocks of ``addresses`` that are only on SSD, then pull from peers those
         that no local tier holds. While it waits, the blocks already resident are pinned (so the
         batch's own promotions cannot evict them); returns every block it pinned, for the caller
-        to unpin."""
+        to unpin, and how many came from SSD and from peers (read accounting)."""
+        reached = _Reached(peers=peers and self.peers is not None)
         absent = [a for a in addresses if a.key not in self.ram]
         if not absent:
-            return []
+            return [], reached
         tiers = self.index.tiers_of([a.key for a in absent]) if self.ssd is not None else [Tier.NONE] * len(absent)
         wanted = list({a.key: a for a, t in zip(absent, tiers) if t & Tier.SSD}.values())
         remote: list[BlockAddress] = []
@@ -806,7 +838,7 @@ class Store:
             remote = list({a.key: a for a, t in zip(absent, tiers)
                            if not t & Tier.SSD and (a.key in self._promoting or self.peers.holds(a, usable))}.values())
         if not wanted and not remote:
-            return []
+            return [], reached
         held = []
         for address in addresses:
             block = self.ram.get(address.key)
@@ -815,14 +847,18 @@ class Store:
                 held.append(block)
         try:
             if wanted:
-                held += await self._promote(wanted)
+                promoted = await self._promote(wanted)
+                reached.promoted = len(promoted)
+                held += promoted
             if remote:
-                held += await self._pull(remote)
+                pulled = await self._pull(remote)
+                reached.pulled = len(pulled)
+                held += pulled
         except BaseException:
             for block in held:
                 self._unpin_block(block)
             raise
-        return held
+        return held, reached
 
     async def _promote(self, addresses: list[BlockAddress]) -> list[RamBlock]:
         """Read SSD blocks into RAM, verified; returns them pinned. A block another request is

@@ -78,6 +78,7 @@ class SsdWrite:
 class SsdCounters:
     writes: int = 0
     write_bytes: int = 0
+    file_bytes_written: int = 0       # block files published, headers and padding included (drive wear)
     write_errors: int = 0
     no_space: int = 0
     reads: int = 0
@@ -252,6 +253,7 @@ class SsdTier:
         self._account(w.header.length, +1)
         self.counters.writes += 1
         self.counters.write_bytes += w.header.length
+        self.counters.file_bytes_written += file_bytes(w.header.length)
 
     def _write_files(self, chunk: list[SsdWrite]) -> list[tuple[str, str] | SsdWriteError]:
         """Thread: write each block's temporary file; (tmp, final) or the error, per block."""

@@ -103,7 +103,7 @@ def test_delete_and_list_blocks(daemon) -> None:
         listed = list(c.list_blocks(page_size=7))
         assert len(listed) == 30 and len({i.address.digest for i in listed}) == 30
         assert {i.address.digest for i in c.list_blocks(model="model-b", page_size=3)} == set(digests[20:])
-        assert all(list(i.tiers) == [pb.TIER_RAM] for i in listed)
+        assert all(pb.TIER_RAM in i.tiers for i in listed)       # (write-back may have put some on SSD too)
         r = c.delete([BlockAddress(d) for d in digests[:5]] + [BlockAddress(b"\x01" * 32)])
         assert (r.deleted, r.not_found) == (5, 1)
         assert len(list(c.list_blocks())) == 25

@@ -134,7 +134,7 @@ def test_damaged_files_are_never_served(make_daemon, tmp_path: Path) -> None:
         assert s.ssd_corrupt == 1 and s.ssd_reconciled and s.promotions >= 8
     assert not payload_bad.exists() and len(os.listdir(tmp_path / "ssd" / "quarantine")) == 1
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert "kvcached_ssd_corrupt_blocks_total 1.0" in text and 'kvcached_blocks{tier="ssd"} 8.0' in text
+    assert 'kvcached_integrity_failures_total{tier="ssd"} 1.0' in text and 'kvcached_blocks{tier="ssd"} 8.0' in text
     assert "corrupt SSD block quarantined" in d.log()
 
 

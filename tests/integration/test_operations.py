@@ -1,0 +1,75 @@
+"""Operations: what Prometheus scrapes, what systemd sees, and the deploy files, checked with
+the real tools (promtool, systemd-analyze) against real daemon processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvcached_agent.address import BlockAddress
+from tests.integration.conftest import ROOT
+
+KIB = 1 << 10
+SMALL_RAM = ("kv.ram_gib=0.0078125", "kv.max_block_mib=1")   # 8 MiB arena
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: `make system-deps` installs it (make test does)")
+    return path
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of a /metrics page, keyed ``name{label="value",...}`` (labels sorted)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    checked = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True)
+    assert checked.returncode == 0, f"promtool check metrics:\n{checked.stdout}{checked.stderr}"
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_a_scrape_counts_what_the_daemon_did_and_passes_promtool(make_daemon) -> None:
+    port = free_tcp_port()
+    d = make_daemon(*SMALL_RAM, "kv.ssd_gib=0", f'metrics.listen="127.0.0.1:{port}"')
+    first = [BlockAddress(os.urandom(32)) for _ in range(4)]
+    unknown = [BlockAddress(os.urandom(32)) for _ in range(2)]
+    with d.client() as c:
+        c.put([(a, os.urandom(100 * KIB)) for a in first])
+        c.get(first[:2])                                        # 2 RAM hits
+        c.get([first[2], *unknown], allow_partial=True)         # 1 hit, 2 misses
+        c.lookup([a.digest for a in first])                     # a lookup, all in RAM
+        for _ in range(12):                                     # 12 MiB through an 8 MiB arena: evictions
+            c.put([(BlockAddress(os.urandom(32)), os.urandom(100 * KIB)) for _ in range(10)])
+        stats = c.stats()
+    m = scrape(port)
+    assert m["kvcached_puts_total"] == 124 == stats.puts
+    assert m['kvcached_hits_total{tier="ram"}'] == 3 and m['kvcached_misses_total{tier="ram"}'] == 2
+    assert 'kvcached_hits_total{tier="ssd"}' not in m and 'kvcached_hits_total{tier="peer"}' not in m
+    evicted = m['kvcached_evictions_total{reason="capacity",tier="ram"}']
+    assert evicted > 0 and evicted + m['kvcached_blocks{tier="ram"}'] == 124
+    assert m['kvcached_lookup_seconds_count{outcome="hit",tier="ram"}'] == 2        # the Get and the Lookup
+    assert m['kvcached_lookup_seconds_count{outcome="partial",tier="ram"}'] == 1
+    assert m['kvcached_lookup_seconds_bucket{le="+Inf",outcome="hit",tier="ram"}'] == 2
+    assert 0 < m['kvcached_lookup_seconds_sum{outcome="hit",tier="ram"}'] < 1
+    assert not any('tier="ssd"' in k or 'tier="peer"' in k for k in m), "a tier this daemon does not run"
+    assert m['kvcached_build_info{version="0.1.0"}'] == 1 and m["kvcached_agents_connected"] == 0
+    assert m["kvcached_index_entries"] >= 1
+    d.stop()
