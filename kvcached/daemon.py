@@ -32,6 +32,7 @@ from kvcached.config import Config, ListenAddress, parse_listen
 from kvcached.index import BlockIndex
 from kvcached.logs import fields
 from kvcached.metrics import start_metrics
+from kvcached.systemd import Notifier
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
 from kvcached.policies import make_eviction_policy
@@ -51,6 +52,7 @@ MAINTENANCE_PERIOD_S = 5.0
 DEMOTE_PERIOD_S = 1.0
 EVICT_PERIOD_S = 1.0
 PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get the loop back
+INDEX_PROGRESS_GRACE_S = 60.0  # each index reconcile progress line asks systemd for this much more start time
 
 
 # glibc malloc settings (mallopt(3)): keep freed memory in the heap instead of handing it back
@@ -136,6 +138,7 @@ class Daemon:
         self._stopping = threading.Event()
         self._stop = asyncio.Event()
         self._winding_down = asyncio.Event()   # background loops end after their current round
+        self.notifier = Notifier()              # systemd (Type=notify); a no-op elsewhere
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -190,6 +193,18 @@ class Daemon:
                                        ssd_bytes=self.ssd.capacity if self.ssd else 0,
                                        ssd_direct_io=self.ssd.direct if self.ssd else False,
                                        startup_s=round(time.time() - self.started_at, 3)))
+        # Every listener accepts by now: systemd may start what depends on this daemon.
+        self.notifier.ready("serving" if self.ssd is None or self.store.ssd_reconciled else
+                            "serving; reconciling the SSD tier")
+        if self.notifier.watchdog_s is not None:
+            self._tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_s), name="watchdog"))
+
+    async def _watchdog(self, every_s: float) -> None:
+        """WATCHDOG=1 from the event loop itself: a wedged loop stops the pings and systemd
+        restarts the daemon (WatchdogSec in deploy/kvcached.service)."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(every_s)
 
     async def _start_peers(self) -> None:
         """The peer tier: the QUIC server, and a link to each configured peer (docs/peers.md)."""
@@ -242,7 +257,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         try:
             report = await loop.run_in_executor(self._scanner, reconcile_ssd, self.index, self.ssd,
-                                                self._stopping.is_set)
+                                                self._stopping.is_set, self._reconcile_status)
         except Exception:
             log.exception("SSD reconcile failed; capacity eviction stays off until a restart reconciles the tier")
             return
@@ -250,6 +265,10 @@ class Daemon:
             return
         self.store.finish_ssd_reconcile(report)
         log.info("SSD tier reconciled", extra=fields(**report.summary()))
+        self.notifier.status("serving")
+
+    def _reconcile_status(self, phase: str, seen: int) -> None:
+        self.notifier.status(f"serving; reconciling the SSD tier: {seen} {phase} checked")
 
     async def _demoter(self) -> None:
         """Write-back: publish dirty blocks on SSD soon after they are put (woken by puts), and
@@ -299,6 +318,8 @@ class Daemon:
         def progress(seen: int) -> None:
             log.info("reconciling index", extra=fields(seen=seen, of_about=estimate,
                                                        elapsed_s=round(time.monotonic() - t0, 1)))
+            self.notifier.status(f"reconciling the index: {seen} of about {estimate} records",
+                                 extend_timeout_s=INDEX_PROGRESS_GRACE_S)
 
         counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000)
         if counts["seen"]:
@@ -362,6 +383,7 @@ class Daemon:
     def request_stop(self, signame: str = "") -> None:
         if not self._stop.is_set():
             log.info("stopping", extra=fields(signal=signame))
+            self.notifier.stopping()
             self._stop.set()
 
     async def run(self) -> None:

@@ -60,13 +60,15 @@ class ReconcileReport:
                                                 "orphans", "bad_files", "elapsed_s")} | {"lost": len(self.lost)}
 
 
-def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = lambda: False) -> ReconcileReport:
+def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = lambda: False,
+                  status: Callable[[str, int], None] | None = None) -> ReconcileReport:
     """Run the reconcile (in a worker thread). Files are removed here; the records to change
     are returned in ``lost`` for the index's owner to apply (it re-checks each one).
 
     One header read per file: the files are walked first (each good file is counted and
     re-queued, each bad one removed); then the records are walked with a ``stat`` each, to find
-    the ones whose file is gone (never there, or removed by the first pass)."""
+    the ones whose file is gone (never there, or removed by the first pass). ``status(phase,
+    seen)`` is told the progress (systemd's STATUS line) as the log is."""
     report = ReconcileReport()
     t0 = time.monotonic()
 
@@ -74,6 +76,8 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
         if seen % PROGRESS_EVERY == 0:
             log.info("reconciling SSD tier", extra={"fields": {"phase": phase, "seen": seen,
                                                                "elapsed_s": round(time.monotonic() - t0, 1)}})
+            if status is not None:
+                status(phase, seen)
 
     queue: list[bytes] = []
     for entry in ssd.walk():

@@ -73,3 +73,62 @@ def test_a_scrape_counts_what_the_daemon_did_and_passes_promtool(make_daemon) ->
     assert m['kvcached_build_info{version="0.1.0"}'] == 1 and m["kvcached_agents_connected"] == 0
     assert m["kvcached_index_entries"] >= 1
     d.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# systemd
+
+
+def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    """The unit as shipped, with ExecStart pointing at this checkout's daemon (verify checks
+    that the command exists; /opt/kvcached is where deploy/README.md installs it)."""
+    import sys
+
+    unit = (ROOT / "deploy" / "kvcached.service").read_text()
+    assert "/opt/kvcached/.venv/bin/kvcached serve" in unit
+    exe = Path(sys.executable).with_name("kvcached")
+    (tmp_path / "kvcached.service").write_text(unit.replace("/opt/kvcached/.venv/bin/kvcached", str(exe)))
+    r = subprocess.run([tool("systemd-analyze"), "verify", str(tmp_path / "kvcached.service")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "kvcached.service" not in r.stderr, r.stderr
+
+
+def test_readiness_watchdog_and_stopping_reach_notify_socket(make_daemon, tmp_path: Path) -> None:
+    import time
+
+    from kvcached.client import KvCacheClient
+
+    notify = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    sock.settimeout(20)
+    port = free_tcp_port()
+    d = make_daemon(f'metrics.listen="127.0.0.1:{port}"', start=False)
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "400000"}     # a ping every 0.2 s
+    from tests.integration.conftest import KVCACHED
+    log = open(tmp_path / "daemon.log", "wb")
+    d.proc = subprocess.Popen(KVCACHED + ["serve", *d.args()], cwd=tmp_path, stdout=log, stderr=log, env=env)
+    try:
+        first = sock.recv(4096).decode().split("\n")
+        assert first[0] == "READY=1" and f"MAINPID={d.proc.pid}" in first, first
+        # READY came after every listener accepts: each answers now
+        with KvCacheClient(d.target, timeout=2) as c:
+            assert c.stats().puts == 0
+        with socket.socket(socket.AF_UNIX) as agent:
+            agent.connect(str(d.state / "agent.sock"))
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+        t0 = time.monotonic()
+        pings = []
+        while time.monotonic() - t0 < 1.0:
+            message = sock.recv(4096).decode().split("\n")
+            if "WATCHDOG=1" in message:          # alone, or with a STATUS line (the SSD reconcile's)
+                pings.append(time.monotonic())
+        assert len(pings) >= 4, f"{len(pings)} watchdog pings in 1 s, expected one every 0.2 s"
+        d.proc.send_signal(15)
+        messages = []
+        while not any(m.startswith("STOPPING=1") for m in messages):
+            messages.append(sock.recv(4096).decode())
+        assert d.proc.wait(20) == 0
+    finally:
+        log.close()
+        sock.close()
