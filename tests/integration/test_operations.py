@@ -132,3 +132,14 @@ def test_readiness_watchdog_and_stopping_reach_notify_socket(make_daemon, tmp_pa
     finally:
         log.close()
         sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus deploy files
+
+
+@pytest.mark.parametrize("args", [["check", "config", "deploy/prometheus.yml"], ["check", "rules", "deploy/alerts.yml"],
+                                  ["test", "rules", "tests/data/alerts_test.yml"]], ids=lambda a: " ".join(a[:2]))
+def test_the_prometheus_files_pass_promtool(args: list[str]) -> None:
+    r = subprocess.run([tool("promtool"), *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout + r.stderr, r.stdout + r.stderr
