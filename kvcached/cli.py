@@ -110,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvcached.logs import setup_logging
 
     setup_logging(config.log.level, config.log.format)
-    return serve(config)
+    return serve(config, reload=lambda: _load(args))
 
 
 def _certs(args: argparse.Namespace) -> int:

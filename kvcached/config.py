@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
@@ -263,9 +264,26 @@ class KvSection:
     gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", 3600.0)
 
 
+def _tcp_listen_list(v: list[str]) -> None:
+    for item in v:
+        if parse_listen(item).unix_path is not None:
+            raise ValueError(f"TCP listeners only (HOST:PORT), got {item!r}")
+    if len(set(v)) != len(v):
+        raise ValueError("lists the same listener twice")
+
+
 @dataclass(frozen=True)
 class GrpcSection:
     listen: list[str] = _key("gRPC listeners in gRPC syntax: \"unix:PATH\" and/or \"HOST:PORT\".", ["unix:var/kvcached.sock"], _listen_list)
+    socket_mode: str = _key("Permission bits of the gRPC Unix sockets, octal (who may call the API).", "0660", _octal_mode)
+    socket_group: str = _key("Group that owns the gRPC Unix sockets (name or number); \"\" keeps the daemon's group.", "")
+    tls: bool = _key("TCP listeners of grpc.listen serve mutual TLS: a client certificate from the CA is required.", False)
+    tls_cert: str = _key("PEM certificate of the TCP listeners (tls = true); \"\": quic.cert.", "")
+    tls_key: str = _key("PEM private key of tls_cert; \"\": quic.key.", "")
+    tls_ca: str = _key("PEM CA that signs the clients' certificates; \"\": quic.ca (the cluster CA).", "")
+    read_only_listen: list[str] = _key("TCP listeners for read-only calls by anyone who reaches them (TLS without client "
+                                       "certificates when tls = true).", [], _tcp_listen_list)
+    insecure: bool = _key("Allow plaintext TCP listeners on non-loopback addresses (read-only calls only).", False)
     max_message_mib: int = _key("Largest gRPC message either way, MiB; bigger payloads use GetStream/PutStream.", 64, None, int)
     grace_s: float = _key("Seconds in-flight requests get to finish on SIGTERM/SIGINT.", 5.0, _non_negative, (int, float))
 
@@ -351,6 +369,15 @@ class Config:
     @property
     def listeners(self) -> list[ListenAddress]:
         return [parse_listen(x) for x in self.grpc.listen]
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.grpc.socket_mode, 8)
+
+    def grpc_tls_files(self) -> tuple[str, str, str]:
+        """(certificate, key, CA) of the TLS TCP listeners: the [grpc] keys, else the [quic] ones."""
+        g, q = self.grpc, self.quic
+        return g.tls_cert or q.cert, g.tls_key or q.key, g.tls_ca or q.ca
 
 
 def documented_keys() -> dict[str, dict[str, tuple[str, Any]]]:
@@ -484,11 +511,84 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
                 raise ConfigError(f"quic.{name}", f"not readable: {value}")
     if quic.backoff_max_s < quic.backoff_s:
         raise ConfigError("quic.backoff_max_s", f"{quic.backoff_max_s:g} is less than quic.backoff_s = {quic.backoff_s:g}")
+    _check_grpc_security(config)
     unix_paths = [os.path.abspath(a.unix_path) for a in config.listeners if a.unix_path]
     if config.agent.socket and os.path.abspath(config.agent.socket) in unix_paths:
         raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")
 
 
+def _check_grpc_security(config: Config) -> None:
+    """No plaintext TCP listener on a non-loopback address without grpc.insecure; TLS needs its
+    three files."""
+    g = config.grpc
+    tcp = [a for a in config.listeners if not a.unix_path] + [parse_listen(x) for x in g.read_only_listen]
+    if g.tls:
+        for key, value in zip(("tls_cert", "tls_key", "tls_ca"), config.grpc_tls_files()):
+            fallback = {"tls_cert": "quic.cert", "tls_key": "quic.key", "tls_ca": "quic.ca"}[key]
+            if not value:
+                raise ConfigError(f"grpc.{key}", f"required when grpc.tls is true (or set {fallback})")
+            if not os.path.isfile(value) or not os.access(value, os.R_OK):
+                raise ConfigError(f"grpc.{key}", f"no such readable file: {value}")
+    elif not g.insecure:
+        public = [a.text for a in tcp if not a.is_loopback]
+        if public:
+            raise ConfigError("grpc.listen" if public[0] in g.listen else "grpc.read_only_listen",
+                              f"plaintext gRPC on the non-loopback address {public[0]}: anyone on the network could "
+                              "call it. Set grpc.tls = true (mutual TLS with the cluster CA), listen on loopback, or "
+                              "set grpc.insecure = true to allow it anyway")
+
+
 def as_mapping(config: Config) -> Mapping[str, Mapping[str, Any]]:
     """The effective configuration as plain data (for logs and `kvcached serve --print-config`)."""
     return dataclasses.asdict(config)
+
+
+SECRET_KEYS = {("quic", "ca"), ("quic", "cert"), ("quic", "key"), ("grpc", "tls_cert"), ("grpc", "tls_key"),
+               ("grpc", "tls_ca")}
+
+
+def to_toml(config: Config, *, redact: bool = True) -> str:
+    """The configuration as a TOML file ``load_config`` reads back; with ``redact``, key files and
+    certificate paths read ``"<redacted>"`` (they say where the cluster's secrets live)."""
+    lines: list[str] = []
+    for section, table in as_mapping(config).items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            if redact and (section, key) in SECRET_KEYS and value:
+                value = "<redacted>"
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)          # a JSON string is a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+# Keys SIGHUP applies while the daemon serves; any other change waits for a restart.
+RELOADABLE = frozenset({("log", "level"), ("kv", "ssd_ttl"), ("kv", "gone_ttl")})
+
+
+def changed_keys(old: Config, new: Config) -> list[tuple[str, str]]:
+    """(section, key) of every value that differs between two configurations."""
+    a, b = as_mapping(old), as_mapping(new)
+    return [(section, key) for section in a for key in a[section] if a[section][key] != b[section][key]]
+
+
+def with_reloaded(old: Config, new: Config) -> Config:
+    """``old`` with the reloadable keys taken from ``new``."""
+    sections = {name: getattr(old, name) for name in SECTIONS}
+    for section, key in changed_keys(old, new):
+        if (section, key) in RELOADABLE:
+            sections[section] = dataclasses.replace(sections[section], **{key: getattr(getattr(new, section), key)})
+    return Config(**sections)

@@ -19,18 +19,20 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvcached import __version__
+from kvcached.api.access import ReadOnly
+from kvcached.api.admin_service import AdminService
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_service import KvCacheService
-from kvcached.config import Config, ListenAddress, parse_listen
+from kvcached.config import RELOADABLE, Config, ConfigError, ListenAddress, changed_keys, parse_listen, with_reloaded
 from kvcached.index import BlockIndex
-from kvcached.logs import fields
+from kvcached.logs import fields, set_level
 from kvcached.metrics import start_metrics
 from kvcached.systemd import Notifier
 from kvcached.peers.tier import PeerSettings, PeerTier
@@ -48,6 +50,7 @@ __all__ = ["Daemon", "StartupError", "serve"]
 log = logging.getLogger("kvcached.daemon")
 
 SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KvCache"].full_name
+ADMIN_SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 MAINTENANCE_PERIOD_S = 5.0
 DEMOTE_PERIOD_S = 1.0
 EVICT_PERIOD_S = 1.0
@@ -120,14 +123,16 @@ def _group_id(group: str) -> int:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, reload: Callable[[], Config] | None = None) -> None:
         self.config = config
+        self._load_config = reload
         self.started_at = time.time()
         self.index: BlockIndex | None = None
         self.arena: SharedArena | None = None
         self.store: Store | None = None
         self.ssd: SsdTier | None = None
         self.server: grpc.aio.Server | None = None
+        self.read_only_server: grpc.aio.Server | None = None
         self.agents: AgentServer | None = None
         self.peers: PeerTier | None = None
         self.health: Any = None
@@ -139,6 +144,8 @@ class Daemon:
         self._stop = asyncio.Event()
         self._winding_down = asyncio.Event()   # background loops end after their current round
         self.notifier = Notifier()              # systemd (Type=notify); a no-op elsewhere
+        self.index_reconcile: dict[str, Any] = {}        # the boot reconcile's counts (Admin ReconcileStatus)
+        self.ssd_reconcile_summary: dict[str, Any] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -152,8 +159,6 @@ class Daemon:
         for address in listeners:
             if address.unix_path:
                 claim_unix_socket(address.unix_path)
-            elif not address.is_loopback:
-                log.warning("plaintext gRPC on a non-loopback address", extra=fields(listen=address.text))
         self.index = self._open_index()
         self.arena = SharedArena(cfg.ram_bytes)
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(cfg.kv.ram_policy))
@@ -264,7 +269,8 @@ class Daemon:
         if self._stopping.is_set():
             return
         self.store.finish_ssd_reconcile(report)
-        log.info("SSD tier reconciled", extra=fields(**report.summary()))
+        self.ssd_reconcile_summary = report.summary()
+        log.info("SSD tier reconciled", extra=fields(**self.ssd_reconcile_summary))
         self.notifier.status("serving")
 
     def _reconcile_status(self, phase: str, seen: int) -> None:
@@ -322,37 +328,78 @@ class Daemon:
                                  extend_timeout_s=INDEX_PROGRESS_GRACE_S)
 
         counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000)
+        self.index_reconcile = {**counts, "elapsed_s": round(time.monotonic() - t0, 3)}
         if counts["seen"]:
             log.info("index reconciled", extra=fields(**counts, elapsed_s=round(time.monotonic() - t0, 3)))
         return index
 
     async def _start_grpc(self, listeners: list[ListenAddress]) -> None:
+        """The gRPC listeners, on two servers (kvcached.api.access says who may call what): the
+        full API on the Unix sockets and mutual-TLS TCP listeners; read-only calls on plaintext
+        TCP listeners and grpc.read_only_listen."""
+        cfg = self.config
+        tcp = [a for a in listeners if not a.unix_path]
+        full = [a for a in listeners if a.unix_path] + (tcp if cfg.grpc.tls else [])
+        read_only = ([] if cfg.grpc.tls else tcp) + [parse_listen(x) for x in cfg.grpc.read_only_listen]
+        credentials = self._tls_credentials() if cfg.grpc.tls else None
+        self.health = health.aio.HealthServicer()
+        self.server = await self._grpc_server(full, credentials, read_only=False)
+        if read_only:
+            self.read_only_server = await self._grpc_server(
+                read_only, self._tls_credentials(require_client_auth=False) if cfg.grpc.tls else None, read_only=True)
+        gid = _group_id(cfg.grpc.socket_group) if cfg.grpc.socket_group else -1
+        for address in listeners:
+            if address.unix_path:
+                self._own_sockets.append(address.unix_path)
+                os.chmod(address.unix_path, cfg.socket_mode_bits)
+                if gid >= 0:
+                    os.chown(address.unix_path, -1, gid)
+        for name in ("", SERVICE_NAME, ADMIN_SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def _tls_credentials(self, require_client_auth: bool = True) -> grpc.ServerCredentials:
+        cert, key, ca = self.config.grpc_tls_files()
+        try:
+            with open(key, "rb") as k, open(cert, "rb") as c, open(ca, "rb") as a:
+                return grpc.ssl_server_credentials([(k.read(), c.read())], root_certificates=a.read(),
+                                                   require_client_auth=require_client_auth)
+        except OSError as exc:
+            raise StartupError(f"grpc.tls_cert/tls_key/tls_ca: {exc}") from None
+
+    async def _grpc_server(self, addresses: list[ListenAddress], credentials: grpc.ServerCredentials | None, *,
+                           read_only: bool) -> grpc.aio.Server:
         assert self.store is not None
         limit = self.config.grpc.max_message_mib << 20
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[ReadOnly()] if read_only else None, options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
         ])
         kvcache_pb2_grpc.add_KvCacheServicer_to_server(
             KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at), server)
-        self.health = health.aio.HealthServicer()
+        kvcache_pb2_grpc.add_AdminServicer_to_server(AdminService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        for address in listeners:
+            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        for address in addresses:
+            tls = credentials is not None and address.unix_path is None
             try:
-                port = server.add_insecure_port(address.text)
+                port = (server.add_secure_port(address.text, credentials) if tls
+                        else server.add_insecure_port(address.text))
             except RuntimeError as exc:
                 raise StartupError(f"grpc.listen {address.text}: cannot listen ({exc})") from None
             if address.unix_path is None and port == 0:
                 raise StartupError(f"grpc.listen {address.text}: cannot listen (address in use?)")
-            log.info("grpc listening", extra=fields(listen=address.text if address.unix_path else f"{address.host}:{port}"))
+            where = address.text if address.unix_path else f"{address.host}:{port}"
+            security = ("unix socket" if address.unix_path else
+                        "mutual TLS" if tls and not read_only else "TLS" if tls else "plaintext")
+            log.info("grpc listening", extra=fields(listen=where, security=security,
+                                                    calls="read-only" if read_only else "all"))
+            if address.unix_path is None and not tls and not address.is_loopback:
+                log.warning("plaintext gRPC on a non-loopback address (grpc.insecure): read-only calls, unencrypted",
+                            extra=fields(listen=where))
         await server.start()
-        self._own_sockets += [a.unix_path for a in listeners if a.unix_path]
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.server = server
+        return server
 
     async def _maintenance(self) -> None:
         """About every few seconds: flush last-seen times; now and then prune old tombstones.
@@ -386,11 +433,37 @@ class Daemon:
             self.notifier.stopping()
             self._stop.set()
 
+    def reload(self) -> None:
+        """SIGHUP: read the configuration again and apply what can change while serving
+        (config.RELOADABLE); a bad file changes nothing, and other changes wait for a restart."""
+        if self._load_config is None:
+            log.warning("SIGHUP ignored: this daemon has no configuration file to read again")
+            return
+        self.notifier.notify(reloading=1, monotonic_usec=time.monotonic_ns() // 1000)
+        try:
+            try:
+                new = self._load_config()
+            except ConfigError as exc:
+                log.error("reload refused; nothing changed", extra=fields(reason=str(exc)))
+                return
+            changed = changed_keys(self.config, new)
+            applied = [f"{s}.{k}" for s, k in changed if (s, k) in RELOADABLE]
+            later = [f"{s}.{k}" for s, k in changed if (s, k) not in RELOADABLE]
+            self.config = with_reloaded(self.config, new)
+            set_level(self.config.log.level)
+            if self.store is not None:
+                self.store.ssd_ttl, self.store.gone_ttl = self.config.kv.ssd_ttl, self.config.kv.gone_ttl
+            log.warning("configuration reloaded", extra=fields(applied=",".join(applied) or None,
+                                                               needs_restart=",".join(later) or None))
+        finally:
+            self.notifier.notify(ready=1, status="serving")
+
     async def run(self) -> None:
         """Start, serve until SIGTERM/SIGINT, stop cleanly."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             await self.start()
             await self._stop.wait()
@@ -402,8 +475,9 @@ class Daemon:
         is closed whatever happened before."""
         if self.health is not None:
             await self._step("health", self.health.enter_graceful_shutdown())
-        if self.server is not None:
-            await self._step("grpc", self.server.stop(self.config.grpc.grace_s))
+        for server in (self.server, self.read_only_server):
+            if server is not None:
+                await self._step("grpc", server.stop(self.config.grpc.grace_s))
         if self.agents is not None:
             await self._step("agent socket", self.agents.stop())
         if self.peers is not None:
@@ -471,15 +545,16 @@ async def _woken_or_after(event: asyncio.Event, seconds: float, stop: asyncio.Ev
     event.clear()
 
 
-def serve(config: Config) -> int:
-    """Run the daemon in this process on uvloop; returns the exit code."""
+def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """Run the daemon in this process on uvloop; returns the exit code. ``reload`` reads the
+    configuration again (SIGHUP)."""
     import uvloop
 
     if not tune_malloc():
         log.warning("mallopt unavailable (not glibc?): large calls will page-fault their buffers")
 
     async def main() -> None:
-        await Daemon(config).run()
+        await Daemon(config, reload).run()
 
     try:
         uvloop.run(main())

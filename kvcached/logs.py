@@ -13,7 +13,10 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["setup_logging", "fields"]
+__all__ = ["setup_logging", "set_level", "fields", "LEVELS"]
+
+LEVELS = ("debug", "info", "warning", "error")
+_THIRD_PARTY = ("grpc", "asyncio", "aioquic", "quic")
 
 
 def fields(**kv: Any) -> dict[str, Any]:
@@ -52,7 +55,18 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    # third-party chatter stays at warning unless we debug
-    for name in ("grpc", "asyncio", "aioquic", "quic"):
-        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    set_level(level)
+
+
+def set_level(level: str, logger: str = "") -> str:
+    """Set a logger's level (``""``: the daemon's root logger, and with it third-party chatter,
+    which stays at warning unless the level is debug); returns the previous level's name."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
+    target = logging.getLogger(logger or None)
+    previous = logging.getLevelName(target.getEffectiveLevel()).lower()
+    target.setLevel(level.upper())
+    if not logger:
+        for name in _THIRD_PARTY:
+            logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    return previous

@@ -730,19 +730,21 @@ class Store:
 
     # -- delete -------------------------------------------------------------------------------
 
-    async def delete(self, addresses: Sequence[BlockAddress]) -> tuple[int, int]:
+    async def delete(self, addresses: Sequence[BlockAddress], *, skip_busy: bool = False) -> tuple[int, int]:
         """Remove blocks from every tier and the index; returns (deleted, not_found). Waits for
         the daemon's own SSD writes and reads of them to finish; a block that a client is
-        reading or writing raises FailedPrecondition and nothing is deleted."""
+        reading or writing raises FailedPrecondition and nothing is deleted, or with
+        ``skip_busy`` is left alone (counted in neither number)."""
         addresses = list(dict.fromkeys(addresses))   # the same block twice counts once
         keys = [a.key for a in addresses]
         while waits := {id(f): f for k in keys
                         if (f := self._demoting.get(k) or self._promoting.get(k) or self._hashing.get(k)) is not None}:
             await asyncio.wait(waits.values())
-        for address, key in zip(addresses, keys):
-            busy = self.ram.busy_reason(key)
-            if busy is not None:
-                raise FailedPrecondition(f"block {address} is in use ({busy}); nothing was deleted")
+        busy_keys = {key: busy for key in keys if (busy := self.ram.busy_reason(key)) is not None}
+        if busy_keys and not skip_busy:
+            address = next(a for a in addresses if a.key in busy_keys)
+            raise FailedPrecondition(f"block {address} is in use ({busy_keys[address.key]}); nothing was deleted")
+        keys = [k for k in keys if k not in busy_keys]
         records = self.index.get_many(keys)
         deleted = 0
         for key, record in zip(keys, records):
@@ -759,6 +761,71 @@ class Store:
                     self.ssd.remove_now(key, _header(record))
         self.counters.deletes += deleted
         return deleted, len(keys) - deleted
+
+    # -- an operator's evictions (Admin Evict, Drain) ----------------------------------------
+
+    def drop_from_ram(self, keys: Sequence[bytes]) -> tuple[int, int, int]:
+        """Drop the RAM copies of these blocks; returns (dropped, busy, absent). With an SSD
+        tier only copies already on SSD go (the index keeps the SSD copy); without one, any idle
+        block goes and becomes a tombstone, as an eviction would. Blocks being read, written or
+        written back, and dirty ones, count as busy."""
+        victims: list[RamBlock] = []
+        busy = absent = 0
+        keys = list(dict.fromkeys(keys))
+        on_ssd = ([r is not None and bool(r.tiers & Tier.SSD) for r in self.index.get_many(keys)]
+                  if self.ssd is not None else [True] * len(keys))
+        for key, kept in zip(keys, on_ssd):
+            block = self.ram.get(key)
+            if block is None:
+                absent += 1
+            elif block.refs != 0 or key in self._demoting or key in self._hashing or not kept:
+                busy += 1
+            else:
+                victims.append(block)
+        if victims:
+            self.ram.drop(victims)
+            self._write_index()
+        return len(victims), busy, absent
+
+    async def write_back_all(self) -> int:
+        """Write every block only RAM holds to SSD (Drain): the dirty ones, and clean ones whose
+        SSD copy was evicted. Returns how many were published; stops when a round publishes
+        nothing (the SSD failing, or only busy blocks left)."""
+        if self.ssd is None:
+            return 0
+        keys = [b.key for b in self.ram.blocks() if b.clean]
+        for key, record in zip(keys, self.index.get_many(keys)):
+            block = self.ram.get(key)
+            if block is not None and record is not None and record.present and not record.tiers & Tier.SSD:
+                self.ram.mark_dirty(block)
+        written = 0
+        while self.ram.dirty and (n := await self.demote()):
+            written += n
+        return written
+
+    async def drop_from_ssd(self, keys: Sequence[bytes]) -> tuple[int, int, int]:
+        """Remove the SSD copies of these blocks; returns (dropped, busy, absent). A copy in RAM
+        stays (RAM only from now on); blocks being promoted or written back count as busy."""
+        if self.ssd is None:
+            return 0, 0, len(keys)
+        keys = list(dict.fromkeys(keys))
+        records = self.index.get_many(keys)
+        victims: list[tuple[bytes, BlockHeader]] = []
+        busy = absent = 0
+        for key, record in zip(keys, records):
+            if record is None or not record.tiers & Tier.SSD:
+                absent += 1
+            elif key in self._promoting or key in self._demoting:
+                busy += 1
+            else:
+                victims.append((key, _header(record)))
+        if victims:
+            dropped = [k for k, _ in victims]
+            self.index.write(self.index.without_tier(dropped, Tier.SSD, GoneReason.EVICTED, self.clock()))
+            # The index first: a crash leaves an orphan file, never a dangling record. A copy in
+            # RAM stays clean, as after evict_ssd, so write-back does not undo the eviction.
+            await self.ssd.remove_many(victims)
+        return len(victims), busy, absent
 
     # -- listing and stats --------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, DIGEST_BYTES, BlockAddress
 from kvcached_agent.protocol import MAX_BATCH
 
-__all__ = ["KvCacheService"]
+__all__ = ["KvCacheService", "errors_to_status"]
 
 log = logging.getLogger("kvcached.api.grpc")
 
@@ -52,7 +52,7 @@ def _status_of(exc: KvError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _errors_to_status(handler: F) -> F:
+def errors_to_status(handler: F) -> F:
     """Turn store errors into gRPC statuses; anything unexpected is logged and INTERNAL."""
 
     @functools.wraps(handler)
@@ -103,14 +103,14 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         self.max_message_bytes = max_message_bytes
         self.started_at = time.time() if started_at is None else started_at
 
-    @_errors_to_status
+    @errors_to_status
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         items = [PutItem(address_from_pb(b.address, f"blocks[{i}].address"), b.payload, b.model, b.checksum)
                  for i, b in enumerate(request.blocks)]
         result = await self.store.put(items)
         return pb.PutResponse(stored=result.stored, already_present=result.present)
 
-    @_errors_to_status
+    @errors_to_status
     async def PutStream(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         limit = self.store.max_block_bytes
         stored = present = 0
@@ -144,7 +144,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             await finish()
         return pb.PutResponse(stored=stored, already_present=present)
 
-    @_errors_to_status
+    @errors_to_status
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
         addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
         total = self.store.stored_bytes(addresses) + 128 * len(addresses)
@@ -187,19 +187,19 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             for entry in held[done:]:
                 self.store.unpin(entry)
 
-    @_errors_to_status
+    @errors_to_status
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         layer = request.layer if request.HasField("layer") else CROSS_LAYER
         r = self.store.lookup(list(request.digests), layer)
         return pb.LookupResponse(longest=r.longest, gpu=r.gpu, ram=r.ram, ssd=r.ssd, peer=r.peer)
 
-    @_errors_to_status
+    @errors_to_status
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
         deleted, missing = await self.store.delete(addresses)
         return pb.DeleteResponse(deleted=deleted, not_found=missing)
 
-    @_errors_to_status
+    @errors_to_status
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         s = self.store.stats()
         ram = pb.TierStats(tier=pb.TIER_RAM, blocks=s["ram_blocks"], bytes=s["ram_bytes"],
@@ -220,7 +220,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             agents=s["agents"], agent_held_bytes=s["held_bytes"], gpu_blocks=s["gpu_blocks"],
             **_peer_stats(self.store))
 
-    @_errors_to_status
+    @errors_to_status
     async def Overlap(self, request: pb.OverlapRequest, context: grpc.aio.ServicerContext) -> pb.OverlapResponse:
         digests = list(request.digests)
         if len(digests) > MAX_BATCH:
@@ -232,7 +232,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                                                           prefix=prefix)
                                           for info, prefix in self.store.gpu.overlap(digests)])
 
-    @_errors_to_status
+    @errors_to_status
     async def ListBlocks(self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext) -> pb.ListBlocksResponse:
         tier = _TIER_FILTER.get(request.tier)
         if tier is None:

@@ -68,6 +68,7 @@ class RamTier:
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
         self.evictions = 0
         self.dirty_evictions = 0     # evicted with no copy on SSD: their bytes are gone
+        self.dropped = 0             # dropped on an operator's request (Admin Evict, Drain)
         self.dirty: dict[bytes, None] = {}   # committed dirty blocks, oldest first
         self.dirty_bytes = 0
         self.prefer_clean = False
@@ -223,6 +224,17 @@ class RamTier:
             raise BlockBusy("block is being written" if block.refs == WRITING else f"block has {block.refs} readers")
         self._drop(block)
         return True
+
+    def drop(self, blocks: list[RamBlock]) -> None:
+        """Drop idle blocks on request (not for room): counted apart from evictions, reported to
+        ``on_evict`` as evictions are, so the index learns the RAM copy is gone."""
+        for block in blocks:
+            if block.refs != 0:
+                raise BlockBusy(f"block has {block.refs} readers" if block.refs > 0 else "block is being written")
+        for block in blocks:
+            self._drop(block)
+        self.dropped += len(blocks)
+        self.on_evict(blocks)
 
     def _drop(self, block: RamBlock) -> None:
         if self.dirty.pop(block.key, 0) is None:

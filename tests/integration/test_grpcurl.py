@@ -26,7 +26,8 @@ def b64(raw: bytes) -> str:
 def test_list_and_describe(daemon) -> None:
     r = grpcurl(daemon, "list")
     assert r.returncode == 0, r.stderr
-    assert set(r.stdout.split()) == {"kvcached.v1.KvCache", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    assert set(r.stdout.split()) == {"kvcached.v1.KvCache", "kvcached.v1.Admin", "grpc.health.v1.Health",
+                                     "grpc.reflection.v1alpha.ServerReflection"}
     r = grpcurl(daemon, "describe", "kvcached.v1.KvCache")
     assert r.returncode == 0, r.stderr
     for method in ("Put", "PutStream", "Get", "GetStream", "Lookup", "Delete", "Stats", "ListBlocks"):

@@ -1,0 +1,150 @@
+"""The gRPC Admin service: operating one daemon (docs/admin.md).
+
+A thin translation, as grpc_service.py is: selectors and tiers from protobuf, the work in the
+store (Store.delete, drop_from_ram, drop_from_ssd, demote) and the daemon (configuration,
+reconcile reports, peers). Who may call the state-changing calls is decided before a call gets
+here, by the listener it came in on (kvcached.api.access).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, AsyncIterator
+
+import grpc
+
+from kvcached.api.grpc_service import errors_to_status
+from kvcached.config import to_toml
+from kvcached.errors import FailedPrecondition, InvalidArgument
+from kvcached.logs import set_level
+from kvcached.v1 import kvcache_pb2 as pb
+from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
+from kvcached_agent.address import CROSS_LAYER, DIGEST_BYTES, BlockAddress
+
+if TYPE_CHECKING:
+    from kvcached.daemon import Daemon
+
+__all__ = ["AdminService"]
+
+log = logging.getLogger("kvcached.admin")
+
+EVICT_SLICE = 1000        # blocks evicted per slice before requests get the loop back
+
+
+class AdminService(pb_grpc.AdminServicer):
+    def __init__(self, daemon: "Daemon") -> None:
+        self.daemon = daemon
+
+    @property
+    def store(self):  # type: ignore[no-untyped-def]
+        assert self.daemon.store is not None
+        return self.daemon.store
+
+    @errors_to_status
+    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
+        tier = {pb.TIER_UNSPECIFIED: "all", pb.TIER_RAM: "ram", pb.TIER_SSD: "ssd"}.get(request.tier)
+        if tier is None:
+            raise InvalidArgument(f"tier must be TIER_RAM, TIER_SSD or unset (every tier), got {pb.Tier.Name(request.tier)}")
+        if tier == "ssd" and self.store.ssd is None:
+            raise FailedPrecondition("this daemon has no SSD tier (kv.ssd_gib = 0)")
+        if bool(request.model) == bool(request.digests):
+            raise InvalidArgument("name either a model or digests (one of the two)")
+        evicted = busy = absent = 0
+        async for addresses in self._selected(request):
+            if tier == "all":
+                deleted, missing = await self.store.delete(addresses, skip_busy=True)
+                counts = (deleted, len(set(addresses)) - deleted - missing, missing)
+            elif tier == "ram":
+                counts = self.store.drop_from_ram([a.key for a in addresses])
+            else:
+                counts = await self.store.drop_from_ssd([a.key for a in addresses])
+            evicted, busy, absent = evicted + counts[0], busy + counts[1], absent + counts[2]
+            await asyncio.sleep(0)
+        log.info("evicted on request", extra={"fields": {"model": request.model or None, "tier": tier,
+                                                         "evicted": evicted, "busy": busy}})
+        return pb.EvictResponse(evicted=evicted, busy=busy, not_found=absent)
+
+    async def _selected(self, request: pb.EvictRequest) -> AsyncIterator[list[BlockAddress]]:
+        """The request's blocks in slices: its digests, or every indexed block of its model."""
+        if request.digests:
+            for i, digest in enumerate(request.digests):
+                if len(digest) != DIGEST_BYTES:
+                    raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes")
+            layer = request.layer if request.HasField("layer") else CROSS_LAYER
+            addresses = [BlockAddress(d, layer) for d in request.digests]
+            for i in range(0, len(addresses), EVICT_SLICE):
+                yield addresses[i:i + EVICT_SLICE]
+            return
+        token = b""
+        while True:        # the listing is taken in pages first: evicting changes what it walks
+            records, token = self.store.list_blocks(model=request.model, page_token=token, page_size=EVICT_SLICE)
+            if records:
+                yield [BlockAddress(r.digest, r.layer) for r in records]
+            if not token:
+                return
+            await asyncio.sleep(0)
+
+    @errors_to_status
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        if request.tier != pb.TIER_RAM:
+            raise InvalidArgument("only the RAM tier can be drained (TIER_RAM); to empty the SSD tier, Evict "
+                                  "with tier TIER_SSD")
+        store = self.store
+        if store.ssd is None:
+            raise FailedPrecondition("this daemon has no SSD tier: draining RAM would lose every block "
+                                     "(use Evict or Delete to drop blocks on purpose)")
+        written = await store.write_back_all()
+        dropped = busy = 0
+        keys = [block.key for block in store.ram.blocks()]
+        for i in range(0, len(keys), EVICT_SLICE):
+            d, b, _ = store.drop_from_ram(keys[i:i + EVICT_SLICE])
+            dropped, busy = dropped + d, busy + b
+            await asyncio.sleep(0)
+        log.info("RAM tier drained", extra={"fields": {"written_back": written, "dropped": dropped, "busy": busy}})
+        return pb.DrainResponse(written_back=written, dropped=dropped, busy=busy)
+
+    @errors_to_status
+    async def GetConfig(self, request: pb.GetConfigRequest,
+                        context: grpc.aio.ServicerContext) -> pb.GetConfigResponse:
+        return pb.GetConfigResponse(toml=to_toml(self.daemon.config))
+
+    @errors_to_status
+    async def ListAgents(self, request: pb.ListAgentsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListAgentsResponse:
+        return pb.ListAgentsResponse(agents=[
+            pb.AgentInfo(session=a.session, agent_id=a.agent_id, pid=a.pid, gpu_blocks=len(a.blocks))
+            for a in self.store.gpu.agents()])
+
+    @errors_to_status
+    async def ListPeers(self, request: pb.ListPeersRequest, context: grpc.aio.ServicerContext) -> pb.ListPeersResponse:
+        peers = self.daemon.peers
+        stats = peers.stats()["peers"] if peers is not None else {}
+        out = []
+        for entry in self.daemon.config.quic.peers:
+            st = stats.get(entry["name"], {})
+            out.append(pb.PeerInfo(name=entry["name"], address=entry["address"], state=st.get("state", ""),
+                                   up=st.get("up", False), connected=st.get("connected", False),
+                                   blocks=st.get("blocks", 0), last_error=st.get("last_error") or ""))
+        return pb.ListPeersResponse(peers=out)
+
+    @errors_to_status
+    async def ReconcileStatus(self, request: pb.ReconcileStatusRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ReconcileStatusResponse:
+        d = self.daemon
+        summary = d.ssd_reconcile_summary
+        return pb.ReconcileStatusResponse(
+            index_records=d.index_reconcile.get("seen", 0), index_seconds=d.index_reconcile.get("elapsed_s", 0.0),
+            ssd_enabled=d.ssd is not None, ssd_done=self.store.ssd_reconciled if d.ssd is not None else False,
+            ssd_summary=" ".join(f"{k}={v}" for k, v in summary.items()))
+
+    @errors_to_status
+    async def SetLogLevel(self, request: pb.SetLogLevelRequest,
+                          context: grpc.aio.ServicerContext) -> pb.SetLogLevelResponse:
+        try:
+            previous = set_level(request.level, request.logger)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        log.warning("log level changed", extra={"fields": {"logger": request.logger or "root", "level": request.level,
+                                                           "previous": previous}})
+        return pb.SetLogLevelResponse(previous=previous)
