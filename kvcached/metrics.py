@@ -66,10 +66,12 @@ class StoreCollector(Collector):
         yield integrity
         ev = CounterMetricFamily("kvcached_evictions", "Blocks evicted per tier and reason", labels=["tier", "reason"])
         ev.add_metric(["ram", "capacity"], s["ram_evictions"])
+        ev.add_metric(["ram", "admin"], s["ram_dropped"])
         if ssd:
             ev.add_metric(["ram", "dirty_dropped"], s["ram_dirty_evictions"])
             ev.add_metric(["ssd", "ttl"], s["ssd_evictions_ttl"])
             ev.add_metric(["ssd", "capacity"], s["ssd_evictions_capacity"])
+            ev.add_metric(["ssd", "admin"], s["ssd_evictions_admin"])
         yield ev
         if not ssd:
             return

@@ -131,6 +131,7 @@ class Counters:
     demotions: int = 0
     ssd_evictions_ttl: int = 0
     ssd_evictions_capacity: int = 0
+    ssd_evictions_admin: int = 0
     ssd_corrupt: int = 0
 
 
@@ -825,6 +826,7 @@ class Store:
             # The index first: a crash leaves an orphan file, never a dangling record. A copy in
             # RAM stays clean, as after evict_ssd, so write-back does not undo the eviction.
             await self.ssd.remove_many(victims)
+            self.counters.ssd_evictions_admin += len(victims)
         return len(victims), busy, absent
 
     # -- listing and stats --------------------------------------------------------------------
@@ -864,6 +866,7 @@ class Store:
             "ram_reserved_bytes": self.ram.slabs.reserved_bytes,
             "ram_capacity_bytes": self.ram.capacity,
             "ram_evictions": self.ram.evictions,
+            "ram_dropped": self.ram.dropped,
             "index_entries": self.index.count_estimate(),
             "puts": c.puts, "put_bytes": c.put_bytes, "hits": c.hits, "misses": c.misses,
             "hit_bytes": c.hit_bytes, "lookups": c.lookups, "deletes": c.deletes,
@@ -877,6 +880,7 @@ class Store:
             out |= {
                 "ssd_blocks": self.ssd.blocks, "ssd_bytes": self.ssd.payload_bytes, "ssd_file_bytes": self.ssd.used_bytes, "ssd_capacity_bytes": self.ssd.capacity,
                 "ssd_evictions_ttl": c.ssd_evictions_ttl, "ssd_evictions_capacity": c.ssd_evictions_capacity,
+                "ssd_evictions_admin": c.ssd_evictions_admin,
                 "ssd_corrupt": c.ssd_corrupt, "ssd_reads": sc.reads, "ssd_read_bytes": sc.read_bytes,
                 "ssd_writes": sc.writes, "ssd_write_bytes": sc.write_bytes,
                 "ssd_file_bytes_written": sc.file_bytes_written, "ssd_write_errors": sc.write_errors,

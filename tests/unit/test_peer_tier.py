@@ -555,3 +555,37 @@ def test_a_peer_that_vanishes_mid_answer_leaves_nothing_pinned(tmp_path: Path,
             await c.connected()
             await get_exact(c[B], range(n))           # A goes on serving its real peer
     asyncio.run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+
+
+def test_peer_metrics_count_pulls_and_show_peers_up(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvcached.metrics import StoreCollector
+
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            a, b, n = c[A], c[B], 3
+            b.store.reads.time_reads(["ram", "peer"])
+            await a.store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await get_exact(b, range(n))
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(StoreCollector(b.store))
+            samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for family in text_string_to_metric_families(generate_latest(registry).decode())
+                       for s in family.samples}
+            assert samples[("kvcached_quic_pulls_total", (("outcome", "ok"),))] == n
+            assert samples[("kvcached_quic_pulls_total", (("outcome", "corrupt"),))] == 0
+            assert samples[("kvcached_peer_up", (("peer", A),))] == 1
+            assert samples[("kvcached_peer_blocks", (("peer", A),))] == n
+            assert samples[("kvcached_hits_total", (("tier", "peer"),))] == n
+            assert samples[("kvcached_misses_total", (("tier", "ram"),))] == n
+            assert samples[("kvcached_integrity_failures_total", (("tier", "peer"),))] == 0
+            assert samples[("kvcached_lookup_seconds_count", (("outcome", "hit"), ("tier", "peer")))] == 1
+            assert samples[("kvcached_quic_served_blocks_total", ())] == 0 and a.t.counters.served == n
+    asyncio.run(body())
