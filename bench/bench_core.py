@@ -180,12 +180,13 @@ class Proc:
                 self.proc.wait()
 
 
-def wait_grpc(proc: Proc, target: str, timeout: float = 60.0) -> Any:
-    """A ready grpc channel to ``target``; raises with the server's log if it died or hung."""
+def wait_grpc(proc: Proc, target: str, timeout: float = 60.0, max_message: int = MAX_MESSAGE) -> Any:
+    """A ready grpc channel to ``target`` taking messages up to ``max_message`` bytes either way;
+    raises with the server's log if it died or hung."""
     import grpc
 
     channel = grpc.insecure_channel(target, options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
+        ("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)])
     deadline = time.monotonic() + timeout
     while True:
         if not proc.alive():
@@ -200,9 +201,12 @@ def wait_grpc(proc: Proc, target: str, timeout: float = 60.0) -> Any:
                 raise RuntimeError(f"{proc.name} not ready after {timeout:.0f} s:\n{proc.tail()}") from None
 
 
-def start_kvcached(stack: contextlib.ExitStack, tmp: Path, ram_gib: float, extra: Sequence[str] = ()) -> tuple[Proc, Any]:
+def start_kvcached(stack: contextlib.ExitStack, tmp: Path, ram_gib: float, extra: Sequence[str] = (),
+                   max_message: int = MAX_MESSAGE) -> tuple[Proc, Any]:
     """A ``kvcached serve`` subprocess with all its state in ``tmp`` (gRPC on ``tmp/kvcached.sock``,
-    agent socket ``tmp/agent.sock``) and a ready gRPC channel to it; ``extra``: more --set values."""
+    agent socket ``tmp/agent.sock``) and a ready gRPC channel to it; ``extra``: more --set values.
+    ``max_message``: the channel's message limit, bytes (raise the daemon's own with
+    ``grpc.max_message_mib`` in ``extra``)."""
     exe = Path(sys.executable).with_name("kvcached")
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvcached.cli"]
     sets = [f"kv.ram_gib={ram_gib}", f'grpc.listen=["unix:{tmp}/kvcached.sock"]', 'metrics.listen=""',
@@ -210,7 +214,7 @@ def start_kvcached(stack: contextlib.ExitStack, tmp: Path, ram_gib: float, extra
     argv = [*base, "serve", "--config", str(CONFIG)] + [a for s in sets for a in ("--set", s)]
     proc = Proc("kvcached", argv, cwd=tmp, log=tmp / "kvcached.log")
     stack.callback(proc.stop)
-    channel = wait_grpc(proc, f"unix:{tmp}/kvcached.sock")
+    channel = wait_grpc(proc, f"unix:{tmp}/kvcached.sock", max_message=max_message)
     stack.callback(channel.close)
     return proc, channel
 

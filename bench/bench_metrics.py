@@ -9,7 +9,8 @@ side's figure its median round, the ratio the median of the per-round ratios:
 
 1. In process, where the cost is most visible: Store.lookup of a 16-block chain and Store.get
    of one 4 KiB block, all in RAM, on a real Store (memfd arena, RocksDB index in a temp dir),
-   with read timing on (ReadStats.time_reads, as the daemon does when metrics are on) and off.
+   with read timing on (ReadStats.time_reads, as the daemon does when metrics are on) and off:
+   the same store, the histograms switched on and off between rounds, so only that differs.
 2. Through the daemon: two ``kvcached serve`` processes, one with ``metrics.listen`` on a free
    port and one with ``metrics.listen = ""``, the same blocks put on each; gRPC Lookup and Get
    over their Unix sockets from this process, one call at a time. Prometheus scrapes the
@@ -87,31 +88,34 @@ def in_process(rounds: int, calls: int, tmp: Path) -> list[Row]:
     from kvcached_agent.address import BlockAddress
 
     loop = asyncio.new_event_loop()
-    arenas: list[Any] = []
-    stores: dict[str, Any] = {}
+    arena = SharedArena(64 * MiB, name="kvcbench-metrics")
+    store = Store(RamTier(arena, MiB, ClockPolicy()), BlockIndex(str(tmp / "index")))
     try:
-        for name in ("on", "off"):
-            arenas.append(SharedArena(64 * MiB, name=f"kvcbench-metrics-{name}"))
-            store = Store(RamTier(arenas[-1], MiB, ClockPolicy()), BlockIndex(str(tmp / f"index-{name}")))
-            if name == "on":
-                store.reads.time_reads(["ram"])        # what the daemon does when metrics are on
-            stores[name] = store
         chain = [os.urandom(32) for _ in range(CHAIN)]
         addresses = [BlockAddress(d) for d in chain]
-        for store in stores.values():
-            loop.run_until_complete(store.put([PutItem(a, os.urandom(PAYLOAD), model="bench") for a in addresses]))
-        layer = addresses[0].layer
-        one = addresses[:1]
-        lookup = {n: (lambda s=s: s.lookup(chain, layer)) for n, s in stores.items()}
-        get = {n: (lambda s=s: loop.run_until_complete(s.get(one))) for n, s in stores.items()}
+        loop.run_until_complete(store.put([PutItem(a, os.urandom(PAYLOAD), model="bench") for a in addresses]))
+        store.reads.time_reads(["ram"])              # what the daemon does when metrics are on
+        histograms = store.reads.latency
+
+        def side(on: bool, call: Callable[[], Any]) -> Callable[[], Any]:
+            """The same store either way: only whether reads are timed differs."""
+            def run() -> Any:
+                store.reads.latency = histograms if on else None
+                return call()
+            return run
+
+        layer, one = addresses[0].layer, addresses[:1]
+        lookup = {"on": side(True, lambda: store.lookup(chain, layer)),
+                  "off": side(False, lambda: store.lookup(chain, layer))}
+        get = {"on": side(True, lambda: loop.run_until_complete(store.get(one))),
+               "off": side(False, lambda: loop.run_until_complete(store.get(one)))}
         progress(f"in process: {rounds} rounds x {calls} calls per side (Store.lookup of {CHAIN}, Store.get of 1)")
         rows = [overhead_row(1, f"Store.lookup x{CHAIN}", timed_rounds(lookup, rounds, calls)),
                 overhead_row(1, "Store.get 1 x 4 KiB", timed_rounds(get, rounds, calls))]
-        assert sum(sum(h.counts) for h in (stores["on"].reads.latency or {}).values()) > 0
+        assert histograms and sum(sum(h.counts) for h in histograms.values()) > 0
         return rows
     finally:
-        for store in stores.values():
-            store.index.close()
+        store.index.close()
         loop.close()
 
 

@@ -375,6 +375,13 @@ class PeerClientProtocol(QuicConnectionProtocol):
                 request.done.set_exception(exc)
         self._requests.clear()
 
+    def forget_pings(self) -> None:
+        """Cancel the pings nobody waits for any more (a keep-alive that timed out or was
+        cancelled), so the connection's close sets no error that no one retrieves."""
+        for waiter in self._ping_waiters.values():
+            waiter.cancel()
+        self._ping_waiters.clear()
+
     @property
     def usable(self) -> bool:
         return not self._closed.is_set() and self.refused is None

@@ -132,6 +132,7 @@ class PeerTier(PeerHandler):
             task.cancel()
         for link in self.links.values():
             if link.client is not None:
+                link.client.forget_pings()      # a keep-alive cancelled mid-ping: nobody will read its answer
                 link.client.close()
             if link.transport is not None:
                 link.transport.close()
@@ -186,9 +187,7 @@ class PeerTier(PeerHandler):
                     if client.usable and link.health.succeeded():
                         log.info("peer up", extra={"fields": {"peer": link.name}})
                 except (asyncio.TimeoutError, ConnectionError) as exc:
-                    for waiter in client._ping_waiters.values():    # answered by nobody now: no stray errors later
-                        waiter.cancel()
-                    client._ping_waiters.clear()
+                    client.forget_pings()
                     self._dial_failed(link, exc if str(exc) else TimeoutError("no answer to a keep-alive ping"))
                     client.close()
                     if link.client is client:
@@ -344,6 +343,9 @@ class PeerTier(PeerHandler):
         log.info("peer dialled in", extra={"fields": {"peer": peer}})
 
     def event(self, peer: str, message: p.Announce | p.Drop | p.Snapshot, request_id: int) -> None:
+        if peer not in self.links:       # verified, yet not a configured peer: cannot happen (one list makes both)
+            log.warning("announcement from a peer not configured here ignored", extra={"fields": {"peer": peer}})
+            return
         keys = [wire_key(d, layer) for d, layer in message.addresses]
         if isinstance(message, p.Announce):
             self.directory.announce(peer, keys)
