@@ -26,7 +26,12 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
-        """``key`` left the tier (evicted or deleted). Unknown keys are ignored."""
+        """``key`` left the tier because it was deleted. Unknown keys are ignored."""
+
+    def evicted(self, key: bytes) -> None:
+        """``key`` left the tier because the tier evicted it (a policy with ghost lists
+        remembers it); by default the same as :meth:`remove`."""
+        self.remove(key)
 
     @abstractmethod
     def candidates(self) -> Iterator[bytes]:
@@ -42,9 +47,12 @@ class EvictionPolicy(ABC):
 
 
 def _registry() -> dict[str, type[EvictionPolicy]]:
+    from kvcached.policies.arc import ArcPolicy
     from kvcached.policies.clock import ClockPolicy
+    from kvcached.policies.lru import LruPolicy
+    from kvcached.policies.s3fifo import S3FifoPolicy
 
-    return {"clock": ClockPolicy}
+    return {"clock": ClockPolicy, "lru": LruPolicy, "arc": ArcPolicy, "s3fifo": S3FifoPolicy}
 
 
 #: config string -> policy class ([kv] ram_policy)

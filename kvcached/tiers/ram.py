@@ -236,12 +236,15 @@ class RamTier:
         self.dropped += len(blocks)
         self.on_evict(blocks)
 
-    def _drop(self, block: RamBlock) -> None:
+    def _drop(self, block: RamBlock, evicted: bool = False) -> None:
         if self.dirty.pop(block.key, 0) is None:
             self.dirty_bytes -= block.length
         del self._blocks[block.key]
         self._by_slot[block.slot] = None
-        self.policy.remove(block.key)
+        if evicted:
+            self.policy.evicted(block.key)
+        else:
+            self.policy.remove(block.key)
         self.slabs.free(block.slot)
         self.used_bytes -= block.length
 
@@ -278,6 +281,6 @@ class RamTier:
         for victim in victims:
             if not victim.clean:
                 self.dirty_evictions += 1
-            self._drop(victim)
+            self._drop(victim, evicted=True)
         self.evictions += len(victims)
         self.on_evict(victims)

@@ -181,3 +181,19 @@ def test_get_stream_pins_its_batch_until_done_or_cancelled(daemon) -> None:
                 time.sleep(0.05)
         else:
             raise AssertionError("a cancelled stream kept its pin")
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+def test_each_ram_policy_runs_a_daemon_through_evictions(make_daemon, policy: str) -> None:
+    d = make_daemon(f'kv.ram_policy="{policy}"', "kv.ram_gib=0.0078125", "kv.max_block_mib=1", "kv.ssd_gib=0")
+    hot = [BlockAddress(x) for x in chain(4, seed=77)]
+    with d.client() as c:
+        c.put([(a, b"h" * 100_000) for a in hot])
+        for round_ in range(6):                        # 6 x 20 one-off blocks of 100 KB through an 8 MiB tier
+            c.get(hot)
+            c.put([(BlockAddress(x), os.urandom(100_000)) for x in chain(20, seed=1000 + round_)])
+        s = c.stats()
+        assert s.tiers[0].evictions > 0 and s.puts == 124
+        found, _ = c.get(hot, allow_partial=True)
+        assert len(found) == 4 or policy == "lru"      # the hot blocks outlive the one-off ones
+    d.stop()

@@ -15,6 +15,7 @@ import blake3
 import pytest
 
 from kvcached.index import BlockIndex
+from kvcached.policies import EVICTION_POLICIES, make_eviction_policy
 from kvcached.policies.clock import ClockPolicy
 from kvcached.store import Store
 from kvcached.tiers.arena import SharedArena
@@ -76,9 +77,11 @@ def evicted() -> list[list[RamBlock]]:
     return []
 
 
-@pytest.fixture
-def ram(arena: SharedArena, evicted: list[list[RamBlock]]) -> RamTier:
-    return RamTier(arena, SLAB, ClockPolicy(), on_evict=evicted.append)
+@pytest.fixture(params=sorted(EVICTION_POLICIES))
+def ram(request: pytest.FixtureRequest, arena: SharedArena, evicted: list[list[RamBlock]]) -> RamTier:
+    """A RAM tier with each eviction policy in turn: the tier's rules (a block in use is never
+    evicted, an eviction that cannot free enough changes nothing) hold whatever the policy."""
+    return RamTier(arena, SLAB, make_eviction_policy(request.param), on_evict=evicted.append)
 
 
 @pytest.fixture

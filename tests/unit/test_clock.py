@@ -28,7 +28,7 @@ def make(*names: str) -> ClockPolicy:
 def test_registry() -> None:
     assert EVICTION_POLICIES["clock"] is ClockPolicy
     assert isinstance(make_eviction_policy("clock"), ClockPolicy)
-    with pytest.raises(ValueError, match="unknown eviction policy 'lru9'; known: clock"):
+    with pytest.raises(ValueError, match="unknown eviction policy 'lru9'; known: arc, clock, lru, s3fifo"):
         make_eviction_policy("lru9")
 
 

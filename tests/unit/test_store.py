@@ -33,10 +33,15 @@ def assert_nothing_stored(store: Store) -> None:
     assert store.counters.puts == 0
 
 
-def evict_by_filling(store: Store, start: int = 1000, count: int = 8) -> None:
-    """Put enough slab-sized blocks, one batch each, to push every older block out of RAM."""
+def evict_by_filling(store: Store, start: int = 1000, count: int = 32) -> None:
+    """Put enough slab-sized blocks, one batch each, to push every older block out of RAM. Each
+    is read twice in the tier after its put, so it is as frequent as anything older: a scan-resistant policy
+    (ARC, S3-FIFO) keeps frequent old blocks against one-off new ones, rightly."""
     for n in range(start, start + count):
         store.put([item(n, SLAB)])
+        block = store.ram.get(address(n).key)
+        store.ram.read(block)                 # the tier's own reads: the store's counters stay as they were
+        store.ram.read(block)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""ARC, the Adaptive Replacement Cache (Megiddo and Modha, FAST 2003).
+
+Two lists of resident keys: T1 (seen once recently) and T2 (seen at least twice), and two ghost
+lists of keys evicted from them, B1 and B2 (keys only, no bytes). A target size ``p`` for T1
+moves with the workload: a miss that hits ghost B1 means T1 was too small (recency pays), so
+``p`` grows by max(1, |B2| / |B1|); a miss that hits ghost B2 means T2 was too small (frequency
+pays), so ``p`` shrinks by max(1, |B1| / |B2|). Eviction takes T1's oldest key while T1 is over
+its target, T2's otherwise. vLLM's ARC manager (../shared/seeds/003) works the same way.
+
+The tier's capacity is in bytes and blocks vary in size, so ``c`` (the cache size in keys that
+bounds ``p`` and the ghost lists) is the most keys ever resident at once.
+O(1) per operation; ``candidates`` yields at most every resident key once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator
+
+from kvcached.policies import EvictionPolicy
+
+__all__ = ["ArcPolicy"]
+
+
+class ArcPolicy(EvictionPolicy):
+    def __init__(self) -> None:
+        self.t1: OrderedDict[bytes, None] = OrderedDict()   # resident, seen once; oldest first
+        self.t2: OrderedDict[bytes, None] = OrderedDict()   # resident, seen twice or more
+        self.b1: OrderedDict[bytes, None] = OrderedDict()   # ghosts evicted from T1
+        self.b2: OrderedDict[bytes, None] = OrderedDict()   # ghosts evicted from T2
+        self.p = 0.0                                        # target size of T1, in keys
+        self.c = 1                                          # the cache size in keys (high-water mark)
+
+    def insert(self, key: bytes) -> None:
+        if key in self.b1:                   # evicted from T1 too soon: give recency more room
+            self.p = min(float(self.c), self.p + max(1.0, len(self.b2) / len(self.b1)))
+            del self.b1[key]
+            self.t2[key] = None
+        elif key in self.b2:                 # evicted from T2 too soon: give frequency more room
+            self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
+            del self.b2[key]
+            self.t2[key] = None
+        else:
+            self.t1.pop(key, None)
+            self.t2.pop(key, None)
+            self.t1[key] = None
+        self.c = max(self.c, len(self.t1) + len(self.t2))
+        self._trim_ghosts()
+
+    def touch(self, key: bytes) -> None:
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def remove(self, key: bytes) -> None:
+        """Deleted, not evicted: no ghost is kept."""
+        self.t1.pop(key, None)
+        self.t2.pop(key, None)
+
+    def evicted(self, key: bytes) -> None:
+        if self.t1.pop(key, 0) is None:
+            self.b1[key] = None
+        elif self.t2.pop(key, 0) is None:
+            self.b2[key] = None
+        self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        """|T1| + |B1| <= c and the whole directory <= 2c, as in the paper."""
+        c = self.c
+        while self.b1 and len(self.t1) + len(self.b1) > c:
+            self.b1.popitem(last=False)
+        while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
+            self.b2.popitem(last=False)
+
+    def candidates(self) -> Iterator[bytes]:
+        """REPLACE: T1's oldest while T1 is over its target (or T2 is empty), else T2's oldest;
+        when the caller skips a key (in use) the next one, then the other list."""
+        first, second = (self.t1, self.t2) if self.t1 and (len(self.t1) > self.p or not self.t2) else (self.t2, self.t1)
+        for queue in (first, second):
+            for _ in range(len(queue)):
+                if not queue:
+                    break
+                key = next(iter(queue))
+                queue.move_to_end(key)       # skipped (in use): young again in its own list
+                yield key
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)

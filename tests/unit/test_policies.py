@@ -1,0 +1,163 @@
+"""Eviction policies (LRU, ARC, S3-FIFO) against hand-made traces with known outcomes, and the
+rules every policy keeps (the tier's side of them is in test_ram.py, run with each policy)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable
+
+import pytest
+
+from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, make_eviction_policy
+from kvcached.policies.arc import ArcPolicy
+from kvcached.policies.lru import LruPolicy
+from kvcached.policies.s3fifo import S3FifoPolicy
+
+
+def k(name: str | int) -> bytes:
+    return str(name).encode()
+
+
+def run(policy: EvictionPolicy, capacity: int, trace: Iterable[str | int]) -> list[bool]:
+    """Drive ``policy`` as a tier of ``capacity`` keys does; True per access that hit."""
+    hits = []
+    resident: set[bytes] = set()
+    for name in trace:
+        key = k(name)
+        if key in resident:
+            policy.touch(key)
+            hits.append(True)
+            continue
+        hits.append(False)
+        while len(resident) >= capacity:
+            victim = next(iter(policy.candidates()))
+            policy.evicted(victim)
+            resident.discard(victim)
+        policy.insert(key)
+        resident.add(key)
+    return hits
+
+
+@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
+def test_every_policy_keeps_the_common_rules(name: str) -> None:
+    p = make_eviction_policy(name)
+    for n in range(10):
+        p.insert(k(n))
+    p.touch(k(3))
+    assert len(p) == 10
+    offered = list(itertools.islice(p.candidates(), 4))      # offered, skipped (in use): all stay
+    assert len(set(offered)) == 4 and len(p) == 10
+    seen = set(p.candidates())                               # a walk ends, and offers every key
+    assert seen == {k(n) for n in range(10)}
+    p.remove(k(5))
+    assert len(p) == 9 and k(5) not in set(p.candidates())
+    p.remove(b"never-there")                                 # unknown keys are ignored
+    for key in list(p.candidates()):
+        p.evicted(key)
+    assert len(p) == 0 and list(p.candidates()) == []
+
+
+def test_lru_evicts_the_least_recently_used() -> None:
+    p = LruPolicy()
+    assert run(p, 3, "abcad") == [False, False, False, True, False]
+    assert next(iter(p.candidates())) == k("c")             # b went for d; c is now oldest
+
+
+def test_arc_a_b1_ghost_hit_grows_the_target_of_t1() -> None:
+    p = ArcPolicy()
+    assert run(p, 4, "abcdde") == [False] * 4 + [True, False]   # d seen twice: T2; e evicts T1's oldest
+    assert list(p.t1) == [k("b"), k("c"), k("e")] and list(p.t2) == [k("d")] and list(p.b1) == [k("a")]
+    assert p.p == 0
+    p.insert(k("a"))                 # a comes back while B1 remembers it: recency pays
+    assert p.p == 1 and k("a") in p.t2 and not p.b1
+
+
+def arc_state(t1: str, t2: str, b1: str, b2: str, target: float, c: int) -> ArcPolicy:
+    p = ArcPolicy()
+    for attr, names in (("t1", t1), ("t2", t2), ("b1", b1), ("b2", b2)):
+        for name in names:
+            getattr(p, attr)[k(name)] = None
+    p.p, p.c = target, c
+    return p
+
+
+@pytest.mark.parametrize("ghost, b1, b2, before, after", [
+    ("g", "g", "xyz", 1.0, 4.0),     # B1 hit: p += max(1, |B2| / |B1|) = 3
+    ("g", "gh", "x", 1.0, 2.0),      # B1 hit: p += max(1, 1/2) = 1
+    ("g", "gh", "x", 5.0, 6.0),      # ... but never past c = 6
+    ("x", "ghi", "x", 5.0, 2.0),     # B2 hit: p -= max(1, |B1| / |B2|) = 3
+    ("x", "g", "xy", 0.5, 0.0),      # B2 hit: p -= 1, never below 0
+])
+def test_arc_target_moves_as_the_paper_says(ghost: str, b1: str, b2: str, before: float, after: float) -> None:
+    p = arc_state("ab", "cd", b1, b2, before, 6)
+    p.insert(k(ghost))
+    assert p.p == after and k(ghost) in p.t2 and k(ghost) not in p.b1 and k(ghost) not in p.b2
+
+
+def test_arc_evicts_from_t1_over_its_target_else_from_t2() -> None:
+    assert next(iter(arc_state("ab", "cd", "", "", 1.0, 4).candidates())) == k("a")    # |T1| = 2 > p = 1
+    assert next(iter(arc_state("ab", "cd", "", "", 2.0, 4).candidates())) == k("c")    # |T1| = p: T2's oldest
+    p = arc_state("ab", "cd", "", "", 2.0, 4)
+    p.evicted(k("c"))
+    assert list(p.b2) == [k("c")]
+
+
+def test_arc_ghost_lists_stay_bounded() -> None:
+    p = ArcPolicy()
+    run(p, 8, range(1000))           # a pure scan: every key once
+    assert len(p) == 8
+    assert len(p.t1) + len(p.b1) <= 8 and len(p.t1) + len(p.t2) + len(p.b1) + len(p.b2) <= 16
+
+
+def hot_then_scan(hot: int, scan: int, rounds: int) -> list[str]:
+    """A hot set used again and again, each round followed by a scan of one-off keys."""
+    out = []
+    for r in range(rounds):
+        out += [f"hot{i}" for i in range(hot)] * 2
+        out += [f"scan{r}-{i}" for i in range(scan)]
+    return out
+
+
+def hit_rate(policy: EvictionPolicy, capacity: int, trace: list[str]) -> float:
+    hits = run(policy, capacity, trace)
+    return sum(hits) / len(hits)
+
+
+def test_scan_resistance_arc_and_s3fifo_keep_the_hot_set_lru_does_not() -> None:
+    trace = hot_then_scan(hot=20, scan=60, rounds=20)
+    lru, arc, s3 = (hit_rate(p, 40, trace) for p in (LruPolicy(), ArcPolicy(), S3FifoPolicy()))
+    # LRU: each scan flushes the hot set, which then only hits on its second pass in a round
+    assert lru == pytest.approx(20 / 100, abs=0.02)
+    assert arc > lru + 0.15 and s3 > lru + 0.15, (lru, arc, s3)
+
+
+def test_s3fifo_one_hit_in_the_small_queue_promotes_to_main() -> None:
+    p = S3FifoPolicy()
+    for n in range(10):
+        p.insert(k(n))
+    p.touch(k(0))
+    assert list(p.small)[:1] == [k(0)]
+    victim = next(iter(p.candidates()))        # 0 was hit in S: promoted to M, 1 offered instead
+    assert victim == k(1) and k(0) in p.main and p.main[k(0)] == 0
+    p.evicted(victim)
+    assert k(1) in p.ghost
+    p.insert(k(1))                             # back while the ghost remembers it: straight to M
+    assert k(1) in p.main and k(1) not in p.ghost
+
+
+def test_s3fifo_main_gives_second_chances_by_frequency() -> None:
+    p = S3FifoPolicy()
+    for name in "abc":
+        p.ghost[k(name)] = None
+        p.insert(k(name))                      # all three straight into M
+    p.touch(k("a"))
+    p.touch(k("a"))
+    assert p.main[k("a")] == 2
+    assert next(iter(p.candidates())) == k("b")    # a pays one hit to stay: 2 -> 1
+    assert p.main[k("a")] == 1
+
+
+def test_s3fifo_ghost_is_bounded_by_main() -> None:
+    p = S3FifoPolicy()
+    run(p, 10, range(500))
+    assert len(p.ghost) <= max(1, len(p.main))
