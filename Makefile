@@ -62,6 +62,7 @@ bench: install system-deps
 	$(PY) bench/gpu_copy.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_peers.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_metrics.py $(filter --quick,$(BENCH_ARGS))
+	$(PY) bench/bench_policies.py $(filter --quick,$(BENCH_ARGS))
 
 # A cluster CA and certificates for three nodes on this machine (docs/peers.md); CERT_NODES to change.
 CERT_NODES ?= node-a node-b node-c

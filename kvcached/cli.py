@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an extra DNS name or IP address in NODE's certificate (repeatable)")
     p.add_argument("nodes", nargs="*", help="node names to issue certificates for (the CA is made if missing)")
 
+    p = sub.add_parser("sim", help="replay synthetic workloads against the eviction policies and Belady's MIN "
+                       "(docs/policies.md)")
+    from kvcached.sim.__main__ import add_arguments
+    add_arguments(p)
+
     p = sub.add_parser("hash", help="print the block digests of a token sequence (docs/addressing.md)")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", required=True)
@@ -222,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "certs":
             return _certs(args)
+        if args.command == "sim":
+            from kvcached.sim.__main__ import execute
+
+            return execute(args)
         if args.command == "hash":
             from kvcached_agent.address import chain_digests
 

@@ -198,3 +198,14 @@ def test_unknown_tier_enum_and_oversize_model_label(daemon) -> None:
         expect_error(lambda: c.put([(A, b"x")], model="m" * 257), grpc.StatusCode.INVALID_ARGUMENT,
                      "model label is over 256 bytes")
         still_serving(c)
+
+
+def test_sim_command_prints_the_table_and_writes_the_plot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    plot = tmp_path / "plot.svg"
+    r = run_cli(["sim", "--workload", "scan_mix", "--policy", "lru", "--policy", "s3fifo", "--scale", "0.02",
+                 "--sizes", "0.05,0.5", "--plot", str(plot)], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "scan_mix:" in r.stdout and "s3fifo" in r.stdout and "belady" in r.stdout
+    assert plot.read_text().startswith("<svg")
+    r = run_cli(["sim", "--sizes", "2"])
+    assert r.returncode == 2 and "--sizes: shares in (0, 1]" in r.stderr

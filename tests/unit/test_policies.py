@@ -12,6 +12,7 @@ from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, make_eviction_p
 from kvcached.policies.arc import ArcPolicy
 from kvcached.policies.lru import LruPolicy
 from kvcached.policies.s3fifo import S3FifoPolicy
+from kvcached.sim.replay import replay_hits
 
 
 def k(name: str | int) -> bytes:
@@ -20,22 +21,7 @@ def k(name: str | int) -> bytes:
 
 def run(policy: EvictionPolicy, capacity: int, trace: Iterable[str | int]) -> list[bool]:
     """Drive ``policy`` as a tier of ``capacity`` keys does; True per access that hit."""
-    hits = []
-    resident: set[bytes] = set()
-    for name in trace:
-        key = k(name)
-        if key in resident:
-            policy.touch(key)
-            hits.append(True)
-            continue
-        hits.append(False)
-        while len(resident) >= capacity:
-            victim = next(iter(policy.candidates()))
-            policy.evicted(victim)
-            resident.discard(victim)
-        policy.insert(key)
-        resident.add(key)
-    return hits
+    return list(replay_hits(policy, capacity, (k(name) for name in trace)))
 
 
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
