@@ -261,6 +261,11 @@ class KvSection:
     ssd_io_threads: int = _key("Threads doing SSD I/O (blocks in flight at once).", 8, _io_threads, int)
     index_dir: str = _key("RocksDB directory of the persistent block index.", "var/index", _path)
     mirror_pulls: bool = _key("Keep a local copy of blocks pulled from peers.", True)
+    prefetch_policy: str = _key("How long a load waits for SSD reads and peer pulls: wait_complete, best_effort (not at "
+                                "all) or timeout (prefetch_timeout_ms).", "wait_complete",
+                                _one_of("wait_complete", "best_effort", "timeout"))
+    prefetch_timeout_ms: float = _key("Longest wait of a load for its reads under prefetch_policy = timeout, ms.", 50.0,
+                                      _positive, (int, float))
     gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", 3600.0)
 
 

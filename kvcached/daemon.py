@@ -34,6 +34,7 @@ from kvcached.config import RELOADABLE, Config, ConfigError, ListenAddress, chan
 from kvcached.index import BlockIndex
 from kvcached.logs import fields, set_level
 from kvcached.metrics import start_metrics
+from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.systemd import Notifier
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
@@ -166,6 +167,7 @@ class Daemon:
         self.store = Store(ram, self.index, ssd=self.ssd, write_policy=cfg.kv.write_policy,  # type: ignore[arg-type]
                            ssd_ttl=cfg.kv.ssd_ttl, gone_ttl=cfg.kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks)
         self.store.mirror_pulls = cfg.kv.mirror_pulls
+        self.store.prefetch = make_prefetch_policy(cfg.kv.prefetch_policy, cfg.kv.prefetch_timeout_ms / 1000)
         if cfg.quic.listen or cfg.quic.peers:
             await self._start_peers()
         if cfg.metrics.listen:              # read latencies, for the tiers this daemon runs

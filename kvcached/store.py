@@ -40,6 +40,7 @@ from kvcached.gpu_view import GpuView
 from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
                              Unavailable)
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
+from kvcached.policies.prefetch import PrefetchPolicy, WaitComplete
 from kvcached.reads import ReadStats, outcome
 from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.tiers.ram import WRITING, BlockBusy, RamBlock, RamFull, RamTier
@@ -193,6 +194,7 @@ class Store:
         # The peer tier (kvcached.peers.tier.PeerTier), set by the daemon when [quic] is on.
         self.peers: PeerTierLike | None = None
         self.mirror_pulls = True
+        self.prefetch: PrefetchPolicy = WaitComplete()     # [kv] prefetch_policy, set by the daemon
         self._transient: dict[bytes, bytes] = {}   # pulled, not mirrored: key -> checksum, dropped once read
 
     # -- put ----------------------------------------------------------------------------------
@@ -896,7 +898,11 @@ class Store:
         """Promote the blocks of ``addresses`` that are only on SSD, then pull from peers those
         that no local tier holds. While it waits, the blocks already resident are pinned (so the
         batch's own promotions cannot evict them); returns every block it pinned, for the caller
-        to unpin, and how many came from SSD and from peers (read accounting)."""
+        to unpin, and how many came from SSD and from peers (read accounting).
+
+        How long it waits for those reads is the prefetch policy's call ([kv] prefetch_policy);
+        the reads go on to the end either way. A peer's pull (``peers`` False) always waits:
+        the peer has its own deadline."""
         reached = _Reached(peers=peers and self.peers is not None)
         absent = [a for a in addresses if a.key not in self.ram]
         if not absent:
@@ -910,6 +916,8 @@ class Store:
                            if not t & Tier.SSD and (a.key in self._promoting or self.peers.holds(a, usable))}.values())
         if not wanted and not remote:
             return [], reached
+        wait_s = self.prefetch.wait_s() if peers else None
+        deadline = asyncio.get_running_loop().time() + wait_s if wait_s is not None else None
         held = []
         for address in addresses:
             block = self.ram.get(address.key)
@@ -918,11 +926,11 @@ class Store:
                 held.append(block)
         try:
             if wanted:
-                promoted = await self._promote(wanted)
+                promoted = await self._promote(wanted, deadline)
                 reached.promoted = len(promoted)
                 held += promoted
             if remote:
-                pulled = await self._pull(remote)
+                pulled = await self._pull(remote, deadline)
                 reached.pulled = len(pulled)
                 held += pulled
         except BaseException:
@@ -931,7 +939,7 @@ class Store:
             raise
         return held, reached
 
-    async def _promote(self, addresses: list[BlockAddress]) -> list[RamBlock]:
+    async def _promote(self, addresses: list[BlockAddress], deadline: float | None = None) -> list[RamBlock]:
         """Read SSD blocks into RAM, verified; returns them pinned. A block another request is
         promoting is waited for, not read twice. A block that cannot get a slot stays a miss.
 
@@ -963,7 +971,7 @@ class Store:
             if mine:
                 self._in_background(self._read_and_commit(mine))
             self._write_index()      # tombstones of what the reservations evicted
-        return await self._pin_when_resident(waits)
+        return await self._pin_when_resident(waits, deadline)
 
     def _in_background(self, work: Any) -> None:
         """Run ``work`` in a task no caller can cancel (drain waits for it on a clean stop)."""
@@ -971,9 +979,19 @@ class Store:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _pin_when_resident(self, waits: list[asyncio.Future[RamBlock | None]]) -> list[RamBlock]:
-        """Wait for promotions or pulls (never cancelling them); pin the blocks that arrived."""
-        blocks = await asyncio.shield(asyncio.gather(*waits)) if waits else []
+    async def _pin_when_resident(self, waits: list[asyncio.Future[RamBlock | None]],
+                                 deadline: float | None = None) -> list[RamBlock]:
+        """Wait for promotions or pulls (never cancelling them), until ``deadline`` (event-loop
+        time; None: until all are done); pin the blocks that arrived."""
+        if not waits:
+            return []
+        if deadline is None:
+            blocks = await asyncio.shield(asyncio.gather(*waits))
+        else:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining > 0:
+                await asyncio.wait(waits, timeout=remaining)      # on a timeout the reads go on
+            blocks = [w.result() for w in waits if w.done() and not w.cancelled() and w.exception() is None]
         held: list[RamBlock] = []
         for block in blocks:
             if block is not None and self.ram.get(block.key) is block:
@@ -981,7 +999,7 @@ class Store:
                 held.append(block)
         return held
 
-    async def _pull(self, addresses: list[BlockAddress]) -> list[RamBlock]:
+    async def _pull(self, addresses: list[BlockAddress], deadline: float | None = None) -> list[RamBlock]:
         """Pull blocks from peers into RAM (flow 5); returns them pinned. A block another
         request is pulling or promoting is waited for, not pulled twice. As _promote, the work
         runs in a task no caller can cancel; the peer tier bounds it by its pull deadline."""
@@ -999,7 +1017,7 @@ class Store:
                 mine.append(address)
         if mine:
             self._in_background(self._pull_and_commit(mine, futures))
-        return await self._pin_when_resident(waits)
+        return await self._pin_when_resident(waits, deadline)
 
     def _reserve_pulled(self, address: BlockAddress, length: int) -> tuple[tuple[RamBlock, memoryview], memoryview] | None:
         if not 0 < length <= self.ram.max_block_bytes:

@@ -217,6 +217,8 @@ def test_section_that_is_not_a_table(tmp_path: Path) -> None:
     ("kv.ssd_dir=3", "kv.ssd_dir", ("expected a string", "an integer")),
     ('grpc.listen="unix:x.sock"', "grpc.listen", ("expected a list",)),
     ("grpc.listen=[1]", "grpc.listen", ("list of strings",)),
+    ('kv.prefetch_policy="eager"', "kv.prefetch_policy", ("wait_complete, best_effort, timeout",)),
+    ("kv.prefetch_timeout_ms=0", "kv.prefetch_timeout_ms", ("greater than 0",)),
     ("quic.peers={}", "quic.peers", ("expected a list",)),
     ("kv.ssd_ttl=true", "kv.ssd_ttl", ("duration",)),
 ])

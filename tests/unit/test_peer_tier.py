@@ -589,3 +589,33 @@ def test_peer_metrics_count_pulls_and_show_peers_up(tmp_path: Path) -> None:
             assert samples[("kvcached_lookup_seconds_count", (("outcome", "hit"), ("tier", "peer")))] == 1
             assert samples[("kvcached_quic_served_blocks_total", ())] == 0 and a.t.counters.served == n
     asyncio.run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# prefetch policies
+
+
+@pytest.mark.parametrize("policy, answered_within, found_first", [
+    ("best_effort", 0.15, 0), ("timeout", 0.2 + 0.15, 0), ("wait_complete", 5.0, 4)])
+def test_prefetch_policy_decides_how_long_a_load_waits(tmp_path: Path, policy: str, answered_within: float,
+                                                       found_first: int) -> None:
+    from kvcached.policies.prefetch import make_prefetch_policy
+
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B), pull_timeout_s=5.0) as c:
+            a, b, n = c[A], c[B], 4
+            await a.store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            slow_serving(a, 0.8)                                  # A answers after 0.8 s
+            b.store.prefetch = make_prefetch_policy(policy, timeout_s=0.2)
+            start = time.monotonic()
+            found, misses = await b.store.get(addrs(range(n)), allow_partial=True)
+            took = time.monotonic() - start
+            assert took < answered_within and len(found) == found_first and len(found) + len(misses) == n
+            if policy != "wait_complete":
+                assert took >= (0.2 if policy == "timeout" else 0.0)
+                await until(lambda: all(address(i).key in b.ram for i in range(n)), "the pulls to land anyway", 5)
+                start = time.monotonic()
+                await get_exact(b, range(n))                     # prefetched: served from RAM at once
+                assert time.monotonic() - start < 0.1
+    asyncio.run(body())
