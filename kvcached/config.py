@@ -581,7 +581,8 @@ def _toml_value(value: Any) -> str:
 
 
 # Keys SIGHUP applies while the daemon serves; any other change waits for a restart.
-RELOADABLE = frozenset({("log", "level"), ("kv", "ssd_ttl"), ("kv", "gone_ttl")})
+RELOADABLE = frozenset({("log", "level"), ("kv", "ssd_ttl"), ("kv", "gone_ttl"), ("kv", "prefetch_policy"),
+                        ("kv", "prefetch_timeout_ms")})
 
 
 def changed_keys(old: Config, new: Config) -> list[tuple[str, str]]:

@@ -454,7 +454,9 @@ class Daemon:
             self.config = with_reloaded(self.config, new)
             set_level(self.config.log.level)
             if self.store is not None:
-                self.store.ssd_ttl, self.store.gone_ttl = self.config.kv.ssd_ttl, self.config.kv.gone_ttl
+                kv = self.config.kv
+                self.store.ssd_ttl, self.store.gone_ttl = kv.ssd_ttl, kv.gone_ttl
+                self.store.prefetch = make_prefetch_policy(kv.prefetch_policy, kv.prefetch_timeout_ms / 1000)
             log.warning("configuration reloaded", extra=fields(applied=",".join(applied) or None,
                                                                needs_restart=",".join(later) or None))
         finally:

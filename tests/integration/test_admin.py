@@ -245,13 +245,13 @@ def test_sighup_applies_what_it_can_and_names_the_rest(make_daemon, tmp_path: Pa
                               stderr=log)
     log.close()
     d.wait_ready()
-    config.write_text('[log]\nlevel = "debug"\n[kv]\nssd_ttl = "1d"\n[quic]\nhedge_ms = 20\n')
+    config.write_text('[log]\nlevel = "debug"\n[kv]\nssd_ttl = "1d"\nprefetch_policy = "timeout"\n[quic]\nhedge_ms = 20\n')
     d.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
     while "configuration reloaded" not in d.log() and time.monotonic() < deadline:
         time.sleep(0.05)
     line = next(x for x in d.log().splitlines() if "configuration reloaded" in x)
-    assert "applied=kv.ssd_ttl,log.level" in line and "needs_restart=quic.hedge_ms" in line, line
+    assert "applied=kv.ssd_ttl,kv.prefetch_policy,log.level" in line and "needs_restart=quic.hedge_ms" in line, line
     config.write_text('[kv]\nssd_ttl = "forever"\n')
     d.proc.send_signal(signal.SIGHUP)
     while "reload refused" not in d.log() and time.monotonic() < deadline:
