@@ -229,8 +229,10 @@ def start_bare(stack: contextlib.ExitStack, tmp: Path, ram_gib: float) -> tuple[
     return proc, channel
 
 
-def start_redis(stack: contextlib.ExitStack, tmp: Path, ram_gib: float) -> tuple[Proc, Any] | None:
-    """A fresh redis-server and a redis-py client of it; None if either is not installed."""
+def start_redis(stack: contextlib.ExitStack, tmp: Path, ram_gib: float,
+                tcp_port: int | None = None) -> tuple[Proc, Any] | None:
+    """A fresh redis-server and a redis-py client of it; None if either is not installed. On a
+    Unix socket in ``tmp``, or with ``tcp_port`` on 127.0.0.1 (a network path, as a peer pull's)."""
     exe = shutil.which("redis-server")
     if exe is None:
         return None
@@ -239,12 +241,14 @@ def start_redis(stack: contextlib.ExitStack, tmp: Path, ram_gib: float) -> tuple
     except ImportError:
         return None
     sock = tmp / "redis.sock"
-    argv = [exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
-            "--appendonly", "no", "--dir", str(tmp), "--maxmemory", f"{int(ram_gib * 1024)}mb",
-            "--maxmemory-policy", "allkeys-lru", "--daemonize", "no"]
+    where = (["--port", str(tcp_port), "--bind", "127.0.0.1"] if tcp_port is not None
+             else ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"])
+    argv = [exe, *where, "--save", "", "--appendonly", "no", "--dir", str(tmp), "--maxmemory",
+            f"{int(ram_gib * 1024)}mb", "--maxmemory-policy", "allkeys-lru", "--daemonize", "no"]
     proc = Proc("redis-server", argv, cwd=tmp, log=tmp / "redis.log")
     stack.callback(proc.stop)
-    client = redis.Redis(unix_socket_path=str(sock))
+    client = (redis.Redis(host="127.0.0.1", port=tcp_port) if tcp_port is not None
+              else redis.Redis(unix_socket_path=str(sock)))
     stack.callback(client.close)
     deadline = time.monotonic() + 20
     while True:

@@ -106,7 +106,6 @@ import os
 import platform
 import pstats
 import random
-import shutil
 import signal
 import socket
 import ssl
@@ -125,7 +124,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_core import (KiB, MiB, Proc, Row, fmt, percentile, progress, proc_times, size_name,  # noqa: E402
-                        start_kvcached, tune_client_malloc)
+                        start_kvcached, start_redis, tune_client_malloc)
 
 SIZES = (64 * KiB, 1 * MiB)
 LAT_SIZE = 64 * KiB           # the single-block latency figure and the profile use this block size
@@ -607,34 +606,6 @@ def start_bare_server(stack: contextlib.ExitStack, tmp: Path, certs: Path, s: Se
             raise RuntimeError(f"bare aioquic server not up:\n{proc.tail()}")
         time.sleep(0.05)
     return proc, port
-
-
-def start_redis_tcp(stack: contextlib.ExitStack, tmp: Path) -> tuple[Proc, Any] | str:
-    """redis-server on 127.0.0.1 (TCP: a network path, as a pull's) and a redis-py client; or why not."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return "redis-server is not installed (make system-deps installs it)"
-    try:
-        import redis
-    except ImportError:
-        return "redis-py is not installed in this venv"
-    port = free_port(socket.SOCK_STREAM)
-    proc = Proc("redis-server", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                 "--dir", str(tmp), "--daemonize", "no"], cwd=tmp, log=tmp / "redis.log")
-    stack.callback(proc.stop)
-    client = redis.Redis(host="127.0.0.1", port=port)
-    stack.callback(client.close)
-    deadline = time.monotonic() + 20
-    while True:
-        if not proc.alive():
-            raise RuntimeError(f"redis-server exited:\n{proc.tail()}")
-        try:
-            client.ping()
-            return proc, client
-        except redis.exceptions.ConnectionError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server not ready:\n{proc.tail()}") from None
-            time.sleep(0.05)
 
 
 def put_blocks(client: Any, size: int, n: int, payloads: Sequence[bytes]) -> None:
@@ -1193,10 +1164,12 @@ def run(s: Settings) -> tuple[list[Row], list[str], dict[str, Any], dict[int, di
             payloads = {size: [payload_of(size, i) for i in range(n)] for size, n in s.blocks.items()}
             digests = {size: [digest_of(size, i) for i in range(n)] for size, n in s.blocks.items()}
             progress("starting redis-server")
-            redis = start_redis_tcp(stack, tmp)
-            if isinstance(redis, str):
-                progress(f"Redis baseline skipped: {redis}")
-                notes.append(f"Redis baseline skipped: {redis}")
+            total_gib = sum(size * n for size, n in s.blocks.items()) / (1 << 30)
+            redis = start_redis(stack, tmp, max(0.25, 2 * total_gib), tcp_port=free_port(socket.SOCK_STREAM))
+            if redis is None:
+                why = "redis-server or redis-py is not installed (make system-deps installs redis-server)"
+                progress(f"Redis baseline skipped: {why}")
+                notes.append(f"Redis baseline skipped: {why}")
                 redis_proc, redis_client = None, None
             else:
                 redis_proc, redis_client = redis

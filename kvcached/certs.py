@@ -108,8 +108,11 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
     return cert, key
 
 
-def issue_node(directory: Path, name: str, extra_names: Sequence[str] = (), days: int = NODE_DAYS) -> tuple[Path, Path]:
-    """Issue ``<name>.pem`` and ``<name>-key.pem`` in ``directory``, signed by its CA."""
+def issue_node(directory: Path, name: str, extra_names: Sequence[str] = (), days: int = NODE_DAYS, *,
+               valid_from: datetime.datetime | None = None) -> tuple[Path, Path]:
+    """Issue ``<name>.pem`` and ``<name>-key.pem`` in ``directory``, signed by its CA, valid for
+    ``days`` from ``valid_from`` (default now; a past start gives an expired certificate, which
+    tests of the refusal need)."""
     check_name(name)
     ca_cert, ca_key = _load_ca(directory)
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
@@ -123,7 +126,7 @@ def issue_node(directory: Path, name: str, extra_names: Sequence[str] = (), days
             check_name(extra)
             sans.append(x509.DNSName(extra))
     key = ec.generate_private_key(ec.SECP256R1())
-    now = _now()
+    now = valid_from or _now()
     not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
     cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())

@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import pytest
 
@@ -131,3 +131,13 @@ def daemon(make_daemon) -> DaemonProcess:  # type: ignore[no-untyped-def]
 
 def run_cli(args: Sequence[str], cwd: Path | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(KVCACHED + list(args), cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(what: Callable[[], bool], timeout: float = 20.0, text: str = "") -> None:
+    """Poll ``what`` until it is true; AssertionError naming ``text`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if what():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for: {text}")

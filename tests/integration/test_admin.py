@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from kvcached.client import KvCacheClient
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import BlockAddress
-from tests.integration.conftest import run_cli
+from tests.integration.conftest import run_cli, wait_for
 from tests.integration.test_operations import free_tcp_port
 
 READ_ONLY = {"/kvcached.v1.KvCache/" + m for m in ("Get", "GetStream", "Lookup", "Stats", "ListBlocks", "Overlap")} | {
@@ -168,10 +167,8 @@ def test_evict_by_model_and_by_tier_and_drain(make_daemon) -> None:
         r = stub.Evict(pb.EvictRequest(model="model-a"), timeout=10)                  # every tier
         assert (r.evicted, r.busy, r.not_found) == (6, 0, 0)
         assert c.lookup([x.digest for x in a]).longest == 0 and c.lookup([x.digest for x in b]).longest == 4
-        for _ in range(100):                                                          # write-back puts b on SSD
-            if all(pb.TIER_SSD in i.tiers for i in c.list_blocks(model="model-b")):
-                break
-            time.sleep(0.05)
+        wait_for(lambda: all(pb.TIER_SSD in i.tiers for i in c.list_blocks(model="model-b")), 10,
+                 "write-back to put model-b on SSD")
         r = stub.Evict(pb.EvictRequest(digests=[x.digest for x in b[:2]], tier=pb.TIER_RAM), timeout=10)
         assert (r.evicted, r.busy, r.not_found) == (2, 0, 0)
         got, _ = c.get(b)                                                             # promoted back from SSD
@@ -247,15 +244,12 @@ def test_sighup_applies_what_it_can_and_names_the_rest(make_daemon, tmp_path: Pa
     d.wait_ready()
     config.write_text('[log]\nlevel = "debug"\n[kv]\nssd_ttl = "1d"\nprefetch_policy = "timeout"\n[quic]\nhedge_ms = 20\n')
     d.proc.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while "configuration reloaded" not in d.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: "configuration reloaded" in d.log(), 10, "the reload to be logged")
     line = next(x for x in d.log().splitlines() if "configuration reloaded" in x)
     assert "applied=kv.ssd_ttl,kv.prefetch_policy,log.level" in line and "needs_restart=quic.hedge_ms" in line, line
     config.write_text('[kv]\nssd_ttl = "forever"\n')
     d.proc.send_signal(signal.SIGHUP)
-    while "reload refused" not in d.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: "reload refused" in d.log(), 10, "the refused reload to be logged")
     assert "reload refused; nothing changed" in d.log() and "kv.ssd_ttl" in d.log()
     with d.client() as c:
         assert c.stats().puts == 0                  # still serving

@@ -49,7 +49,7 @@ from kvcached_agent.agent import Agent
 from kvcached_agent.client import AgentError
 
 from .agent_worker import payload
-from .conftest import ROOT, DaemonProcess
+from .conftest import ROOT, DaemonProcess, wait_for
 
 WORKER = Path(__file__).with_name("agent_worker.py")
 KIB = 1 << 10
@@ -65,14 +65,6 @@ def agent_socket(daemon: DaemonProcess) -> str:
 def chain(n: int, seed: int = 0, model: str = "test/model", dtype: str = "bfloat16") -> list[bytes]:
     return chain_digests(list(range(seed, seed + 16 * n)), 16, model=model, dtype=dtype)
 
-
-def wait_for(what: Callable[[], bool], timeout: float = 20.0, text: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if what():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for: {text}")
 
 
 def wait_stats(c: Any, *, agents: int | None = None, held: int | None = None, gpu_blocks: int | None = None,

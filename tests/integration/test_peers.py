@@ -8,22 +8,31 @@ that must be refused are each checked against what the daemons really do.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
+import ssl
 import time
 from pathlib import Path
-from typing import Callable
 
 import blake3
 import pytest
 import torch
+from aioquic.quic import events as quic_events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 
+from kvcached.peers import protocol as pp
+from kvcached.peers.quic import PeerClientProtocol
+from kvcached.peers.tls import ALPN, PeerAuth, QuicOptions
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent import Agent
 from kvcached_agent.address import BlockAddress
 
-from .conftest import DaemonProcess, run_cli
+from tests.certificates import expired_certificate
+
+from .conftest import DaemonProcess, run_cli, wait_for
 
 NODES = ("node-a", "node-b", "node-c")
 KIB = 1 << 10
@@ -34,14 +43,6 @@ def free_udp_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def wait_for(what: Callable[[], bool], timeout: float = 20.0, text: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if what():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting: {text}")
 
 
 def blocks(n: int, size: int = 64 * KIB, seed: int = 0) -> dict[BlockAddress, bytes]:
@@ -237,23 +238,6 @@ def test_a_peer_whose_certificate_is_not_the_expected_name_is_refused_and_logged
 
 # -- a hand-driven peer in this process (real QUIC, real certificates) -------------------------
 
-import asyncio
-import datetime
-import ssl
-
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
-from aioquic.quic import events as quic_events
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from kvcached.peers import protocol as pp
-from kvcached.peers.quic import PeerClientProtocol
-from kvcached.peers.tls import ALPN, PeerAuth, QuicOptions
-
-
 class Recorder(PeerClientProtocol):
     """A client protocol that also keeps the raw answers of streams it did not start itself."""
 
@@ -310,37 +294,13 @@ async def settle(proto: Recorder, timeout: float = 5.0) -> None:
     await asyncio.sleep(0.2)
 
 
-def issue(certs: Path, name: str, *, ca_dir: Path | None = None, expired: bool = False) -> tuple[Path, Path]:
-    """A node certificate signed by the CA in ``ca_dir`` (default: the cluster's), possibly expired."""
-    ca_dir = ca_dir or certs
-    ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
-    ca_key = serialization.load_pem_private_key((ca_dir / "ca-key.pem").read_bytes(), None)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = (now - datetime.timedelta(days=30), now - datetime.timedelta(days=1)) if expired else \
-        (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=30))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
-    tag = "expired" if expired else "other"
-    cert_path, key_path = certs / f"{name}-{tag}.pem", certs / f"{name}-{tag}-key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 @pytest.mark.parametrize("kind", ["other-ca", "expired"])
 def test_a_bad_certificate_is_refused_on_both_sides(cluster: Cluster, kind: str) -> None:
     if kind == "other-ca":
         run_cli(["certs", "--dir", str(cluster.root / "rogue"), "node-b"])
         bad = cluster.root / "rogue" / "node-b.pem", cluster.root / "rogue" / "node-b-key.pem"
     else:
-        bad = issue(cluster.certs, "node-b", expired=True)
+        bad = expired_certificate(cluster.certs, cluster.root / "expired", "node-b")
     ca = cluster.certs / "ca.pem"     # b trusts the cluster CA, so a's server gets to see (and refuse) b's certificate
     a = cluster.daemon("node-a", peers={"node-b": cluster.addresses["node-b"], "node-c": cluster.addresses["node-c"]})
     b = cluster.daemon("node-b", peers={"node-a": cluster.addresses["node-a"]}, start=False)

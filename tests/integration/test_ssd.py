@@ -13,7 +13,6 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable
 
 import blake3
 import grpc
@@ -22,6 +21,8 @@ import pytest
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent.address import BlockAddress, index_key
 from kvcached.tiers.ssd_format import HEADER_BYTES, block_dir, block_name
+
+from .conftest import wait_for
 
 KIB = 1 << 10
 SMALL_RAM = ("kv.ram_gib=0.0078125", "kv.max_block_mib=1")   # 8 MiB arena: most blocks live on SSD only
@@ -41,14 +42,6 @@ def ssd_stats(c) -> pb.TierStats:  # type: ignore[no-untyped-def]
     (ssd,) = [t for t in c.stats().tiers if t.tier == pb.TIER_SSD]
     return ssd
 
-
-def wait_for(what: Callable[[], bool], timeout: float = 20.0, text: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if what():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting: {text}")
 
 
 def put_all(c, data: dict[BlockAddress, bytes], batch: int = 8) -> None:  # type: ignore[no-untyped-def]

@@ -113,3 +113,15 @@ def test_mutual_tls_handshake_with_the_issued_files(cluster: Path) -> None:
     thread.join(10)
     client = seen["client"]
     assert isinstance(client, dict) and ("DNS", "node-b") in client["subjectAltName"]
+
+
+def test_a_certificate_issued_from_a_past_start_is_expired_now(cluster: Path) -> None:
+    start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
+    cert_path, _ = issue_node(cluster, "node-old", days=9, valid_from=start)
+    ca = (cluster / "ca.pem").read_bytes()
+    with pytest.raises(CertError, match="refused"):
+        verify_node(ca, cert_path.read_bytes(), "node-old")
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    assert cert.not_valid_after_utc == (start + datetime.timedelta(days=9)).replace(microsecond=0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import gc
 import socket
 import ssl
@@ -18,10 +17,6 @@ import pytest
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvcached.certs import make_cluster
 from kvcached.index import BlockIndex
@@ -35,6 +30,7 @@ from kvcached.policies.clock import ClockPolicy
 from kvcached.store import PutItem, Store
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
+from tests.certificates import expired_certificate
 from tests.unit.conftest import KIB, SLAB, address, payload
 
 A, B, C = "node-a", "node-b", "node-c"
@@ -426,34 +422,6 @@ def test_state_changing_early_data_is_refused(tmp_path: Path) -> None:
 # mutual TLS
 
 
-def expired_cert(c: Cluster, directory: Path, name: str) -> tuple[Path, Path]:
-    """A certificate for ``name`` signed by the real cluster CA, expired yesterday."""
-    ca_cert = x509.load_pem_x509_certificate(c.files.ca.read_bytes())
-    ca_key = serialization.load_pem_private_key(c.files.ca_key.read_bytes(), password=None)
-    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=10)).not_valid_after(now - datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    directory.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def test_server_refuses_bad_client_certificates(tmp_path: Path) -> None:
     async def body() -> None:
         async with cluster(tmp_path, (A, B)) as c:     # A accepts only node-b
@@ -468,7 +436,7 @@ def test_server_refuses_bad_client_certificates(tmp_path: Path) -> None:
                 return config
 
             cases = {"another CA": (client_config(other.nodes[B]), "client certificate refused"),
-                     "expired": (client_config(expired_cert(c, tmp_path / "expired", B)), "client certificate refused"),
+                     "expired": (client_config(expired_certificate(c.files.ca.parent, tmp_path / "expired", B)), "client certificate refused"),
                      "not a peer": (client_config(c.files.nodes[C]), "node-c"),
                      "no certificate": (client_config(None), "no certificate")}
             for case, (config, why) in cases.items():
