@@ -109,8 +109,8 @@ def claim_unix_socket(path: str) -> None:
         probe.close()
 
 
-def _group_id(group: str) -> int:
-    """The gid of ``group`` (a name or a number); -1 for "" (keep the daemon's own)."""
+def _group_id(group: str, key: str) -> int:
+    """The gid of ``group`` (a name or a number; config key ``key``); -1 for "" (keep the daemon's own)."""
     if not group:
         return -1
     if group.isdigit():
@@ -120,7 +120,7 @@ def _group_id(group: str) -> int:
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
-        raise StartupError(f"agent.group: no such group {group!r}") from None
+        raise StartupError(f"{key}: no such group {group!r}") from None
 
 
 class Daemon:
@@ -156,7 +156,8 @@ class Daemon:
         agent_gid = -1
         if cfg.agent.socket:
             claim_unix_socket(cfg.agent.socket)
-            agent_gid = _group_id(cfg.agent.group)
+            agent_gid = _group_id(cfg.agent.group, "agent.group")
+        grpc_gid = _group_id(cfg.grpc.socket_group, "grpc.socket_group")   # before any listener: fail early
         for address in listeners:
             if address.unix_path:
                 claim_unix_socket(address.unix_path)
@@ -173,7 +174,7 @@ class Daemon:
         if cfg.metrics.listen:              # read latencies, for the tiers this daemon runs
             self.store.reads.time_reads(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)
                                         + ["peer"] * bool(self.peers))
-        await self._start_grpc(listeners)
+        await self._start_grpc(listeners, grpc_gid)
         if cfg.agent.socket:
             self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,
                                       mode=cfg.agent.mode_bits, gid=agent_gid, heartbeat_s=cfg.agent.heartbeat_s,
@@ -335,7 +336,7 @@ class Daemon:
             log.info("index reconciled", extra=fields(**counts, elapsed_s=round(time.monotonic() - t0, 3)))
         return index
 
-    async def _start_grpc(self, listeners: list[ListenAddress]) -> None:
+    async def _start_grpc(self, listeners: list[ListenAddress], gid: int) -> None:
         """The gRPC listeners, on two servers (kvcached.api.access says who may call what): the
         full API on the Unix sockets and mutual-TLS TCP listeners; read-only calls on plaintext
         TCP listeners and grpc.read_only_listen."""
@@ -349,7 +350,6 @@ class Daemon:
         if read_only:
             self.read_only_server = await self._grpc_server(
                 read_only, self._tls_credentials(require_client_auth=False) if cfg.grpc.tls else None, read_only=True)
-        gid = _group_id(cfg.grpc.socket_group) if cfg.grpc.socket_group else -1
         for address in listeners:
             if address.unix_path:
                 self._own_sockets.append(address.unix_path)

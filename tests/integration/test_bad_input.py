@@ -209,3 +209,13 @@ def test_sim_command_prints_the_table_and_writes_the_plot(tmp_path) -> None:  # 
     assert plot.read_text().startswith("<svg")
     r = run_cli(["sim", "--sizes", "2"])
     assert r.returncode == 2 and "--sizes: shares in (0, 1]" in r.stderr
+
+
+@pytest.mark.parametrize("key", ["agent.group", "grpc.socket_group"])
+def test_an_unknown_socket_group_stops_the_daemon_before_it_listens(tmp_path: Path, key: str) -> None:
+    sock = tmp_path / "api.sock"
+    r = run_cli(["serve", "--set", f'{key}="no-such-group-kvc"', "--set", f'grpc.listen=["unix:{sock}"]',
+                 "--set", f'agent.socket="{tmp_path / "agent.sock"}"', "--set", 'metrics.listen=""',
+                 "--set", f'kv.index_dir="{tmp_path / "index"}"', "--set", "kv.ssd_gib=0"], cwd=tmp_path)
+    assert r.returncode == 1 and f"cannot start: {key}: no such group 'no-such-group-kvc'" in r.stderr, r.stderr
+    assert not sock.exists() and not (tmp_path / "agent.sock").exists()

@@ -460,6 +460,18 @@ def test_bad_agent_keys(override: str, key: str, problem: str) -> None:
     assert_error(config_error(override), key, problem)
 
 
+@pytest.mark.parametrize("overrides, key, problem", [
+    (['grpc.socket_mode="0999"'], "grpc.socket_mode", "octal permission bits"),
+    (['grpc.read_only_listen=["unix:var/ro.sock"]'], "grpc.read_only_listen", "TCP listeners only"),
+    (['grpc.read_only_listen=["127.0.0.1:1", "127.0.0.1:1"]'], "grpc.read_only_listen", "twice"),
+    (["grpc.tls=true", 'grpc.tls_cert="/nonexistent/c.pem"', 'grpc.tls_key="/nonexistent/k.pem"',
+      'grpc.tls_ca="/nonexistent/ca.pem"'], "grpc.tls_cert", "no such readable file: /nonexistent/c.pem"),
+    (['grpc.listen=["unix:var/a.sock", "10.1.2.3:7401"]'], "grpc.listen", "plaintext gRPC on the non-loopback"),
+])
+def test_bad_grpc_security_keys(overrides: list[str], key: str, problem: str) -> None:
+    assert_error(config_error(*overrides), key, problem)
+
+
 def test_agent_mode_bits() -> None:
     assert load_config(None, ['agent.mode="0600"']).agent.mode_bits == 0o600
     assert load_config(None, ['agent.mode="640"']).agent.mode_bits == 0o640
