@@ -16,7 +16,9 @@ side's figure its median round, the ratio the median of the per-round ratios:
    over their Unix sockets from this process, one call at a time. Prometheus scrapes the
    metrics one every second meanwhile (a real scrape is part of the cost).
 
-Target: on / off <= 1.05 for each (overhead under 5%). --quick: fewer calls (~20 s).
+Target: on / off <= 1.05 for each (overhead under 5%). Also shown, no target: one observation
+into kvcached's histogram against one into prometheus_client's (which takes a lock).
+--quick: fewer calls (~20 s).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from bench_core import KiB, MiB, Row, print_table, progress, start_kvcached  # n
 TARGET = 1.05
 CHAIN = 16
 PAYLOAD = 4 * KiB
-TITLES = {1: "1. In process: Store.lookup / Store.get of RAM blocks, read timing on vs off (per call)",
+TITLES = {0: "0. One latency observation: kvcached.reads' histogram vs prometheus_client's (per call; why the daemon keeps its own)",
+          1: "1. In process: Store.lookup / Store.get of RAM blocks, read timing on vs off (per call)",
           2: "2. Through the daemon: gRPC Lookup / Get on a Unix socket, metrics on vs off (per call)"}
 
 
@@ -73,6 +76,28 @@ def overhead_row(figure: int, case: str, per_round: dict[str, list[float]]) -> R
               paired_ratio=statistics.median(a / b for a, b in zip(on, off)))
     row.passed = row.ratio <= TARGET
     return row
+
+
+# =============================================================================================
+# 0. one observation
+
+
+def observe_rows(rounds: int, calls: int) -> list[Row]:
+    """The hot-path step itself: kvcached's lock-free histogram against prometheus_client's
+    Histogram (a bound child, as a careful caller would use it), same buckets, same value."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from kvcached.reads import LATENCY_BUCKETS, LatencyHistogram
+
+    ours = LatencyHistogram()
+    theirs = Histogram("bench_seconds", "bench", ["tier"], buckets=LATENCY_BUCKETS,
+                       registry=CollectorRegistry()).labels("ram")
+    per_round = timed_rounds({"on": lambda: ours.observe(1.5e-4), "off": lambda: theirs.observe(1.5e-4)},
+                             rounds, calls)
+    row = overhead_row(0, "LatencyHistogram.observe", per_round)
+    row.baseline_name, row.target, row.passed = "prometheus_client", "", None
+    row.unit, row.kvcached, row.baseline = "ns", row.kvcached * 1e3, row.baseline * 1e3
+    return [row]
 
 
 # =============================================================================================
@@ -176,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="kvcbench-metrics-") as tmpdir:
         tmp = Path(tmpdir)
-        rows = in_process(rounds, calls_proc, tmp)
+        rows = observe_rows(rounds, calls_proc)
+        rows += in_process(rounds, calls_proc, tmp)
         rows += through_daemons(rounds, calls_grpc, tmp)
     header = (f"kvcached metrics overhead ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, Python "
               f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M:%S')}, {time.time() - started:.0f} s; "
