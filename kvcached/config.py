@@ -162,6 +162,21 @@ def _max_gpu_blocks(v: int) -> None:
         raise ValueError(f"must be between 1 and 100000000, got {v}")
 
 
+def _at_least_one(v: int) -> None:
+    if v < 1:
+        raise ValueError(f"must be 1 or more, got {v}")
+
+
+def _admission_window(v: int) -> None:
+    if not 1000 <= v <= 1_000_000_000:
+        raise ValueError(f"must be between 1000 and 1000000000 offers, got {v}")
+
+
+def _save_interval(v: float) -> None:
+    if v != 0 and not 1 <= v <= 86400:
+        raise ValueError(f"must be 0 (save on a clean stop only) or between 1 and 86400 seconds, got {v}")
+
+
 def _one_of(*choices: str) -> Callable[[str], None]:
     def check(v: str) -> None:
         if v not in choices:
@@ -251,8 +266,23 @@ class KvSection:
     ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd", _path)
     ssd_gib: float = _key("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, _non_negative, (int, float))
     ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", 7 * 86400.0)
-    write_policy: str = _key("When new blocks go to SSD: write_back (soon after the Put) or write_through (before it returns).",
-                             "write_back", _one_of("write_back", "write_through"))
+    ssd_policy: str = _key("Capacity eviction order of the SSD tier: lru (the index's own queue) or an in-memory "
+                           "ram_policy name.", "lru")
+    write_policy: str = _key("When new blocks go to SSD: write_back (soon after the Put), write_through (before it "
+                             "returns) or write_through_selective (once hit write_through_threshold times).",
+                             "write_back", _one_of("write_back", "write_through", "write_through_selective"))
+    write_through_threshold: int = _key("Hits a new block needs before it goes to SSD under "
+                                        "write_through_selective.", 2, _at_least_one, int)
+    admission: str = _key("Which offered new blocks are stored: always, or reuse (on the admission_threshold-th "
+                          "offer within admission_window offers).", "always", _one_of("always", "reuse"))
+    admission_threshold: int = _key("Offers a block needs before it is stored under admission = reuse.", 2,
+                                    _at_least_one, int)
+    admission_window: int = _key("Offers after which admission = reuse halves its counts (16 bytes of memory each).",
+                                 100_000, _admission_window, int)
+    ssd_write_budget_gib: float = _key("Most bytes written to the SSD tier in any 24 hours, GiB (0: no budget).",
+                                       0.0, _non_negative, (int, float))
+    policy_save_s: float = _key("How often what the policies learned is saved to the index, seconds (0: on a clean "
+                                "stop only).", 60.0, _save_interval, (int, float))
     ssd_durability: str = _key("How SSD block files are made durable: always, batch or none.", "batch",
                                _one_of("always", "batch", "none"))
     ssd_commit_ms: float = _key("Longest wait to gather a group commit (ssd_durability = batch), ms.", 10.0,
@@ -504,6 +534,8 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
 
     if kv.ram_policy not in EVICTION_POLICIES:
         raise ConfigError("kv.ram_policy", f"unknown policy {kv.ram_policy!r}; known: {', '.join(sorted(EVICTION_POLICIES))}")
+    if kv.ssd_policy not in EVICTION_POLICIES:
+        raise ConfigError("kv.ssd_policy", f"unknown policy {kv.ssd_policy!r}; known: {', '.join(sorted(EVICTION_POLICIES))}")
     quic = config.quic
     if quic.listen or quic.peers:
         for name in ("ca", "cert", "key"):

@@ -38,7 +38,10 @@ from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.systemd import Notifier
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
+from kvcached import policy_state
 from kvcached.policies import make_eviction_policy
+from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
+from kvcached.policies.write import make_write_policy
 from kvcached.store import Store
 from kvcached.tiers.arena import SharedArena
 from kvcached.ssd_reconcile import reconcile_ssd
@@ -163,10 +166,15 @@ class Daemon:
                 claim_unix_socket(address.unix_path)
         self.index = self._open_index()
         self.arena = SharedArena(cfg.ram_bytes)
-        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(cfg.kv.ram_policy))
+        kv = cfg.kv
+        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy))
         self.ssd = self._open_ssd()
-        self.store = Store(ram, self.index, ssd=self.ssd, write_policy=cfg.kv.write_policy,  # type: ignore[arg-type]
-                           ssd_ttl=cfg.kv.ssd_ttl, gone_ttl=cfg.kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks)
+        self.store = Store(ram, self.index, ssd=self.ssd, write_policy=make_write_policy(kv.write_policy, kv.write_through_threshold),
+                           ssd_ttl=kv.ssd_ttl, gone_ttl=kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks,
+                           admission=make_admission_policy(kv.admission, kv.admission_threshold, kv.admission_window),
+                           ssd_budget=SsdWriteBudget(int(kv.ssd_write_budget_gib * (1 << 30))),
+                           ssd_order=make_eviction_policy(kv.ssd_policy) if self.ssd and kv.ssd_policy != "lru" else None)
+        self._restore_policies()
         self.store.mirror_pulls = cfg.kv.mirror_pulls
         self.store.prefetch = make_prefetch_policy(cfg.kv.prefetch_policy, cfg.kv.prefetch_timeout_ms / 1000)
         if cfg.quic.listen or cfg.quic.peers:
@@ -193,6 +201,8 @@ class Daemon:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))
         self._tasks.append(asyncio.create_task(self._maintenance(), name="maintenance"))
+        if cfg.kv.policy_save_s:
+            self._tasks.append(asyncio.create_task(self._policy_saver(cfg.kv.policy_save_s), name="policy-saver"))
         if self.ssd is not None:
             self._tasks += [asyncio.create_task(self._reconcile_ssd(), name="ssd-reconcile"),
                             asyncio.create_task(self._demoter(), name="ssd-demoter"),
@@ -259,6 +269,39 @@ class Daemon:
             raise StartupError(str(exc)) from None
         return ssd
 
+    def _restore_policies(self) -> None:
+        """At boot, before any block is stored: what the policies learned before the restart
+        (kvcached.policy_state). The SSD tier's order follows once its reconcile is done."""
+        assert self.store is not None and self.index is not None
+        store, kv = self.store, self.config.kv
+        ram_keys = policy_state.restore_ram(self.index, store.ram.policy, kv.ram_policy)
+        admission = policy_state.restore_admission(self.index, store.admission)
+        store.load_budget()
+        if ram_keys or admission:
+            log.info("policy state restored", extra=fields(ram_policy=kv.ram_policy, ram_keys=ram_keys,
+                                                           admission=kv.admission if admission else None))
+
+    def _save_policies(self) -> int:
+        """Capture and save the policies' state now (at a clean stop); returns bytes written."""
+        assert self.store is not None and self.index is not None
+        store = self.store
+        return policy_state.write_captured(self.index, policy_state.capture(store.ram.policy, store.ssd_order,
+                                                                            store.admission))
+
+    async def _policy_saver(self, every_s: float) -> None:
+        """Every ``every_s``: capture the policies' state on the loop, encode and write it in a
+        worker thread (off the hot path)."""
+        assert self.store is not None and self.index is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every_s)
+            store = self.store
+            try:
+                captured = policy_state.capture(store.ram.policy, store.ssd_order, store.admission)
+                await loop.run_in_executor(None, policy_state.write_captured, self.index, captured)
+            except Exception:
+                log.exception("saving the policy state failed; will retry")
+
     async def _reconcile_ssd(self) -> None:
         """The SSD boot reconcile, in the scan thread, while the daemon serves."""
         assert self.store is not None and self.index is not None and self.ssd is not None
@@ -271,6 +314,19 @@ class Daemon:
             return
         if self._stopping.is_set():
             return
+        if self.store.ssd_order is not None:    # before capacity eviction may start
+            kind = self.config.kv.ssd_policy
+            t0 = time.monotonic()
+            try:
+                built = await loop.run_in_executor(
+                    self._scanner, policy_state.build_ssd_order, self.index, kind, self._stopping.is_set,
+                    lambda n: log.info("building the SSD policy", extra=fields(blocks=n)))
+            except Exception:
+                log.exception("rebuilding the SSD policy failed; it orders only blocks written since boot")
+            else:
+                self.store.adopt_ssd_order(built)
+                log.info("SSD policy rebuilt", extra=fields(ssd_policy=kind, blocks=len(built),
+                                                            elapsed_s=round(time.monotonic() - t0, 3)))
         self.store.finish_ssd_reconcile(report)
         self.ssd_reconcile_summary = report.summary()
         log.info("SSD tier reconciled", extra=fields(**self.ssd_reconcile_summary))
@@ -507,6 +563,8 @@ class Daemon:
             self._step_sync("metrics", self._metrics_server.shutdown)
         if self.store is not None:
             self._step_sync("last-seen flush", self.store.flush_last_seen)
+            if self.index is not None:
+                self._step_sync("policy state save", self._save_policies)
         if self.index is not None:
             self._step_sync("index close", self.index.close)
             self.index = None

@@ -3,7 +3,8 @@
 The index is the source of truth for block metadata; tiers hold only bytes. One record per
 stored block, keyed by the 32-byte index key (kvcached_agent.address.index_key), in the column
 family ``blocks``; the ``meta`` family holds the schema version; ``ssd_age`` is the SSD tier's
-eviction queue (see :meth:`BlockIndex.ssd_queue`). Later issues add families (peers) beside them.
+eviction queue (see :meth:`BlockIndex.ssd_queue`); ``policy`` holds what the cache policies
+learned (kvcached.policy_state), so it survives a restart.
 
 A record whose tier set is empty is a *tombstone*: the bytes are gone (evicted, or lost when
 the daemon restarted and they lived only in RAM), the metadata stays for ``kv.gone_ttl`` so a
@@ -43,7 +44,7 @@ _F64 = struct.Struct("<d")
 # byte offsets of the fields that change in place (see the layout above)
 _TIERS, _REASON, _LAST_SEEN, _GONE_AT, _CHECKSUM = 1, 2, 24, 32, 40
 _LAYER, _DIGEST = 4, 72
-_FAMILIES = ("blocks", "meta", "ssd_age")
+_FAMILIES = ("blocks", "meta", "ssd_age", "policy")
 _AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
 
 
@@ -176,6 +177,8 @@ class BlockIndex:
         self._sync_opts.sync = True
         self._age = self._db.get_column_family("ssd_age")
         self._age_handle = self._db.get_column_family_handle("ssd_age")
+        self._policy = self._db.get_column_family("policy")
+        self._policy_handle = self._db.get_column_family_handle("policy")
 
     # -- point operations ---------------------------------------------------------------------
 
@@ -203,9 +206,10 @@ class BlockIndex:
 
     def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = (), *,
               queue: Iterable[bytes] = (), unqueue: Iterable[bytes] = (), sync: bool = False,
-              watch: bool = True) -> None:
-        """Apply puts (records, or encoded records from the ``with_*`` methods), deletes and SSD
-        queue entries (from :func:`queue_entry`) atomically, in one WriteBatch; ``sync`` waits
+              watch: bool = True, policy: Iterable[tuple[bytes, bytes | None]] = ()) -> None:
+        """Apply puts (records, or encoded records from the ``with_*`` methods), deletes, SSD
+        queue entries (from :func:`queue_entry`) and ``policy`` family entries (None deletes)
+        atomically, in one WriteBatch; ``sync`` waits
         for the WAL to reach the disk. With a :attr:`watcher`, blocks that become present or
         stop being present are reported to it once the write is done; ``watch=False`` says the
         write changes no block's presence (last-seen times)."""
@@ -231,6 +235,12 @@ class BlockIndex:
             n += 1
         for entry in unqueue:
             batch.delete(entry, column_family=self._age_handle)
+            n += 1
+        for key, value in policy:
+            if value is None:
+                batch.delete(key, column_family=self._policy_handle)
+            else:
+                batch.put(key, value, column_family=self._policy_handle)
             n += 1
         if not n:
             return
@@ -336,6 +346,30 @@ class BlockIndex:
         del it
         keys = [e[_AGE.size:] for e in entries]
         return list(zip(entries, keys, self._blocks[keys] if keys else []))
+
+    def ssd_queue_keys(self) -> Iterator[bytes]:
+        """Every key of the SSD queue, oldest entry first (a key may repeat, and a stale one
+        may no longer be on SSD); read-only, safe from a worker thread."""
+        it = self._age.iter()
+        it.seek_to_first()
+        while it.valid():
+            yield it.key()[_AGE.size:]
+            it.next()
+        del it
+
+    def policy_get(self, key: bytes) -> bytes | None:
+        return self._policy.get(key)
+
+    def policy_items(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """Entries of the ``policy`` family whose key starts with ``prefix``, in key order."""
+        out: list[tuple[bytes, bytes]] = []
+        it = self._policy.iter()
+        it.seek(prefix)
+        while it.valid() and it.key().startswith(prefix):
+            out.append((it.key(), it.value()))
+            it.next()
+        del it
+        return out
 
     def ssd_records(self, stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[bytes, bytes]]:
         """(key, raw record) of every record with the SSD tier, in key order, read-only (safe from
@@ -443,7 +477,7 @@ class BlockIndex:
 
     def close(self) -> None:
         """Flush and close; the object is unusable afterwards."""
-        del self._blocks, self._blocks_handle, self._age, self._age_handle
+        del self._blocks, self._blocks_handle, self._age, self._age_handle, self._policy, self._policy_handle
         try:
             self._db.flush()
         finally:

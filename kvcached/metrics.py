@@ -51,7 +51,9 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("kvcached_ram_dirty_bytes", "RAM bytes not yet written back to SSD", value=s["ram_dirty_bytes"])
         for name, key, doc in (("puts", "puts", "Blocks stored"), ("lookups", "lookups", "Lookup calls"),
                                ("promotions", "promotions", "Blocks read from SSD into RAM"),
-                               ("demotions", "demotions", "Blocks published on SSD from RAM")):
+                               ("demotions", "demotions", "Blocks published on SSD from RAM"),
+                               ("admission_declined", "admission_declined",
+                                "New blocks offered that the admission policy did not store (kv.admission)")):
             yield CounterMetricFamily(f"kvcached_{name}", doc, value=s[key])
         yield from self._reads(ssd)
         peers = self.store.peers.stats() if self.store.peers is not None else None
@@ -85,8 +87,16 @@ class StoreCollector(Collector):
                  "Bytes of block files published on SSD, headers and padding included (drive wear)"),
                 ("ssd_write_errors", "ssd_write_errors", "SSD block writes that failed (discarded, never acknowledged)"),
                 ("ssd_no_space", "ssd_no_space", "SSD block writes that met a full disk"),
-                ("ssd_group_commits", "ssd_group_commits", "Group commits (ssd_durability = batch)")):
+                ("ssd_group_commits", "ssd_group_commits", "Group commits (ssd_durability = batch)"),
+                ("ssd_budget_declined", "ssd_budget_declined",
+                 "Blocks the SSD write budget kept off SSD (kv.ssd_write_budget_gib)"),
+                ("selective_written", "held_written",
+                 "Blocks write_through_selective sent to SSD once their hits passed the threshold")):
             yield CounterMetricFamily(f"kvcached_{name}", doc, value=s[key])
+        if "ssd_budget_remaining_bytes" in s:
+            yield GaugeMetricFamily("kvcached_ssd_write_budget_remaining_bytes", "Bytes the SSD tier may still write "
+                                    "within the last 24 hours (kv.ssd_write_budget_gib)",
+                                    value=s["ssd_budget_remaining_bytes"])
         yield GaugeMetricFamily("kvcached_ssd_file_bytes", "Bytes of SSD block files (headers and padding included)",
                                 value=s["ssd_file_bytes"])
         yield GaugeMetricFamily("kvcached_ssd_reconciled", "1 once the boot reconcile of the SSD tier has finished",

@@ -10,11 +10,15 @@ With an SSD tier (kvcached.tiers.ssd) the store also moves blocks between tiers:
 
 - ``write_through``: a Put returns once its new blocks are published on SSD (per the durability
   mode); ``write_back``: a Put returns once they are in RAM and the demoter (:meth:`demote`,
-  driven by the daemon) publishes them soon after, oldest first.
+  driven by the daemon) publishes them soon after, oldest first; ``write_through_selective``:
+  a new block is held in RAM until its N-th hit, then written back (kvcached.policies.write).
+- Admission (kvcached.policies.admission) decides whether an offered new block is stored at
+  all; the SSD write budget whether a publish may write (refused blocks stay in RAM only).
 - A Get of a block only on SSD reads it into a fresh arena slot, verifies it, and serves it
   (promotion); a damaged file is quarantined and the block is a miss, never served.
-- :meth:`evict_ssd` drops SSD blocks past ``ssd_ttl`` or over capacity, least recently used
-  first, from the index's SSD queue.
+- :meth:`evict_ssd` drops SSD blocks past ``ssd_ttl`` (from the index's SSD queue) or over
+  capacity: least recently used first from that queue, or in the order of an in-memory
+  eviction policy (``ssd_order``, [kv] ssd_policy).
 
 Agents (kvcached.api.agent_server) write blocks straight into arena slots: :meth:`reserve`
 hands out slots, :meth:`commit_written` makes the written blocks visible at once and records
@@ -34,13 +38,16 @@ import logging
 import time
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from kvcached.gpu_view import GpuView
 from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
                              Unavailable)
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
+from kvcached.policies import EvictionPolicy
+from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit, SsdWriteBudget
 from kvcached.policies.prefetch import PrefetchPolicy, WaitComplete
+from kvcached.policies.write import WritePolicy, make_write_policy
 from kvcached.reads import ReadStats, outcome
 from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.tiers.ram import WRITING, BlockBusy, RamBlock, RamFull, RamTier
@@ -59,7 +66,7 @@ DEMOTE_BATCH_BLOCKS = 256       # ... or this many blocks
 EVICT_BATCH = 256               # SSD queue entries looked at per step
 DIRTY_WAIT_S = 10.0             # longest a write-back Put waits for the demoter (see _throttle_dirty)
 
-WritePolicy = Literal["write_through", "write_back"]
+BUDGET_PREFIX = b"budget/"       # policy-family keys of the SSD write budget's ledger (+ be64 minute)
 
 # Engines look up the same prompt prefixes over and over (that is why they cache): the index keys
 # of recent lookups are kept per layer, a dict hit instead of ~0.9 us of BLAKE3; a layer's cache is
@@ -134,6 +141,9 @@ class Counters:
     ssd_evictions_capacity: int = 0
     ssd_evictions_admin: int = 0
     ssd_corrupt: int = 0
+    declined: int = 0              # new blocks the admission policy did not take
+    ssd_budget_declined: int = 0   # publishes the SSD write budget refused (kept in RAM only)
+    held_written: int = 0          # write_through_selective: held blocks that earned their SSD write
 
 
 @dataclass(slots=True)
@@ -150,16 +160,24 @@ class _Reached:
 class PutResult:
     stored: int = 0
     present: int = 0
+    declined: int = 0      # not stored: the admission policy (or the SSD write budget) declined them
 
 
 class Store:
     def __init__(self, ram: RamTier, index: BlockIndex, *, ssd: SsdTier | None = None,
-                 write_policy: WritePolicy = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
-                 max_gpu_blocks: int = 1_000_000, clock: Callable[[], float] = time.time) -> None:
+                 write_policy: WritePolicy | str = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
+                 max_gpu_blocks: int = 1_000_000, clock: Callable[[], float] = time.time,
+                 admission: AdmissionPolicy | None = None, ssd_budget: SsdWriteBudget | None = None,
+                 ssd_order: EvictionPolicy | None = None) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
-        self.write_policy = write_policy
+        self.writes = make_write_policy(write_policy) if isinstance(write_policy, str) else write_policy
+        self.admission = admission or AlwaysAdmit()
+        self.ssd_budget = ssd_budget or SsdWriteBudget(0)
+        # The SSD tier's eviction order ([kv] ssd_policy): None is "lru", the index's own queue
+        # (no memory per block); a policy here orders the SSD blocks in memory.
+        self.ssd_order = ssd_order
         self.ssd_ttl = ssd_ttl
         self.gone_ttl = gone_ttl
         self.clock = clock
@@ -197,22 +215,37 @@ class Store:
         self.prefetch: PrefetchPolicy = WaitComplete()     # [kv] prefetch_policy, set by the daemon
         self._transient: dict[bytes, bytes] = {}   # pulled, not mirrored: key -> checksum, dropped once read
 
+    @property
+    def write_policy(self) -> str:
+        """The write policy's config name ([kv] write_policy)."""
+        return self.writes.name
+
+    @write_policy.setter
+    def write_policy(self, name: str) -> None:
+        self.writes = make_write_policy(name)
+
     # -- put ----------------------------------------------------------------------------------
 
     async def put(self, items: Sequence[PutItem]) -> PutResult:
         """Store a batch. Every item is checked before any is stored, so a bad item stores
-        nothing. Blocks already present (in RAM or on SSD) count as ``present``. If the RAM tier
-        fills with blocks in use, the blocks stored so far stay and ResourceExhausted says how
-        many. Under write_through the new blocks are on SSD before this returns; a block that
-        cannot be published is dropped again and the error says so."""
-        through = self.ssd is not None and self.write_policy == "write_through"
+        nothing. Blocks already present (in RAM or on SSD) count as ``present``; new blocks the
+        admission policy does not take yet count as ``declined``. If the RAM tier fills with
+        blocks in use, the blocks stored so far stay and ResourceExhausted says how many. Under
+        write_through the new blocks are on SSD before this returns; a block that cannot be
+        published is dropped again and the error says so, one the SSD write budget refuses is
+        dropped and counted as declined."""
+        through = self.ssd is not None and self.writes.synchronous
         result, new, full = self._put_ram(items, hold=through)
+        own = {b.key for b, _ in new}
         if through:
             # Blocks of this batch already in RAM but not on SSD yet (another Put of the same
             # block is publishing it, or it was put under write-back) are made durable too.
             new += await self._dirty_present(items, {b.key for b, _ in new})
         if through and new:
-            failed = await self._write_through(new)
+            failed, refused = await self._write_through(new)
+            declined = sum(1 for b in refused if b.key in own)
+            result.stored -= declined
+            result.declined += declined
             if failed:
                 result.stored -= len(failed)
                 raise self._publish_error(failed, result, len(items))
@@ -223,21 +256,57 @@ class Store:
             raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {full}")
         return result
 
-    async def _write_through(self, new: list[tuple[RamBlock, BlockRecord]]) -> list[tuple[RamBlock, BlockRecord, SsdWriteError]]:
-        """Publish pinned blocks on SSD and unpin them; those that fail are not kept (a
-        write-through store acknowledges only what is on SSD) and are returned."""
-        task = self._publish(new)
+    async def _write_through(self, new: list[tuple[RamBlock, BlockRecord]]) -> tuple[
+            list[tuple[RamBlock, BlockRecord, SsdWriteError]], list[RamBlock]]:
+        """Publish pinned blocks on SSD and unpin them; those that fail, and those the SSD write
+        budget refuses, are not kept (a write-through store acknowledges only what is on SSD).
+        Returns (failed, refused)."""
+        allowed, refused = self._within_budget(new)
+        failed: list[tuple[RamBlock, BlockRecord, SsdWriteError]] = []
         try:
-            failed = await asyncio.shield(task)
+            if allowed:
+                failed = await asyncio.shield(self._publish(allowed))
         finally:
             for block, _ in new:
                 self.ram.unpin(block)
-        if failed:
-            for block, _, _ in failed:
-                if self.ram.busy_reason(block.key) is None:
-                    self.ram.delete(block.key)
-            self.index.write(deletes=[b.key for b, _, _ in failed])
-        return failed
+        gone = [b for b, _, _ in failed] + [b for b, _ in refused]
+        for block in gone:
+            if self.ram.busy_reason(block.key) is None:
+                self.ram.delete(block.key)
+        if gone:
+            self.index.write(deletes=[b.key for b in gone])
+        return failed, [b for b, _ in refused]
+
+    def _within_budget(self, blocks: list[tuple[RamBlock, BlockRecord]]) -> tuple[
+            list[tuple[RamBlock, BlockRecord]], list[tuple[RamBlock, BlockRecord]]]:
+        """Split blocks about to be published into those the SSD write budget takes (counted
+        now, and the ledger's minute persisted before any byte is written) and those it
+        refuses."""
+        budget = self.ssd_budget
+        if budget.unlimited or not blocks:
+            return blocks, []
+        now = self.clock()
+        allowed: list[tuple[RamBlock, BlockRecord]] = []
+        refused: list[tuple[RamBlock, BlockRecord]] = []
+        for block, record in blocks:
+            (allowed if budget.take(file_bytes(block.length), now) else refused).append((block, record))
+        if allowed:
+            minute, nbytes = budget.current_minute()
+            self.index.write(policy=[(BUDGET_PREFIX + minute.to_bytes(8, "big"), nbytes.to_bytes(8, "little"))])
+        self.counters.ssd_budget_declined += len(refused)
+        return allowed, refused
+
+    def load_budget(self) -> None:
+        """Take up the SSD write budget's ledger from the index (at boot) and drop the minutes
+        that are more than a day old."""
+        now = self.clock()
+        items = self.index.policy_items(BUDGET_PREFIX)
+        entries = [(int.from_bytes(k[len(BUDGET_PREFIX):], "big"), int.from_bytes(v, "little")) for k, v in items]
+        self.ssd_budget.load(entries, now)
+        kept = {m for m, _ in self.ssd_budget.minutes()}
+        stale = [(k, None) for k, (m, _) in zip((k for k, _ in items), entries) if m not in kept]
+        if stale:
+            self.index.write(policy=stale)
 
     async def _dirty_present(self, items: Sequence[PutItem], mine: set[bytes]) -> list[tuple[RamBlock, BlockRecord]]:
         """Write-through: blocks of ``items`` that were already in RAM but are not on SSD."""
@@ -293,13 +362,15 @@ class Store:
             if self.ram.busy_reason(item.address.key) == "being written":
                 raise FailedPrecondition(f"block {i} ({item.address}) is being written by an agent right now "
                                          "(reserved, not committed yet); nothing was stored: retry shortly")
+        offered = len(todo)
+        todo = self._admitted(todo)
         checksums = payload_checksums([item.payload for _, item in todo])
         for (i, item), checksum in zip(todo, checksums):
             if item.checksum and item.checksum != checksum:
                 raise DataLoss(f"block {i} ({item.address}): payload does not match its BLAKE3 checksum "
                                "(damaged on the way?); nothing was stored")
         now = self.clock()
-        result = PutResult(present=len(items) - len(todo))
+        result = PutResult(present=len(items) - offered, declined=offered - len(todo))
         new: list[tuple[RamBlock, BlockRecord]] = []
         full: RamFull | None = None
         # Records of this batch wait in _pending and go to the index in one write at the end,
@@ -319,7 +390,7 @@ class Store:
                 except ValueError:   # pragma: no cover - checked above, same thread
                     raise FailedPrecondition(f"block {item.address} is being written by another writer") from None
                 self.ram.write(block, item.payload)
-                self.ram.commit(block)
+                self._commit_new(block)
                 if hold:
                     self.ram.pin(block)
                 record = BlockRecord(item.address.digest, item.address.layer, item.model, len(item.payload),
@@ -346,6 +417,38 @@ class Store:
                 raise
         # a block of this batch may have been evicted by a later one of the same batch (not if held)
         return result, [(b, r) for b, r in new if self.ram.get(b.key) is b], full
+
+    def _admitted(self, todo: list[tuple[int, PutItem]]) -> list[tuple[int, PutItem]]:
+        """The new blocks of a Put the admission policy takes; one offer per block per batch."""
+        if isinstance(self.admission, AlwaysAdmit):
+            return todo
+        verdict: dict[bytes, bool] = {}
+        for _, item in todo:
+            key = item.address.key
+            if key not in verdict:
+                verdict[key] = self.admission.admit(key)
+        declined = sum(1 for _, item in todo if not verdict[item.address.key])
+        self.counters.declined += declined
+        return [t for t in todo if verdict[t[1].address.key]] if declined else todo
+
+    def _commit_new(self, block: RamBlock) -> None:
+        """Commit a block new to this daemon. Under write_through_selective it is held in RAM
+        (clean: nothing wants it on SSD yet) until its hits earn it a write, see :meth:`_hit`."""
+        held = self.ssd is not None and self.writes.hits_before_ssd > 0
+        self.ram.commit(block, clean=held)
+        if held:
+            block.hits_to_ssd = self.writes.hits_before_ssd
+
+    def _hit(self, block: RamBlock) -> None:
+        """A read used ``block``: its last-seen time is due, and a block held back by
+        write_through_selective is one hit closer to its SSD write."""
+        self._touched.add(block.key)
+        if block.hits_to_ssd > 0:
+            block.hits_to_ssd -= 1
+            if block.hits_to_ssd == 0:
+                self.ram.mark_dirty(block)
+                self.counters.held_written += 1
+                self.demote_wanted.set()
 
     def _publish_error(self, failed: list[tuple[RamBlock, BlockRecord, SsdWriteError]], result: PutResult,
                        n: int) -> KvError:
@@ -401,7 +504,7 @@ class Store:
                 misses.append(Miss(address, self._drop_unindexed(block)))
                 continue
             found.append(Fetched(address, self.ram.read(block), checksum))
-            self._touched.add(block.key)
+            self._hit(block)
         self.counters.hits += len(found)
         self.counters.misses += len(misses)
         self.counters.hit_bytes += sum(len(f.payload) for f in found)
@@ -455,7 +558,7 @@ class Store:
                 continue
             self.ram.pin(block)
             self.pinned_bytes += block.length
-            self._touched.add(block.key)
+            self._hit(block)
             self.counters.hits += 1
             self.counters.hit_bytes += block.length
             out.append(Pinned(address, block, checksum))
@@ -495,7 +598,8 @@ class Store:
         """Slots for blocks an agent is about to write, entry by entry: a RamBlock (WRITING, its
         bytes counted as held) or why not: ``present`` (RAM or SSD has it: nothing to write),
         ``busy`` (another writer has it reserved), ``full`` (no room, or agents and readers
-        already hold half the RAM tier), ``invalid`` (a size outside 1..max_block_bytes)."""
+        already hold half the RAM tier), ``invalid`` (a size outside 1..max_block_bytes),
+        ``declined`` (the admission policy does not take it yet: nothing to write)."""
         keys = [a.key for a, _ in entries]
         on_ssd = self.index.tiers_of(keys) if self.ssd is not None else [Tier.NONE] * len(keys)
         out: list[RamBlock | str] = []
@@ -512,6 +616,9 @@ class Store:
                     out.append("present")
                 elif self.pinned_bytes + length > self.max_pinned_bytes:
                     out.append("full")
+                elif not self.admission.admit(key):
+                    self.counters.declined += 1
+                    out.append("declined")
                 else:
                     try:
                         block = self.ram.reserve(key, length)
@@ -543,7 +650,7 @@ class Store:
         refused for lack of room."""
         while self._hashing_bytes > self.ram.capacity // 4 and self._hashing:
             await asyncio.wait({id(f): f for f in self._hashing.values()}.values(), return_when=asyncio.FIRST_COMPLETED)
-        if self.ssd is not None and self.write_policy == "write_back":
+        if self.ssd is not None and not self.writes.synchronous:
             await self._throttle_dirty()
 
     def abort_reserved(self, block: RamBlock) -> None:
@@ -557,16 +664,17 @@ class Store:
         is recorded in the index once a background thread has checksummed it. Under
         write_through this waits for the records and the SSD publish; a block that cannot be
         published is dropped (``failed``). Per entry: None, ``failed`` or ``unknown`` (not a
-        reserved block any more)."""
+        reserved block any more); under write_through also ``declined`` (the SSD write budget
+        refused it; not kept)."""
         out: list[str | None] = []
         batch: list[tuple[BlockAddress, RamBlock]] = []
-        through = self.ssd is not None and self.write_policy == "write_through"
+        through = self.ssd is not None and self.writes.synchronous
         for address, block in written:
             if block.refs != WRITING or not self.ram.holds(block):
                 out.append("unknown")
                 continue
             self.pinned_bytes -= block.length
-            self.ram.commit(block)
+            self._commit_new(block)
             self.ram.pin(block)          # held until recorded: never evicted unrecorded
             if through:
                 self.ram.pin(block)      # and, under write_through, until published
@@ -583,14 +691,15 @@ class Store:
         task.add_done_callback(self._background.discard)
         if self.ssd is None:
             return out
-        if self.write_policy == "write_back":
+        if not through:
             self.demote_wanted.set()
             return out
+        refused: list[RamBlock] = []
         try:
             await asyncio.shield(task)
             new = await self._dirty_keys([b.key for _, b in batch])
             if new:
-                await self._write_through(new)
+                _, refused = await self._write_through(new)
         finally:
             durable = [self.ram.get(b.key) is b and b.clean for _, b in batch]
             for (_, block), ok in zip(batch, durable):
@@ -599,8 +708,13 @@ class Store:
                     if not ok and block.refs == 0:      # not on SSD: not kept (write_through)
                         self.ram.delete(block.key)
                         self.index.write(deletes=[block.key])
-        it = iter(durable)
-        return [r if r is not None or next(it) else "failed" for r in out]
+        declined = {b.key for b in refused}
+        it = iter(zip(batch, durable))
+
+        def status(entry: tuple[tuple[BlockAddress, RamBlock], bool]) -> str | None:
+            (_, block), ok = entry
+            return None if ok else "declined" if block.key in declined else "failed"
+        return [r if r is not None else status(next(it)) for r in out]
 
     async def _record_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str,
                               done: asyncio.Future[None]) -> None:
@@ -876,6 +990,7 @@ class Store:
             "promotions": c.promotions, "demotions": c.demotions,
             "agents": len(self.gpu), "held_bytes": self.pinned_bytes,
             "gpu_blocks": sum(len(a.blocks) for a in self.gpu.agents()),
+            "admission_declined": c.declined,
         }
         if self.ssd is not None:
             sc = self.ssd.counters
@@ -888,7 +1003,10 @@ class Store:
                 "ssd_file_bytes_written": sc.file_bytes_written, "ssd_write_errors": sc.write_errors,
                 "ssd_no_space": sc.no_space, "ssd_missing": sc.missing, "ssd_group_commits": sc.group_commits,
                 "ssd_reconciled": int(self.ssd_reconciled),
+                "ssd_budget_declined": c.ssd_budget_declined, "held_written": c.held_written,
             }
+            if not self.ssd_budget.unlimited:
+                out["ssd_budget_remaining_bytes"] = self.ssd_budget.remaining(self.clock())
         return out
 
     # -- SSD tier: promotion, publishing, eviction -------------------------------------------
@@ -1047,7 +1165,10 @@ class Store:
             for address, (block, view), head in got:
                 _release(view)
                 if self.mirror_pulls:
-                    self.ram.commit(block, clean=self.ssd is None)
+                    if self.ssd is None:
+                        self.ram.commit(block, clean=True)
+                    else:
+                        self._commit_new(block)
                     self._pending[block.key] = BlockRecord(address.digest, address.layer, head.model, block.length,
                                                            head.checksum, now, now, Tier.RAM)
                 else:
@@ -1220,6 +1341,10 @@ class Store:
         puts = self.index.with_tier([b.key for b, _ in published], Tier.SSD)
         known = {key for key, _ in puts}
         queue = [queue_entry(r.last_seen, b.key) for b, r in published if b.key in known]
+        if self.ssd_order is not None:
+            for block, _ in published:          # in publish order: oldest first
+                if block.key in known and block.key not in self.ssd_order:
+                    self.ssd_order.insert(block.key)
         dropped: list[tuple[BlockRecord, RamBlock]] = [(r, b) for b, r in published if b.key not in known]
         self.index.write(puts, queue=queue, sync=self.ssd.durability != "none")
         for block, _ in published:
@@ -1234,7 +1359,8 @@ class Store:
 
     async def demote(self) -> int:
         """One write-back round: publish the oldest dirty blocks (up to a batch); returns how
-        many were published. Blocks being written or already in flight are skipped."""
+        many were published (or, when the SSD write budget refused all of them, how many it
+        refused: they are kept in RAM only). Blocks being written or in flight are skipped."""
         if self.ssd is None or not self.ram.dirty:
             return 0
         picks: list[RamBlock] = []
@@ -1252,8 +1378,11 @@ class Store:
             if record is None or not record.present:
                 self._drop_unindexed(block)
         batch = [(b, r) for b, r in zip(picks, records) if r is not None and r.present]
+        batch, refused = self._within_budget(batch)
+        for block, _ in refused:       # the day's SSD writes are spent: kept in RAM only
+            self.ram.mark_clean(block)
         if not batch:
-            return 0
+            return len(refused)
         failed = await asyncio.shield(self._publish(batch))
         if failed:
             log.warning("write-back failed; blocks stay in RAM only",
@@ -1262,16 +1391,81 @@ class Store:
 
     async def evict_ssd(self, need_bytes: int = 0) -> int:
         """Drop SSD blocks unused for ``ssd_ttl``, then (once the boot reconcile has counted the
-        tier) least recently used ones while the tier is over capacity, and at least
-        ``need_bytes`` more when asked (a full disk). Returns how many were dropped. Blocks in
-        RAM stay there (RAM-only now, not written back again); others become tombstones."""
+        tier) more while the tier is over capacity, and at least ``need_bytes`` more when asked
+        (a full disk): least recently used first, or in ``ssd_order``'s order. Returns how many
+        were dropped. Blocks in RAM stay there (RAM-only now, not written back again); others
+        become tombstones."""
         if self.ssd is None:
             return 0
+        over = max(0, self.ssd.used_bytes - self.ssd.capacity) if self.ssd_reconciled else 0
+        if self.ssd_order is None:
+            dropped, freed = await self._evict_ssd_queue(over, need_bytes)
+        else:
+            dropped, freed = await self._evict_ssd_queue(0, 0)         # the TTL only
+            more = await self._evict_ssd_ordered(max(over - freed, need_bytes - freed))
+            dropped, freed = dropped + more[0], freed + more[1]
+        if dropped:
+            log.info("SSD blocks evicted", extra={"fields": {"blocks": dropped, "bytes": freed,
+                                                             "used_bytes": self.ssd.used_bytes}})
+        return dropped
+
+    def adopt_ssd_order(self, built: EvictionPolicy) -> None:
+        """Take the SSD policy rebuilt after the boot reconcile (policy_state.build_ssd_order);
+        blocks published since boot, which the interim policy holds, are added to it."""
+        interim = self.ssd_order
+        if interim is not None:
+            for key in list(interim):
+                if key not in built:
+                    built.insert(key)
+        self.ssd_order = built
+
+    async def _evict_ssd_ordered(self, want: int) -> tuple[int, int]:
+        """Capacity eviction in ``ssd_order``'s order until ``want`` file bytes are freed;
+        returns (blocks, bytes). Keys the policy still holds but the index says are not on SSD
+        any more (deleted, dropped by an operator, lost) are forgotten as they are met."""
+        assert self.ssd is not None and self.ssd_order is not None
+        order = self.ssd_order
+        dropped = freed = 0
+        while freed < want:
+            victims: list[tuple[bytes, BlockHeader]] = []
+            stale: list[bytes] = []
+            looked = 0
+            for key in order.candidates():
+                looked += 1
+                if key in self._promoting:            # being read right now: not this round
+                    continue
+                raw = self.index.raw(key)
+                view = raw_ssd_view(raw) if raw is not None else None
+                if view is None or not view[0] & Tier.SSD:
+                    stale.append(key)
+                    continue
+                _, nbytes, _, checksum, digest, layer = view
+                victims.append((key, BlockHeader(digest, layer, nbytes, checksum, 0.0)))
+                freed += file_bytes(nbytes)
+                if freed >= want or len(victims) >= EVICT_BATCH or looked >= 4 * EVICT_BATCH:
+                    break
+            for key in stale:
+                order.remove(key)
+            for key, _ in victims:
+                order.evicted(key)
+            keys = [k for k, _ in victims]
+            self.index.write(self.index.without_tier(keys, Tier.SSD, GoneReason.EVICTED, self.clock()))
+            await self.ssd.remove_many(victims)
+            dropped += len(victims)
+            self.counters.ssd_evictions_capacity += len(victims)
+            if not victims and not stale:
+                break
+        return dropped, freed
+
+    async def _evict_ssd_queue(self, over: int, need_bytes: int) -> tuple[int, int]:
+        """Walk the index's SSD queue, oldest first: drop blocks past the TTL, and (LRU, with a
+        second chance for blocks used since they were queued) more until ``over`` and
+        ``need_bytes`` are freed. Returns (blocks, bytes)."""
+        assert self.ssd is not None
         ssd = self.ssd
         now = self.clock()
         ttl_before = now - self.ssd_ttl
         freed = dropped = 0
-        over = max(0, ssd.used_bytes - ssd.capacity) if self.ssd_reconciled else 0
         while True:
             victims: list[tuple[bytes, BlockHeader]] = []
             queue: list[bytes] = []
@@ -1314,12 +1508,12 @@ class Store:
             dropped += len(victims)
             self.counters.ssd_evictions_ttl += len(expired_keys)
             self.counters.ssd_evictions_capacity += len(victims) - len(expired_keys)
+            if self.ssd_order is not None:
+                for key in keys:
+                    self.ssd_order.remove(key)
             if done or not (victims or queue or unqueue):
                 break
-        if dropped:
-            log.info("SSD blocks evicted", extra={"fields": {"blocks": dropped, "bytes": freed,
-                                                             "used_bytes": ssd.used_bytes}})
-        return dropped
+        return dropped, freed
 
     def finish_ssd_reconcile(self, report: ReconcileReport) -> None:
         """Apply the boot reconcile's findings: records whose file was missing or bad lose the
@@ -1384,6 +1578,9 @@ class Store:
         if not self._touched:
             return 0
         keys, self._touched = list(self._touched), set()
+        if self.ssd_order is not None:
+            for key in keys:             # unknown keys (not on SSD) are ignored
+                self.ssd_order.touch(key)
         puts = self.index.with_last_seen(keys, self.clock())
         self.index.write(puts, watch=False)
         return len(puts)

@@ -36,6 +36,7 @@ Lookup = p.LookupResult
 class SaveResult:
     stored: int = 0                                        # written and committed now
     present: int = 0                                       # the daemon had them already
+    declined: int = 0                                      # the daemon's admission policy did not take them
     skipped: list[int] = field(default_factory=list)       # indexes not stored (busy, full, failed)
 
 
@@ -131,6 +132,8 @@ class Agent:
                 todo.append((i, handle, offset))
             elif status == p.Status.PRESENT:
                 result.present += 1
+            elif status == p.Status.DECLINED:
+                result.declined += 1
             else:
                 result.skipped.append(base + i)
         if not todo:

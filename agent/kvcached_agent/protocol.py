@@ -73,6 +73,8 @@ class Status(IntEnum):
     INVALID = 5         # the entry itself is wrong (size outside the limits, ...)
     FAILED = 6          # Commit under write_through: it could not be made durable; not kept
     UNKNOWN_HANDLE = 7  # Commit/Release: not a handle of this connection (or used up)
+    DECLINED = 8        # Allocate: the admission policy does not store this block yet (nothing to copy);
+                        # Commit under write_through: the SSD write budget refused it (not kept)
 
 
 class ProtocolError(Exception):

@@ -28,7 +28,7 @@ __all__ = ["WAITING", "AgentSession", "PeerCredentials", "check_hello", "error_c
 log = logging.getLogger("kvcached.agent")
 
 _STATUS = {"present": p.Status.PRESENT, "busy": p.Status.BUSY, "full": p.Status.FULL, "invalid": p.Status.INVALID,
-           "failed": p.Status.FAILED, "unknown": p.Status.UNKNOWN_HANDLE}
+           "failed": p.Status.FAILED, "unknown": p.Status.UNKNOWN_HANDLE, "declined": p.Status.DECLINED}
 _CODES: list[tuple[type[KvError], p.ErrorCode]] = [
     (InvalidArgument, p.ErrorCode.INVALID_ARGUMENT), (NotFound, p.ErrorCode.NOT_FOUND),
     (ResourceExhausted, p.ErrorCode.RESOURCE_EXHAUSTED), (FailedPrecondition, p.ErrorCode.FAILED_PRECONDITION),

@@ -108,24 +108,25 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         items = [PutItem(address_from_pb(b.address, f"blocks[{i}].address"), b.payload, b.model, b.checksum)
                  for i, b in enumerate(request.blocks)]
         result = await self.store.put(items)
-        return pb.PutResponse(stored=result.stored, already_present=result.present)
+        return pb.PutResponse(stored=result.stored, already_present=result.present, declined=result.declined)
 
     @errors_to_status
     async def PutStream(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         limit = self.store.max_block_bytes
-        stored = present = 0
+        stored = present = declined = 0
         head: pb.PutChunk | None = None
         buf = bytearray()
         n = 0
 
         async def finish() -> None:
-            nonlocal stored, present
+            nonlocal stored, present, declined
             assert head is not None
             if len(buf) != head.total_length:
                 raise InvalidArgument(f"block {n - 1}: got {len(buf)} payload bytes, total_length said {head.total_length}")
             result = await self.store.put([PutItem(address_from_pb(head.address, f"block {n - 1}"), bytes(buf), head.model, head.checksum)])
             stored += result.stored
             present += result.present
+            declined += result.declined
 
         async for chunk in request_iterator:
             if chunk.HasField("address"):
@@ -142,7 +143,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             buf += chunk.data
         if head is not None:
             await finish()
-        return pb.PutResponse(stored=stored, already_present=present)
+        return pb.PutResponse(stored=stored, already_present=present, declined=declined)
 
     @errors_to_status
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:

@@ -14,10 +14,11 @@ O(1) per operation; ``candidates`` yields at most every resident key once.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from typing import Iterator
+from typing import Callable, Iterator
 
-from kvcached.policies import EvictionPolicy
+from kvcached.policies import EvictionPolicy, PolicySnapshot, resident_keys
 
 __all__ = ["ArcPolicy"]
 
@@ -88,3 +89,32 @@ class ArcPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return itertools.chain(self.t1, self.t2)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.t1 or key in self.t2
+
+    def snapshot(self) -> PolicySnapshot:
+        return PolicySnapshot("arc", {name: [(key, 0) for key in getattr(self, name)] for name in ("t1", "t2", "b1", "b2")},
+                              {"p": self.p, "c": float(self.c)})
+
+    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
+        """Lists, target and size as they were. A T1 (T2) key that is not resident any more
+        becomes the youngest ghost of B1 (B2): it did leave the tier, and if it comes back
+        ARC learns from it as from any ghost hit."""
+        lists = snapshot.lists
+        self.p = snapshot.numbers.get("p", 0.0)
+        self.c = max(1, int(snapshot.numbers.get("c", 1)))
+        for live, ghosts in (("t1", "b1"), ("t2", "b2")):
+            kept, gone = resident_keys(lists.get(live, ()), resident)
+            target, memory = getattr(self, live), getattr(self, ghosts)
+            for key, _ in lists.get(ghosts, ()):
+                if not resident(key):
+                    memory[key] = None
+            for key in gone:
+                memory[key] = None
+            for key, _ in kept:
+                target[key] = None
+        self._trim_ghosts()

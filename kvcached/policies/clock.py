@@ -9,9 +9,9 @@ chance form here has the same behaviour and O(1) amortised steps.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from typing import Callable, Iterator
 
-from kvcached.policies import EvictionPolicy
+from kvcached.policies import EvictionPolicy, PolicySnapshot
 
 
 class ClockPolicy(EvictionPolicy):
@@ -43,3 +43,18 @@ class ClockPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._ring)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._ring)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._ring
+
+    def snapshot(self) -> PolicySnapshot:
+        return PolicySnapshot("clock", {"ring": [(key, int(bit)) for key, bit in self._ring.items()]})
+
+    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
+        """The ring and reference bits of the keys still resident (CLOCK keeps no ghosts)."""
+        for key, bit in snapshot.lists.get("ring", ()):
+            if resident(key):
+                self._ring[key] = bool(bit)

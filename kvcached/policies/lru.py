@@ -8,9 +8,9 @@ old end. O(1) per operation.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from typing import Callable, Iterator
 
-from kvcached.policies import EvictionPolicy
+from kvcached.policies import EvictionPolicy, PolicySnapshot
 
 
 class LruPolicy(EvictionPolicy):
@@ -39,3 +39,18 @@ class LruPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._order)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._order)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._order
+
+    def snapshot(self) -> PolicySnapshot:
+        return PolicySnapshot("lru", {"order": [(key, 0) for key in self._order]})
+
+    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
+        """Recency of the keys still resident; LRU has no ghosts, so nothing of the others."""
+        for key, _ in snapshot.lists.get("order", ()):
+            if resident(key):
+                self._order[key] = None

@@ -18,10 +18,11 @@ O(1) per operation; ``candidates`` is amortised O(1) per eviction.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from typing import Iterator
+from typing import Callable, Iterator
 
-from kvcached.policies import EvictionPolicy
+from kvcached.policies import EvictionPolicy, PolicySnapshot, resident_keys
 
 __all__ = ["S3FifoPolicy"]
 
@@ -92,3 +93,31 @@ class S3FifoPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self.small) + len(self.main)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return itertools.chain(self.small, self.main)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.small or key in self.main
+
+    def snapshot(self) -> PolicySnapshot:
+        return PolicySnapshot("s3fifo", {"small": list(self.small.items()), "main": list(self.main.items()),
+                                         "ghost": [(key, 0) for key in self.ghost]})
+
+    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
+        """Queues and counters as they were. A key of S or M that is not resident any more
+        goes to the ghost FIFO, so when it comes back it enters M: it had been kept (or was
+        still being judged) before the restart, unlike a new key."""
+        lists = snapshot.lists
+        for key, _ in lists.get("ghost", ()):
+            if not resident(key):
+                self.ghost[key] = None
+        for name in ("small", "main"):
+            kept, gone = resident_keys(lists.get(name, ()), resident)
+            queue = getattr(self, name)
+            for key, hits in kept:
+                queue[key] = min(MAX_FREQ, hits)
+            for key in gone:
+                self.ghost[key] = None
+        while len(self.ghost) > max(1, len(self.main), len(lists.get("main", ()))):
+            self.ghost.popitem(last=False)

@@ -54,6 +54,7 @@ class RamBlock:
     length: int
     refs: int = WRITING
     clean: bool = False
+    hits_to_ssd: int = 0     # write_through_selective: hits still needed before it goes to SSD
 
 
 class RamTier:
@@ -166,10 +167,12 @@ class RamTier:
         if not block.clean and self.dirty.pop(block.key, 0) is None:
             self.dirty_bytes -= block.length
         block.clean = True
+        block.hits_to_ssd = 0
 
     def mark_dirty(self, block: RamBlock) -> None:
         """The block's SSD copy is gone: RAM holds its only copy again."""
         if block.clean and block.refs != WRITING:
+            block.hits_to_ssd = 0
             block.clean = False
             self.dirty[block.key] = None
             self.dirty_bytes += block.length

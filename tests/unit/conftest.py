@@ -16,8 +16,11 @@ import pytest
 
 from kvcached.index import BlockIndex
 from kvcached.policies import EVICTION_POLICIES, make_eviction_policy
+from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.clock import ClockPolicy
+from kvcached.policies.write import make_write_policy
 from kvcached.store import Store
+from kvcached.tiers.ssd import SsdTier
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached_agent.address import BlockAddress
@@ -142,3 +145,37 @@ def store(ram: RamTier, index: BlockIndex, clock: FakeClock, event_loop_for_stor
 async def _make(factory: Callable[[], Any]) -> Any:
     """Build inside the loop (a Store makes asyncio objects)."""
     return factory()
+
+
+@pytest.fixture
+def policy_store(index: BlockIndex, clock: FakeClock, tmp_path: Path,
+               event_loop_for_store: asyncio.AbstractEventLoop) -> Iterator[Callable[..., SyncStore]]:
+    made: list[tuple[SsdTier, SharedArena]] = []
+
+    """Stores over one index and SSD directory, with the policies given by name (the RAM tier
+    uses CLOCK): a second call is the same node after a restart."""
+
+    def make(write_policy: str = "write_back", *, admission: str = "always", threshold: int = 2,
+             budget: int = 0, ssd: bool = True, arena_bytes: int = 16 * SLAB, ssd_capacity: int = 1 << 30,
+             ssd_policy: str = "lru") -> SyncStore:
+        arena = SharedArena(arena_bytes, name="kvcached-policy-test")
+        tier = SsdTier(str(tmp_path / "ssd"), ssd_capacity, durability="none", threads=2) if ssd else None
+        if tier is not None:
+            tier.open()
+        made.append((tier, arena))  # type: ignore[arg-type]
+
+        async def build() -> Store:
+            return Store(RamTier(arena, SLAB, ClockPolicy()), index, ssd=tier,
+                         write_policy=make_write_policy(write_policy, threshold), clock=clock,
+                         admission=make_admission_policy(admission, threshold, 10_000),
+                         ssd_budget=SsdWriteBudget(budget),
+                         ssd_order=make_eviction_policy(ssd_policy) if ssd and ssd_policy != "lru" else None)
+        store = event_loop_for_store.run_until_complete(build())
+        store.ssd_reconciled = True
+        return SyncStore(store, event_loop_for_store)
+
+    yield make
+    for tier, arena in made:
+        if tier is not None:
+            event_loop_for_store.run_until_complete(tier.close())
+        arena.close()

@@ -8,7 +8,7 @@ from typing import Iterable
 
 import pytest
 
-from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, make_eviction_policy
+from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, PolicySnapshot, SnapshotError, make_eviction_policy
 from kvcached.policies.arc import ArcPolicy
 from kvcached.policies.lru import LruPolicy
 from kvcached.policies.s3fifo import S3FifoPolicy
@@ -147,3 +147,93 @@ def test_s3fifo_ghost_is_bounded_by_main() -> None:
     p = S3FifoPolicy()
     run(p, 10, range(500))
     assert len(p.ghost) <= max(1, len(p.main))
+
+
+# -- state across a restart ---------------------------------------------------------------------
+
+
+class Cache:
+    """A tier of ``capacity`` keys driven as the RAM tier drives its policy, whose policy can be
+    swapped for a restored copy mid-trace."""
+
+    def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
+        self.policy, self.capacity, self.resident = policy, capacity, set[bytes]()
+
+    def access(self, key: bytes) -> bool:
+        if key in self.resident:
+            self.policy.touch(key)
+            return True
+        if len(self.resident) >= self.capacity:
+            victim = next(iter(self.policy.candidates()))
+            self.policy.evicted(victim)
+            self.resident.discard(victim)
+        self.policy.insert(key)
+        self.resident.add(key)
+        return False
+
+
+def zipf_keys(n: int, seed: int) -> list[bytes]:
+    import random
+    rng = random.Random(seed)
+    return [k(int(rng.paretovariate(1.1)) % 400) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
+def test_a_restored_policy_decides_exactly_as_the_original(name: str) -> None:
+    """A restart with the tier's keys still resident (the SSD tier): the restored policy makes
+    the same decisions as the one that never stopped, hit for hit."""
+    trace = zipf_keys(6000, seed=3)
+    original = Cache(make_eviction_policy(name), 60)
+    for key in trace[:3000]:
+        original.access(key)
+    raw = original.policy.snapshot().encode()
+    restored = Cache(make_eviction_policy(name), 60)
+    restored.policy.restore(PolicySnapshot.decode(raw), original.resident.__contains__)
+    restored.resident = set(original.resident)
+    assert set(restored.policy) == original.resident and len(restored.policy) == 60
+    assert [restored.access(key) for key in trace[3000:]] == [original.access(key) for key in trace[3000:]]
+
+
+def test_arc_restored_with_nothing_resident_keeps_its_target_and_ghosts() -> None:
+    """A restart of the RAM tier (empty again): T1 and T2 become ghosts B1 and B2, p stays, and
+    a block that was in T2 comes back into T2 (frequency remembered)."""
+    p = ArcPolicy()
+    run(p, 4, "abcddbbe")
+    t2, target = list(p.t2), p.p
+    fresh = ArcPolicy()
+    fresh.restore(PolicySnapshot.decode(p.snapshot().encode()), lambda key: False)
+    assert len(fresh) == 0 and fresh.p == target and fresh.c == p.c
+    assert set(t2) <= set(fresh.b2)
+    fresh.insert(t2[0])
+    assert t2[0] in fresh.t2
+
+
+def test_s3fifo_restored_with_nothing_resident_sends_proven_blocks_to_main() -> None:
+    p = S3FifoPolicy()
+    p.ghost[k("hot")] = None
+    p.insert(k("hot"))                   # in M
+    fresh = S3FifoPolicy()
+    fresh.restore(PolicySnapshot.decode(p.snapshot().encode()), lambda key: False)
+    assert len(fresh) == 0 and k("hot") in fresh.ghost
+    fresh.insert(k("hot"))
+    assert k("hot") in fresh.main
+
+
+def test_lru_and_clock_restored_with_nothing_resident_start_cold() -> None:
+    for name in ("lru", "clock"):
+        p = make_eviction_policy(name)
+        p.insert(k(1))
+        fresh = make_eviction_policy(name)
+        fresh.restore(p.snapshot(), lambda key: False)
+        assert len(fresh) == 0 and list(fresh) == []
+
+
+def test_a_damaged_snapshot_is_refused_with_a_clear_error() -> None:
+    raw = LruPolicy().snapshot().encode()
+    p = LruPolicy()
+    for n in range(5):
+        p.insert(k(n))
+    good = p.snapshot().encode()
+    for bad in (b"", b"garbage", raw[:-1] + b"x" if len(raw) > 12 else b"x", good[:-3], good + b"\0"):
+        with pytest.raises(SnapshotError):
+            PolicySnapshot.decode(bad)
