@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_core import KiB, Row, progress, start_kvcached  # noqa: E402
 
 from kvcached.policies import make_eviction_policy  # noqa: E402
+from kvcached.policies.admission import ReuseAdmission  # noqa: E402
 from kvcached.sim.replay import Result, simulate  # noqa: E402
 from kvcached.sim.report import svg, table  # noqa: E402
 from kvcached.sim.workloads import WORKLOADS, make_trace  # noqa: E402
@@ -114,6 +115,12 @@ def op_cost_rows(keys: int, number: int) -> list[Row]:
         for op, seconds in (("touch", touch), ("insert", insert), ("evict", evict_s)):
             rows.append(Row(2, f"{name} {op}", "ns", seconds * 1e9, "dict lookup", bare * 1e9, False, "",
                             details={"keys": keys}))
+    # the reuse gate is asked once per new block offered (a 32-byte BLAKE3 key, as in the daemon)
+    gate = ReuseAdmission(threshold=2, window=100_000)
+    offers = iter([os.urandom(32) for _ in range(number * 5 + 10)])
+    admit = min(timeit.repeat(lambda: gate.admit(next(offers)), number=number, repeat=5)) / number
+    rows.append(Row(2, "reuse admission offer", "ns", admit * 1e9, "dict lookup", bare * 1e9, False, "",
+                    details={"window": 100_000}))
     return rows
 
 

@@ -198,6 +198,21 @@ def test_pinned_block_is_not_evicted(ram: RamTier, evicted: list[list[RamBlock]]
     assert key(0) not in ram, "idle again: evictable"
 
 
+def test_a_batch_drop_is_all_or_nothing(ram: RamTier, evicted: list[list[RamBlock]]) -> None:
+    """vLLM's BlockStatus rules: a batch that holds one block in use or being written drops
+    nothing; the policy keeps every block of it."""
+    blocks = [put(ram, n, 4096) for n in range(3)]
+    writing = ram.reserve(key(9), 4096)
+    ram.pin(blocks[1])
+    for batch in ([blocks[0], blocks[1], blocks[2]], [blocks[0], writing]):
+        with pytest.raises(BlockBusy):
+            ram.drop(batch)
+        assert all(b.key in ram for b in blocks) and len(ram.policy) == 3 and evicted == []
+    ram.unpin(blocks[1])
+    ram.drop(blocks)
+    assert len(ram) == 1 and len(ram.policy) == 0 and ram.dropped == 3
+
+
 def test_touched_block_survives_a_round(ram: RamTier) -> None:
     for n in range(4):
         put(ram, n)
