@@ -167,6 +167,11 @@ def _at_least_one(v: int) -> None:
         raise ValueError(f"must be 1 or more, got {v}")
 
 
+def _threshold(v: int) -> None:
+    if not 1 <= v <= 255:
+        raise ValueError(f"must be between 1 and 255 (the sketch counts up to 255), got {v}")
+
+
 def _admission_window(v: int) -> None:
     if not 1000 <= v <= 1_000_000_000:
         raise ValueError(f"must be between 1000 and 1000000000 offers, got {v}")
@@ -275,8 +280,8 @@ class KvSection:
                                         "write_through_selective.", 2, _at_least_one, int)
     admission: str = _key("Which offered new blocks are stored: always, or reuse (on the admission_threshold-th "
                           "offer within admission_window offers).", "always", _one_of("always", "reuse"))
-    admission_threshold: int = _key("Offers a block needs before it is stored under admission = reuse.", 2,
-                                    _at_least_one, int)
+    admission_threshold: int = _key("Offers a block needs before it is stored under admission = reuse (1..255).", 2,
+                                    _threshold, int)
     admission_window: int = _key("Offers after which admission = reuse halves its counts (16 bytes of memory each).",
                                  100_000, _admission_window, int)
     ssd_write_budget_gib: float = _key("Most bytes written to the SSD tier in any 24 hours, GiB (0: no budget).",

@@ -150,6 +150,7 @@ class Daemon:
         self.notifier = Notifier()              # systemd (Type=notify); a no-op elsewhere
         self.index_reconcile: dict[str, Any] = {}        # the boot reconcile's counts (Admin ReconcileStatus)
         self.ssd_reconcile_summary: dict[str, Any] = {}
+        self._saving: asyncio.Future[int] | None = None   # a policy save in its worker thread
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -174,6 +175,7 @@ class Daemon:
                            admission=make_admission_policy(kv.admission, kv.admission_threshold, kv.admission_window),
                            ssd_budget=SsdWriteBudget(int(kv.ssd_write_budget_gib * (1 << 30))),
                            ssd_order=make_eviction_policy(kv.ssd_policy) if self.ssd and kv.ssd_policy != "lru" else None)
+        self.store.ssd_order_ready = self.store.ssd_order is None   # rebuilt after the reconcile
         self._restore_policies()
         self.store.mirror_pulls = cfg.kv.mirror_pulls
         self.store.prefetch = make_prefetch_policy(cfg.kv.prefetch_policy, cfg.kv.prefetch_timeout_ms / 1000)
@@ -281,12 +283,19 @@ class Daemon:
             log.info("policy state restored", extra=fields(ram_policy=kv.ram_policy, ram_keys=ram_keys,
                                                            admission=kv.admission if admission else None))
 
+    def _capture_policies(self) -> list[Any]:
+        """The policies' state, on the loop. The SSD policy is left out until it was rebuilt
+        after the boot reconcile: before that it orders only blocks written since boot, and
+        saving it would replace the whole saved order with that part."""
+        assert self.store is not None
+        store = self.store
+        return policy_state.capture(store.ram.policy, store.ssd_order if store.ssd_order_ready else None,
+                                    store.admission)
+
     def _save_policies(self) -> int:
         """Capture and save the policies' state now (at a clean stop); returns bytes written."""
-        assert self.store is not None and self.index is not None
-        store = self.store
-        return policy_state.write_captured(self.index, policy_state.capture(store.ram.policy, store.ssd_order,
-                                                                            store.admission))
+        assert self.index is not None
+        return policy_state.write_captured(self.index, self._capture_policies())
 
     async def _policy_saver(self, every_s: float) -> None:
         """Every ``every_s``: capture the policies' state on the loop, encode and write it in a
@@ -295,10 +304,11 @@ class Daemon:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(every_s)
-            store = self.store
             try:
-                captured = policy_state.capture(store.ram.policy, store.ssd_order, store.admission)
-                await loop.run_in_executor(None, policy_state.write_captured, self.index, captured)
+                captured = self._capture_policies()
+                # shielded: a stop cancels this task, never the thread's write (stop waits for it)
+                self._saving = loop.run_in_executor(None, policy_state.write_captured, self.index, captured)
+                await asyncio.shield(self._saving)
             except Exception:
                 log.exception("saving the policy state failed; will retry")
 
@@ -322,7 +332,8 @@ class Daemon:
                     self._scanner, policy_state.build_ssd_order, self.index, kind, self._stopping.is_set,
                     lambda n: log.info("building the SSD policy", extra=fields(blocks=n)))
             except Exception:
-                log.exception("rebuilding the SSD policy failed; it orders only blocks written since boot")
+                log.exception("rebuilding the SSD policy failed; the index's LRU queue orders SSD eviction "
+                              "until a restart")
             else:
                 self.store.adopt_ssd_order(built)
                 log.info("SSD policy rebuilt", extra=fields(ssd_policy=kind, blocks=len(built),
@@ -352,9 +363,10 @@ class Daemon:
         # A clean stop writes back what is still dirty, within the shutdown grace (stop() waits);
         # blocks agents committed last are checksummed first (only recorded blocks are written).
         await store.drain(self.config.grpc.grace_s)
-        flushed = 0
-        while store.ram.dirty and (n := await store.demote()):
-            flushed += n
+        before = store.counters.demotions
+        while store.ram.dirty and await store.demote():
+            pass
+        flushed = store.counters.demotions - before
         if flushed:
             log.info("wrote back dirty blocks before stopping", extra=fields(blocks=flushed))
 
@@ -555,6 +567,8 @@ class Daemon:
                 pass
         if self.store is not None:
             await self._step("background work", self.store.drain(self.config.grpc.grace_s))
+        if self._saving is not None:              # a periodic policy save still writing the index
+            await self._step("policy state save", asyncio.wait([self._saving]))
         self._stopping.set()
         self._scanner.shutdown(wait=True)        # the scans see _stopping within one record batch
         if self.ssd is not None:                 # before the arena goes: SSD threads read from it

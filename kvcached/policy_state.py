@@ -8,8 +8,9 @@ in chunks in one atomic batch, so a crash mid-save leaves the previous save whol
 write budget's ledger is not saved here: the store writes it before each publish (a crash must
 not let the daemon write more than its budget).
 
-The snapshot is taken on the event loop (a copy of the policy's lists, one C-level pass per
-list) and encoded and written by a worker thread, off the hot path. At boot:
+The snapshot is taken on the event loop (``list()`` copies of the policy's ordered dicts, a
+few milliseconds per million keys) and encoded (``b"".join`` of fixed-size keys) and written by
+a worker thread, off the hot path. At boot:
 
 - the RAM tier is empty (block bytes live in RAM only while the daemon runs), so the RAM
   policy takes up only what it can use with no resident blocks: ghost lists, ARC's target,
@@ -37,7 +38,7 @@ log = logging.getLogger("kvcached.policy_state")
 
 RAM, SSD, ADMISSION = b"ram", b"ssd", b"admission"
 CHUNK = 4 << 20          # bytes per RocksDB value
-_COUNT = struct.Struct("<I")
+_COUNT = struct.Struct(">I")      # big-endian: chunk keys sort in chunk order
 
 
 def save_blob(index: BlockIndex, name: bytes, data: bytes) -> None:

@@ -178,6 +178,8 @@ class Store:
         # The SSD tier's eviction order ([kv] ssd_policy): None is "lru", the index's own queue
         # (no memory per block); a policy here orders the SSD blocks in memory.
         self.ssd_order = ssd_order
+        # False while a rebuilt order is awaited (boot): until then the index queue decides
+        self.ssd_order_ready = True
         self.ssd_ttl = ssd_ttl
         self.gone_ttl = gone_ttl
         self.clock = clock
@@ -242,10 +244,9 @@ class Store:
             # block is publishing it, or it was put under write-back) are made durable too.
             new += await self._dirty_present(items, {b.key for b, _ in new})
         if through and new:
-            failed, refused = await self._write_through(new)
-            declined = sum(1 for b in refused if b.key in own)
-            result.stored -= declined
-            result.declined += declined
+            failed, refused = await self._write_through(new, own)
+            result.stored -= len(refused)
+            result.declined += len(refused)
             if failed:
                 result.stored -= len(failed)
                 raise self._publish_error(failed, result, len(items))
@@ -256,19 +257,25 @@ class Store:
             raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {full}")
         return result
 
-    async def _write_through(self, new: list[tuple[RamBlock, BlockRecord]]) -> tuple[
+    async def _write_through(self, new: list[tuple[RamBlock, BlockRecord]], own: set[bytes]) -> tuple[
             list[tuple[RamBlock, BlockRecord, SsdWriteError]], list[RamBlock]]:
-        """Publish pinned blocks on SSD and unpin them; those that fail, and those the SSD write
-        budget refuses, are not kept (a write-through store acknowledges only what is on SSD).
-        Returns (failed, refused)."""
-        allowed, refused = self._within_budget(new)
+        """Publish pinned blocks on SSD and unpin them; those that fail, and those of ``own``
+        (this request's new blocks) that the SSD write budget refuses, are not kept (a
+        write-through store acknowledges only what is on SSD). A refused block stored earlier
+        stays in RAM only, as write-back keeps it. Returns (failed, refused)."""
         failed: list[tuple[RamBlock, BlockRecord, SsdWriteError]] = []
+        refused: list[tuple[RamBlock, BlockRecord]] = []
         try:
+            allowed, refused = self._within_budget(new)
             if allowed:
                 failed = await asyncio.shield(self._publish(allowed))
         finally:
             for block, _ in new:
                 self.ram.unpin(block)
+        for block, _ in refused:
+            if block.key not in own and self.ram.holds(block):
+                self.ram.mark_clean(block)
+        refused = [(b, r) for b, r in refused if b.key in own]
         gone = [b for b, _, _ in failed] + [b for b, _ in refused]
         for block in gone:
             if self.ram.busy_reason(block.key) is None:
@@ -362,13 +369,17 @@ class Store:
             if self.ram.busy_reason(item.address.key) == "being written":
                 raise FailedPrecondition(f"block {i} ({item.address}) is being written by an agent right now "
                                          "(reserved, not committed yet); nothing was stored: retry shortly")
-        offered = len(todo)
-        todo = self._admitted(todo)
         checksums = payload_checksums([item.payload for _, item in todo])
         for (i, item), checksum in zip(todo, checksums):
             if item.checksum and item.checksum != checksum:
                 raise DataLoss(f"block {i} ({item.address}): payload does not match its BLAKE3 checksum "
                                "(damaged on the way?); nothing was stored")
+        offered = len(todo)       # only a batch that passed every check is offered to admission
+        admitted = self._admitted(todo)
+        if len(admitted) < offered:
+            keep = {id(t) for t in admitted}
+            checksums = [c for t, c in zip(todo, checksums) if id(t) in keep]
+            todo = admitted
         now = self.clock()
         result = PutResult(present=len(items) - offered, declined=offered - len(todo))
         new: list[tuple[RamBlock, BlockRecord]] = []
@@ -699,7 +710,7 @@ class Store:
             await asyncio.shield(task)
             new = await self._dirty_keys([b.key for _, b in batch])
             if new:
-                _, refused = await self._write_through(new)
+                _, refused = await self._write_through(new, {b.key for _, b in batch})
         finally:
             durable = [self.ram.get(b.key) is b and b.clean for _, b in batch]
             for (_, block), ok in zip(batch, durable):
@@ -876,6 +887,7 @@ class Store:
             for key, record in zip(keys, records):
                 if record is not None and record.tiers & Tier.SSD:
                     self.ssd.remove_now(key, _header(record))
+            self._forget_on_ssd(keys)
         self.counters.deletes += deleted
         return deleted, len(keys) - deleted
 
@@ -915,10 +927,10 @@ class Store:
             block = self.ram.get(key)
             if block is not None and record is not None and record.present and not record.tiers & Tier.SSD:
                 self.ram.mark_dirty(block)
-        written = 0
-        while self.ram.dirty and (n := await self.demote()):
-            written += n
-        return written
+        before = self.counters.demotions
+        while self.ram.dirty and await self.demote():
+            pass
+        return self.counters.demotions - before
 
     async def drop_from_ssd(self, keys: Sequence[bytes]) -> tuple[int, int, int]:
         """Remove the SSD copies of these blocks; returns (dropped, busy, absent). A copy in RAM
@@ -939,6 +951,7 @@ class Store:
         if victims:
             dropped = [k for k, _ in victims]
             self.index.write(self.index.without_tier(dropped, Tier.SSD, GoneReason.EVICTED, self.clock()))
+            self._forget_on_ssd(dropped)
             # The index first: a crash leaves an orphan file, never a dangling record. A copy in
             # RAM stays clean, as after evict_ssd, so write-back does not undo the eviction.
             await self.ssd.remove_many(victims)
@@ -1284,6 +1297,7 @@ class Store:
                 reason = GoneReason.FILE_MISSING if problem == "missing" else GoneReason.CORRUPT
                 puts += self.index.without_tier([block.key], Tier.SSD, reason, self.clock())
             self.index.write(puts)
+            self._forget_on_ssd([block.key for _, block, _ in bad])
             self.counters.promotions += len(known)
             for record, block, problem in bad:    # moved aside before anyone is told it is a miss
                 if problem != "missing":
@@ -1359,15 +1373,19 @@ class Store:
 
     async def demote(self) -> int:
         """One write-back round: publish the oldest dirty blocks (up to a batch); returns how
-        many were published (or, when the SSD write budget refused all of them, how many it
-        refused: they are kept in RAM only). Blocks being written or in flight are skipped."""
+        many left the dirty list (published, or refused by the SSD write budget: those are kept
+        in RAM only), 0 when none could. ``counters.demotions`` counts the published ones.
+        Blocks being written or in flight are skipped."""
         if self.ssd is None or not self.ram.dirty:
             return 0
         picks: list[RamBlock] = []
         nbytes = 0
+        synchronous = self.writes.synchronous
         for key in islice(self.ram.dirty, 4 * DEMOTE_BATCH_BLOCKS + len(self._hashing)):
             block = self.ram.get(key)
             if block is None or key in self._demoting or key in self._hashing:
+                continue
+            if synchronous and block.refs > 0:      # a write-through Put or commit publishes it itself
                 continue
             picks.append(block)
             nbytes += block.length
@@ -1387,7 +1405,7 @@ class Store:
         if failed:
             log.warning("write-back failed; blocks stay in RAM only",
                         extra={"fields": {"blocks": len(failed), "error": str(failed[0][2])}})
-        return len(batch) - len(failed)
+        return len(batch) - len(failed) + len(refused)
 
     async def evict_ssd(self, need_bytes: int = 0) -> int:
         """Drop SSD blocks unused for ``ssd_ttl``, then (once the boot reconcile has counted the
@@ -1398,7 +1416,7 @@ class Store:
         if self.ssd is None:
             return 0
         over = max(0, self.ssd.used_bytes - self.ssd.capacity) if self.ssd_reconciled else 0
-        if self.ssd_order is None:
+        if self.ssd_order is None or not self.ssd_order_ready:
             dropped, freed = await self._evict_ssd_queue(over, need_bytes)
         else:
             dropped, freed = await self._evict_ssd_queue(0, 0)         # the TTL only
@@ -1409,6 +1427,13 @@ class Store:
                                                              "used_bytes": self.ssd.used_bytes}})
         return dropped
 
+    def _forget_on_ssd(self, keys: Sequence[bytes]) -> None:
+        """These blocks left the SSD tier other than by its eviction: the SSD policy forgets
+        them (no ghost: the policy did not choose it)."""
+        if self.ssd_order is not None:
+            for key in keys:
+                self.ssd_order.remove(key)
+
     def adopt_ssd_order(self, built: EvictionPolicy) -> None:
         """Take the SSD policy rebuilt after the boot reconcile (policy_state.build_ssd_order);
         blocks published since boot, which the interim policy holds, are added to it."""
@@ -1418,6 +1443,7 @@ class Store:
                 if key not in built:
                     built.insert(key)
         self.ssd_order = built
+        self.ssd_order_ready = True
 
     async def _evict_ssd_ordered(self, want: int) -> tuple[int, int]:
         """Capacity eviction in ``ssd_order``'s order until ``want`` file bytes are freed;
@@ -1432,6 +1458,8 @@ class Store:
             looked = 0
             for key in order.candidates():
                 looked += 1
+                if looked > 4 * EVICT_BATCH:          # bounded work per step, even among stale keys
+                    break
                 if key in self._promoting:            # being read right now: not this round
                     continue
                 raw = self.index.raw(key)
@@ -1442,7 +1470,7 @@ class Store:
                 _, nbytes, _, checksum, digest, layer = view
                 victims.append((key, BlockHeader(digest, layer, nbytes, checksum, 0.0)))
                 freed += file_bytes(nbytes)
-                if freed >= want or len(victims) >= EVICT_BATCH or looked >= 4 * EVICT_BATCH:
+                if freed >= want or len(victims) >= EVICT_BATCH:
                     break
             for key in stale:
                 order.remove(key)
@@ -1455,6 +1483,7 @@ class Store:
             self.counters.ssd_evictions_capacity += len(victims)
             if not victims and not stale:
                 break
+            await asyncio.sleep(0)                     # let requests in between steps
         return dropped, freed
 
     async def _evict_ssd_queue(self, over: int, need_bytes: int) -> tuple[int, int]:
@@ -1527,6 +1556,7 @@ class Store:
             still = [k for k, r in zip(chunk, records) if r is not None and r.tiers & Tier.SSD
                      and not self.ssd.is_fresh(self.ssd.path_of(k, r.digest, r.layer))]
             self.index.write(self.index.without_tier(still, Tier.SSD, GoneReason.FILE_MISSING, self.clock()))
+            self._forget_on_ssd(still)
             for key in still:
                 block = self.ram.get(key)
                 if block is not None:

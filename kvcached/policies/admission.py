@@ -193,7 +193,13 @@ class SsdWriteBudget:
         return self._total
 
     def remaining(self, now: float) -> int:
-        return max(0, self.bytes_per_day - self.used(now)) if not self.unlimited else 1 << 62
+        """Bytes that may still be written now. Read-only (the metrics thread calls it while
+        the event loop takes): it reads a copy of the ledger and changes nothing."""
+        if self.unlimited:
+            return 1 << 62
+        oldest = int((now - DAY_S) // BUCKET_S)
+        used = sum(n for m, n in list(self._minutes) if m >= oldest)     # list(): one C-level copy
+        return max(0, self.bytes_per_day - used)
 
     def take(self, nbytes: int, now: float) -> bool:
         """Count ``nbytes`` about to be written now, if the budget has room for all of them."""

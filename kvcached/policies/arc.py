@@ -97,8 +97,8 @@ class ArcPolicy(EvictionPolicy):
         return key in self.t1 or key in self.t2
 
     def snapshot(self) -> PolicySnapshot:
-        return PolicySnapshot("arc", {name: [(key, 0) for key in getattr(self, name)] for name in ("t1", "t2", "b1", "b2")},
-                              {"p": self.p, "c": float(self.c)})
+        return PolicySnapshot("arc", {name: list(getattr(self, name)) for name in ("t1", "t2", "b1", "b2")},
+                              numbers={"p": self.p, "c": float(self.c)})
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         """Lists, target and size as they were. A T1 (T2) key that is not resident any more
@@ -108,9 +108,9 @@ class ArcPolicy(EvictionPolicy):
         self.p = snapshot.numbers.get("p", 0.0)
         self.c = max(1, int(snapshot.numbers.get("c", 1)))
         for live, ghosts in (("t1", "b1"), ("t2", "b2")):
-            kept, gone = resident_keys(lists.get(live, ()), resident)
+            kept, gone = resident_keys(snapshot.items(live), resident)
             target, memory = getattr(self, live), getattr(self, ghosts)
-            for key, _ in lists.get(ghosts, ()):
+            for key in lists.get(ghosts, ()):
                 if not resident(key):
                     memory[key] = None
             for key in gone:

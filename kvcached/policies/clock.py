@@ -51,10 +51,10 @@ class ClockPolicy(EvictionPolicy):
         return key in self._ring
 
     def snapshot(self) -> PolicySnapshot:
-        return PolicySnapshot("clock", {"ring": [(key, int(bit)) for key, bit in self._ring.items()]})
+        return PolicySnapshot("clock", {"ring": list(self._ring)}, {"ring": list(self._ring.values())})
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         """The ring and reference bits of the keys still resident (CLOCK keeps no ghosts)."""
-        for key, bit in snapshot.lists.get("ring", ()):
+        for key, bit in snapshot.items("ring"):
             if resident(key):
                 self._ring[key] = bool(bit)

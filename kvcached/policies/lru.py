@@ -47,10 +47,10 @@ class LruPolicy(EvictionPolicy):
         return key in self._order
 
     def snapshot(self) -> PolicySnapshot:
-        return PolicySnapshot("lru", {"order": [(key, 0) for key in self._order]})
+        return PolicySnapshot("lru", {"order": list(self._order)})
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         """Recency of the keys still resident; LRU has no ghosts, so nothing of the others."""
-        for key, _ in snapshot.lists.get("order", ()):
+        for key in snapshot.lists.get("order", ()):
             if resident(key):
                 self._order[key] = None

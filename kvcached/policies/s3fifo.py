@@ -101,19 +101,19 @@ class S3FifoPolicy(EvictionPolicy):
         return key in self.small or key in self.main
 
     def snapshot(self) -> PolicySnapshot:
-        return PolicySnapshot("s3fifo", {"small": list(self.small.items()), "main": list(self.main.items()),
-                                         "ghost": [(key, 0) for key in self.ghost]})
+        return PolicySnapshot("s3fifo", {"small": list(self.small), "main": list(self.main), "ghost": list(self.ghost)},
+                              {"small": list(self.small.values()), "main": list(self.main.values())})
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         """Queues and counters as they were. A key of S or M that is not resident any more
         goes to the ghost FIFO, so when it comes back it enters M: it had been kept (or was
         still being judged) before the restart, unlike a new key."""
         lists = snapshot.lists
-        for key, _ in lists.get("ghost", ()):
+        for key in lists.get("ghost", ()):
             if not resident(key):
                 self.ghost[key] = None
         for name in ("small", "main"):
-            kept, gone = resident_keys(lists.get(name, ()), resident)
+            kept, gone = resident_keys(snapshot.items(name), resident)
             queue = getattr(self, name)
             for key, hits in kept:
                 queue[key] = min(MAX_FREQ, hits)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 import re
+import signal
+import time
 from pathlib import Path
 
 import blake3
@@ -78,5 +80,20 @@ def test_hit_rate_after_a_restart_matches_the_one_before(make_daemon, tmp_path: 
     assert rebuilt and int(rebuilt.group(1)) > 100
     print(f"hit rate before the restart {before:.3f}, after {after:.3f}")
     assert abs(after - before) <= 0.03, (before, after)
+    d.stop()
+    assert "Traceback" not in d.log()
+
+
+def test_periodic_saves_survive_a_crash(make_daemon) -> None:
+    """kv.policy_save_s: state saved while serving is there after a SIGKILL (no clean stop)."""
+    d = make_daemon(*SETTINGS[:-1], "kv.policy_save_s=1")
+    with d.client() as c:
+        assert c.put([(address("offered-before-the-crash"), b"y" * BLOCK)]).declined == 1
+    time.sleep(2.5)                                              # at least one save since
+    d.stop(signal.SIGKILL)
+    d.start()
+    with d.client() as c:
+        assert c.put([(address("offered-before-the-crash"), b"y" * BLOCK)]).stored == 1
+    assert "policy state restored" in d.log()
     d.stop()
     assert "Traceback" not in d.log()

@@ -109,6 +109,16 @@ def test_write_budget_is_never_exceeded_in_any_day() -> None:
     assert not budget.take((10 << 20) + 1, now)
 
 
+def test_write_budget_remaining_changes_nothing() -> None:
+    """The metrics thread reads ``remaining`` while the event loop takes: a read never expires
+    ledger entries itself."""
+    budget = SsdWriteBudget(1 << 20)
+    budget.take(1000, 1000.0)
+    ledger = budget.minutes()
+    assert budget.remaining(1000.0 + 3 * DAY_S) == 1 << 20
+    assert budget.minutes() == ledger and budget._total == 1000
+
+
 def test_write_budget_ledger_survives_a_reload() -> None:
     budget = SsdWriteBudget(1 << 20)
     assert budget.take(700 * KIB, 1000.0) and budget.take(200 * KIB, 1100.0)
@@ -138,6 +148,17 @@ def test_a_block_offered_fewer_times_than_the_threshold_is_never_stored(policy_s
     assert (result.stored, result.declined) == (1, 1) and address(1).key in store.ram
     assert store.counters.declined == 7
     assert store.put([item(1)]).present == 1, "once stored, an offer is a re-put"
+
+
+def test_a_damaged_block_is_refused_before_admission_counts_it(policy_store: Callable[..., SyncStore]) -> None:
+    from kvcached.errors import DataLoss
+    store = policy_store(admission="reuse", threshold=2, ssd=False)
+    bad = PutItem(address(1), payload(1, 4 * KIB), model="m", checksum=b"\0" * 32)
+    for _ in range(2):
+        with pytest.raises(DataLoss):
+            store.put([bad])
+    assert store.counters.declined == 0
+    assert store.put([item(1, 4 * KIB)]).declined == 1, "the damaged offers did not count"
 
 
 def test_agent_reservations_go_through_admission(policy_store: Callable[..., SyncStore]) -> None:
@@ -186,6 +207,21 @@ def test_write_through_declines_what_the_budget_refuses(policy_store: Callable[.
     assert (result.stored, result.declined) == (2, 1)
     assert index.get(address(2).key) is None and address(2).key not in store.ram, "not on SSD: not kept"
     assert all(index.get(address(n).key).tiers & Tier.SSD for n in (0, 1))
+
+
+def test_write_through_keeps_an_earlier_block_the_budget_refuses(policy_store: Callable[..., SyncStore],
+                                                                 index: BlockIndex) -> None:
+    """A block stored under write_back, not yet on SSD, put again under write_through with the
+    day's budget spent: it was acknowledged before, so it stays (RAM only) and counts as present."""
+    from kvcached.policies.admission import SsdWriteBudget
+    store = policy_store("write_back")
+    store.put([item(1)])
+    store.write_policy = "write_through"
+    store.ssd_budget = SsdWriteBudget(1)
+    result = store.put([item(1)])
+    assert (result.stored, result.present, result.declined) == (0, 1, 0)
+    assert address(1).key in store.ram and index.get(address(1).key).tiers == Tier.RAM
+    assert store.ram.get(address(1).key).clean, "kept in RAM only, not retried"
 
 
 def test_write_through_selective_writes_a_block_once_its_hits_pass_the_threshold(

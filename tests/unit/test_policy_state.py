@@ -25,6 +25,10 @@ def item(n: int, size: int = 16 * KIB) -> PutItem:
 
 def test_blobs_are_chunked_replaced_whole_and_incomplete_ones_ignored(index: BlockIndex,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(policy_state, "CHUNK", 1)
+    many = bytes(range(256)) * 3                                     # 768 chunks: key order = chunk order
+    policy_state.save_blob(index, b"ram", many)
+    assert policy_state.load_blob(index, b"ram") == many
     monkeypatch.setattr(policy_state, "CHUNK", 100)
     big = bytes(range(256)) * 3
     policy_state.save_blob(index, b"ram", big)
@@ -93,7 +97,10 @@ def test_ssd_order_forgets_blocks_that_left_the_ssd_by_another_way(policy_store:
     store = policy_store(ssd_policy="arc", ssd_capacity=3 * per_block)
     store.put([item(n) for n in range(3)])
     store.demote()
-    store.delete([address(0)])                       # gone from SSD; the policy still lists it
+    store.delete([address(0)])                       # gone from SSD: the policy forgets it
+    assert address(0).key not in store.ssd_order and len(store.ssd_order) == 2
+    store.ssd_order.insert(address(0).key)           # as if a removal had been missed: oldest in T1
+    store.ssd_order.t1.move_to_end(address(0).key, last=False)
     store.put([item(3), item(4)])
     store.demote()
     store.evict_ssd()
