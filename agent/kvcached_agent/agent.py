@@ -11,14 +11,22 @@
 Block bytes go straight between the engine's tensors and the daemon's shared arena (mapped
 once, at connect); the socket carries only addresses, slot offsets and handles. Every call is
 batched and split into protocol-sized requests as needed.
+
+With ``reconnect=True`` (what engine plug-ins use) a daemon that is down or goes away is a
+cache that has nothing: lookups find nothing, loads miss, saves are skipped, events are dropped,
+and no call raises for it. The agent tries to connect again at most every ``retry_s`` (doubling
+up to ``retry_max_s``), maps the restarted daemon's new arena, and reports again the blocks it
+holds on its GPU, so the engine never has to know.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -30,6 +38,8 @@ from kvcached_agent.copy import ArenaCopier
 __all__ = ["Agent", "SaveResult", "LoadResult", "Lookup"]
 
 Lookup = p.LookupResult
+log = logging.getLogger("kvcached_agent")
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -52,32 +62,127 @@ class LoadResult:
 
 
 class Agent:
-    def __init__(self, client: AgentClient, hello: p.Hello, *, use_cuda: bool | None = None) -> None:
-        self.client = client
+    def __init__(self, client: AgentClient | None, hello: p.Hello, *, use_cuda: bool | None = None,
+                 path: str = "", timeout: float = 60.0, reconnect: bool = False, retry_s: float = 0.5,
+                 retry_max_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.hello = hello
-        self.session = client.welcome.session
         self.root = chain_root(hello.model, hello.dtype, hello.block_tokens, hello.namespace)
-        size = client.welcome.arena_bytes
-        self._map = mmap.mmap(client.arena_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.copier = ArenaCopier(self._map, size, use_cuda=use_cuda)
+        self.path = path or (client.path if client is not None else "")
+        self.timeout = timeout
+        self.reconnect = reconnect
+        self._use_cuda = use_cuda
+        self._retry = (retry_s, retry_max_s)
+        self._retry_next = retry_s
+        self._retry_at = 0.0
+        self._clock = clock
+        self._on_gpu: dict[bytes, None] = {}     # reported pinned and not evicted: told again after a reconnect
         # Copies and close() exclude each other: unmapping the arena under a running copy would
         # crash the process (tensors over an mmap do not keep it mapped).
         self._lock = threading.RLock()
         self._closed = False
+        self.client: AgentClient | None = None
+        self.session = 0
+        self.reconnects = 0
+        if client is not None:
+            self._attach(client)
 
     @classmethod
     def connect(cls, path: str, *, agent_id: str, model: str, dtype: str, block_tokens: int, num_layers: int,
                 layer_block_bytes: int, namespace: str | bytes = b"", timeout: float = 60.0,
-                use_cuda: bool | None = None) -> "Agent":
-        """Connect to the daemon at ``path`` and map its arena. AgentError if it refuses."""
+                use_cuda: bool | None = None, reconnect: bool = False, retry_s: float = 0.5,
+                retry_max_s: float = 10.0) -> "Agent":
+        """Connect to the daemon at ``path`` and map its arena. AgentError if it refuses, or,
+        without ``reconnect``, if it cannot be reached; with ``reconnect`` an unreachable daemon
+        gives an agent that connects later (see the module docstring)."""
         hello = p.Hello(agent_id, model, dtype, block_tokens, num_layers, layer_block_bytes,
                         namespace.encode() if isinstance(namespace, str) else bytes(namespace))
-        client = AgentClient(path, hello, timeout=timeout)
+        options = dict(use_cuda=use_cuda, path=path, timeout=timeout, reconnect=reconnect, retry_s=retry_s,
+                       retry_max_s=retry_max_s)
         try:
-            return cls(client, hello, use_cuda=use_cuda)
+            client = AgentClient(path, hello, timeout=timeout)
+        except (OSError, ConnectionClosed) as exc:
+            if not reconnect:
+                raise
+            log.warning("kvcached daemon not reachable; serving without it until it is", extra={"error": str(exc)})
+            agent = cls(None, hello, **options)  # type: ignore[arg-type]
+            agent._retry_at = agent._clock() + retry_s
+            return agent
+        try:
+            return cls(client, hello, **options)  # type: ignore[arg-type]
         except BaseException:
             client.close()
             raise
+
+    # -- the connection -------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self.client is not None
+
+    def _attach(self, client: AgentClient) -> None:
+        size = client.welcome.arena_bytes
+        self._map = mmap.mmap(client.arena_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.copier = ArenaCopier(self._map, size, use_cuda=self._use_cuda)
+        self.client = client
+        self.session = client.welcome.session
+
+    def _detach(self) -> None:
+        client, self.client = self.client, None
+        if client is None:
+            return
+        self.copier.close()
+        self.copier.arena = torch.empty(0, dtype=torch.uint8)
+        self._map.close()
+        client.close()
+
+    def _ready(self) -> bool:
+        """Connected, or connected again now; False while the daemon is down (reconnect mode:
+        tried at most every few seconds)."""
+        if self._closed:
+            raise ConnectionClosed("the agent is closed")
+        if self.client is not None:
+            return True
+        if not self.reconnect:
+            raise ConnectionClosed("the connection to the daemon is closed")
+        now = self._clock()
+        if now < self._retry_at:
+            return False
+        try:
+            client = AgentClient(self.path, self.hello, timeout=self.timeout)
+        except (OSError, ConnectionClosed):
+            self._retry_at = now + self._retry_next
+            self._retry_next = min(self._retry[1], self._retry_next * 2)
+            return False
+        self._attach(client)
+        self._retry_next = self._retry[0]
+        self.reconnects += 1
+        log.warning("kvcached daemon reachable again", extra={"session": self.session, "gpu_blocks": len(self._on_gpu)})
+        try:
+            self._report(p.Pinned, list(self._on_gpu))
+        except ConnectionClosed as exc:
+            self._lost(exc)
+            return False
+        return True
+
+    def _lost(self, exc: ConnectionClosed) -> None:
+        """The daemon went away mid-call: without ``reconnect`` the error stands; with it the
+        call answers as a miss and the agent connects again later."""
+        if not self.reconnect:
+            raise exc
+        log.warning("lost the kvcached daemon; serving without it until it is back", extra={"error": str(exc)})
+        self._detach()
+        self._retry_at = self._clock() + self._retry[0]
+
+    def _guarded(self, work: Callable[[], _T], down: _T) -> _T:
+        """Run ``work`` on the connection; ``down`` is the answer while the daemon is away."""
+        with self._lock:
+            if not self._ready():
+                return down
+            try:
+                return work()
+            except ConnectionClosed as exc:
+                self._lost(exc)
+                return down
 
     # -- addressing -----------------------------------------------------------------------------
 
@@ -92,15 +197,20 @@ class Agent:
     # -- requests -------------------------------------------------------------------------------
 
     def lookup(self, digests: Sequence[bytes], layer: int = CROSS_LAYER) -> p.LookupResult:
-        """Longest prefix of the chain per tier (this agent's GPU, RAM, SSD, peers)."""
+        """Longest prefix of the chain per tier (this agent's GPU, RAM, SSD, peers); all 0
+        while the daemon is away (reconnect mode)."""
+        return self._guarded(lambda: self._lookup(digests, layer), p.LookupResult(0, 0, 0, 0, 0))
+
+    def _lookup(self, digests: Sequence[bytes], layer: int) -> p.LookupResult:
+        assert self.client is not None
         if len(digests) <= p.MAX_BATCH:
             answer = self.client.call(p.Lookup(layer, list(digests)))
             assert isinstance(answer, p.LookupResult)
             return answer
-        first = self.lookup(digests[:p.MAX_BATCH], layer)       # a prefix longer than a batch: rare
+        first = self._lookup(digests[:p.MAX_BATCH], layer)       # a prefix longer than a batch: rare
         if first.longest < p.MAX_BATCH:
             return first
-        rest = self.lookup(digests[p.MAX_BATCH:], layer)
+        rest = self._lookup(digests[p.MAX_BATCH:], layer)
 
         def join(a: int, b: int) -> int:
             return a + b if a == p.MAX_BATCH else a
@@ -110,19 +220,26 @@ class Agent:
     def save(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor]) -> SaveResult:
         """Store each tensor's bytes as the block at the same position. Blocks the daemon has
         already are not copied again. Returns what was stored; blocks it could not take now
-        (busy, no room) are listed in ``skipped``."""
+        (busy, no room, the daemon away) are listed in ``skipped``."""
         if len(addresses) != len(tensors):
             raise ValueError(f"{len(addresses)} addresses but {len(tensors)} tensors")
         result = SaveResult()
-        with self._lock:
-            self._check_open()
+        done = 0
+
+        def work() -> bool:
+            nonlocal done
             for start in range(0, len(addresses), p.MAX_BATCH):
                 end = start + p.MAX_BATCH
                 self._save_batch(addresses[start:end], tensors[start:end], start, result)
+                done = min(end, len(addresses))
+            return True
+        if not self._guarded(work, False):
+            result.skipped = sorted(set(result.skipped) | set(range(done, len(addresses))))
         return result
 
     def _save_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor], base: int,
                     result: SaveResult) -> None:
+        assert self.client is not None
         sizes = [t.numel() * t.element_size() for t in tensors]
         slots = self.client.call(p.Allocate([(a.digest, a.layer, n) for a, n in zip(addresses, sizes)]))
         assert isinstance(slots, p.Slots)
@@ -154,20 +271,28 @@ class Agent:
 
     def load(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor]) -> LoadResult:
         """Copy each block into the tensor at the same position (a tensor must have exactly
-        the block's size). Blocks no tier holds are listed in ``missing``; their tensors are
-        left as they were."""
+        the block's size). Blocks no tier holds (or all, while the daemon is away) are listed
+        in ``missing``; their tensors are left as they were."""
         if len(addresses) != len(tensors):
             raise ValueError(f"{len(addresses)} addresses but {len(tensors)} tensors")
         result = LoadResult()
-        with self._lock:
-            self._check_open()
+        done = 0
+
+        def work() -> bool:
+            nonlocal done
             for start in range(0, len(addresses), p.MAX_BATCH):
                 end = start + p.MAX_BATCH
                 self._load_batch(addresses[start:end], tensors[start:end], start, result)
+                done = min(end, len(addresses))
+            return True
+        if not self._guarded(work, False):
+            result.missing = sorted(set(result.missing) | set(range(done, len(addresses))))
+            result.loaded = done - sum(1 for i in result.missing if i < done)
         return result
 
     def _load_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor], base: int,
                     result: LoadResult) -> None:
+        assert self.client is not None
         loaded = self.client.call(p.Load([(a.digest, a.layer) for a in addresses]))
         assert isinstance(loaded, p.Loaded)
         handles = [h for status, h, _, _ in loaded.entries if status == p.Status.OK]
@@ -186,29 +311,38 @@ class Agent:
             result.loaded += len(targets)
         finally:
             if handles:
-                self.client.send(p.Release(handles))     # no need to wait: the copies are complete
+                try:
+                    self.client.send(p.Release(handles))     # no need to wait: the copies are complete
+                except ConnectionClosed:
+                    pass           # the daemon is gone: nothing of this connection is held any more
 
     def report_pinned(self, digests: Sequence[bytes]) -> None:
-        """Event: these blocks are now on this engine's GPU."""
-        for start in range(0, len(digests), p.MAX_BATCH):
-            self.client.send(p.Pinned(list(digests[start:start + p.MAX_BATCH])))
+        """Event: these blocks are now on this engine's GPU (remembered, and told again to a
+        restarted daemon)."""
+        self._on_gpu.update(dict.fromkeys(digests))
+        self._guarded(lambda: self._report(p.Pinned, digests), None)
 
     def report_evicted(self, digests: Sequence[bytes]) -> None:
         """Event: these blocks left this engine's GPU."""
+        for digest in digests:
+            self._on_gpu.pop(digest, None)
+        self._guarded(lambda: self._report(p.Evicted, digests), None)
+
+    def _report(self, event: type[p.Pinned] | type[p.Evicted], digests: Sequence[bytes]) -> None:
+        assert self.client is not None
         for start in range(0, len(digests), p.MAX_BATCH):
-            self.client.send(p.Evicted(list(digests[start:start + p.MAX_BATCH])))
+            self.client.send(event(list(digests[start:start + p.MAX_BATCH])))
 
     def overlap(self, digests: Sequence[bytes]) -> list[p.AgentPrefix]:
         """For each connected agent, how long a prefix of the chain it holds on its GPU."""
-        answer = self.client.call(p.Overlap(list(digests[:p.MAX_BATCH])))
-        assert isinstance(answer, p.OverlapResult)
-        return list(answer.agents)
+        def work() -> list[p.AgentPrefix]:
+            assert self.client is not None
+            answer = self.client.call(p.Overlap(list(digests[:p.MAX_BATCH])))
+            assert isinstance(answer, p.OverlapResult)
+            return list(answer.agents)
+        return self._guarded(work, [])
 
     # -- lifetime -------------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosed("the agent is closed")
 
     def close(self) -> None:
         """Disconnect (the daemon releases anything still held) and unmap the arena; waits
@@ -217,10 +351,7 @@ class Agent:
             if self._closed:
                 return
             self._closed = True
-            self.copier.close()
-            self.copier.arena = torch.empty(0, dtype=torch.uint8)
-            self._map.close()
-            self.client.close()
+            self._detach()
 
     def __enter__(self) -> "Agent":
         return self

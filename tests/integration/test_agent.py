@@ -1045,3 +1045,44 @@ def test_agent_package_stays_out_of_the_daemon_and_the_daemon_out_of_torch() -> 
         "import sys, kvcached.daemon;"
         "sys.exit(1 if 'torch' in sys.modules else 0)")], capture_output=True, text=True, timeout=120)
     assert daemon.returncode == 0, daemon.stdout + daemon.stderr
+
+
+def test_reconnecting_agent_treats_a_missing_daemon_as_a_miss(make_daemon, tmp_path) -> None:
+    """reconnect=True (engine plug-ins): the daemon killed mid-run is a cache with nothing in it
+    (no call raises); once it is back the agent connects again by itself, maps the new arena,
+    tells it the blocks on its GPU again, and saves and loads bit-exact. An agent started before
+    its daemon connects once the daemon is there."""
+    daemon = make_daemon(NO_SSD)
+    xs = [BlockAddress(d, 0) for d in chain(3, seed=51)]
+    tensors = [payload_tensor(a, torch.bfloat16, (8, 512)) for a in xs]
+    out = [torch.zeros(8, 512, dtype=torch.bfloat16) for _ in xs]
+    agent = Agent.connect(agent_socket(daemon), agent_id="engine", model="test/model", dtype="bfloat16",
+                          block_tokens=16, num_layers=4, layer_block_bytes=8 * KIB, timeout=5, reconnect=True,
+                          retry_s=0.1, retry_max_s=0.2)
+    with agent:
+        assert agent.save(xs, tensors).stored == 3
+        agent.report_pinned([a.digest for a in xs[:2]])
+        daemon.stop(signal.SIGKILL)
+        assert agent.lookup([a.digest for a in xs]).longest == 0
+        missed = agent.load(xs, out)
+        assert (missed.loaded, missed.missing) == (0, [0, 1, 2]) and not agent.connected
+        assert agent.save(xs, tensors).skipped == [0, 1, 2]
+        agent.report_evicted([xs[1].digest])                 # remembered while the daemon is away
+        daemon.start()
+        wait_for(lambda: agent.lookup([xs[2].digest]).longest == 0 and agent.connected, 10,
+                 "the agent connected again")                # a call connects it (none raises meanwhile)
+        assert agent.lookup([a.digest for a in xs]).gpu == 1, "its GPU blocks told again"
+        assert agent.reconnects == 1
+        with daemon.client() as c:
+            wait_stats(c, agents=1, gpu_blocks=1)            # the GPU view told again: xs[0] only
+        assert agent.save(xs, tensors).stored == 3
+        loaded = agent.load(xs, out)
+        assert loaded.loaded == 3 and all(same_bytes(a, b) for a, b in zip(out, tensors))
+    daemon.stop()
+    early = Agent.connect(str(tmp_path / "not-yet.sock"), agent_id="early", model="test/model", dtype="bfloat16",
+                          block_tokens=16, num_layers=4, layer_block_bytes=8 * KIB, reconnect=True, retry_s=0.1)
+    with early:
+        assert not early.connected and early.lookup([xs[0].digest]).longest == 0
+        with pytest.raises(OSError):                         # without reconnect: an error, as before
+            Agent.connect(str(tmp_path / "not-yet.sock"), agent_id="strict", model="m", dtype="bfloat16",
+                          block_tokens=16, num_layers=4, layer_block_bytes=8 * KIB)
