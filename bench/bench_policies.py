@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import timeit
+import tracemalloc
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
@@ -95,7 +96,7 @@ def hit_rate_rows(results: dict[str, Result]) -> list[Row]:
 
 
 def op_cost_rows(keys: int, number: int) -> list[Row]:
-    universe = [os.urandom(16) for _ in range(keys)]
+    universe = [os.urandom(32) for _ in range(keys)]        # 32 bytes: the daemon's index keys
     probe = universe[keys // 2]
     table_ = dict.fromkeys(universe)
     bare = min(timeit.repeat(lambda: probe in table_, number=number, repeat=5)) / number
@@ -115,6 +116,7 @@ def op_cost_rows(keys: int, number: int) -> list[Row]:
         for op, seconds in (("touch", touch), ("insert", insert), ("evict", evict_s)):
             rows.append(Row(2, f"{name} {op}", "ns", seconds * 1e9, "dict lookup", bare * 1e9, False, "",
                             details={"keys": keys}))
+        rows += state_rows(name, universe)
     # the reuse gate is asked once per new block offered (a 32-byte BLAKE3 key, as in the daemon)
     gate = ReuseAdmission(threshold=2, window=100_000)
     offers = iter([os.urandom(32) for _ in range(number * 5 + 10)])
@@ -122,6 +124,33 @@ def op_cost_rows(keys: int, number: int) -> list[Row]:
     rows.append(Row(2, "reuse admission offer", "ns", admit * 1e9, "dict lookup", bare * 1e9, False, "",
                     details={"window": 100_000}))
     return rows
+
+
+def state_rows(name: str, universe: list[bytes]) -> list[Row]:
+    """What keeping and saving a policy's state costs: the snapshot copy the event loop pays
+    (kvcached.policy_state), against a bare list() of a dict of the same keys, and the memory per
+    key (the SSD tier's in-memory policies pay it per block), against a bare dict of them."""
+    keys = len(universe)
+    table_ = dict.fromkeys(universe)
+    policy = make_eviction_policy(name)
+    for key in universe:
+        policy.insert(key)
+    copy = min(timeit.repeat(lambda: list(table_), number=3, repeat=3)) / 3
+    snapshot = min(timeit.repeat(policy.snapshot, number=3, repeat=3)) / 3
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    bare = dict.fromkeys(universe)
+    bare_bytes = tracemalloc.get_traced_memory()[0] - before
+    fresh = make_eviction_policy(name)
+    for key in universe:
+        fresh.insert(key)
+    policy_bytes = tracemalloc.get_traced_memory()[0] - before - bare_bytes
+    tracemalloc.stop()
+    del bare, fresh
+    return [Row(2, f"{name} snapshot, per 1k keys", "us", snapshot / keys * 1e9, "list(dict), per 1k keys",
+                copy / keys * 1e9, False, "", details={"keys": keys}),
+            Row(2, f"{name} memory per key", "B", policy_bytes / keys, "dict entry per key", bare_bytes / keys,
+                False, "", details={"keys": keys, "key_bytes": len(universe[0])})]
 
 
 # =============================================================================================

@@ -162,11 +162,6 @@ def _max_gpu_blocks(v: int) -> None:
         raise ValueError(f"must be between 1 and 100000000, got {v}")
 
 
-def _at_least_one(v: int) -> None:
-    if v < 1:
-        raise ValueError(f"must be 1 or more, got {v}")
-
-
 def _threshold(v: int) -> None:
     if not 1 <= v <= 255:
         raise ValueError(f"must be between 1 and 255 (the sketch counts up to 255), got {v}")
@@ -277,7 +272,7 @@ class KvSection:
                              "returns) or write_through_selective (once hit write_through_threshold times).",
                              "write_back", _one_of("write_back", "write_through", "write_through_selective"))
     write_through_threshold: int = _key("Hits a new block needs before it goes to SSD under "
-                                        "write_through_selective.", 2, _at_least_one, int)
+                                        "write_through_selective.", 2, _positive, int)
     admission: str = _key("Which offered new blocks are stored: always, or reuse (on the admission_threshold-th "
                           "offer within admission_window offers).", "always", _one_of("always", "reuse"))
     admission_threshold: int = _key("Offers a block needs before it is stored under admission = reuse (1..255).", 2,

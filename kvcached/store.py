@@ -375,11 +375,10 @@ class Store:
                 raise DataLoss(f"block {i} ({item.address}): payload does not match its BLAKE3 checksum "
                                "(damaged on the way?); nothing was stored")
         offered = len(todo)       # only a batch that passed every check is offered to admission
-        admitted = self._admitted(todo)
-        if len(admitted) < offered:
-            keep = {id(t) for t in admitted}
-            checksums = [c for t, c in zip(todo, checksums) if id(t) in keep]
-            todo = admitted
+        keep = self._admitted(todo)
+        if not all(keep):
+            todo = [t for t, k in zip(todo, keep) if k]
+            checksums = [c for c, k in zip(checksums, keep) if k]
         now = self.clock()
         result = PutResult(present=len(items) - offered, declined=offered - len(todo))
         new: list[tuple[RamBlock, BlockRecord]] = []
@@ -429,18 +428,19 @@ class Store:
         # a block of this batch may have been evicted by a later one of the same batch (not if held)
         return result, [(b, r) for b, r in new if self.ram.get(b.key) is b], full
 
-    def _admitted(self, todo: list[tuple[int, PutItem]]) -> list[tuple[int, PutItem]]:
-        """The new blocks of a Put the admission policy takes; one offer per block per batch."""
+    def _admitted(self, todo: list[tuple[int, PutItem]]) -> list[bool]:
+        """Per new block of a Put, whether the admission policy takes it; one offer per block
+        per batch."""
         if isinstance(self.admission, AlwaysAdmit):
-            return todo
+            return [True] * len(todo)
         verdict: dict[bytes, bool] = {}
         for _, item in todo:
             key = item.address.key
             if key not in verdict:
                 verdict[key] = self.admission.admit(key)
-        declined = sum(1 for _, item in todo if not verdict[item.address.key])
-        self.counters.declined += declined
-        return [t for t in todo if verdict[t[1].address.key]] if declined else todo
+        keep = [verdict[item.address.key] for _, item in todo]
+        self.counters.declined += keep.count(False)
+        return keep
 
     def _commit_new(self, block: RamBlock) -> None:
         """Commit a block new to this daemon. Under write_through_selective it is held in RAM

@@ -33,8 +33,8 @@ class PolicySnapshot:
     """What a policy knows, as plain data: named lists of keys in the policy's own order (oldest
     first), a small number (0..255) per key for the lists that keep one (``values``: CLOCK's
     reference bits, S3-FIFO's frequencies), and named numbers. ``kind`` names the policy that
-    wrote it. Lists are built with C-level copies (``list(ordered_dict)``), so taking a
-    snapshot of a million keys costs the event loop milliseconds."""
+    wrote it. Lists are built with ``list(ordered_dict)`` copies, no per-key Python code
+    (bench_policies measures the cost: 0.1-0.25 s per million keys here)."""
 
     kind: str
     lists: dict[str, list[bytes]] = field(default_factory=dict)

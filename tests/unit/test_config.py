@@ -252,7 +252,7 @@ def test_wrong_type_in_a_file(tmp_path: Path) -> None:
     ("kv.admission_window=10", "kv.admission_window", ("between 1000",)),
     ("kv.ssd_write_budget_gib=-1", "kv.ssd_write_budget_gib", ("0 or more",)),
     ('kv.write_policy="write_around"', "kv.write_policy", ("write_through_selective",)),
-    ("kv.write_through_threshold=0", "kv.write_through_threshold", ("1 or more",)),
+    ("kv.write_through_threshold=0", "kv.write_through_threshold", ("greater than 0",)),
     ("kv.policy_save_s=0.5", "kv.policy_save_s", ("0 (save on a clean stop only)",)),
     ("grpc.max_message_mib=0", "grpc.max_message_mib", ("1..2047",)),
     ("grpc.max_message_mib=2048", "grpc.max_message_mib", ("1..2047",)),
