@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/kvcached/v1/*.proto)
 PROTO_OUT := kvcached/v1/kvcache_pb2.py
 
-.PHONY: install run test test-unit test-integration bench proto clean system-deps certs
+.PHONY: install run test test-unit test-integration test-engines engines-venv bench proto clean system-deps certs
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -27,8 +27,31 @@ run: install
 	mkdir -p var
 	$(VENV)/bin/kvcached serve --config config/kvcached.toml
 
-test: install system-deps
+test: install engines-venv system-deps
 	$(PY) -m pytest -q tests
+	$(ENGINES_PY) -m pytest -q tests/engines
+
+# The engine plug-ins' tests need vLLM and SGLang: their own environment (about 3.3 GB), built
+# once and kept: the engines at the pins of agent/kvcached_agent/engines/versions.py and the small
+# packages their plug-in modules import, all --no-deps (no second torch, no CUDA), then the agent
+# and the daemon (the tests start real daemons).
+ENGINES_VENV  := .venv-engines
+ENGINES_PY    := $(ENGINES_VENV)/bin/python
+ENGINES_STAMP := $(ENGINES_VENV)/.installed
+ENGINE_PINS    = $(shell $(PYTHON) agent/kvcached_agent/engines/versions.py)
+
+engines-venv: $(ENGINES_STAMP) $(PROTO_OUT)
+
+$(ENGINES_STAMP): pyproject.toml agent/pyproject.toml tests/engines/requirements.txt agent/kvcached_agent/engines/versions.py
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_PY) -m pip install --quiet --upgrade pip
+	$(ENGINES_PY) -m pip install --quiet torch==2.13.0
+	$(ENGINES_PY) -m pip install --quiet --no-deps $(ENGINE_PINS) -r tests/engines/requirements.txt
+	$(ENGINES_PY) -m pip install --quiet -e ./agent -e '.[dev]'
+	touch $@
+
+test-engines: install engines-venv system-deps
+	$(ENGINES_PY) -m pytest -q tests/engines
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
@@ -70,4 +93,4 @@ certs: install
 	$(VENV)/bin/kvcached certs --dir var/certs $(CERT_NODES)
 
 clean:
-	rm -rf $(VENV) kvcached/v1 var .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) kvcached/v1 var .pytest_cache

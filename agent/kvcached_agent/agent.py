@@ -26,7 +26,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar, Union
 
 import torch
 
@@ -35,11 +35,37 @@ from kvcached_agent.address import CROSS_LAYER, BlockAddress, chain_digests, cha
 from kvcached_agent.client import AgentClient, AgentError, ConnectionClosed
 from kvcached_agent.copy import ArenaCopier
 
-__all__ = ["Agent", "SaveResult", "LoadResult", "Lookup"]
+__all__ = ["Agent", "Block", "SaveResult", "LoadResult", "Lookup"]
 
 Lookup = p.LookupResult
 log = logging.getLogger("kvcached_agent")
 _T = TypeVar("_T")
+
+# One block's bytes on the engine side: a contiguous tensor, or several whose bytes follow each
+# other in the block (an engine's paged cache keeps a block's layers, or K and V, apart). In a
+# load, an int stands for that many bytes of the block that are not copied (pages the engine
+# already holds).
+Block = Union[torch.Tensor, Sequence[Union[torch.Tensor, int]]]
+
+
+def _pieces(block: Block) -> list[torch.Tensor | int]:
+    return [block] if isinstance(block, torch.Tensor) else list(block)
+
+
+def _size(pieces: Sequence[torch.Tensor | int]) -> int:
+    return sum(p if isinstance(p, int) else p.numel() * p.element_size() for p in pieces)
+
+
+def _placed(pieces: Sequence[torch.Tensor | int], offset: int,
+            tensors: list[torch.Tensor], offsets: list[int]) -> None:
+    """Append each tensor piece and its arena offset (pieces follow each other from ``offset``)."""
+    for piece in pieces:
+        if isinstance(piece, int):
+            offset += piece
+            continue
+        tensors.append(piece)
+        offsets.append(offset)
+        offset += piece.numel() * piece.element_size()
 
 
 @dataclass(slots=True)
@@ -217,10 +243,11 @@ class Agent:
         return p.LookupResult(join(first.longest, rest.longest), join(first.gpu, rest.gpu), join(first.ram, rest.ram),
                               join(first.ssd, rest.ssd), join(first.peer, rest.peer))
 
-    def save(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor]) -> SaveResult:
-        """Store each tensor's bytes as the block at the same position. Blocks the daemon has
-        already are not copied again. Returns what was stored; blocks it could not take now
-        (busy, no room, the daemon away) are listed in ``skipped``."""
+    def save(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block]) -> SaveResult:
+        """Store each tensor's bytes (or a list of tensors' bytes, in order) as the block at the
+        same position. Blocks the daemon has already are not copied again. Returns what was
+        stored; blocks it could not take now (busy, no room, the daemon away) are listed in
+        ``skipped``."""
         if len(addresses) != len(tensors):
             raise ValueError(f"{len(addresses)} addresses but {len(tensors)} tensors")
         result = SaveResult()
@@ -237,10 +264,13 @@ class Agent:
             result.skipped = sorted(set(result.skipped) | set(range(done, len(addresses))))
         return result
 
-    def _save_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor], base: int,
+    def _save_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], base: int,
                     result: SaveResult) -> None:
         assert self.client is not None
-        sizes = [t.numel() * t.element_size() for t in tensors]
+        blocks = [_pieces(t) for t in tensors]
+        if any(isinstance(piece, int) for pieces in blocks for piece in pieces):
+            raise ValueError("a saved block must be given as tensors only")
+        sizes = [_size(pieces) for pieces in blocks]
         slots = self.client.call(p.Allocate([(a.digest, a.layer, n) for a, n in zip(addresses, sizes)]))
         assert isinstance(slots, p.Slots)
         todo: list[tuple[int, int, int]] = []        # (index, handle, offset)
@@ -256,8 +286,12 @@ class Agent:
         if not todo:
             return
         handles = [h for _, h, _ in todo]
+        sources: list[torch.Tensor] = []
+        offsets: list[int] = []
+        for i, _, offset in todo:
+            _placed(blocks[i], offset, sources, offsets)
         try:
-            self.copier.save([tensors[i] for i, _, _ in todo], [o for _, _, o in todo])
+            self.copier.save(sources, offsets)
         except BaseException:
             self.client.send(p.Release(handles))      # the slots go back; nothing half-written is kept
             raise
@@ -269,10 +303,11 @@ class Agent:
             else:
                 result.skipped.append(base + i)
 
-    def load(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor]) -> LoadResult:
-        """Copy each block into the tensor at the same position (a tensor must have exactly
-        the block's size). Blocks no tier holds (or all, while the daemon is away) are listed
-        in ``missing``; their tensors are left as they were."""
+    def load(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block]) -> LoadResult:
+        """Copy each block into the tensor (or the list of tensors and skipped byte counts) at
+        the same position, which must have exactly the block's size. Blocks no tier holds (or
+        all, while the daemon is away) are listed in ``missing``; their tensors are left as they
+        were."""
         if len(addresses) != len(tensors):
             raise ValueError(f"{len(addresses)} addresses but {len(tensors)} tensors")
         result = LoadResult()
@@ -290,25 +325,28 @@ class Agent:
             result.loaded = done - sum(1 for i in result.missing if i < done)
         return result
 
-    def _load_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[torch.Tensor], base: int,
+    def _load_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], base: int,
                     result: LoadResult) -> None:
         assert self.client is not None
         loaded = self.client.call(p.Load([(a.digest, a.layer) for a in addresses]))
         assert isinstance(loaded, p.Loaded)
         handles = [h for status, h, _, _ in loaded.entries if status == p.Status.OK]
         try:
-            targets, offsets = [], []
+            targets: list[torch.Tensor] = []
+            offsets: list[int] = []
+            found = 0
             for i, (status, _, offset, length) in enumerate(loaded.entries):
                 if status != p.Status.OK:
                     result.missing.append(base + i)
                     continue
-                size = tensors[i].numel() * tensors[i].element_size()
+                pieces = _pieces(tensors[i])
+                size = _size(pieces)
                 if size != length:
                     raise ValueError(f"block {addresses[i]} is {length} bytes but its tensor holds {size}")
-                targets.append(tensors[i])
-                offsets.append(offset)
+                _placed(pieces, offset, targets, offsets)
+                found += 1
             self.copier.load(targets, offsets)
-            result.loaded += len(targets)
+            result.loaded += found
         finally:
             if handles:
                 try:

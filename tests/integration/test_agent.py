@@ -314,6 +314,32 @@ def test_save_load_round_trip_bit_exact(make_daemon, device: str) -> None:
         wait_stats(c, agents=0, held=0)
 
 
+def test_a_block_given_in_pieces_saves_and_loads_bit_exact_and_skips_what_is_held(daemon) -> None:
+    """A block can be several tensors (a paged cache keeps a block's layers apart): saved in
+    order, loaded back into pieces, and an int in a load leaves that many bytes uncopied."""
+    gen = torch.Generator().manual_seed(7)
+    with connect(daemon, "pieces", num_layers=4, layer_block_bytes=4 * KIB) as agent:
+        cache = random_tensor((4, 8, 4 * KIB), torch.uint8, gen)      # 4 layers x 8 pages of 4 KiB
+        addresses = agent.addresses(agent.hash_tokens(list(range(32))))
+        blocks = [[cache[layer, page] for layer in range(4)] for page in (3, 5)]
+        r = agent.save(addresses, blocks)
+        assert (r.stored, r.skipped) == (2, [])
+        out = torch.zeros_like(cache)
+        got = agent.load(addresses, [[out[layer, page] for layer in range(4)] for page in (0, 1)])
+        assert (got.loaded, got.missing) == (2, [])
+        assert all(torch.equal(out[layer, new], cache[layer, old])
+                   for layer in range(4) for new, old in ((0, 3), (1, 5)))
+        held = torch.zeros_like(cache)
+        got = agent.load(addresses[:1], [[4 * KIB, held[1, 0], 4 * KIB, held[3, 0]]])   # layers 0 and 2 held already
+        assert got.loaded == 1
+        assert torch.equal(held[1, 0], cache[1, 3]) and torch.equal(held[3, 0], cache[3, 3])
+        assert not held[0].any() and not held[2].any()
+        with pytest.raises(ValueError, match="16384 bytes but its tensor holds 12288"):
+            agent.load(addresses[:1], [[held[0, 0], held[1, 0], held[2, 0]]])
+        with pytest.raises(ValueError, match="tensors only"):
+            agent.save(addresses[:1], [[4 * KIB, held[1, 0]]])
+
+
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 def test_blocks_saved_by_an_agent_come_back_from_ssd(make_daemon, write_policy: str) -> None:
     """An 8 MiB arena and three times that saved: the blocks leave RAM for the SSD tier and a

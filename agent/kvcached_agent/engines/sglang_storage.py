@@ -1,0 +1,158 @@
+"""kvcached as an SGLang HiCache storage backend (the L3 tier behind SGLang's host memory).
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+        '{"backend_name": "kvcached", "module_path": "kvcached_agent.engines.sglang_storage",
+          "class_name": "KvcachedStorage", "socket": "/run/kvcached/agent.sock"}'
+
+SGLang names each page by a key it derives from the page's tokens and every page before it, so a
+key is already a prefix chain; kvcached addresses the page as BLAKE3(root, key), where the root
+holds the model, the dtype, the page size and this rank's shard (tensor, pipeline and attention
+context-parallel ranks; MLA pages are the same on every tensor rank and share one address).
+Pages travel as SGLang hands them over: its flat data pages (``batch_set``/``batch_get``, the path
+a dynamic backend gets by default). A daemon that is down is an empty cache: ``batch_exists``
+finds nothing, gets miss, sets report failure, and SGLang serves on.
+
+Extra-config keys besides SGLang's own are those of
+:class:`~kvcached_agent.engines.common.PluginSettings` (``block_tokens`` excepted: a kvcached
+block here is always one SGLang page).
+"""
+
+from __future__ import annotations
+
+from kvcached_agent.engines import versions
+
+versions.require("sglang")
+
+import logging  # noqa: E402
+import threading  # noqa: E402
+from typing import Any, List, Optional  # noqa: E402
+
+import blake3  # noqa: E402
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
+
+from kvcached_agent.address import BlockAddress  # noqa: E402
+from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace, root_for  # noqa: E402
+
+__all__ = ["KvcachedStorage"]
+
+log = logging.getLogger("kvcached_agent")
+
+# Keys of the extra config that SGLang itself reads.
+_SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
+                "hicache_storage_pass_prefix_keys")
+
+
+class KvcachedStorage(HiCacheStorage):
+    """HiCacheStorage over the kvcached agent (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if extra.get("interface_v1"):
+            raise ValueError("--hicache-storage-backend-extra-config: kvcached takes SGLang's flat data pages; "
+                             "leave interface_v1 unset")
+        settings = PluginSettings.from_mapping(extra, "--hicache-storage-backend-extra-config", ignore=_SGLANG_KEYS)
+        if settings.block_tokens:
+            raise ValueError("--hicache-storage-backend-extra-config: block_tokens does not apply to SGLang "
+                             "(a block is one page, --page-size)")
+        self.settings = settings
+        self.config = storage_config
+        self.model = storage_config.model_name or "sglang"
+        c = storage_config
+        tp_rank, tp_size = (0, 1) if c.is_mla_model else (c.tp_rank, c.tp_size)
+        namespace = rank_namespace(settings.namespace, tp_rank, tp_size, c.pp_rank, c.pp_size)
+        if c.attn_cp_size > 1:
+            namespace += f".cp{c.attn_cp_rank}of{c.attn_cp_size}"
+        self.namespace = namespace
+        self.writer = c.is_storage_writer        # MLA: one rank writes the pages every rank shares
+        self._lock = threading.Lock()
+        self._agent: Any = None
+        self._root = b""
+        self.page_bytes = 0
+
+    # -- the connection: opened once the page size is known ------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        page = mem_pool_host.get_dummy_flat_data_page()
+        self._open(page.numel() * page.element_size(), page.dtype, mem_pool_host.page_size, mem_pool_host.layer_num)
+
+    def _open(self, page_bytes: int, dtype: torch.dtype, page_tokens: int, layers: int) -> None:
+        with self._lock:
+            if self._agent is not None:
+                return
+            name = str(dtype).removeprefix("torch.")
+            rank = f"tp{self.config.tp_rank}" + (f"pp{self.config.pp_rank}" if self.config.pp_size > 1 else "")
+            self._agent = open_agent(self.settings, agent_id=f"sglang-{rank}", model=self.model, dtype=name,
+                                     block_tokens=page_tokens, num_layers=max(layers, 1),
+                                     layer_block_bytes=max(page_bytes // max(layers, 1), 1), namespace=self.namespace)
+            self._root = root_for(self.model, name, page_tokens, self.namespace)
+            self.page_bytes = page_bytes
+
+    def _addresses(self, keys: List[str]) -> list[BlockAddress]:
+        root = self._root
+        return [BlockAddress(blake3.blake3(root + key.encode()).digest()) for key in keys]
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        """How many keys, from the first, kvcached holds in any tier (RAM, SSD, a peer)."""
+        if self._agent is None or not keys:
+            return 0
+        digests = [a.digest for a in self._addresses(keys)]
+        return min(self._agent.lookup(digests).longest, len(keys))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- pages ---------------------------------------------------------------------------------
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        """Store each flat data page under its key. True when every page is in kvcached now
+        (stored, already there, or declined by the daemon's admission policy)."""
+        if not keys:
+            return True
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys need as many pages, got {0 if values is None else len(values)}")
+        if not self.writer:
+            return True                          # an MLA page: the writing rank stores the shared copy
+        pages = [v.contiguous() for v in values]
+        if self._agent is None:
+            first = pages[0]
+            self._open(first.numel() * first.element_size(), first.dtype, 1, 1)
+        result = self._agent.save(self._addresses(keys), pages)
+        return not result.skipped
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        """Each page copied into its target (SGLang passes empty flat pages), None where
+        kvcached does not hold it."""
+        if not keys:
+            return []
+        if target_locations is None or len(target_locations) != len(keys):
+            raise ValueError("kvcached's batch_get needs a target page for each key")
+        if self._agent is None:
+            return [None] * len(keys)
+        result = self._agent.load(self._addresses(keys), list(target_locations))
+        missing = set(result.missing)
+        return [None if i in missing else target for i, target in enumerate(target_locations)]
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def clear(self) -> None:
+        """Nothing: the daemon's cache is shared by every engine of the node; an operator drops
+        blocks with its Admin API (Evict)."""
+
+    def get_stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        if self._agent is not None:
+            self._agent.close()

@@ -1,0 +1,184 @@
+"""kvcached as a vLLM V1 KV connector.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvcachedConnector",
+        "kv_connector_module_path": "kvcached_agent.engines.vllm_connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"socket": "/run/kvcached/agent.sock"}}'
+
+vLLM builds one instance in the scheduler (role SCHEDULER) and one per worker (role WORKER); this
+class only routes vLLM's calls to :class:`~kvcached_agent.engines.vllm_scheduler.SchedulerSide`
+and :class:`~kvcached_agent.engines.vllm_worker.WorkerSide`. ``kv_connector_extra_config`` takes
+the keys of :class:`~kvcached_agent.engines.common.PluginSettings`; anything else is an error.
+"""
+
+from __future__ import annotations
+
+from kvcached_agent.engines import versions
+
+versions.require("vllm")
+
+import logging  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace, root_for  # noqa: E402
+from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp, SchedulerSide  # noqa: E402
+from kvcached_agent.engines.vllm_worker import WorkerSide, page_views  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["KvcachedConnector", "KvcachedConnectorMetadata"]
+
+log = logging.getLogger("kvcached_agent")
+
+
+@dataclass
+class KvcachedConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers."""
+
+    loads: list[LoadOp] = field(default_factory=list)
+    saves: list[SaveOp] = field(default_factory=list)
+    pinned: list[bytes] = field(default_factory=list)     # blocks now in vLLM's GPU prefix cache
+    evicted: list[bytes] = field(default_factory=list)    # blocks whose pages vLLM reused
+
+
+def _ranks(worker: bool) -> tuple[int, int]:
+    """This worker's (tensor, pipeline) parallel ranks; the scheduler looks up as rank 0."""
+    from vllm.distributed import parallel_state
+
+    if worker and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
+    return 0, 0
+
+
+class KvcachedConnector(KVConnectorBase_V1):
+    """vLLM's KV connector interface over the kvcached agent (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        settings = PluginSettings.from_mapping(self._kv_transfer_config.kv_connector_extra_config,
+                                               "kv_connector_extra_config")
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"the kvcached connector supports models with one KV cache group (every layer full "
+                             f"attention); this model has {len(groups)}")
+        spec = groups[0].kv_cache_spec
+        self._layers = list(groups[0].layer_names)
+        self._num_pages = kv_cache_config.num_blocks
+        self._page_bytes = spec.page_size_bytes
+        page_tokens = spec.block_size
+        block_tokens = settings.block_tokens or page_tokens
+        per_block = block_tokens // page_tokens if block_tokens % page_tokens == 0 else 0
+        if not per_block:
+            raise ValueError(f"kv_connector_extra_config: block_tokens ({block_tokens}) must be a multiple of "
+                             f"vLLM's block size ({page_tokens})")
+        model = vllm_config.model_config.model
+        dtype = str(spec.dtype).removeprefix("torch.")
+        parallel = vllm_config.parallel_config
+        rank, pp_rank = _ranks(role == KVConnectorRole.WORKER)
+        namespace = rank_namespace(settings.namespace, rank, parallel.tensor_parallel_size, pp_rank,
+                                   parallel.pipeline_parallel_size)
+        who = "scheduler" if role == KVConnectorRole.SCHEDULER else f"rank{rank}"
+        agent = open_agent(settings, agent_id=f"vllm-{self._kv_transfer_config.engine_id}-{who}", model=model,
+                           dtype=dtype, block_tokens=block_tokens, num_layers=len(self._layers),
+                           layer_block_bytes=self._page_bytes * per_block, namespace=namespace)
+        root = root_for(model, dtype, block_tokens, namespace)
+        self.agent = agent
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # A cache miss must never fail a request: a block evicted or a daemon gone between
+                # the lookup and the load is recomputed (read by vLLM's scheduler after this).
+                log.warning("kvcached sets kv_load_failure_policy to 'recompute': a block that cannot be "
+                            "loaded is computed again, never an error for the request")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self.scheduler_side = SchedulerSide(agent, root, block_tokens=block_tokens, page_tokens=page_tokens)
+        else:
+            self.worker_side = WorkerSide(agent, root, block_tokens=block_tokens, pages_per_block=per_block,
+                                          reports_gpu=rank == 0 and pp_rank == 0)
+
+    # -- worker role ---------------------------------------------------------------------------
+
+    def _worker(self) -> WorkerSide:
+        assert self.worker_side is not None, "a worker-side call on the scheduler's connector"
+        return self.worker_side
+
+    def _metadata(self) -> KvcachedConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcachedConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(page_views(kv_caches, self._layers, self._num_pages, self._page_bytes))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._metadata()
+        self._worker().report(meta.pinned, meta.evicted)
+        self._worker().start_load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Whole-block loads: every layer is in place before the forward starts."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Whole-block saves: a block holds every layer, so it is stored in wait_for_save."""
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._worker().save(self._metadata().saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self._worker().finished(finished_req_ids)
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+        else:
+            self.agent.close()
+
+    # -- scheduler role ------------------------------------------------------------------------
+
+    def _scheduler(self) -> SchedulerSide:
+        assert self.scheduler_side is not None, "a scheduler-side call on a worker's connector"
+        return self.scheduler_side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler().after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KvcachedConnectorMetadata(*self._scheduler().build(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler().transfers_done(connector_output.finished_recving)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().finished(request), None
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if num_external_tokens == 0:
+            return {}
+        ram, ssd, peer = self._scheduler().hit_tiers(request)
+        total = ram + ssd + peer
+        if total == 0:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        # Tokens split by block share; the first blocks (vLLM's own hits aside) come from RAM.
+        out = {CacheHitSource.HOST: num_external_tokens * ram // total,
+               CacheHitSource.DISK: num_external_tokens * ssd // total}
+        out[CacheHitSource.P2P] = num_external_tokens - out[CacheHitSource.HOST] - out[CacheHitSource.DISK]
+        return {source: n for source, n in out.items() if n}

@@ -1,0 +1,173 @@
+"""The worker side of the vLLM connector: copies between vLLM's paged KV cache and the daemon.
+
+Each worker (one per tensor-parallel rank) holds its own agent, whose addresses carry the rank,
+so a rank stores and loads only its own shard. A kvcached block is one address holding every
+layer of ``pages_per_block`` vLLM pages: layer by layer, page by page (a cross-layer block), so a
+prompt's blocks are one lookup and one batched copy, with no staging buffer in between: the agent
+copies each page straight between vLLM's cache tensors and the daemon's shared arena.
+
+Loads the scheduler marked synchronous run in ``start_load`` before the forward; asynchronous ones
+(blocks on the SSD or at a peer) run on one background thread and are reported by ``finished``.
+Saves run in ``save`` once the step's forward is done. Blocks a load could not fill are reported
+to vLLM, which recomputes them: a down daemon or an evicted block costs time, never a wrong token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+
+from kvcached_agent.engines.common import TokenChain
+from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp
+
+__all__ = ["WorkerSide", "page_views"]
+
+log = logging.getLogger("kvcached_agent")
+
+
+def page_views(kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], num_pages: int,
+               page_bytes: int) -> list[torch.Tensor]:
+    """Per layer, a (num_pages, page_bytes) uint8 view of its cache tensor: row p is page p.
+
+    vLLM keeps a page of a layer contiguous, pages one stride apart along dimension 0 (which may
+    be split into kernel blocks); other layouts are refused with a clear error."""
+    views = []
+    for name in layer_names:
+        cache = kv_caches[name]
+        if cache.dim() == 0 or cache.shape[0] % num_pages:
+            raise ValueError(f"KV cache of layer {name} has shape {tuple(cache.shape)}: kvcached needs the "
+                             f"{num_pages} pages along dimension 0")
+        grouped = cache if cache.shape[0] == num_pages else cache.unflatten(0, (num_pages, -1))
+        size = cache.element_size()
+        stride = grouped.stride(0) * size
+        if stride < page_bytes:
+            raise ValueError(f"KV cache of layer {name}: pages are {stride} bytes apart but hold {page_bytes}")
+        view = torch.empty(0, dtype=torch.uint8, device=cache.device)
+        view.set_(cache.untyped_storage(), grouped.storage_offset() * size, (num_pages, page_bytes), (stride, 1))
+        views.append(view)
+    return views
+
+
+class WorkerSide:
+    """Runs one worker's loads and saves through its agent."""
+
+    def __init__(self, agent: Any, root: bytes, *, block_tokens: int, pages_per_block: int,
+                 reports_gpu: bool = True) -> None:
+        self.agent = agent
+        self.reports_gpu = reports_gpu        # the first rank tells the daemon what vLLM's GPU cache holds
+        self.root = root
+        self.block_tokens = block_tokens
+        self.per_block = pages_per_block
+        self.views: list[torch.Tensor] = []
+        self.page_bytes = 0
+        self._chains: dict[str, TokenChain] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcached-load")
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future[set[int]]] = {}
+        self._errors: set[int] = set()
+        self.loaded_blocks = 0
+        self.saved_blocks = 0
+
+    def register(self, views: list[torch.Tensor]) -> None:
+        self.views = views
+        self.page_bytes = int(views[0].shape[1]) if views else 0
+
+    def _digests(self, op: LoadOp | SaveOp) -> list[bytes]:
+        chain = self._chains.get(op.req_id)
+        if chain is None:
+            chain = self._chains[op.req_id] = TokenChain(self.root, self.block_tokens)
+        return chain.upto(op.tokens, op.end)[op.first:op.end]
+
+    def _block(self, pages: Sequence[int], skip: int = 0) -> list[torch.Tensor | int]:
+        """One block's pieces in block order: every layer's pages (the first ``skip`` as gaps)."""
+        return [self.page_bytes if j < skip else view[page] for view in self.views for j, page in enumerate(pages)]
+
+    def _blocks(self, pages: Sequence[int], count: int, skip: int = 0) -> list[list[torch.Tensor | int]]:
+        n = self.per_block
+        return [self._block(pages[k * n:(k + 1) * n], skip if k == 0 else 0) for k in range(count)]
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def start_load(self, loads: Sequence[LoadOp]) -> None:
+        for op in loads:
+            if op.is_async:
+                digests = self._digests(op)        # hashed here: the chain cache is this thread's
+                self._pending[op.req_id] = self._pool.submit(self._load, op, digests)
+            else:
+                failed = self._load(op, self._digests(op))
+                with self._lock:
+                    self._errors |= failed
+
+    def _load(self, op: LoadOp, digests: list[bytes]) -> set[int]:
+        """Copy the op's blocks into its pages; the vLLM pages of blocks that could not be
+        loaded (vLLM recomputes from the first of them)."""
+        count = op.end - op.first
+        try:
+            result = self.agent.load(self.agent.addresses(digests), self._blocks(op.pages, count, op.skip_pages))
+            missing = result.missing
+        except Exception:
+            log.exception("kvcached load failed; vLLM recomputes the blocks", extra={"request": op.req_id})
+            missing = list(range(count))
+        self.loaded_blocks += count - len(missing)
+        if not missing:
+            return set()
+        n = self.per_block
+        first_bad = missing[0]
+        return {page for j, page in enumerate(op.pages) if j >= first_bad * n + (op.skip_pages if first_bad == 0 else 0)}
+
+    def load_errors(self) -> set[int]:
+        """vLLM pages that a load reported since the last call could not fill."""
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose asynchronous load completed (failed blocks are in load_errors); forgets
+        the per-request state of requests vLLM finished."""
+        done = set()
+        for req_id, future in list(self._pending.items()):
+            if future.done():
+                del self._pending[req_id]
+                failed = future.result()
+                with self._lock:
+                    self._errors |= failed
+                done.add(req_id)
+        for req_id in finished_req_ids:
+            self._chains.pop(req_id, None)
+        return done
+
+    def report(self, pinned: Sequence[bytes], evicted: Sequence[bytes]) -> None:
+        """GPU residency events from the scheduler (its digests are the first rank's)."""
+        if not self.reports_gpu:
+            return
+        if evicted:
+            self.agent.report_evicted(evicted)
+        if pinned:
+            self.agent.report_pinned(pinned)
+
+    # -- saves ---------------------------------------------------------------------------------
+
+    def save(self, saves: Sequence[SaveOp]) -> None:
+        """Store the blocks this step completed. On a GPU the agent's copies wait for the work
+        already queued on the current stream (this step's forward), so no sync is needed here."""
+        addresses: list[Any] = []
+        blocks: list[list[torch.Tensor | int]] = []
+        for op in saves:
+            addresses += self.agent.addresses(self._digests(op))
+            blocks += self._blocks(op.pages, op.end - op.first)
+        if not addresses:
+            return
+        try:
+            result = self.agent.save(addresses, blocks)
+        except Exception:
+            log.exception("kvcached save failed; the blocks stay uncached")
+            return
+        self.saved_blocks += result.stored
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.agent.close()

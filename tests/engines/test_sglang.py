@@ -1,0 +1,138 @@
+"""The SGLang HiCache storage backend, built by SGLang's own StorageBackendFactory (the
+``dynamic`` backend of ``--hicache-storage-backend``), against real daemons."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from tests.engines.test_vllm import evict_ram
+from tests.integration.conftest import DaemonProcess
+
+LAYERS, PAGE, HEADS, HEAD_DIM = 4, 16, 2, 32
+PAGE_ELEMENTS = 2 * LAYERS * PAGE * HEADS * HEAD_DIM          # SGLang's flat data page: K and V of every layer
+
+
+def storage_config(d: DaemonProcess, **extra: object) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny-llama",
+        extra_config={"backend_name": "kvcached", "module_path": "kvcached_agent.engines.sglang_storage",
+                      "class_name": "KvcachedStorage", "socket": str(d.state / "agent.sock"),
+                      "retry_s": 0.2, "retry_max_s": 0.5, **extra})
+
+
+def backend(d: DaemonProcess, **extra: object) -> HiCacheStorage:
+    return StorageBackendFactory.create_backend("dynamic", storage_config(d, **extra), None)
+
+
+def keys(n: int, salt: str = "") -> list[str]:
+    """SGLang-style page keys: hex digests chained over the pages before."""
+    out, prev = [], salt
+    for i in range(n):
+        prev = hashlib.sha256(f"{prev}|{i}".encode()).hexdigest()
+        out.append(prev)
+    return out
+
+
+def pages(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(PAGE_ELEMENTS, generator=g).to(torch.bfloat16) for _ in range(n)]
+
+
+def empty_pages(n: int) -> list[torch.Tensor]:
+    return [torch.zeros(PAGE_ELEMENTS, dtype=torch.bfloat16) for _ in range(n)]
+
+
+def test_batch_set_then_batch_get_round_trips_bit_exact(daemon: DaemonProcess) -> None:
+    b = backend(daemon)
+    try:
+        assert type(b).__name__ == "KvcachedStorage"
+        k, data = keys(8), pages(8)
+        assert b.batch_set(k, data)
+        assert b.batch_set(k, data)                               # again: already there, still a success
+        got = b.batch_get(k, empty_pages(8))
+        assert all(g is not None and torch.equal(g, x) for g, x in zip(got, data))
+        one = b.get(k[3], torch.zeros(PAGE_ELEMENTS, dtype=torch.bfloat16))
+        assert one is not None and torch.equal(one, data[3])
+        assert b.batch_get(keys(2, "other"), empty_pages(2)) == [None, None]
+    finally:
+        b.close()
+
+
+def test_batch_exists_returns_the_longest_cached_prefix(daemon: DaemonProcess) -> None:
+    b = backend(daemon)
+    try:
+        k = keys(6)
+        data = pages(6)
+        assert b.batch_set(k[:2] + k[3:], data[:2] + data[3:])  # page 2 missing
+        assert b.batch_exists(k) == 2
+        assert b.exists(k[4]) and not b.exists(k[2])
+        assert b.batch_set([k[2]], [data[2]])
+        assert b.batch_exists(k) == 6
+        assert b.batch_exists(k + keys(1, "x")) == 6
+        assert b.batch_exists([]) == 0
+    finally:
+        b.close()
+
+
+def test_pages_on_ssd_only_are_read_back(daemon: DaemonProcess) -> None:
+    b = backend(daemon)
+    try:
+        k, data = keys(5), pages(5, seed=1)
+        assert b.batch_set(k, data)
+        evict_ram(daemon, "tiny-llama")
+        assert b.batch_exists(k) == 5
+        got = b.batch_get(k, empty_pages(5))
+        assert all(g is not None and torch.equal(g, x) for g, x in zip(got, data))
+    finally:
+        b.close()
+
+
+def test_ranks_do_not_read_each_others_pages(daemon: DaemonProcess) -> None:
+    configs = [storage_config(daemon) for _ in range(2)]
+    for rank, c in enumerate(configs):
+        c.tp_rank, c.tp_size = rank, 2
+    r0, r1 = (StorageBackendFactory.create_backend("dynamic", c, None) for c in configs)
+    try:
+        k = keys(3)
+        assert r0.batch_set(k, pages(3))
+        assert r0.batch_exists(k) == 3 and r1.batch_exists(k) == 0
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_a_down_daemon_is_an_empty_cache_and_the_backend_reconnects(make_daemon, tmp_path: Path) -> None:
+    d = make_daemon()
+    b = backend(d)
+    try:
+        k, data = keys(4), pages(4)
+        assert b.batch_set(k, data)
+        d.stop(signal.SIGKILL)
+        assert b.batch_exists(k) == 0                             # nothing raises: a miss
+        assert b.batch_get(k, empty_pages(4)) == [None] * 4
+        assert not b.batch_set(keys(2, "later"), pages(2))
+        d.start()
+        time.sleep(0.6)
+        assert b.batch_set(k, data)
+        got = b.batch_get(k, empty_pages(4))
+        assert all(g is not None and torch.equal(g, x) for g, x in zip(got, data))
+    finally:
+        b.close()
+
+
+def test_bad_backend_settings_fail_when_sglang_builds_the_backend(daemon: DaemonProcess) -> None:
+    with pytest.raises(ValueError, match="unknown kvcached setting 'sokcet'"):
+        backend(daemon, sokcet="/x")
+    with pytest.raises(ValueError, match="interface_v1"):
+        backend(daemon, interface_v1=1)
+    with pytest.raises(ValueError, match="a number > 0"):
+        backend(daemon, timeout_s=0)
