@@ -53,7 +53,7 @@ def _pieces(block: Block) -> list[torch.Tensor | int]:
 
 
 def _size(pieces: Sequence[torch.Tensor | int]) -> int:
-    return sum(p if isinstance(p, int) else p.numel() * p.element_size() for p in pieces)
+    return sum(p if isinstance(p, int) else p.nbytes for p in pieces)
 
 
 def _placed(pieces: Sequence[torch.Tensor | int], offset: int,
@@ -65,7 +65,7 @@ def _placed(pieces: Sequence[torch.Tensor | int], offset: int,
             continue
         tensors.append(piece)
         offsets.append(offset)
-        offset += piece.numel() * piece.element_size()
+        offset += piece.nbytes
 
 
 @dataclass(slots=True)

@@ -30,6 +30,8 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor (no copy). ValueError if not contiguous."""
     if not tensor.is_contiguous():
         raise ValueError("tensors given to kvcached must be contiguous (call .contiguous() first)")
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1:
+        return tensor                      # already what we need (a page row of an engine's cache)
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
@@ -70,7 +72,7 @@ class ArenaCopier:
         return self._copy(tensors, offsets, to_arena=False)
 
     def _copy(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *, to_arena: bool) -> int:
-        runs = _merge([_Run(byte_view(t), o, t.numel() * t.element_size()) for t, o in zip(tensors, offsets)])
+        runs = _merge([_Run(byte_view(t), o, t.nbytes) for t, o in zip(tensors, offsets)])
         self._check(runs)
         gpu: dict[torch.device, list[_Run]] = {}
         for run in runs:

@@ -39,13 +39,13 @@ LAYERS, KV_HEADS, HEAD_SIZE, PAGE_TOKENS = 4, 2, 32, 16
 DTYPE = torch.bfloat16
 
 
-def tiny_llama(folder: Path) -> Path:
-    """A hand-written config.json of a small Llama: all vLLM's ModelConfig reads, offline."""
+def tiny_llama(folder: Path, layers: int = LAYERS, kv_heads: int = KV_HEADS, head_size: int = HEAD_SIZE) -> Path:
+    """A hand-written config.json of a Llama (small by default): all vLLM's ModelConfig reads, offline."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": KV_HEADS * HEAD_SIZE * 2,
-        "intermediate_size": 512, "num_attention_heads": KV_HEADS * 2, "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_SIZE, "num_hidden_layers": LAYERS, "vocab_size": 32000, "max_position_embeddings": 8192,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": kv_heads * head_size * 2,
+        "intermediate_size": 512, "num_attention_heads": kv_heads * 2, "num_key_value_heads": kv_heads,
+        "head_dim": head_size, "num_hidden_layers": layers, "vocab_size": 32000, "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
     return folder
 
@@ -62,7 +62,10 @@ class MiniEngine:
     """vLLM's scheduler and worker connector around a stand-in forward (see the module docstring)."""
 
     def __init__(self, model_dir: Path, extra_config: dict[str, Any], *, num_pages: int = 256,
-                 max_tokens_per_step: int = 2048, engine_id: str = "test") -> None:
+                 max_tokens_per_step: int = 2048, engine_id: str = "test", layers: int = LAYERS,
+                 kv_heads: int = KV_HEADS, head_size: int = HEAD_SIZE) -> None:
+        """The model at ``model_dir`` must have the given geometry (tiny_llama writes it); the
+        stand-in forward and its checks need the default one."""
         transfer = KVTransferConfig(kv_connector="KvcachedConnector",
                                     kv_connector_module_path="kvcached_agent.engines.vllm_connector",
                                     kv_role="kv_both", engine_id=engine_id, kv_connector_extra_config=extra_config)
@@ -73,8 +76,8 @@ class MiniEngine:
                                              max_model_len=8192, is_encoder_decoder=False),
             kv_transfer_config=transfer)
         self.config.cache_config.num_gpu_blocks = num_pages      # what the engine core sets after profiling
-        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        spec = FullAttentionSpec(block_size=PAGE_TOKENS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
+        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        spec = FullAttentionSpec(block_size=PAGE_TOKENS, num_kv_heads=kv_heads, head_size=head_size, dtype=DTYPE)
         page = spec.page_size_bytes
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_pages,
@@ -82,7 +85,7 @@ class MiniEngine:
                               for name in self.layers],
             kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)])
         # vLLM's layout: per layer, pages along dimension 0; a page holds K then V of its tokens.
-        self.caches = {name: torch.zeros((num_pages, 2, PAGE_TOKENS, KV_HEADS, HEAD_SIZE), dtype=DTYPE)
+        self.caches = {name: torch.zeros((num_pages, 2, PAGE_TOKENS, kv_heads, head_size), dtype=DTYPE)
                        for name in self.layers}
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=PAGE_TOKENS)

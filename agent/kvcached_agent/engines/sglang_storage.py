@@ -90,9 +90,12 @@ class KvcachedStorage(HiCacheStorage):
             self._root = root_for(self.model, name, page_tokens, self.namespace)
             self.page_bytes = page_bytes
 
-    def _addresses(self, keys: List[str]) -> list[BlockAddress]:
+    def _digests(self, keys: List[str]) -> list[bytes]:
         root = self._root
-        return [BlockAddress(blake3.blake3(root + key.encode()).digest()) for key in keys]
+        return [blake3.blake3(root + key.encode()).digest() for key in keys]
+
+    def _addresses(self, keys: List[str]) -> list[BlockAddress]:
+        return [BlockAddress(d) for d in self._digests(keys)]
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -100,8 +103,7 @@ class KvcachedStorage(HiCacheStorage):
         """How many keys, from the first, kvcached holds in any tier (RAM, SSD, a peer)."""
         if self._agent is None or not keys:
             return 0
-        digests = [a.digest for a in self._addresses(keys)]
-        return min(self._agent.lookup(digests).longest, len(keys))
+        return min(self._agent.lookup(self._digests(keys)).longest, len(keys))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
