@@ -136,3 +136,23 @@ def test_bad_backend_settings_fail_when_sglang_builds_the_backend(daemon: Daemon
         backend(daemon, interface_v1=1)
     with pytest.raises(ValueError, match="a number > 0"):
         backend(daemon, timeout_s=0)
+    with pytest.raises(ValueError, match="block_tokens does not apply"):
+        backend(daemon, block_tokens=32)
+
+
+def test_mismatched_pages_are_refused_and_nothing_is_stored(daemon: DaemonProcess) -> None:
+    b = backend(daemon)
+    try:
+        k, data = keys(3), pages(3)
+        with pytest.raises(ValueError, match="3 keys need as many pages, got 2"):
+            b.batch_set(k, data[:2])
+        assert b.batch_exists(k) == 0
+        assert b.batch_set(k, data)
+        with pytest.raises(ValueError, match="a target page for each key"):
+            b.batch_get(k, empty_pages(2))
+        with pytest.raises(ValueError, match="bytes but its tensor holds"):
+            b.batch_get(k[:1], [torch.zeros(8, dtype=torch.bfloat16)])
+        got = b.batch_get(k, empty_pages(3))                      # all still there, unchanged
+        assert all(g is not None and torch.equal(g, x) for g, x in zip(got, data))
+    finally:
+        b.close()

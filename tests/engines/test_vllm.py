@@ -5,13 +5,13 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import grpc
 import pytest
 
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent.address import chain_digests
-from kvcached_agent.engines.common import root_for
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.engines.vllm_engine import PAGE_TOKENS, MiniEngine, tiny_llama
 from tests.integration.conftest import DaemonProcess, wait_for
@@ -25,8 +25,18 @@ def model(tmp_path: Path) -> Path:
     return tiny_llama(tmp_path / "model")
 
 
-def engine(d: DaemonProcess, model: Path, **kw: object) -> MiniEngine:
-    return MiniEngine(model, {"socket": str(d.state / "agent.sock"), "retry_s": 0.2, "retry_max_s": 0.5}, **kw)
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., MiniEngine]]:
+    """MiniEngines on a daemon's agent socket (short reconnect intervals), closed after the test."""
+    made: list[MiniEngine] = []
+
+    def make(d: DaemonProcess, model: Path, extra: dict[str, object] | None = None, **kw: object) -> MiniEngine:
+        settings = {"socket": str(d.state / "agent.sock"), "retry_s": 0.2, "retry_max_s": 0.5, **(extra or {})}
+        made.append(MiniEngine(model, settings, **kw))  # type: ignore[arg-type]
+        return made[-1]
+    yield make
+    for e in made:
+        e.close()
 
 
 def computed_at_first_step(e: MiniEngine, req_id: str) -> int:
@@ -41,47 +51,47 @@ def computed_at_first_step(e: MiniEngine, req_id: str) -> int:
     raise AssertionError(f"{req_id} was never scheduled")
 
 
-def test_a_prefix_saved_by_one_request_is_matched_and_loaded_bit_exact_by_the_next(daemon: DaemonProcess,
-                                                                                     model: Path) -> None:
-    e = engine(daemon, model)
-    try:
-        e.add("first", PROMPT)
-        e.run()
-        assert e.worker.worker_side.saved_blocks == 12           # 203 tokens' KV: 12 whole blocks, no partial one
-        digests = chain_digests(PROMPT, PAGE_TOKENS, root=root_for(str(model), "bfloat16", PAGE_TOKENS, "tp0of1"))
-        with daemon.client() as c:
-            assert c.stats().agents == 2                          # the scheduler's and the worker's agents
-            # The worker told the daemon what vLLM's GPU prefix cache holds.
-            assert {(a.agent_id, a.prefix) for a in c.overlap(digests).agents} >= {("vllm-test-rank0", 12)}
-        assert e.scheduler.reset_prefix_cache()                  # vLLM's own cache forgets: only kvcached has it
-        e.add("second", PROMPT + [5, 6, 7])
-        assert computed_at_first_step(e, "second") == 12 * PAGE_TOKENS
-        e.run()
-        assert e.worker.worker_side.loaded_blocks == 12
-        assert e.loaded_checked["second"] >= 12 * PAGE_TOKENS     # MiniEngine compared every loaded token's KV
-    finally:
-        e.close()
+def loads_bit_exact(e: MiniEngine, req_id: str, blocks: int, block_tokens: int = PAGE_TOKENS) -> None:
+    """``req_id`` is first scheduled with ``blocks`` blocks counted as computed, runs to its end,
+    and the worker loaded them (MiniEngine compared every one of those tokens' KV)."""
+    assert computed_at_first_step(e, req_id) == blocks * block_tokens
+    e.run()
+    assert e.worker.worker_side.loaded_blocks == blocks
+    assert e.loaded_checked[req_id] >= blocks * block_tokens
 
 
-def test_a_partly_cached_prompt_matches_only_its_cached_blocks(daemon: DaemonProcess, model: Path) -> None:
-    e = engine(daemon, model)
-    try:
-        e.add("first", PROMPT[:100])
-        e.run()
-        assert e.scheduler.reset_prefix_cache()
-        e.add("second", PROMPT[:70] + [9] * 60)                  # shares 70 tokens: 4 whole blocks
-        assert computed_at_first_step(e, "second") == 4 * PAGE_TOKENS
-        e.run()
-        e.add("third", [3] * 120)                                 # shares nothing
-        assert computed_at_first_step(e, "third") == 0
-        e.run()
-        # A prompt that is all cached still leaves its last token to vLLM (it samples the next one).
-        assert e.scheduler.reset_prefix_cache()
-        e.add("fourth", PROMPT[:96])
-        assert computed_at_first_step(e, "fourth") == 5 * PAGE_TOKENS
-        e.run()
-    finally:
-        e.close()
+def test_a_prefix_saved_by_one_request_is_matched_and_loaded_bit_exact_by_the_next(daemon: DaemonProcess, model: Path,
+                                                                                     make_engine) -> None:
+    e = make_engine(daemon, model)
+    e.add("first", PROMPT)
+    e.run()
+    assert e.worker.worker_side.saved_blocks == 12           # 203 tokens' KV: 12 whole blocks, no partial one
+    digests = chain_digests(PROMPT, PAGE_TOKENS, model=str(model), dtype="bfloat16", namespace="tp0of1")
+    with daemon.client() as c:
+        assert c.stats().agents == 2                          # the scheduler's and the worker's agents
+        # The worker told the daemon what vLLM's GPU prefix cache holds.
+        assert {(a.agent_id, a.prefix) for a in c.overlap(digests).agents} >= {("vllm-test-rank0", 12)}
+    assert e.scheduler.reset_prefix_cache()                  # vLLM's own cache forgets: only kvcached has it
+    e.add("second", PROMPT + [5, 6, 7])
+    loads_bit_exact(e, "second", 12)
+
+
+def test_a_partly_cached_prompt_matches_only_its_cached_blocks(daemon: DaemonProcess, model: Path, make_engine) -> None:
+    e = make_engine(daemon, model)
+    e.add("first", PROMPT[:100])
+    e.run()
+    assert e.scheduler.reset_prefix_cache()
+    e.add("second", PROMPT[:70] + [9] * 60)                  # shares 70 tokens: 4 whole blocks
+    assert computed_at_first_step(e, "second") == 4 * PAGE_TOKENS
+    e.run()
+    e.add("third", [3] * 120)                                 # shares nothing
+    assert computed_at_first_step(e, "third") == 0
+    e.run()
+    # A prompt that is all cached still leaves its last token to vLLM (it samples the next one).
+    assert e.scheduler.reset_prefix_cache()
+    e.add("fourth", PROMPT[:96])
+    assert computed_at_first_step(e, "fourth") == 5 * PAGE_TOKENS
+    e.run()
 
 
 def held(d: DaemonProcess) -> int:
@@ -89,22 +99,20 @@ def held(d: DaemonProcess) -> int:
         return c.stats().agent_held_bytes
 
 
-def test_requests_that_finish_early_or_are_aborted_leave_nothing_pinned(daemon: DaemonProcess, model: Path) -> None:
-    e = engine(daemon, model, max_tokens_per_step=64)            # a 200-token prefill takes four steps
-    try:
-        e.add("aborted", PROMPT)
-        e.step()
-        e.step()
-        e.abort("aborted")
-        e.add("short", [4] * 50, max_tokens=1)
-        e.run()
-        assert not e.scheduler.requests
-        assert e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == e.kv_cache_config.num_blocks - 1
-        wait_for(lambda: held(daemon) == 0, 5, "no arena bytes held for the engine")
-        # What the aborted request completed before the abort was saved, and only that.
-        assert e.worker.worker_side.saved_blocks == 8 + 3
-    finally:
-        e.close()
+def test_requests_that_finish_early_or_are_aborted_leave_nothing_pinned(daemon: DaemonProcess, model: Path,
+                                                                        make_engine) -> None:
+    e = make_engine(daemon, model, max_tokens_per_step=64)            # a 200-token prefill takes four steps
+    e.add("aborted", PROMPT)
+    e.step()
+    e.step()
+    e.abort("aborted")
+    e.add("short", [4] * 50, max_tokens=1)
+    e.run()
+    assert not e.scheduler.requests
+    assert e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == e.kv_cache_config.num_blocks - 1
+    wait_for(lambda: held(daemon) == 0, 5, "no arena bytes held for the engine")
+    # What the aborted request completed before the abort was saved, and only that.
+    assert e.worker.worker_side.saved_blocks == 8 + 3
 
 
 def evict_ram(d: DaemonProcess, model: str) -> None:
@@ -131,85 +139,83 @@ def prompt_on_ssd_only(e: MiniEngine, d: DaemonProcess, model: Path) -> None:
     e.add("second", PROMPT + [1])
 
 
-def test_blocks_on_ssd_are_loaded_asynchronously(daemon: DaemonProcess, model: Path) -> None:
-    e = engine(daemon, model)
-    try:
-        prompt_on_ssd_only(e, daemon, model)
-        # On SSD only: vLLM parks the request (WAITING_FOR_REMOTE_KVS) while the worker loads.
-        assert e.connector.get_num_new_matched_tokens(e.requests["second"], 0) == (12 * PAGE_TOKENS, True)
-        assert computed_at_first_step(e, "second") == 12 * PAGE_TOKENS
-        e.run()
-        assert e.worker.worker_side.loaded_blocks == 12
-        assert e.loaded_checked["second"] >= 12 * PAGE_TOKENS
-        with daemon.client() as c:
-            assert c.stats().promotions >= 12
-    finally:
-        e.close()
+def test_blocks_on_ssd_are_loaded_asynchronously(daemon: DaemonProcess, model: Path, make_engine) -> None:
+    e = make_engine(daemon, model)
+    prompt_on_ssd_only(e, daemon, model)
+    # On SSD only: vLLM parks the request (WAITING_FOR_REMOTE_KVS) while the worker loads.
+    assert e.connector.get_num_new_matched_tokens(e.requests["second"], 0) == (12 * PAGE_TOKENS, True)
+    loads_bit_exact(e, "second", 12)
+    with daemon.client() as c:
+        assert c.stats().promotions >= 12
 
 
-def test_an_aborted_asynchronous_load_frees_its_pages_after_the_load(daemon: DaemonProcess, model: Path) -> None:
-    e = engine(daemon, model)
-    try:
-        prompt_on_ssd_only(e, daemon, model)
-        e.step()                                                  # the load starts
-        e.abort("second")                                         # vLLM keeps the pages until the load is done
-        e.run()
-        assert not e.scheduler.requests
-        assert e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == e.kv_cache_config.num_blocks - 1
-        wait_for(lambda: held(daemon) == 0, 5, "no arena bytes held for the engine")
-    finally:
-        e.close()
+def test_an_aborted_asynchronous_load_frees_its_pages_after_the_load(daemon: DaemonProcess, model: Path,
+                                                                     make_engine) -> None:
+    e = make_engine(daemon, model)
+    prompt_on_ssd_only(e, daemon, model)
+    e.step()                                                  # the load starts
+    e.abort("second")                                         # vLLM keeps the pages until the load is done
+    e.run()
+    assert not e.scheduler.requests
+    assert e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == e.kv_cache_config.num_blocks - 1
+    wait_for(lambda: held(daemon) == 0, 5, "no arena bytes held for the engine")
 
 
-def test_blocks_held_only_by_a_peer_daemon_are_loaded(cluster: Cluster, model: Path) -> None:
+def test_blocks_held_only_by_a_peer_daemon_are_loaded(cluster: Cluster, model: Path, make_engine) -> None:
     a = cluster.daemon("node-a", peers={"node-b": cluster.addresses["node-b"]})
     b = cluster.daemon("node-b", peers={"node-a": cluster.addresses["node-a"]})
     wait_for(lambda: connected(a, "node-b") and connected(b, "node-a"), text="a and b connected")
-    writer = engine(a, model, engine_id="node-a")
-    try:
-        writer.add("first", PROMPT)
-        writer.run()
-    finally:
-        writer.close()
-    reader = engine(b, model, engine_id="node-b")
-    try:
-        wait_for(lambda: reader.connector.get_num_new_matched_tokens(
-            reader.add("probe", PROMPT + [2]), 0)[0] == 12 * PAGE_TOKENS, text="b learns a's blocks")
-        reader.run()
-        assert reader.worker.worker_side.loaded_blocks == 12
-        assert reader.loaded_checked["probe"] >= 12 * PAGE_TOKENS
-        with b.client() as c:
-            assert c.stats().peer_pulled >= 12
-    finally:
-        reader.close()
+    writer = make_engine(a, model, engine_id="node-a")
+    writer.add("first", PROMPT)
+    writer.run()
+    digests = chain_digests(PROMPT, PAGE_TOKENS, model=str(model), dtype="bfloat16", namespace="tp0of1")
+    with b.client() as c:
+        wait_for(lambda: c.lookup(digests).longest == 12, text="b learns a's blocks")
+    reader = make_engine(b, model, engine_id="node-b")
+    reader.add("probe", PROMPT + [2])
+    loads_bit_exact(reader, "probe", 12)
+    with b.client() as c:
+        assert c.stats().peer_pulled >= 12
 
 
-def test_a_daemon_killed_mid_request_is_a_miss_and_the_engine_reconnects(make_daemon, model: Path) -> None:
+def test_a_daemon_killed_mid_request_is_a_miss_and_the_engine_reconnects(make_daemon, model: Path, make_engine) -> None:
     d = make_daemon()
-    e = engine(d, model, max_tokens_per_step=64)
-    try:
-        e.add("first", PROMPT)
-        e.step()
-        d.stop(signal.SIGKILL)                                    # mid-prefill: saves now fail, nothing raises
-        e.run()
-        assert e.scheduler.reset_prefix_cache()
-        e.add("second", PROMPT)
-        assert computed_at_first_step(e, "second") == 0          # a missing daemon is a miss
-        e.run()
-        saved = e.worker.worker_side.saved_blocks
-        d.start()
-        time.sleep(0.6)                                           # past the agents' retry interval
-        assert e.scheduler.reset_prefix_cache()
-        e.add("third", PROMPT)
-        e.run()
-        assert e.worker.worker_side.saved_blocks > saved          # saving again (blocks lost with the kill or not)
-        assert e.scheduler.reset_prefix_cache()
-        e.add("fourth", PROMPT)
-        assert computed_at_first_step(e, "fourth") == 12 * PAGE_TOKENS
-        e.run()
-        assert e.connector.agent.reconnects >= 1 and e.worker.worker_side.agent.reconnects >= 1
-    finally:
-        e.close()
+    e = make_engine(d, model, max_tokens_per_step=64)
+    e.add("first", PROMPT)
+    e.step()
+    d.stop(signal.SIGKILL)                                    # mid-prefill: saves now fail, nothing raises
+    e.run()
+    assert e.scheduler.reset_prefix_cache()
+    e.add("second", PROMPT)
+    assert computed_at_first_step(e, "second") == 0          # a missing daemon is a miss
+    e.run()
+    saved = e.worker.worker_side.saved_blocks
+    d.start()
+    time.sleep(0.6)                                           # past the agents' retry interval
+    assert e.scheduler.reset_prefix_cache()
+    e.add("third", PROMPT)
+    e.run()
+    assert e.worker.worker_side.saved_blocks > saved          # saving again (blocks lost with the kill or not)
+    assert e.scheduler.reset_prefix_cache()
+    e.add("fourth", PROMPT)
+    assert computed_at_first_step(e, "fourth") == 12 * PAGE_TOKENS
+    e.run()
+    assert e.connector.agent.reconnects >= 1 and e.worker.worker_side.agent.reconnects >= 1
+
+
+def test_blocks_of_two_vllm_pages_load_around_a_local_hit_that_ends_inside_one(daemon: DaemonProcess, model: Path,
+                                                                                make_engine) -> None:
+    """kvcached blocks of 32 tokens over vLLM's 16-token pages: when vLLM's own prefix cache ends
+    inside a block, only that block's remaining pages are loaded (the held one is skipped)."""
+    e = make_engine(daemon, model, {"block_tokens": 32})
+    e.add("first", PROMPT)
+    e.run()
+    assert e.worker.worker_side.saved_blocks == 6                # 203 tokens' KV: 6 whole blocks of 32
+    assert e.scheduler.reset_prefix_cache()
+    e.add("warm", PROMPT[:17], max_tokens=1)                      # vLLM keeps one 16-token page of it
+    e.run()
+    e.add("second", PROMPT + [1])
+    loads_bit_exact(e, "second", 6, 32)                            # 16 tokens local, 176 loaded
 
 
 def test_bad_connector_settings_fail_at_engine_start(model: Path, tmp_path: Path) -> None:
@@ -219,18 +225,15 @@ def test_bad_connector_settings_fail_at_engine_start(model: Path, tmp_path: Path
         MiniEngine(model, {"socket": str(tmp_path / "none.sock"), "block_tokens": 24})
 
 
-def test_an_engine_started_before_its_daemon_serves_and_connects_later(make_daemon, model: Path) -> None:
+def test_an_engine_started_before_its_daemon_serves_and_connects_later(make_daemon, model: Path, make_engine) -> None:
     d = make_daemon(start=False)
     d.state.mkdir(parents=True, exist_ok=True)
-    e = engine(d, model)
-    try:
-        e.add("first", PROMPT)
-        e.run()                                                   # no daemon: every block is recomputed
-        assert e.worker.worker_side.saved_blocks == 0
-        d.start()
-        time.sleep(0.6)
-        e.add("second", PROMPT[:100])
-        e.run()
-        assert e.worker.worker_side.saved_blocks > 0
-    finally:
-        e.close()
+    e = make_engine(d, model)
+    e.add("first", PROMPT)
+    e.run()                                                   # no daemon: every block is recomputed
+    assert e.worker.worker_side.saved_blocks == 0
+    d.start()
+    time.sleep(0.6)
+    e.add("second", PROMPT[:100])
+    e.run()
+    assert e.worker.worker_side.saved_blocks > 0

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
-from kvcached_agent.address import chain_digests, chain_root
+from kvcached_agent.address import chain_digests
 
 __all__ = ["DEFAULT_SOCKET", "PluginSettings", "TokenChain", "open_agent"]
 
@@ -95,7 +95,3 @@ class TokenChain:
             parent = self.digests[-1] if have else self.root
             self.digests += chain_digests(list(tokens[have * bt:blocks * bt]), bt, parent=parent)
         return self.digests[:blocks]
-
-
-def root_for(model: str, dtype: str, block_tokens: int, namespace: str) -> bytes:
-    return chain_root(model, dtype, block_tokens, namespace)

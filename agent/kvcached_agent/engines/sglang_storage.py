@@ -33,15 +33,16 @@ import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
 
 from kvcached_agent.address import BlockAddress  # noqa: E402
-from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace, root_for  # noqa: E402
+from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace  # noqa: E402
 
 __all__ = ["KvcachedStorage"]
 
 log = logging.getLogger("kvcached_agent")
 
-# Keys of the extra config that SGLang itself reads.
+# Keys of the extra config that are SGLang's own (its factory and cache controller read them; some
+# it removes before the backend sees the config).
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
-                "hicache_storage_pass_prefix_keys")
+                "hicache_storage_pass_prefix_keys", "tp_lcm_size")
 
 
 class KvcachedStorage(HiCacheStorage):
@@ -87,7 +88,7 @@ class KvcachedStorage(HiCacheStorage):
             self._agent = open_agent(self.settings, agent_id=f"sglang-{rank}", model=self.model, dtype=name,
                                      block_tokens=page_tokens, num_layers=max(layers, 1),
                                      layer_block_bytes=max(page_bytes // max(layers, 1), 1), namespace=self.namespace)
-            self._root = root_for(self.model, name, page_tokens, self.namespace)
+            self._root = self._agent.root
             self.page_bytes = page_bytes
 
     def _digests(self, keys: List[str]) -> list[bytes]:
@@ -145,7 +146,8 @@ class KvcachedStorage(HiCacheStorage):
         missing = set(result.missing)
         return [None if i in missing else target for i, target in enumerate(target_locations)]
 
-    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
     def clear(self) -> None:

@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace, root_for  # noqa: E402
+from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace  # noqa: E402
 from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp, SchedulerSide  # noqa: E402
 from kvcached_agent.engines.vllm_worker import WorkerSide, page_views  # noqa: E402
 
@@ -91,7 +91,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         agent = open_agent(settings, agent_id=f"vllm-{self._kv_transfer_config.engine_id}-{who}", model=model,
                            dtype=dtype, block_tokens=block_tokens, num_layers=len(self._layers),
                            layer_block_bytes=self._page_bytes * per_block, namespace=namespace)
-        root = root_for(model, dtype, block_tokens, namespace)
+        root = agent.root                 # the chain root of this rank's addresses (model, dtype, size, namespace)
         self.agent = agent
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None

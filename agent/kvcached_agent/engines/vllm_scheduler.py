@@ -60,7 +60,6 @@ class _Request:
     local: int = 0                       # tokens vLLM had computed (its own prefix cache) at the last lookup
     hit: tuple[int, bool] = (0, False)   # from the last lookup: (blocks, async)
     hit_tiers: tuple[int, int, int] = (0, 0, 0)   # blocks of that hit found in RAM, on SSD, at a peer
-    load: LoadOp | None = None           # to hand to the workers in the next step
     loading: bool = False                # an asynchronous load is in flight
     finished: bool = False
 
@@ -131,13 +130,14 @@ class SchedulerSide:
             return
         blocks, is_async = state.hit
         end_tokens = local + num_external
-        if end_tokens != blocks * self.block_tokens:      # the hit changed since the lookup; trust vLLM's count
-            blocks = end_tokens // self.block_tokens
+        if end_tokens != blocks * self.block_tokens:
+            # vLLM's count differs from the lookup's: cover all of it (a block the daemon lacks
+            # is reported as a load error and recomputed, never left unwritten).
+            blocks = -(-end_tokens // self.block_tokens)
         first = local // self.block_tokens
         op = LoadOp(request.request_id, request.all_token_ids, first, blocks,
                     state.pages[first * self.per_block:blocks * self.per_block],
                     skip_pages=local // self.page_tokens - first * self.per_block, is_async=is_async)
-        state.load = op
         state.loading = is_async
         state.saved = max(state.saved, blocks)
         self._loads.append(op)
@@ -181,10 +181,6 @@ class SchedulerSide:
                 self._on_gpu(state, state.saved, full)
                 state.saved = full
         loads, self._loads = self._loads, []
-        for op in loads:
-            state = self._requests.get(op.req_id)
-            if state is not None:
-                state.load = None
         pinned, self._pinned = list(dict.fromkeys(self._pinned)), []
         evicted, self._evicted = self._evicted, []
         return loads, saves, pinned, evicted

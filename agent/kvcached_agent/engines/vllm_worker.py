@@ -112,12 +112,12 @@ class WorkerSide:
         except Exception:
             log.exception("kvcached load failed; vLLM recomputes the blocks", extra={"request": op.req_id})
             missing = list(range(count))
-        self.loaded_blocks += count - len(missing)
+        with self._lock:                 # this runs on the load thread too
+            self.loaded_blocks += count - len(missing)
         if not missing:
             return set()
-        n = self.per_block
-        first_bad = missing[0]
-        return {page for j, page in enumerate(op.pages) if j >= first_bad * n + (op.skip_pages if first_bad == 0 else 0)}
+        first_bad = missing[0] * self.per_block + (op.skip_pages if missing[0] == 0 else 0)
+        return set(op.pages[first_bad:])
 
     def load_errors(self) -> set[int]:
         """vLLM pages that a load reported since the last call could not fill."""
