@@ -33,7 +33,7 @@ import torch
 from kvcached_agent import protocol as p
 from kvcached_agent.address import CROSS_LAYER, BlockAddress, chain_digests, chain_root
 from kvcached_agent.client import AgentClient, AgentError, ConnectionClosed
-from kvcached_agent.copy import ArenaCopier
+from kvcached_agent.copy import ArenaCopier, PageRows, Piece
 
 __all__ = ["Agent", "Block", "SaveResult", "LoadResult", "Lookup"]
 
@@ -41,24 +41,23 @@ Lookup = p.LookupResult
 log = logging.getLogger("kvcached_agent")
 _T = TypeVar("_T")
 
-# One block's bytes on the engine side: a contiguous tensor, or several whose bytes follow each
-# other in the block (an engine's paged cache keeps a block's layers, or K and V, apart). In a
-# load, an int stands for that many bytes of the block that are not copied (pages the engine
-# already holds).
-Block = Union[torch.Tensor, Sequence[Union[torch.Tensor, int]]]
+# One block's bytes on the engine side: a contiguous tensor, or several pieces whose bytes follow
+# each other in the block (an engine's paged cache keeps a block's layers, or K and V, apart):
+# tensors, and PageRows for a layer's pages of the block. In a load, an int stands for that many
+# bytes of the block that are not copied (pages the engine already holds).
+Block = Union[Piece, Sequence[Union[Piece, int]]]
 
 
-def _pieces(block: Block) -> list[torch.Tensor | int]:
-    return [block] if isinstance(block, torch.Tensor) else list(block)
+def _pieces(block: Block) -> list[Piece | int]:
+    return [block] if isinstance(block, (torch.Tensor, PageRows)) else list(block)
 
 
-def _size(pieces: Sequence[torch.Tensor | int]) -> int:
+def _size(pieces: Sequence[Piece | int]) -> int:
     return sum(p if isinstance(p, int) else p.nbytes for p in pieces)
 
 
-def _placed(pieces: Sequence[torch.Tensor | int], offset: int,
-            tensors: list[torch.Tensor], offsets: list[int]) -> None:
-    """Append each tensor piece and its arena offset (pieces follow each other from ``offset``)."""
+def _placed(pieces: Sequence[Piece | int], offset: int, tensors: list[Piece], offsets: list[int]) -> None:
+    """Append each piece and its arena offset (pieces follow each other from ``offset``)."""
     for piece in pieces:
         if isinstance(piece, int):
             offset += piece
@@ -157,7 +156,6 @@ class Agent:
         if client is None:
             return
         self.copier.close()
-        self.copier.arena = torch.empty(0, dtype=torch.uint8)
         self._map.close()
         client.close()
 
@@ -286,7 +284,7 @@ class Agent:
         if not todo:
             return
         handles = [h for _, h, _ in todo]
-        sources: list[torch.Tensor] = []
+        sources: list[Piece] = []
         offsets: list[int] = []
         for i, _, offset in todo:
             _placed(blocks[i], offset, sources, offsets)
@@ -332,7 +330,7 @@ class Agent:
         assert isinstance(loaded, p.Loaded)
         handles = [h for status, h, _, _ in loaded.entries if status == p.Status.OK]
         try:
-            targets: list[torch.Tensor] = []
+            targets: list[Piece] = []
             offsets: list[int] = []
             found = 0
             for i, (status, _, offset, length) in enumerate(loaded.entries):

@@ -4,26 +4,39 @@ The arena (the daemon's memfd, mapped once) is viewed as one uint8 tensor. With 
 mapping is registered as pinned memory (cudaHostRegister), so a GPU <-> arena copy is one DMA
 with no bounce buffer; saves and loads run on their own CUDA streams (one pair per GPU), start
 after the work already queued on the engine's stream, and finish with an event, never blocking
-the engine's compute stream. Without CUDA, the same calls copy between plain CPU
-tensors and the arena.
+the engine's compute stream.
 
-Neighbouring blocks that are contiguous both in the engine's memory and in the arena (the
+Without CUDA (CPU tensors), a copy is a list of byte ranges, each moved with one ``memmove``
+straight between the tensor's memory and the arena: a paged cache's blocks are many pages of
+tens of KiB, where a torch ``copy_`` per page spends as long in the call as in the copy. The
+ranges are shared out among a few threads (``memmove`` through ctypes releases the GIL), as a
+large torch copy is, since one core does not reach the memory bandwidth. Every range is checked
+against the arena and against its tensor before anything is copied.
+
+Neighbouring pieces that are contiguous both in the engine's memory and in the arena (the
 daemon hands out consecutive slots of a slab for a batch of equal blocks) are merged into one
 copy: fewer, larger copies run several times faster than many small ones.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
 
-__all__ = ["ArenaCopier", "byte_view"]
+__all__ = ["ArenaCopier", "PageRows", "Piece", "byte_view"]
 
 log = logging.getLogger("kvcached_agent")
+
+# A CPU copy is shared among threads only above this size; pieces of a range are at most
+# _SPLIT bytes so that one large block still keeps every thread busy.
+_PARALLEL_MIN = 4 << 20
+_SPLIT = 4 << 20
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -31,9 +44,27 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError("tensors given to kvcached must be contiguous (call .contiguous() first)")
     if tensor.dtype == torch.uint8 and tensor.dim() == 1:
-        return tensor                      # already what we need (a page row of an engine's cache)
+        return tensor                      # already what we need
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class PageRows:
+    """Rows of a 2-D uint8 ``table`` (one layer of an engine's paged cache, one row per page;
+    rows may be further apart than they are long), copied in the order given as consecutive
+    bytes of a block. One object stands for a layer's pages of a block, so the copier goes from
+    row numbers to addresses without building a tensor per page."""
+
+    table: torch.Tensor
+    rows: Sequence[int]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.rows) * self.table.shape[1]
+
+
+Piece = Union[torch.Tensor, PageRows]
 
 
 @dataclass(slots=True)
@@ -46,10 +77,14 @@ class _Run:
 class ArenaCopier:
     """Copies whole blocks between tensors and arena offsets, merged into contiguous runs."""
 
-    def __init__(self, arena: mmap.mmap, size: int, *, use_cuda: bool | None = None) -> None:
+    def __init__(self, arena: mmap.mmap, size: int, *, use_cuda: bool | None = None,
+                 threads: int | None = None) -> None:
         self.size = size
         self.arena = torch.frombuffer(arena, dtype=torch.uint8, count=size)
         self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        self.threads = max(1, min(4, torch.get_num_threads()) if threads is None else threads)
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvcached-copy") \
+            if self.threads > 1 else None
         self.registered = False
         self._streams: dict[torch.device, tuple[Any, Any]] = {}     # per GPU: (save stream, load stream)
         if self.cuda:
@@ -61,27 +96,65 @@ class ArenaCopier:
                                    "is RLIMIT_MEMLOCK (LimitMEMLOCK) high enough?")
             self.registered = True
 
-    def save(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> int:
-        """Copy each tensor's bytes to its arena offset; returns the number of copies made.
+    def save(self, pieces: Sequence[Piece], offsets: Sequence[int]) -> int:
+        """Copy each piece's bytes to its arena offset; returns the number of copies made.
         Returns once every byte is in the arena."""
-        return self._copy(tensors, offsets, to_arena=True)
+        return self._copy(pieces, offsets, to_arena=True)
 
-    def load(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> int:
-        """Copy arena bytes at each offset into its tensor; returns the number of copies made.
+    def load(self, pieces: Sequence[Piece], offsets: Sequence[int]) -> int:
+        """Copy arena bytes at each offset into its piece; returns the number of copies made.
         Returns once every copy is complete (the slots may then be released)."""
-        return self._copy(tensors, offsets, to_arena=False)
+        return self._copy(pieces, offsets, to_arena=False)
 
-    def _copy(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *, to_arena: bool) -> int:
-        runs = _merge([_Run(byte_view(t), o, t.nbytes) for t, o in zip(tensors, offsets)])
-        self._check(runs)
-        gpu: dict[torch.device, list[_Run]] = {}
-        for run in runs:
-            if run.tensor.is_cuda:
-                gpu.setdefault(run.tensor.device, []).append(run)
+    def _copy(self, pieces: Sequence[Piece], offsets: Sequence[int], *, to_arena: bool) -> int:
+        ranges = _Ranges(self.size)                     # the CPU pieces
+        gpu_runs: list[_Run] = []
+        tables: dict[int, tuple[str, int, int, int, int]] = {}      # id -> what _table says
+        for piece, offset in zip(pieces, offsets):
+            if isinstance(piece, PageRows):
+                table = tables.get(id(piece.table))
+                if table is None:
+                    table = tables[id(piece.table)] = _table(piece.table)
+                device = table[0]
+                if device == "cpu":
+                    ranges.add_rows(table, piece.rows, offset)
+                    continue
             else:
-                self._copy_run(run, to_arena, non_blocking=False)
+                device = piece.device.type
+                if device == "cpu":
+                    ranges.add(byte_view(piece).data_ptr(), offset, piece.nbytes)
+                    continue
+            if device != "cuda":
+                raise ValueError(f"kvcached copies CPU and CUDA tensors, not {device} ones")
+            gpu_runs += _tensor_runs(piece, offset)
+        gpu_runs = _merge(gpu_runs)
+        for run in gpu_runs:
+            ranges.check(run.offset, run.nbytes)
+        if ranges.moves:
+            self._copy_cpu(ranges.moves, to_arena)
+        if gpu_runs:
+            self._copy_gpu(gpu_runs, to_arena)
+        return len(ranges.moves) + len(gpu_runs)
+
+    def _copy_cpu(self, ranges: list[list[int]], to_arena: bool) -> None:
+        base = self.arena.data_ptr()
+        moves = [(base + o, a, n) if to_arena else (a, base + o, n) for a, o, n in ranges]
+        total = sum(n for _, _, n in moves)
+        if self._pool is None or total < _PARALLEL_MIN:
+            _memmove_all(moves)
+            return
+        shares = _share(moves, self.threads)
+        futures = [self._pool.submit(_memmove_all, share) for share in shares[1:]]
+        _memmove_all(shares[0])
+        for future in futures:
+            future.result()
+
+    def _copy_gpu(self, runs: list[_Run], to_arena: bool) -> None:
+        by_device: dict[torch.device, list[_Run]] = {}
+        for run in runs:
+            by_device.setdefault(run.tensor.device, []).append(run)
         done = []
-        for device, device_runs in gpu.items():
+        for device, device_runs in by_device.items():
             # Each GPU's copies on that GPU's own stream, after the work the engine has already
             # queued on its current stream there (it wrote the blocks we save, or last used the
             # memory we load into), then one event: one wait per GPU, never on the compute stream.
@@ -90,35 +163,112 @@ class ArenaCopier:
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
                     for run in device_runs:
-                        self._copy_run(run, to_arena, non_blocking=True)
+                        arena = self.arena[run.offset:run.offset + run.nbytes]
+                        if to_arena:
+                            arena.copy_(run.tensor, non_blocking=True)
+                        else:
+                            run.tensor.copy_(arena, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
             done.append(event)
         for event in done:
             event.synchronize()
-        return len(runs)
-
-    def _copy_run(self, run: _Run, to_arena: bool, *, non_blocking: bool) -> None:
-        arena = self.arena[run.offset:run.offset + run.nbytes]
-        if to_arena:
-            arena.copy_(run.tensor, non_blocking=non_blocking)
-        else:
-            run.tensor.copy_(arena, non_blocking=non_blocking)
 
     def _stream(self, device: torch.device, to_arena: bool) -> Any:
         if device not in self._streams:
             self._streams[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
         return self._streams[device][0 if to_arena else 1]
 
-    def _check(self, runs: list[_Run]) -> None:
-        for run in runs:
-            if run.offset < 0 or run.offset + run.nbytes > self.size:
-                raise ValueError(f"arena range {run.offset}+{run.nbytes} is outside the {self.size}-byte arena")
-
     def close(self) -> None:
+        """Stop the copy threads and let go of the arena (the mapping may then be closed)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
             self.registered = False
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.size = 0
+
+
+def _table(table: torch.Tensor) -> tuple[str, int, int, int, int]:
+    """A PageRows table's device type, address, row stride and row width in bytes, and rows."""
+    if table.dtype != torch.uint8 or table.dim() != 2 or table.stride(1) != 1 \
+            or (table.shape[0] > 1 and table.stride(0) < table.shape[1]):
+        raise ValueError(f"PageRows needs a 2-D uint8 table of contiguous, non-overlapping rows; got "
+                         f"{table.dtype} of shape {tuple(table.shape)}, strides {table.stride()}")
+    return table.device.type, table.data_ptr(), table.stride(0), table.shape[1], table.shape[0]
+
+
+class _Ranges:
+    """CPU byte ranges to copy, each [engine address, arena offset, bytes], checked against the
+    arena as they are added; a range that follows on from the last one on both sides extends it."""
+
+    def __init__(self, arena_size: int) -> None:
+        self.size = arena_size
+        self.moves: list[list[int]] = []
+
+    def check(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"arena range {offset}+{nbytes} is outside the {self.size}-byte arena")
+
+    def add(self, address: int, offset: int, nbytes: int) -> None:
+        self.check(offset, nbytes)
+        moves = self.moves
+        if moves:
+            last = moves[-1]
+            if last[0] + last[2] == address and last[1] + last[2] == offset:
+                last[2] += nbytes
+                return
+        moves.append([address, offset, nbytes])
+
+    def add_rows(self, table: tuple[str, int, int, int, int], rows: Sequence[int], offset: int) -> None:
+        _, base, stride, width, count = table
+        if not rows:
+            return
+        if min(rows) < 0 or max(rows) >= count:
+            raise ValueError(f"pages {min(rows)}..{max(rows)} are not all among the table's {count} pages")
+        self.check(offset, len(rows) * width)
+        moves = self.moves
+        last = moves[-1] if moves else [0, -1, 0]
+        for row in rows:
+            address = base + row * stride
+            if last[0] + last[2] == address and last[1] + last[2] == offset:
+                last[2] += width
+            else:
+                last = [address, offset, width]
+                moves.append(last)
+            offset += width
+
+
+def _share(moves: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Deal the moves out into ``parts`` lists of about equal bytes, in order, cutting large
+    moves into pieces of at most _SPLIT bytes."""
+    pieces: list[tuple[int, int, int]] = []
+    for dst, src, n in moves:
+        for at in range(0, n, _SPLIT):
+            pieces.append((dst + at, src + at, min(_SPLIT, n - at)))
+    total = sum(n for _, _, n in pieces)
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    done = 0
+    for move in pieces:
+        shares[min(parts - 1, done * parts // total)].append(move)
+        done += move[2]
+    return shares
+
+
+def _memmove_all(moves: Sequence[tuple[int, int, int]]) -> None:
+    memmove = ctypes.memmove
+    for dst, src, n in moves:
+        memmove(dst, src, n)
+
+
+def _tensor_runs(piece: Piece, offset: int) -> list[_Run]:
+    if isinstance(piece, PageRows):
+        _table(piece.table)
+        width = piece.table.shape[1]
+        return [_Run(piece.table[row], offset + i * width, width) for i, row in enumerate(piece.rows)]
+    return [_Run(byte_view(piece), offset, piece.nbytes)]
 
 
 def _merge(runs: list[_Run]) -> list[_Run]:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvcached_agent.copy import PageRows
 from kvcached_agent.engines.common import TokenChain
 from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp
 
@@ -82,11 +83,14 @@ class WorkerSide:
             chain = self._chains[op.req_id] = TokenChain(self.root, self.block_tokens)
         return chain.upto(op.tokens, op.end)[op.first:op.end]
 
-    def _block(self, pages: Sequence[int], skip: int = 0) -> list[torch.Tensor | int]:
+    def _block(self, pages: Sequence[int], skip: int = 0) -> list[PageRows | int]:
         """One block's pieces in block order: every layer's pages (the first ``skip`` as gaps)."""
-        return [self.page_bytes if j < skip else view[page] for view in self.views for j, page in enumerate(pages)]
+        if not skip:
+            return [PageRows(view, pages) for view in self.views]
+        gap, rows = skip * self.page_bytes, pages[skip:]
+        return [piece for view in self.views for piece in (gap, PageRows(view, rows))]
 
-    def _blocks(self, pages: Sequence[int], count: int, skip: int = 0) -> list[list[torch.Tensor | int]]:
+    def _blocks(self, pages: Sequence[int], count: int, skip: int = 0) -> list[list[PageRows | int]]:
         n = self.per_block
         return [self._block(pages[k * n:(k + 1) * n], skip if k == 0 else 0) for k in range(count)]
 
@@ -155,7 +159,7 @@ class WorkerSide:
         """Store the blocks this step completed. On a GPU the agent's copies wait for the work
         already queued on the current stream (this step's forward), so no sync is needed here."""
         addresses: list[Any] = []
-        blocks: list[list[torch.Tensor | int]] = []
+        blocks: list[list[PageRows | int]] = []
         for op in saves:
             addresses += self.agent.addresses(self._digests(op))
             blocks += self._blocks(op.pages, op.end - op.first)
