@@ -11,9 +11,11 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
+import blake3
+
 from kvcached_agent.address import chain_digests
 
-__all__ = ["DEFAULT_SOCKET", "PluginSettings", "TokenChain", "open_agent"]
+__all__ = ["DEFAULT_SOCKET", "PluginSettings", "TokenChain", "key_digests", "open_agent"]
 
 # The packaged systemd unit's agent socket; KVCACHED_AGENT_SOCKET overrides it for every engine.
 DEFAULT_SOCKET = "/run/kvcached/agent.sock"
@@ -95,3 +97,10 @@ class TokenChain:
             parent = self.digests[-1] if have else self.root
             self.digests += chain_digests(list(tokens[have * bt:blocks * bt]), bt, parent=parent)
         return self.digests[:blocks]
+
+
+def key_digests(root: bytes, keys: Sequence[bytes]) -> list[bytes]:
+    """kvcached digests of an engine's own block keys (SGLang page keys, vLLM offload keys):
+    BLAKE3(root, key). The engine's key already chains over the blocks before it, so the root
+    (model, dtype, block size, namespace) is all that is added."""
+    return [blake3.blake3(root + key).digest() for key in keys]

@@ -28,12 +28,11 @@ import logging  # noqa: E402
 import threading  # noqa: E402
 from typing import Any, List, Optional  # noqa: E402
 
-import blake3  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
 
 from kvcached_agent.address import BlockAddress  # noqa: E402
-from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace  # noqa: E402
+from kvcached_agent.engines.common import PluginSettings, key_digests, open_agent, rank_namespace  # noqa: E402
 
 __all__ = ["KvcachedStorage"]
 
@@ -92,8 +91,7 @@ class KvcachedStorage(HiCacheStorage):
             self.page_bytes = page_bytes
 
     def _digests(self, keys: List[str]) -> list[bytes]:
-        root = self._root
-        return [blake3.blake3(root + key.encode()).digest() for key in keys]
+        return key_digests(self._root, [key.encode() for key in keys])
 
     def _addresses(self, keys: List[str]) -> list[BlockAddress]:
         return [BlockAddress(d) for d in self._digests(keys)]
