@@ -43,7 +43,7 @@ _T = TypeVar("_T")
 
 # One block's bytes on the engine side: a contiguous tensor, or several pieces whose bytes follow
 # each other in the block (an engine's paged cache keeps a block's layers, or K and V, apart):
-# tensors, and PageRows for a layer's pages of the block. In a load, an int stands for that many
+# tensors, and PageRows for the block's pages in each layer. In a load, an int stands for that many
 # bytes of the block that are not copied (pages the engine already holds).
 Block = Union[Piece, Sequence[Union[Piece, int]]]
 

@@ -51,17 +51,18 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class PageRows:
-    """Rows of a 2-D uint8 ``table`` (one layer of an engine's paged cache, one row per page;
-    rows may be further apart than they are long), copied in the order given as consecutive
-    bytes of a block. One object stands for a layer's pages of a block, so the copier goes from
-    row numbers to addresses without building a tensor per page."""
+    """The given rows of each table in turn, copied as consecutive bytes of a block. A table is a
+    2-D uint8 view of one layer of an engine's paged cache, one row per page (rows may be
+    further apart than they are long); every table has rows of the same width. One object
+    stands for all the layers' pages of a block, so the copier goes from row numbers to
+    addresses without building a tensor per page or a piece per layer."""
 
-    table: torch.Tensor
+    tables: Sequence[torch.Tensor]
     rows: Sequence[int]
 
     @property
     def nbytes(self) -> int:
-        return len(self.rows) * self.table.shape[1]
+        return len(self.tables) * len(self.rows) * self.tables[0].shape[1] if self.tables else 0
 
 
 Piece = Union[torch.Tensor, PageRows]
@@ -112,21 +113,23 @@ class ArenaCopier:
         tables: dict[int, tuple[str, int, int, int, int]] = {}      # id -> what _table says
         for piece, offset in zip(pieces, offsets):
             if isinstance(piece, PageRows):
-                table = tables.get(id(piece.table))
-                if table is None:
-                    table = tables[id(piece.table)] = _table(piece.table)
-                device = table[0]
-                if device == "cpu":
-                    ranges.add_rows(table, piece.rows, offset)
-                    continue
+                for tensor in piece.tables:
+                    table = tables.get(id(tensor))
+                    if table is None:
+                        table = tables[id(tensor)] = _table(tensor, piece.tables[0])
+                    if table[0] == "cpu":
+                        ranges.add_rows(table, piece.rows, offset)
+                    else:
+                        gpu_runs += _row_runs(tensor, table[0], piece.rows, offset)
+                    offset += len(piece.rows) * table[3]
+                continue
+            device = piece.device.type
+            if device == "cpu":
+                ranges.add(byte_view(piece).data_ptr(), offset, piece.nbytes)
+            elif device == "cuda":
+                gpu_runs.append(_Run(byte_view(piece), offset, piece.nbytes))
             else:
-                device = piece.device.type
-                if device == "cpu":
-                    ranges.add(byte_view(piece).data_ptr(), offset, piece.nbytes)
-                    continue
-            if device != "cuda":
                 raise ValueError(f"kvcached copies CPU and CUDA tensors, not {device} ones")
-            gpu_runs += _tensor_runs(piece, offset)
         gpu_runs = _merge(gpu_runs)
         for run in gpu_runs:
             ranges.check(run.offset, run.nbytes)
@@ -191,12 +194,15 @@ class ArenaCopier:
         self.size = 0
 
 
-def _table(table: torch.Tensor) -> tuple[str, int, int, int, int]:
-    """A PageRows table's device type, address, row stride and row width in bytes, and rows."""
+def _table(table: torch.Tensor, first: torch.Tensor) -> tuple[str, int, int, int, int]:
+    """A PageRows table's device type, address, row stride and row width in bytes, and rows;
+    ValueError unless it is a table of byte rows as wide as the piece's ``first``."""
     if table.dtype != torch.uint8 or table.dim() != 2 or table.stride(1) != 1 \
             or (table.shape[0] > 1 and table.stride(0) < table.shape[1]):
-        raise ValueError(f"PageRows needs a 2-D uint8 table of contiguous, non-overlapping rows; got "
+        raise ValueError(f"PageRows needs 2-D uint8 tables of contiguous, non-overlapping rows; got "
                          f"{table.dtype} of shape {tuple(table.shape)}, strides {table.stride()}")
+    if table.shape[1] != first.shape[1]:
+        raise ValueError(f"PageRows tables must have rows of one width; got {table.shape[1]} and {first.shape[1]}")
     return table.device.type, table.data_ptr(), table.stride(0), table.shape[1], table.shape[0]
 
 
@@ -226,8 +232,7 @@ class _Ranges:
         _, base, stride, width, count = table
         if not rows:
             return
-        if min(rows) < 0 or max(rows) >= count:
-            raise ValueError(f"pages {min(rows)}..{max(rows)} are not all among the table's {count} pages")
+        _check_rows(rows, count)
         self.check(offset, len(rows) * width)
         moves = self.moves
         last = moves[-1] if moves else [0, -1, 0]
@@ -263,12 +268,17 @@ def _memmove_all(moves: Sequence[tuple[int, int, int]]) -> None:
         memmove(dst, src, n)
 
 
-def _tensor_runs(piece: Piece, offset: int) -> list[_Run]:
-    if isinstance(piece, PageRows):
-        _table(piece.table)
-        width = piece.table.shape[1]
-        return [_Run(piece.table[row], offset + i * width, width) for i, row in enumerate(piece.rows)]
-    return [_Run(byte_view(piece), offset, piece.nbytes)]
+def _row_runs(table: torch.Tensor, device: str, rows: Sequence[int], offset: int) -> list[_Run]:
+    if device != "cuda":
+        raise ValueError(f"kvcached copies CPU and CUDA tensors, not {device} ones")
+    _check_rows(rows, table.shape[0])
+    width = table.shape[1]
+    return [_Run(table[row], offset + i * width, width) for i, row in enumerate(rows)]
+
+
+def _check_rows(rows: Sequence[int], count: int) -> None:
+    if rows and (min(rows) < 0 or max(rows) >= count):
+        raise ValueError(f"pages {min(rows)}..{max(rows)} are not all among the table's {count} pages")
 
 
 def _merge(runs: list[_Run]) -> list[_Run]:

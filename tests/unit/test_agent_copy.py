@@ -65,11 +65,11 @@ def test_page_rows_go_straight_between_rows_and_the_arena(shared: tuple[SharedAr
     arena, copier = shared
     cache = torch.randint(0, 256, (6, 3, 1024), dtype=torch.uint8)       # 6 pages, 3 KiB apart, 1 KiB used
     table = cache[:, 0]                                                    # a layer's page rows, strided
-    pieces: list[Piece] = [PageRows(table, [4, 1]), PageRows(table, [2])]
+    pieces: list[Piece] = [PageRows((table,), [4, 1]), PageRows((table,), [2])]
     assert copier.save(pieces, [0, 2048]) == 3
     assert arena.read(0, 1024) == bytes(table[4].tolist()) and arena.read(2048, 1024) == bytes(table[2].tolist())
     back = torch.zeros(6, 1024, dtype=torch.uint8)                        # contiguous rows 3, 4, 5 merge
-    assert copier.load([PageRows(back, [3, 4, 5])], [0]) == 1
+    assert copier.load([PageRows((back,), [3, 4, 5])], [0]) == 1
     assert torch.equal(back[3:], table[[4, 1, 2]]) and not back[:3].any()
 
 
@@ -77,10 +77,23 @@ def test_tensors_and_page_rows_mix_in_one_block(shared: tuple[SharedArena, Arena
     _, copier = shared
     cache = torch.randint(0, 256, (4, 512), dtype=torch.uint8)
     head = torch.randint(0, 256, (256,), dtype=torch.uint8)
-    copier.save([head, PageRows(cache, [0, 3])], [0, 256])
+    copier.save([head, PageRows((cache,), [0, 3])], [0, 256])
     into, rows = torch.zeros(256, dtype=torch.uint8), torch.zeros(4, 512, dtype=torch.uint8)
-    copier.load([into, PageRows(rows, [1, 2])], [0, 256])
+    copier.load([into, PageRows((rows,), [1, 2])], [0, 256])
     assert torch.equal(into, head) and torch.equal(rows[1:3], cache[[0, 3]])
+
+
+def test_page_rows_of_several_tables_are_each_table_in_turn(shared: tuple[SharedArena, ArenaCopier]) -> None:
+    arena, copier = shared
+    layers = [torch.randint(0, 256, (5, 2, 256), dtype=torch.uint8)[:, 1] for _ in range(3)]   # strided rows
+    copier.save([PageRows(layers, [3, 0])], [4096])                     # one block: every layer's pages 3, 0
+    expected = b"".join(bytes(layer[row].tolist()) for layer in layers for row in (3, 0))
+    assert arena.read(4096, len(expected)) == expected
+    back = [torch.zeros(5, 256, dtype=torch.uint8) for _ in range(3)]
+    copier.load([PageRows(back, [1, 2])], [4096])
+    assert all(torch.equal(b[1:3], layer[[3, 0]]) for b, layer in zip(back, layers))
+    with pytest.raises(ValueError, match="one width"):
+        copier.save([PageRows([back[0], torch.zeros(5, 128, dtype=torch.uint8)], [0])], [0])
 
 
 def test_large_copies_are_shared_among_threads_bit_exact() -> None:
@@ -92,9 +105,9 @@ def test_large_copies_are_shared_among_threads_bit_exact() -> None:
         pages = torch.randint(0, 256, (300, 96 << 10), dtype=torch.uint8)   # 28 MiB of 96 KiB pages
         big = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8)          # and one 20 MiB block
         order = list(range(299, -1, -1))
-        copier.save([PageRows(pages, order), big], [0, 30 << 20])
+        copier.save([PageRows((pages,), order), big], [0, 30 << 20])
         back, big_back = torch.zeros_like(pages), torch.zeros_like(big)
-        copier.load([PageRows(back, order), big_back], [0, 30 << 20])
+        copier.load([PageRows((back,), order), big_back], [0, 30 << 20])
         assert torch.equal(back, pages) and torch.equal(big_back, big)
     finally:
         copier.close()
@@ -106,12 +119,12 @@ def test_large_copies_are_shared_among_threads_bit_exact() -> None:
 def test_bad_page_rows_and_devices_are_refused(shared: tuple[SharedArena, ArenaCopier]) -> None:
     _, copier = shared
     with pytest.raises(ValueError, match="2-D uint8"):
-        copier.save([PageRows(torch.zeros(4, 256), [0])], [0])                          # not bytes
+        copier.save([PageRows((torch.zeros(4, 256),), [0])], [0])                          # not bytes
     with pytest.raises(ValueError, match="2-D uint8"):
-        copier.save([PageRows(torch.zeros(256, 4, dtype=torch.uint8).t(), [0])], [0])    # rows not contiguous
+        copier.save([PageRows((torch.zeros(256, 4, dtype=torch.uint8).t(),), [0])], [0])    # rows not contiguous
     with pytest.raises(ValueError, match="not all among"):
-        copier.load([PageRows(torch.zeros(4, 256, dtype=torch.uint8), [1, 4])], [0])
+        copier.load([PageRows((torch.zeros(4, 256, dtype=torch.uint8),), [1, 4])], [0])
     with pytest.raises(ValueError, match="outside"):
-        copier.load([PageRows(torch.zeros(4, 256, dtype=torch.uint8), [0, 1])], [SIZE - 256])
+        copier.load([PageRows((torch.zeros(4, 256, dtype=torch.uint8),), [0, 1])], [SIZE - 256])
     with pytest.raises(ValueError, match="meta"):
         copier.save([torch.empty(1024, dtype=torch.uint8, device="meta")], [0])

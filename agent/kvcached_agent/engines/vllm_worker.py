@@ -86,9 +86,9 @@ class WorkerSide:
     def _block(self, pages: Sequence[int], skip: int = 0) -> list[PageRows | int]:
         """One block's pieces in block order: every layer's pages (the first ``skip`` as gaps)."""
         if not skip:
-            return [PageRows(view, pages) for view in self.views]
+            return [PageRows(self.views, pages)]
         gap, rows = skip * self.page_bytes, pages[skip:]
-        return [piece for view in self.views for piece in (gap, PageRows(view, rows))]
+        return [piece for view in self.views for piece in (gap, PageRows((view,), rows))]
 
     def _blocks(self, pages: Sequence[int], count: int, skip: int = 0) -> list[list[PageRows | int]]:
         n = self.per_block
