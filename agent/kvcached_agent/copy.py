@@ -113,10 +113,14 @@ class ArenaCopier:
         tables: dict[int, tuple[str, int, int, int, int]] = {}      # id -> what _table says
         for piece, offset in zip(pieces, offsets):
             if isinstance(piece, PageRows):
+                width = -1
                 for tensor in piece.tables:
                     table = tables.get(id(tensor))
                     if table is None:
-                        table = tables[id(tensor)] = _table(tensor, piece.tables[0])
+                        table = tables[id(tensor)] = _table(tensor)
+                    if table[3] != width and width >= 0:     # nbytes counts every row as wide as the first
+                        raise ValueError(f"PageRows tables must have rows of one width; got {width} and {table[3]}")
+                    width = table[3]
                     if table[0] == "cpu":
                         ranges.add_rows(table, piece.rows, offset)
                     else:
@@ -194,15 +198,13 @@ class ArenaCopier:
         self.size = 0
 
 
-def _table(table: torch.Tensor, first: torch.Tensor) -> tuple[str, int, int, int, int]:
+def _table(table: torch.Tensor) -> tuple[str, int, int, int, int]:
     """A PageRows table's device type, address, row stride and row width in bytes, and rows;
-    ValueError unless it is a table of byte rows as wide as the piece's ``first``."""
+    ValueError unless it is a table of contiguous byte rows."""
     if table.dtype != torch.uint8 or table.dim() != 2 or table.stride(1) != 1 \
             or (table.shape[0] > 1 and table.stride(0) < table.shape[1]):
         raise ValueError(f"PageRows needs 2-D uint8 tables of contiguous, non-overlapping rows; got "
                          f"{table.dtype} of shape {tuple(table.shape)}, strides {table.stride()}")
-    if table.shape[1] != first.shape[1]:
-        raise ValueError(f"PageRows tables must have rows of one width; got {table.shape[1]} and {first.shape[1]}")
     return table.device.type, table.data_ptr(), table.stride(0), table.shape[1], table.shape[0]
 
 

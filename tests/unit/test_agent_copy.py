@@ -92,8 +92,11 @@ def test_page_rows_of_several_tables_are_each_table_in_turn(shared: tuple[Shared
     back = [torch.zeros(5, 256, dtype=torch.uint8) for _ in range(3)]
     copier.load([PageRows(back, [1, 2])], [4096])
     assert all(torch.equal(b[1:3], layer[[3, 0]]) for b, layer in zip(back, layers))
+    narrow = torch.zeros(5, 128, dtype=torch.uint8)
     with pytest.raises(ValueError, match="one width"):
-        copier.save([PageRows([back[0], torch.zeros(5, 128, dtype=torch.uint8)], [0])], [0])
+        copier.save([PageRows([back[0], narrow], [0])], [0])
+    with pytest.raises(ValueError, match="one width"):           # tables seen before are checked too
+        copier.save([PageRows([narrow], [0]), PageRows([back[0], narrow], [0])], [0, 1024])
 
 
 def test_large_copies_are_shared_among_threads_bit_exact() -> None:
