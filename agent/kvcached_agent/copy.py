@@ -237,7 +237,7 @@ class _Ranges:
         _check_rows(rows, count)
         self.check(offset, len(rows) * width)
         moves = self.moves
-        last = moves[-1] if moves else [0, -1, 0]
+        last = moves[-1] if moves else [0, -1, 0]          # nothing ends where a row begins
         for row in rows:
             address = base + row * stride
             if last[0] + last[2] == address and last[1] + last[2] == offset:

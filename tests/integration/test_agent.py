@@ -46,7 +46,7 @@ from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent import protocol as p
 from kvcached_agent.address import CROSS_LAYER, BlockAddress, chain_digests
 from kvcached_agent.agent import Agent
-from kvcached_agent.client import AgentError
+from kvcached_agent.client import AgentError, ConnectionClosed
 
 from .agent_worker import payload
 from .conftest import ROOT, DaemonProcess, wait_for
@@ -1112,3 +1112,15 @@ def test_reconnecting_agent_treats_a_missing_daemon_as_a_miss(make_daemon, tmp_p
         with pytest.raises(OSError):                         # without reconnect: an error, as before
             Agent.connect(str(tmp_path / "not-yet.sock"), agent_id="strict", model="m", dtype="bfloat16",
                           block_tokens=16, num_layers=4, layer_block_bytes=8 * KIB)
+
+
+def test_a_refused_hello_is_an_error_even_when_reconnecting(daemon) -> None:
+    """reconnect=True turns a daemon that is down into a miss, never a refusal: a block larger
+    than kv.max_block_mib (8 MiB here) stops the engine at start with the daemon's reason
+    (the vLLM tier's chunk and the connector's page both reach the daemon this way)."""
+    with pytest.raises(AgentError, match="max_block_mib") as refused:
+        Agent.connect(agent_socket(daemon), agent_id="too-big", model="test/model", dtype="bfloat16",
+                      block_tokens=16, num_layers=1, layer_block_bytes=(8 << 20) + 1, reconnect=True)
+    assert not isinstance(refused.value, ConnectionClosed)
+    with daemon.client() as c:
+        assert c.stats().agents == 0

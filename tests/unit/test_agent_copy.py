@@ -131,3 +131,5 @@ def test_bad_page_rows_and_devices_are_refused(shared: tuple[SharedArena, ArenaC
         copier.load([PageRows((torch.zeros(4, 256, dtype=torch.uint8),), [0, 1])], [SIZE - 256])
     with pytest.raises(ValueError, match="meta"):
         copier.save([torch.empty(1024, dtype=torch.uint8, device="meta")], [0])
+    with pytest.raises(ValueError, match="meta"):
+        copier.load([PageRows([torch.empty(4, 256, dtype=torch.uint8, device="meta")], [0])], [0])

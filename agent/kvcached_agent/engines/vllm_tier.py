@@ -152,9 +152,9 @@ class KvcachedTier(SecondaryTierManager):
         self._busy = 0                                                 # jobs queued or running
         self._finished: list[tuple[JobResult, list[OffloadKey]]] = []  # with a load's failed keys
         self._stopping = False
+        self._lookups = _DaemonLookups(self)
         self._worker = threading.Thread(target=self._work, name=f"kvcached_tier_{tier_type}", daemon=True)
         self._worker.start()
-        self._lookups = _DaemonLookups(self)
 
     # -- addressing -----------------------------------------------------------------------------
 
