@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/kvcached/v1/*.proto)
 PROTO_OUT := kvcached/v1/kvcache_pb2.py
 
-.PHONY: install run test test-unit test-integration test-engines engines-venv bench proto clean system-deps certs
+.PHONY: install run test test-unit test-integration test-reliability soak test-engines engines-venv bench proto clean system-deps certs
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -58,6 +58,14 @@ test-unit: install
 
 test-integration: install system-deps
 	$(PY) -m pytest -q tests/integration
+
+# The reliability suite's short versions run in `make test`; `make soak` runs the long ones
+# (marked soak: the QUIC flood at full size, crash loops, soaks) and prints their counts.
+test-reliability: install system-deps
+	$(PY) -m pytest -q -s tests/reliability
+
+soak: install system-deps
+	$(PY) -m pytest -q -s -m soak --timeout=1800 tests/reliability
 
 # System packages (Debian): redis-server (bench_core.py's Redis baseline), fio (bench_ssd.py's
 # disk baseline), prometheus for promtool (tests check /metrics and deploy/*.yml with it) and
