@@ -242,6 +242,14 @@ def _pull_timeout(v: float) -> None:
         raise ValueError(f"must be between 0.01 and 300 seconds, got {v}")
 
 
+def _count_1_to(most: int) -> Callable[[int], None]:
+    def check(v: int) -> None:
+        if not 1 <= v <= most:
+            raise ValueError(f"must be between 1 and {most}, got {v}")
+
+    return check
+
+
 def _fail_limit(v: int) -> None:
     if not 1 <= v <= 1000:
         raise ValueError(f"must be between 1 and 1000, got {v}")
@@ -366,6 +374,21 @@ class QuicSection:
     backoff_s: float = _key("How long a peer marked down is left alone at first; doubles on each failed retry.",
                             1.0, _positive, (int, float))
     backoff_max_s: float = _key("Longest time a peer marked down is left alone.", 60.0, _positive, (int, float))
+    retry: str = _key("Address validation before any connection state (docs/security.md): always (a stateless "
+                      "Retry answers every new connection's first packet) or under_load (only once a quarter of "
+                      "max_handshakes is taken; keeps 0-RTT resumption).", "always", _one_of("always", "under_load"))
+    max_handshakes: int = _key("Connections in handshake (no verified certificate yet) the server holds at once; "
+                               "when full, the oldest gives way to a newer one (about 90 KiB each).", 64, _count_1_to(65536), int)
+    max_handshakes_per_source: int = _key("Connections in handshake from one source address (IPv6: one /64) at "
+                                          "once.", 8,
+                                          _count_1_to(65536), int)
+    max_connections: int = _key("Connections the server holds at once, verified peers included.", 1024,
+                                _count_1_to(1 << 20), int)
+    handshake_timeout_s: float = _key("A connection that has not proved its certificate this long after its first "
+                                      "packet is dropped, with all it held.", 5.0, _positive, (int, float))
+    stateless_replies_per_s: float = _key("Replies to packets that hold no connection (Retry, version negotiation), "
+                                          "per second; past it they are dropped unanswered.", 5000.0, _positive,
+                                          (int, float))
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from kvcached.logs import fields, set_level
 from kvcached.metrics import start_metrics
 from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.systemd import Notifier
+from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
 from kvcached import policy_state
@@ -245,7 +246,9 @@ class Daemon:
             options=QuicOptions(q.max_datagram_size, int(q.max_data_mib * (1 << 20)),
                                 int(q.max_stream_data_mib * (1 << 20))),
             pull_timeout_s=q.pull_timeout_s, hedge_s=q.hedge_ms / 1000, fail_limit=q.fail_limit,
-            backoff_s=q.backoff_s, backoff_max_s=q.backoff_max_s, max_payload=self.config.max_block_bytes)
+            backoff_s=q.backoff_s, backoff_max_s=q.backoff_max_s, max_payload=self.config.max_block_bytes,
+            limits=HandshakeLimits(q.retry, q.max_handshakes, q.max_handshakes_per_source, q.max_connections,
+                                   q.handshake_timeout_s, q.stateless_replies_per_s))
         self.peers = PeerTier(self.store, auth, settings)
         try:
             await self.peers.start()

@@ -59,6 +59,7 @@ class StoreCollector(Collector):
         peers = self.store.peers.stats() if self.store.peers is not None else None
         if peers is not None:
             yield from _peer_metrics(peers)
+            yield from _quic_server_metrics(self.store.peers.server_stats())  # type: ignore[union-attr]
         integrity = CounterMetricFamily("kvcached_integrity_failures", "Blocks that failed their checksum, never "
                                         "served (SSD: quarantined; peer: the pulled copy dropped)", labels=["tier"])
         if ssd:
@@ -145,6 +146,27 @@ def _peer_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                            ("quic_served_blocks", "peer_served", "Blocks sent to peers"),
                            ("quic_served_bytes", "peer_served_bytes", "Payload bytes sent to peers")):
         yield CounterMetricFamily(f"kvcached_{name}", doc, value=stats[key])
+
+
+def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """What the QUIC server holds for senders and what its bounds turned away (docs/security.md)."""
+    if not stats:
+        return
+    yield GaugeMetricFamily("kvcached_quic_handshakes", "QUIC connections in handshake (no verified certificate "
+                            "yet)", value=stats["quic_handshakes"])
+    yield GaugeMetricFamily("kvcached_quic_connections", "QUIC connections the server holds, in handshake or "
+                            "verified", value=stats["quic_connections"])
+    yield CounterMetricFamily("kvcached_quic_retries", "Stateless Retry packets sent (address validation)",
+                              value=stats["quic_retries"])
+    yield CounterMetricFamily("kvcached_quic_dropped_datagrams", "Datagrams for no connection dropped unanswered "
+                              "(not an Initial, a bound reached, the reply budget spent)",
+                              value=stats["quic_dropped_datagrams"])
+    refused = CounterMetricFamily("kvcached_quic_refused", "New connections refused or handshakes dropped by the "
+                                  "server's bounds, by reason (source_limit, full, displaced, timeout, budget)",
+                                  labels=["reason"])
+    for reason in ("source_limit", "full", "displaced", "timeout", "budget"):
+        refused.add_metric([reason], stats["quic_refused"].get(reason, 0))
+    yield refused
 
 
 def start_metrics(listen: str, store: Store) -> Any:

@@ -90,6 +90,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
         self._room = asyncio.Event()           # set when queued bytes may have gone down
         self._stopped: set[int] = set()        # answers the peer asked us to stop sending
         self._gone = False
+        self.on_verified: Callable[[], None] = lambda: None   # the server's handshake table listens
         initialize = quic._initialize
 
         def ask_for_certificate(peer_cid: bytes) -> None:   # aioquic asks only with this flag
@@ -183,6 +184,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
             _close(self._quic, "resumed session of an unknown peer")
             return
         self.verified = True
+        self.on_verified()
         if self._issued is not None:
             self.tickets.bind(self._issued, self.peer)
             self._issued = None
@@ -316,8 +318,8 @@ class _Request:
     sink: PullSink | None = None
     block: p.Block | None = None
     skipping: bool = False
-    early: bool = False
-    data: bytes = b""
+    early: bool = False           # sent as 0-RTT data: may have to go again (_send_early_again)
+    data: bytes = b""             # the request's frame, kept while it may have to go again
 
 
 class PeerClientProtocol(QuicConnectionProtocol):
@@ -354,6 +356,8 @@ class PeerClientProtocol(QuicConnectionProtocol):
                     self._fail_all(PeerGone(str(exc)))
                     return
             self.verified = True
+            if not event.early_data_accepted or self._quic._retry_count:
+                self._send_early_again()
             if not self.ready.done():
                 self.ready.set_result(None)
         elif isinstance(event, events.StreamReset):
@@ -365,6 +369,18 @@ class PeerClientProtocol(QuicConnectionProtocol):
             if event.error_code == REFUSED or (not self.verified and 0x100 <= event.error_code <= 0x1FF):
                 self.refused = reason       # the server refused us, or the TLS handshake refused it (an alert)
             self._fail_all(PeerGone(f"connection to {self.peer} ended: {reason}"))
+
+    def _send_early_again(self) -> None:
+        """Requests sent as 0-RTT data that the server never took (it refused early data, or a
+        Retry restarted the handshake and aioquic forgets what it sent before) go again on new
+        streams, now that the handshake is complete."""
+        for sid, request in list(self._requests.items()):
+            if request.early and not request.done.done():
+                del self._requests[sid]
+                request.sid, request.early = self._quic.get_next_available_stream_id(), False
+                self._requests[request.sid] = request
+                self._quic.send_stream_data(request.sid, request.data, end_stream=True)
+        self._transmit_soon()
 
     def _fail_all(self, exc: Exception) -> None:
         if not self.ready.done():
@@ -394,10 +410,12 @@ class PeerClientProtocol(QuicConnectionProtocol):
         request_id = self._next_id
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
         sid = self._quic.get_next_available_stream_id()
+        data = p.encode(message, request_id)
         request = _Request(sid, p.FrameDecoder(max_payload=self.max_payload),
-                           asyncio.get_running_loop().create_future(), sink, early=not self.verified)
+                           asyncio.get_running_loop().create_future(), sink, early=not self.verified,
+                           data=data if not self.verified else b"")
         self._requests[sid] = request
-        self._quic.send_stream_data(sid, p.encode(message, request_id), end_stream=True)
+        self._quic.send_stream_data(sid, data, end_stream=True)
         self.transmit()
         return request
 

@@ -24,14 +24,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from aioquic.asyncio.server import QuicServer
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
 from kvcached.errors import KvError
 from kvcached.peers import protocol as p
 from kvcached.peers.directory import PeerDirectory, PeerHealth, wire_key
+from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.quic import PeerClientProtocol, PeerGone, PeerHandler, PeerServerProtocol, PullSink
+from kvcached.peers.server import GuardedQuicServer
 from kvcached.peers.tls import TICKET_LIFETIME_S, PeerAuth, QuicOptions, ServerTickets
 from kvcached_agent.address import BlockAddress
 
@@ -60,6 +61,7 @@ class PeerSettings:
     backoff_s: float = 1.0
     backoff_max_s: float = 60.0
     max_payload: int = 16 << 20
+    limits: HandshakeLimits = HandshakeLimits()
 
 
 @dataclass
@@ -117,7 +119,8 @@ class PeerTier(PeerHandler):
             config = self.auth.configuration(self.settings.options)
             protocol = functools.partial(PeerServerProtocol, auth=self.auth, tickets=self.tickets, handler=self)
             self._server, self._server_protocol = await loop.create_datagram_endpoint(
-                lambda: QuicServer(configuration=config, create_protocol=protocol), local_addr=(host, port))
+                lambda: GuardedQuicServer(configuration=config, create_protocol=protocol, limits=self.settings.limits),
+                local_addr=(host, port))
         self._spawn(self._announcer())
         for link in self.links.values():
             self._spawn(self._dial(link))
@@ -375,6 +378,16 @@ class PeerTier(PeerHandler):
                                  "blocks": self.directory.count(name), "last_error": link.health.last_error}
                           for name, link in self.links.items()},
                 **{f"peer_{k}": v for k, v in vars(self.counters).items()}}
+
+    def server_stats(self) -> dict[str, Any]:
+        """The QUIC server's connection state and what its bounds refused (handshakes.py);
+        empty where this daemon does not listen."""
+        server: GuardedQuicServer | None = self._server_protocol
+        if server is None:
+            return {}
+        return {"quic_handshakes": server.table.handshaking, "quic_connections": server.table.connections,
+                "quic_retries": server.retries, "quic_dropped_datagrams": server.dropped,
+                "quic_refused": dict(server.table.refused)}
 
 
 def _why(exc: BaseException) -> str:
