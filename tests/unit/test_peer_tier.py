@@ -588,3 +588,25 @@ def test_prefetch_policy_decides_how_long_a_load_waits(tmp_path: Path, policy: s
                 await get_exact(b, range(n))                     # prefetched: served from RAM at once
                 assert time.monotonic() - start < 0.1
     asyncio.run(body())
+
+
+def test_0rtt_requests_go_again_after_a_retry(tmp_path: Path) -> None:
+    """With retry = "always" a resumed client's first flight meets a Retry, and aioquic forgets
+    the 0-RTT data it sent before: the client sends those requests again once connected."""
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            await c[A].store.put(items(range(3)))
+            link = c[B].t.links[A]
+            await until(lambda: link.ticket is not None, "a session ticket from A")
+            config = c.auth(B).configuration(OPTIONS, server_name=A)
+            config.session_ticket = link.ticket
+            transport, client = await dial(config, c.addr(A), c.auth(B), A)
+            try:
+                asked = asyncio.ensure_future(client.exists(0, digests(range(3))))   # goes as 0-RTT data
+                await asyncio.sleep(0)
+                assert not client.verified
+                assert await asyncio.wait_for(asked, 5) == 3
+                assert client._quic._retry_count == 1 and client._quic.tls.session_resumed
+            finally:
+                transport.close()
+    asyncio.run(body())
