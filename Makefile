@@ -64,8 +64,11 @@ test-integration: install system-deps
 test-reliability: install system-deps
 	$(PY) -m pytest -q -s tests/reliability
 
+# SOAK_KILLS: SIGKILLs of the write-through crash loop's main case (its other cases get a third each).
+SOAK_KILLS ?= 200
 soak: install system-deps
 	$(PY) -m pytest -q -s -m soak --timeout=1800 tests/reliability
+	KVCACHED_CRASH_ITERATIONS=$(SOAK_KILLS) $(PY) -m pytest -q -s tests/integration/test_ssd_crash.py
 
 # System packages (Debian): redis-server (bench_core.py's Redis baseline), fio (bench_ssd.py's
 # disk baseline), prometheus for promtool (tests check /metrics and deploy/*.yml with it) and
