@@ -97,6 +97,7 @@ bench: install engines-venv system-deps
 	$(PY) bench/bench_peers.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_metrics.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_policies.py $(filter --quick,$(BENCH_ARGS))
+	$(PY) bench/bench_hostile.py $(filter --quick,$(BENCH_ARGS))
 	$(ENGINES_PY) bench/bench_engines.py $(filter --quick,$(BENCH_ARGS))
 
 # A cluster CA and certificates for three nodes on this machine (docs/peers.md); CERT_NODES to change.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import json
 import math
 import os
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["Config", "ConfigError", "ListenAddress", "load_config", "parse_listen", "parse_duration"]
+from kvcached_agent.protocol import MAX_BATCH
+
+__all__ = ["Config", "ConfigError", "ListenAddress", "is_loopback", "load_config", "parse_listen", "parse_duration"]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -62,6 +65,22 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as a listener names it, IPv6 in brackets or not) can only be reached from
+    this machine: ``localhost`` or a loopback address, which is all of 127.0.0.0/8 (RFC 1122
+    3.2.1.3) and ::1 (RFC 4291 2.5.3), also written IPv4-mapped (::ffff:127.x.y.z)."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False             # another name: it may resolve to anything
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
 @dataclass(frozen=True, slots=True)
 class ListenAddress:
     """A listener in gRPC's own syntax: ``unix:PATH`` or ``HOST:PORT``."""
@@ -77,7 +96,8 @@ class ListenAddress:
 
     @property
     def is_loopback(self) -> bool:
-        return self.is_unix or self.host in ("127.0.0.1", "localhost", "::1", "[::1]")
+        """A Unix socket, or a host only this machine reaches (:func:`is_loopback`)."""
+        return self.is_unix or is_loopback(self.host or "")
 
 
 def parse_listen(text: str) -> ListenAddress:
@@ -329,6 +349,14 @@ class GrpcSection:
     insecure: bool = _key("Allow plaintext TCP listeners on non-loopback addresses (read-only calls only).", False)
     max_message_mib: int = _key("Largest gRPC message either way, MiB; bigger payloads use GetStream/PutStream.", 64, None, int)
     grace_s: float = _key("Seconds in-flight requests get to finish on SIGTERM/SIGINT.", 5.0, _non_negative, (int, float))
+    max_batch: int = _key("Most entries in one request: digests of Lookup, Overlap and Evict, addresses of Get, "
+                          "GetStream and Delete, blocks of Put; more is refused with INVALID_ARGUMENT (at most "
+                          "65536, the agent socket's limit).", MAX_BATCH, _count_1_to(MAX_BATCH), int)
+    batch_slice: int = _key("Entries of a longer list decoded, fetched (Get, GetStream) or evicted at a time: other "
+                            "requests get the event loop between slices, so one request holds it for a slice's work, "
+                            "not the whole batch's.", 64, _count_1_to(MAX_BATCH), int)
+    lookup_slice: int = _key("Digests of a longer Lookup or Overlap taken at a time (a digest costs a Lookup several "
+                             "times less than an address costs a Get).", 512, _count_1_to(MAX_BATCH), int)
 
 
 @dataclass(frozen=True)

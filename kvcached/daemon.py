@@ -1,9 +1,18 @@
 """The daemon process: wires config, index, tiers, store and listeners; runs until a signal.
 
-Start-up order: state directories, a check that no other daemon owns our sockets or index,
-the index (with its boot reconcile), the RAM arena, the SSD tier's directory, the gRPC
-listeners (KvCache, health, reflection), the agent socket, metrics, background tasks: maintenance, the SSD
-reconcile (it runs while the daemon serves), the write-back demoter and the SSD evictor.
+Start-up order: the umask (kvcached.fsmodes: state 0700/0600 whatever the caller's umask), a
+check that no other daemon owns our sockets (their missing directories created first, searchable
+by whom the sockets admit), the state directories (created 0700, or checked: refused if others
+can write to them), the index (its lock: no other daemon; its boot reconcile), the RAM arena,
+the SSD tier's directory, the gRPC listeners (KvCache, health, reflection), the agent socket,
+metrics, background tasks: maintenance, index recovery, the SSD reconcile (it runs while the
+daemon serves), the write-back demoter and the SSD evictor.
+
+While the index cannot be written (its disk is full), puts are refused UNAVAILABLE and reads go
+on; the background tasks that write the index wait, and the index recovers by itself once its
+disk has room (BlockIndex.recover, about every second). Health stays SERVING meanwhile: reads
+are served, and a restart would not free the disk but would lose every block held only in RAM.
+
 Shutdown on SIGTERM or SIGINT: health goes NOT_SERVING, listeners stop accepting, in-flight
 calls get ``grpc.grace_s`` to finish, background tasks stop, SSD commits in progress finish,
 then last-seen times are flushed and the index is closed.
@@ -31,7 +40,8 @@ from kvcached.api.admin_service import AdminService
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_service import KvCacheService
 from kvcached.config import RELOADABLE, Config, ConfigError, ListenAddress, changed_keys, parse_listen, with_reloaded
-from kvcached.index import BlockIndex
+from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, set_daemon_umask, socket_dir_mode
+from kvcached.index import BlockIndex, IndexError_
 from kvcached.logs import fields, set_level
 from kvcached.metrics import start_metrics
 from kvcached.policies.prefetch import make_prefetch_policy
@@ -61,6 +71,8 @@ DEMOTE_PERIOD_S = 1.0
 EVICT_PERIOD_S = 1.0
 PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get the loop back
 INDEX_PROGRESS_GRACE_S = 60.0  # each index reconcile progress line asks systemd for this much more start time
+INDEX_CHECK_S = 1.0        # how often an unwritable index is asked to recover (it backs off by itself)
+SSD_DIR_LEVELS = 3         # directories under kv.ssd_dir: blocks/ and quarantine/, blocks/xx/, blocks/xx/y/
 
 
 # glibc malloc settings (mallopt(3)): keep freed memory in the heap instead of handing it back
@@ -92,10 +104,16 @@ class StartupError(Exception):
     """The daemon cannot start; the message says why in one line."""
 
 
-def claim_unix_socket(path: str) -> None:
-    """Make ``path`` free for a new listener: refuse if a live server answers on it, remove a
-    stale socket file left by a crash, refuse to clobber anything that is not a socket."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+def claim_unix_socket(path: str, mode: int = 0o660, gid: int = -1) -> None:
+    """Make ``path`` free for a new listener of permission bits ``mode`` and group ``gid`` (-1:
+    the daemon's): refuse if a live server answers on it, remove a stale socket file left by a
+    crash, refuse to clobber anything that is not a socket. Missing directories are created
+    with :func:`kvcached.fsmodes.socket_dir_mode` (search only for whom ``mode`` admits)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        make_dirs(directory, socket_dir_mode(mode), gid)
+    except OSError as exc:
+        raise StartupError(f"cannot create the directory of socket {path}: {exc.strerror or exc}") from None
     if not os.path.lexists(path):
         return
     import stat
@@ -158,14 +176,16 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.config
         listeners = cfg.listeners
-        agent_gid = -1
-        if cfg.agent.socket:
-            claim_unix_socket(cfg.agent.socket)
-            agent_gid = _group_id(cfg.agent.group, "agent.group")
+        agent_gid = _group_id(cfg.agent.group, "agent.group") if cfg.agent.socket else -1
         grpc_gid = _group_id(cfg.grpc.socket_group, "grpc.socket_group")   # before any listener: fail early
+        # Sockets first: a directory shared with the state (var/ of the default configuration)
+        # is then created searchable for the sockets' clients; the state under it stays 0700.
+        if cfg.agent.socket:
+            claim_unix_socket(cfg.agent.socket, cfg.agent.mode_bits, agent_gid)
         for address in listeners:
             if address.unix_path:
-                claim_unix_socket(address.unix_path)
+                claim_unix_socket(address.unix_path, cfg.socket_mode_bits, grpc_gid)
+        self._prepare_state_dirs()
         self.index = self._open_index()
         self.arena = SharedArena(cfg.ram_bytes)
         kv = cfg.kv
@@ -204,6 +224,7 @@ class Daemon:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))
         self._tasks.append(asyncio.create_task(self._maintenance(), name="maintenance"))
+        self._tasks.append(asyncio.create_task(self._index_recovery(), name="index-recovery"))
         if cfg.kv.policy_save_s:
             self._tasks.append(asyncio.create_task(self._policy_saver(cfg.kv.policy_save_s), name="policy-saver"))
         if self.ssd is not None:
@@ -259,6 +280,26 @@ class Daemon:
         log.info("peer tier listening", extra=fields(listen=q.listen or None, peers=len(q.peers),
                                                      mirror_pulls=self.config.kv.mirror_pulls))
 
+    def _prepare_state_dirs(self) -> None:
+        """Create the index and SSD directories (0700, missing parents too) or check the ones
+        that exist (kvcached.fsmodes.check_state_dir): refuse a directory others could write to
+        or that another user owns, tighten wider modes of our own directories to 0700."""
+        kv = self.config.kv
+        dirs = [("kv.index_dir", kv.index_dir, 0)] + ([("kv.ssd_dir", kv.ssd_dir, SSD_DIR_LEVELS)] if kv.ssd_gib else [])
+        for key, path, levels in dirs:
+            try:
+                created = make_dirs(path)
+                tightened = check_state_dir(path, levels)
+            except UnsafeDirectory as exc:
+                raise StartupError(f"{key}: {exc}") from None
+            except OSError as exc:
+                raise StartupError(f"{key} {path}: {exc.strerror or exc}") from None
+            if created:
+                log.info("state directory created", extra=fields(key=key, created=",".join(created), mode="0700"))
+            if tightened:
+                log.warning("state directories were open to other users; set to 0700",
+                            extra=fields(key=key, directories=", ".join(tightened)))
+
     def _open_ssd(self) -> SsdTier | None:
         kv = self.config.kv
         if kv.ssd_gib == 0:
@@ -307,6 +348,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(every_s)
+            if not self._index_writable():
+                continue
             try:
                 captured = self._capture_policies()
                 # shielded: a stop cancels this task, never the thread's write (stop waits for it)
@@ -341,6 +384,8 @@ class Daemon:
                 self.store.adopt_ssd_order(built)
                 log.info("SSD policy rebuilt", extra=fields(ssd_policy=kind, blocks=len(built),
                                                             elapsed_s=round(time.monotonic() - t0, 3)))
+        while not self._index_writable():      # it writes the index: wait until it recovers
+            await asyncio.sleep(INDEX_CHECK_S)
         self.store.finish_ssd_reconcile(report)
         self.ssd_reconcile_summary = report.summary()
         log.info("SSD tier reconciled", extra=fields(**self.ssd_reconcile_summary))
@@ -357,6 +402,8 @@ class Daemon:
         assert store is not None
         while not self._winding_down.is_set():
             await _woken_or_after(store.demote_wanted, DEMOTE_PERIOD_S, self._winding_down)
+            if not self._index_writable():     # files it cannot record would only be orphans
+                continue
             try:
                 while store.ram.dirty and not self._winding_down.is_set() and await store.demote():
                     pass
@@ -366,6 +413,10 @@ class Daemon:
         # A clean stop writes back what is still dirty, within the shutdown grace (stop() waits);
         # blocks agents committed last are checksummed first (only recorded blocks are written).
         await store.drain(self.config.grpc.grace_s)
+        if not self._index_writable():
+            log.error("the index cannot be written: dirty blocks are not written back and are lost at this stop",
+                      extra=fields(bytes=store.ram.dirty_bytes))
+            return
         before = store.counters.demotions
         while store.ram.dirty and await store.demote():
             pass
@@ -379,6 +430,8 @@ class Daemon:
         assert store is not None
         while not self._winding_down.is_set():
             await _woken_or_after(store.evict_wanted, EVICT_PERIOD_S, self._winding_down)
+            if not self._index_writable():
+                continue
             try:
                 await store.evict_ssd()
             except Exception:
@@ -401,7 +454,12 @@ class Daemon:
             self.notifier.status(f"reconciling the index: {seen} of about {estimate} records",
                                  extend_timeout_s=INDEX_PROGRESS_GRACE_S)
 
-        counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000)
+        try:
+            counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000)
+        except IndexError_ as exc:
+            index.close()
+            raise StartupError(f"kv.index_dir {cfg.kv.index_dir}: the boot reconcile cannot write the index "
+                               f"({index.unwritable_reason or exc}); free space on its disk, then start again") from None
         self.index_reconcile = {**counts, "elapsed_s": round(time.monotonic() - t0, 3)}
         if counts["seen"]:
             log.info("index reconciled", extra=fields(**counts, elapsed_s=round(time.monotonic() - t0, 3)))
@@ -449,7 +507,8 @@ class Daemon:
             ("grpc.so_reuseport", 0),
         ])
         kvcache_pb2_grpc.add_KvCacheServicer_to_server(
-            KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at), server)
+            KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at,
+                           grpc_config=self.config.grpc), server)
         kvcache_pb2_grpc.add_AdminServicer_to_server(AdminService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -485,6 +544,8 @@ class Daemon:
         next_prune = time.time() + min(ttl / 2, 600)
         while True:
             await asyncio.sleep(MAINTENANCE_PERIOD_S)
+            if not index.writable:       # last-seen times wait in the store until it recovers
+                continue
             try:
                 store.flush_last_seen()
                 if time.time() >= next_prune:
@@ -499,6 +560,33 @@ class Daemon:
                     next_prune = time.time() + min(ttl / 2, 600)
             except Exception:
                 log.exception("maintenance failed; will retry")
+
+    async def _index_recovery(self) -> None:
+        """Every second: if the index cannot be written, ask it to recover (BlockIndex.recover
+        decides when an attempt is due: once its disk has room, backing off after failures); tell
+        systemd's STATUS line while puts are refused."""
+        index = self.index
+        assert index is not None
+        refusing = False
+        while True:
+            await asyncio.sleep(INDEX_CHECK_S)
+            if index.writable and not refusing:
+                continue
+            if not refusing:
+                refusing = True
+                self.notifier.status(f"serving reads; puts refused: the index cannot be written "
+                                     f"({index.unwritable_reason})")
+            try:
+                recovered = index.recover(time.monotonic())
+            except Exception:
+                log.exception("index recovery attempt failed; will retry")
+                continue
+            if recovered:
+                refusing = False
+                self.notifier.status("serving")
+
+    def _index_writable(self) -> bool:
+        return self.index is not None and self.index.writable
 
     def request_stop(self, signame: str = "") -> None:
         if not self._stop.is_set():
@@ -578,10 +666,9 @@ class Daemon:
             await self._step("ssd close", self.ssd.close())
         if self._metrics_server is not None:
             self._step_sync("metrics", self._metrics_server.shutdown)
-        if self.store is not None:
+        if self.store is not None and self._index_writable():
             self._step_sync("last-seen flush", self.store.flush_last_seen)
-            if self.index is not None:
-                self._step_sync("policy state save", self._save_policies)
+            self._step_sync("policy state save", self._save_policies)
         if self.index is not None:
             self._step_sync("index close", self.index.close)
             self.index = None
@@ -629,6 +716,7 @@ def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:
     configuration again (SIGHUP)."""
     import uvloop
 
+    set_daemon_umask()      # what this process creates is private whatever umask it was started under
     if not tune_malloc():
         log.warning("mallopt unavailable (not glibc?): large calls will page-fault their buffers")
 

@@ -45,6 +45,13 @@ class StoreCollector(Collector):
                 g.add_metric(["ssd"], s[ssd_key])
             yield g
         yield GaugeMetricFamily("kvcached_index_entries", "Index records (estimate, tombstones included)", value=s["index_entries"])
+        index = self.store.index
+        yield GaugeMetricFamily("kvcached_index_writable", "1 while the index can be written; 0 while it cannot (its "
+                                "disk is full): puts are refused until it recovers by itself", value=int(index.writable))
+        yield CounterMetricFamily("kvcached_index_recoveries", "Times the index became writable again by itself, "
+                                  "without a restart", value=index.recoveries)
+        yield CounterMetricFamily("kvcached_index_write_failures", "Index writes that failed, or were refused while "
+                                  "the index could not be written", value=index.write_failures)
         yield GaugeMetricFamily("kvcached_agents_connected", "Agents connected on the agent socket", value=s["agents"])
         yield GaugeMetricFamily("kvcached_agent_held_bytes", "Arena bytes held by agents and streams (reserved or pinned)",
                                 value=s["held_bytes"])
@@ -86,8 +93,12 @@ class StoreCollector(Collector):
                 ("ssd_write_bytes", "ssd_write_bytes", "Payload bytes published on SSD"),
                 ("ssd_bytes_written", "ssd_file_bytes_written",
                  "Bytes of block files published on SSD, headers and padding included (drive wear)"),
-                ("ssd_write_errors", "ssd_write_errors", "SSD block writes that failed (discarded, never acknowledged)"),
-                ("ssd_no_space", "ssd_no_space", "SSD block writes that met a full disk"),
+                ("ssd_write_errors", "ssd_write_errors", "SSD block writes that failed in the end (not published); "
+                 "a write that met a full disk and succeeded after a forced eviction is not one"),
+                ("ssd_no_space", "ssd_no_space", "SSD block writes that met a full disk (published after a forced "
+                 "eviction or not) or were refused because even an empty tier would not make room"),
+                ("ssd_full_disk_evictions", "ssd_full_disk_evictions", "SSD blocks a forced eviction dropped to make "
+                 "room for writes that met a full disk (also counted in kvcached_evictions_total)"),
                 ("ssd_group_commits", "ssd_group_commits", "Group commits (ssd_durability = batch)"),
                 ("ssd_budget_declined", "ssd_budget_declined",
                  "Blocks the SSD write budget kept off SSD (kv.ssd_write_budget_gib)"),

@@ -15,7 +15,8 @@ reconcile walks both, in a worker thread, while the daemon already serves:
 Reads need not wait: every SSD read verifies the header and the payload checksum anyway, so a
 block not yet checked is either served verified or is a miss. Files this run publishes are
 left alone (:attr:`SsdTier.fresh`). Payloads are not hashed here (a full read of the tier would
-take minutes); each is verified when it is read.
+take minutes); each is verified when it is read. While the index cannot be written (its disk is
+full), the walk waits for it to recover (the daemon's loop recovers it) instead of failing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvcached.index import BlockIndex, Tier, queue_entry, raw_ssd_view
+from kvcached.index import BlockIndex, IndexUnwritable, Tier, queue_entry, raw_ssd_view
 from kvcached.tiers.ssd import SsdTier
 from kvcached.tiers.ssd_format import HeaderError, file_bytes
 from kvcached_agent.address import index_key
@@ -37,6 +38,7 @@ log = logging.getLogger("kvcached.ssd")
 
 PROGRESS_EVERY = 20_000
 QUEUE_BATCH = 10_000
+UNWRITABLE_WAIT_S = 0.5    # how often a walk waiting for the index to recover looks again
 
 
 @dataclass(slots=True)
@@ -119,7 +121,8 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
             report.adopted_file_bytes += size
             queue.append(queue_entry(view[2], key))   # type: ignore[index]
             if len(queue) >= QUEUE_BATCH:
-                index.write(queue=queue)
+                if not _write_queue(index, queue, stop):
+                    return report
                 queue = []
         elif problem == "no index record claims it":
             report.orphans += 1
@@ -129,7 +132,8 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
             log.warning("SSD block file does not match the index; removed",
                         extra={"fields": {"file": entry.path, "problem": problem}})
             _remove(ssd, entry.path)
-    index.write(queue=queue)
+    if not _write_queue(index, queue, stop):
+        return report
     for key, raw in index.ssd_records(stop):
         view = raw_ssd_view(raw)
         if view is None:
@@ -145,6 +149,19 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
             report.lost.append(key)
     report.elapsed_s = round(time.monotonic() - t0, 3)
     return report
+
+
+def _write_queue(index: BlockIndex, queue: list[bytes], stop: Callable[[], bool]) -> bool:
+    """Write SSD queue entries; while the index cannot be written, wait for it to recover.
+    False if ``stop()`` said to end first."""
+    while True:
+        try:
+            index.write(queue=queue)
+            return True
+        except IndexUnwritable:
+            if stop():
+                return False
+            time.sleep(UNWRITABLE_WAIT_S)
 
 
 def _remove(ssd: SsdTier, path: str) -> None:

@@ -4,6 +4,9 @@ A thin translation, as grpc_service.py is: selectors and tiers from protobuf, th
 store (Store.delete, drop_from_ram, drop_from_ssd, demote) and the daemon (configuration,
 reconcile reports, peers). Who may call the state-changing calls is decided before a call gets
 here, by the listener it came in on (kvcached.api.access).
+
+Evict takes at most ``grpc.max_batch`` digests and, like Drain, works ``grpc.batch_slice``
+blocks at a time, letting other requests run between slices (docs/api.md "Limits").
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 
-from kvcached.api.grpc_service import errors_to_status
+from kvcached.api.grpc_service import check_batch, check_digests, errors_to_status
 from kvcached.config import to_toml
 from kvcached.errors import FailedPrecondition, InvalidArgument
 from kvcached.logs import set_level
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
-from kvcached_agent.address import CROSS_LAYER, DIGEST_BYTES, BlockAddress
+from kvcached_agent.address import CROSS_LAYER, BlockAddress
 
 if TYPE_CHECKING:
     from kvcached.daemon import Daemon
@@ -29,12 +32,12 @@ __all__ = ["AdminService"]
 
 log = logging.getLogger("kvcached.admin")
 
-EVICT_SLICE = 1000        # blocks evicted per slice before requests get the loop back
-
 
 class AdminService(pb_grpc.AdminServicer):
     def __init__(self, daemon: "Daemon") -> None:
         self.daemon = daemon
+        self.max_batch = daemon.config.grpc.max_batch
+        self.batch_slice = daemon.config.grpc.batch_slice   # blocks evicted or dropped between yields to requests
 
     @property
     def store(self):  # type: ignore[no-untyped-def]
@@ -50,6 +53,7 @@ class AdminService(pb_grpc.AdminServicer):
             raise FailedPrecondition("this daemon has no SSD tier (kv.ssd_gib = 0)")
         if bool(request.model) == bool(request.digests):
             raise InvalidArgument("name either a model or digests (one of the two)")
+        check_batch("Evict", len(request.digests), "digests", self.max_batch)
         evicted = busy = absent = 0
         async for addresses in self._selected(request):
             if tier == "all":
@@ -68,17 +72,15 @@ class AdminService(pb_grpc.AdminServicer):
     async def _selected(self, request: pb.EvictRequest) -> AsyncIterator[list[BlockAddress]]:
         """The request's blocks in slices: its digests, or every indexed block of its model."""
         if request.digests:
-            for i, digest in enumerate(request.digests):
-                if len(digest) != DIGEST_BYTES:
-                    raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes")
+            digests = list(request.digests)
+            check_digests(digests)
             layer = request.layer if request.HasField("layer") else CROSS_LAYER
-            addresses = [BlockAddress(d, layer) for d in request.digests]
-            for i in range(0, len(addresses), EVICT_SLICE):
-                yield addresses[i:i + EVICT_SLICE]
+            for i in range(0, len(digests), self.batch_slice):
+                yield [BlockAddress(d, layer) for d in digests[i:i + self.batch_slice]]
             return
         token = b""
         while True:        # the listing is taken in pages first: evicting changes what it walks
-            records, token = self.store.list_blocks(model=request.model, page_token=token, page_size=EVICT_SLICE)
+            records, token = self.store.list_blocks(model=request.model, page_token=token, page_size=self.batch_slice)
             if records:
                 yield [BlockAddress(r.digest, r.layer) for r in records]
             if not token:
@@ -97,8 +99,8 @@ class AdminService(pb_grpc.AdminServicer):
         written = await store.write_back_all()
         dropped = busy = 0
         keys = [block.key for block in store.ram.blocks()]
-        for i in range(0, len(keys), EVICT_SLICE):
-            d, b, _ = store.drop_from_ram(keys[i:i + EVICT_SLICE])
+        for i in range(0, len(keys), self.batch_slice):
+            d, b, _ = store.drop_from_ram(keys[i:i + self.batch_slice])
             dropped, busy = dropped + d, busy + b
             await asyncio.sleep(0)
         log.info("RAM tier drained", extra={"fields": {"written_back": written, "dropped": dropped, "busy": busy}})

@@ -3,14 +3,26 @@
 Each handler converts the request, calls the store on the event loop thread and converts the
 answer; store errors (kvcached.errors) and malformed addresses become gRPC status codes with the
 store's message. No policy or tier logic lives here.
+
+Every request is bounded (docs/api.md "Limits"): a list of more than ``grpc.max_batch`` entries
+is refused with INVALID_ARGUMENT before any entry is read (the length of a repeated field is
+known without decoding it). Below that, lists are decoded a slice at a time (``grpc.batch_slice``
+addresses or blocks, ``grpc.lookup_slice`` digests), and Lookup, Get and GetStream also do their
+work a slice at a time, other requests running between slices (:meth:`KvCacheService._slices`,
+:func:`lookup_in_slices`): the largest allowed request delays a concurrent small one by a few
+slices' work (bench/bench_hostile.py). The store's part of Put and Delete is one call: the
+store checks a whole Put before storing any block and refuses a whole Delete if one block is
+busy, which slices would break.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -18,16 +30,17 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kvcached import __version__
 from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.api.convert import address_from_pb, address_to_pb, tier_name
+from kvcached.config import GrpcSection
 from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
                              Unavailable)
+from kvcached.gpu_view import GpuView
 from kvcached.index import BlockRecord, Tier
-from kvcached.store import Miss, Pinned, PutItem, Store
+from kvcached.store import LookupResult, Miss, Pinned, PutItem, Store
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, DIGEST_BYTES, BlockAddress
-from kvcached_agent.protocol import MAX_BATCH
 
-__all__ = ["KvCacheService", "errors_to_status"]
+__all__ = ["KvCacheService", "check_batch", "check_digests", "errors_to_status", "lookup_in_slices"]
 
 log = logging.getLogger("kvcached.api.grpc")
 
@@ -43,6 +56,8 @@ _STATUS: dict[type[KvError], grpc.StatusCode] = {
 _TIER_FILTER = {pb.TIER_UNSPECIFIED: "", pb.TIER_RAM: "ram", pb.TIER_SSD: "ssd", pb.TIER_GONE: "gone"}
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+E = TypeVar("E")
+D = TypeVar("D")
 
 
 def _status_of(exc: KvError) -> grpc.StatusCode:
@@ -53,19 +68,27 @@ def _status_of(exc: KvError) -> grpc.StatusCode:
 
 
 def errors_to_status(handler: F) -> F:
-    """Turn store errors into gRPC statuses; anything unexpected is logged and INTERNAL."""
+    """Turn store errors into gRPC statuses; anything unexpected is logged and INTERNAL.
+
+    The call is aborted once the error is dropped and no reference to the request is left in
+    this frame: the abort's exception holds the frame in its traceback and is freed only by
+    Python's cyclic collector, so whatever the frame reaches lives until a collection runs.
+    Kept that way, ten refused 34 MB Lookups left the daemon 740 MiB larger
+    (tests/reliability/test_request_bounds.py)."""
 
     @functools.wraps(handler)
     async def wrapper(self: "KvCacheService", request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await handler(self, request, context)
         except KvError as exc:
-            await context.abort(_status_of(exc), str(exc))
+            status, message = _status_of(exc), str(exc)
         except grpc.aio.AbortError:
             raise
         except Exception:
             log.exception("%s failed", handler.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{handler.__name__}: internal error (see daemon log)")
+            status, message = grpc.StatusCode.INTERNAL, f"{handler.__name__}: internal error (see daemon log)"
+        del request
+        await context.abort(status, message)
 
     return wrapper  # type: ignore[return-value]
 
@@ -95,18 +118,190 @@ def _peer_stats(store: Store) -> dict[str, Any]:
     return {"peers": peers, **s}
 
 
+# -- request bounds ---------------------------------------------------------------------------
+
+
+def check_batch(method: str, count: int, what: str, limit: int) -> None:
+    """InvalidArgument if a request's list is longer than ``limit`` (``grpc.max_batch``). Call it
+    with the length of the repeated field, before decoding any entry."""
+    if count > limit:
+        raise InvalidArgument(f"{method}: {count} {what} in one request, over the limit of {limit} "
+                              f"(grpc.max_batch); split it into requests of at most {limit}")
+
+
+def check_digests(digests: Sequence[bytes], start: int = 0) -> None:
+    """InvalidArgument naming the first digest that is not 32 bytes, by its index in the request
+    (``digests`` are the request's from ``start`` on)."""
+    if digests and set(map(len, digests)) != {DIGEST_BYTES}:
+        i, digest = next((i, d) for i, d in enumerate(digests) if len(d) != DIGEST_BYTES)
+        raise InvalidArgument(f"digests[{start + i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes "
+                              "(BLAKE3-256)")
+
+
+def _addresses_from_pb(entries: Sequence[pb.BlockAddress], start: int) -> list[BlockAddress]:
+    return [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(entries, start)]
+
+
+def _put_items(entries: Sequence[pb.Block], start: int) -> list[PutItem]:
+    return [PutItem(address_from_pb(b.address, f"blocks[{i}].address"), b.payload, b.model, b.checksum)
+            for i, b in enumerate(entries, start)]
+
+
+def _digests(entries: Sequence[bytes], start: int) -> list[bytes]:
+    digests = list(entries)
+    check_digests(digests, start)
+    return digests
+
+
+def _stopped_at(exc: NotFound, start: int, end: int, count: int) -> NotFound:
+    """A slice's NotFound, saying which slice of the request it counted: the call stopped there."""
+    if (start, end) == (0, count):
+        return exc
+    return NotFound(f"{exc}; in addresses[{start}:{end}] of {count}, where the call stopped")
+
+
+@dataclass(slots=True)
+class _Run:
+    """A count from the first digest of a chain, put together slice by slice: a slice's count
+    adds to it while every earlier slice counted whole (a slice may carry one digest more than
+    its ``length``, see :func:`lookup_in_slices`: the count is clamped to the slice)."""
+
+    count: int = 0
+    open: bool = True
+
+    def add(self, count: int, length: int) -> None:
+        if self.open:
+            self.count += min(count, length)
+            self.open = count >= length
+
+
+class _AgentRun:
+    """:meth:`GpuView.longest` (the longest prefix any one agent holds) slice by slice: after the
+    first slice only the agents that held every earlier slice whole can make it longer."""
+
+    def __init__(self, view: GpuView) -> None:
+        self.view = view
+        self.count = 0
+        self.holders: list[int] | None = None     # sessions that held every slice so far; None: no slice yet
+
+    @property
+    def open(self) -> bool:
+        return self.holders is None or bool(self.holders)
+
+    def add(self, part: Sequence[bytes]) -> None:
+        if not self.open:
+            return
+        if self.holders is None:
+            runs = [(info.session, held) for info, held in self.view.overlap(part)]
+        else:
+            runs = [(session, self.view.prefix(session, part)) for session in self.holders]
+        self.count += max((held for _, held in runs), default=0)
+        self.holders = [session for session, held in runs if held == len(part)]
+
+
+async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, size: int) -> LookupResult:
+    """``store.lookup(digests, layer)`` in slices of ``size`` digests, other requests running
+    between slices; the answer is the one a single call gives on a store nobody changes
+    meanwhile (under concurrent Puts and evictions each slice sees the store as it is when its
+    turn comes: a Lookup is a hint either way). It stops after the first slice past which no
+    count can grow, so a chain that misses early costs one slice. Each call is one lookup in the
+    store's counters (``lookups``, the read-latency histogram).
+
+    How slices add up follows Store.lookup without an agent: ``ram``, ``longest``, ``ssd`` and
+    ``peer`` are runs from the first digest of a test on one block at a time (in RAM; in some
+    tier; on SSD; held by a usable peer), so a slice's run adds to the chain's while the
+    chain's run reached the slice (:class:`_Run`). Two things need more:
+
+    - The store answers a chain RAM holds whole without asking every tier (it counts no peer
+      run for it, and counted no SSD run either before it learnt to count SSD copies of RAM
+      blocks). So slices RAM holds whole are kept aside until a digest of the chain is found
+      missing from RAM (``absent``, where RAM's run ends); then they are asked again with
+      ``absent`` after them, and every later slice is asked with it from the start, so the
+      store counts every tier as it does for the whole chain. A digest past a slice's end
+      changes no count within it (counts are clamped to the slice). If RAM holds the whole
+      chain, the slices' answers as they came are the chain's.
+    - ``gpu`` is the longest run of any one agent, not of a per-block test (:class:`_AgentRun`).
+    """
+    if len(digests) <= size:
+        return store.lookup(digests, layer)
+    ram, longest, ssd, peer = _Run(), _Run(), _Run(), _Run()
+    ssd_all_in_ram, peer_all_in_ram = _Run(), _Run()   # the answer if RAM holds the whole chain
+    gpu = _AgentRun(store.gpu)
+    absent: bytes | None = None                  # a digest of the chain RAM does not hold
+    whole_in_ram: list[Sequence[bytes]] = []     # slices RAM held whole, asked before ``absent`` was known
+    for start in range(0, len(digests), size):
+        if start:
+            await asyncio.sleep(0)
+        part = digests[start:start + size]
+        found = store.lookup(part if absent is None else [*part, absent], layer)
+        ram.add(found.ram, len(part))
+        longest.add(found.longest, len(part))
+        gpu.add(part)
+        if absent is None:
+            ssd_all_in_ram.add(found.ssd, len(part))
+            peer_all_in_ram.add(found.peer, len(part))
+            if found.ram == len(part):
+                whole_in_ram.append(part)
+                continue
+            absent = part[found.ram]
+            for held in whole_in_ram:
+                if not (ssd.open or peer.open):
+                    break
+                await asyncio.sleep(0)
+                again = store.lookup([*held, absent], layer)
+                ssd.add(again.ssd, len(held))
+                peer.add(again.peer, len(held))
+            whole_in_ram.clear()
+        ssd.add(found.ssd, len(part))
+        peer.add(found.peer, len(part))
+        if not (ram.open or longest.open or ssd.open or peer.open or gpu.open):
+            break
+    if absent is None:
+        return LookupResult(longest=ram.count, ram=ram.count, ssd=ssd_all_in_ram.count, gpu=gpu.count,
+                            peer=peer_all_in_ram.count)
+    return LookupResult(longest=longest.count, ram=ram.count, ssd=ssd.count, gpu=gpu.count, peer=peer.count)
+
+
 class KvCacheService(pb_grpc.KvCacheServicer):
-    def __init__(self, store: Store, *, max_message_bytes: int, started_at: float | None = None) -> None:
+    def __init__(self, store: Store, *, max_message_bytes: int, started_at: float | None = None,
+                 grpc_config: GrpcSection | None = None) -> None:
         """``max_message_bytes``: the server's message limit, so Get can refuse an answer that
-        would not fit with a message that says what to do instead."""
+        would not fit with a message that says what to do instead. ``grpc_config``: the [grpc]
+        section, for ``max_batch``, ``batch_slice`` and ``lookup_slice`` (None: their defaults)."""
         self.store = store
         self.max_message_bytes = max_message_bytes
         self.started_at = time.time() if started_at is None else started_at
+        limits = grpc_config or GrpcSection()
+        self.max_batch = limits.max_batch
+        self.batch_slice = limits.batch_slice
+        self.lookup_slice = limits.lookup_slice
+
+    async def _slices(self, count: int, size: int | None = None) -> AsyncIterator[tuple[int, int]]:
+        """(start, end) of consecutive slices of ``count`` entries, ``size`` (default
+        ``batch_slice``) long; before each slice but the first, other requests get the event
+        loop (a request of one slice never gives it up)."""
+        size = size or self.batch_slice
+        for start in range(0, count, size):
+            if start:
+                await asyncio.sleep(0)
+            yield start, min(start + size, count)
+
+    async def _decoded(self, method: str, entries: Sequence[E], what: str,
+                       decode: Callable[[Sequence[E], int], list[D]], size: int | None = None) -> list[D]:
+        """A request's list (a repeated field), refused past ``max_batch`` before any entry is
+        read, then ``decode(slice, start)`` slice by slice (:meth:`_slices`)."""
+        check_batch(method, len(entries), what, self.max_batch)
+        out: list[D] = []
+        async for start, end in self._slices(len(entries), size):
+            out += decode(entries[start:end], start)
+        return out
+
+    async def _addresses(self, method: str, request: pb.GetRequest | pb.DeleteRequest) -> list[BlockAddress]:
+        return await self._decoded(method, request.addresses, "addresses", _addresses_from_pb)
 
     @errors_to_status
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        items = [PutItem(address_from_pb(b.address, f"blocks[{i}].address"), b.payload, b.model, b.checksum)
-                 for i, b in enumerate(request.blocks)]
+        items = await self._decoded("Put", request.blocks, "blocks", _put_items)
         result = await self.store.put(items)
         return pb.PutResponse(stored=result.stored, already_present=result.present, declined=result.declined)
 
@@ -147,26 +342,57 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
-        addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
-        total = self.store.stored_bytes(addresses) + 128 * len(addresses)
+        """Sliced (:meth:`_slices`): sized, then fetched. Without ``allow_partial`` it stops at the
+        first slice with a miss, and NOT_FOUND says which slice."""
+        addresses = await self._addresses("Get", request)
+        count = len(addresses)
+        total = 128 * count
+        async for start, end in self._slices(count):
+            total += self.store.stored_bytes(addresses[start:end])
         if total > self.max_message_bytes:
-            raise ResourceExhausted(f"the {len(addresses)} blocks make a response of about {total} bytes, over the "
+            raise ResourceExhausted(f"the {count} blocks make a response of about {total} bytes, over the "
                                     f"message limit of {self.max_message_bytes} bytes (grpc.max_message_mib); "
                                     "use GetStream or smaller batches")
-        found, misses = await self.store.get(addresses, allow_partial=request.allow_partial)
-        return pb.GetResponse(
-            blocks=[pb.Block(address=address_to_pb(f.address), payload=f.payload, checksum=f.checksum) for f in found],
-            misses=[pb.Miss(address=address_to_pb(m.address), reason=m.reason) for m in misses])
+        response = pb.GetResponse()
+        async for start, end in self._slices(count):
+            try:
+                found, misses = await self.store.get(addresses[start:end], allow_partial=request.allow_partial)
+            except NotFound as exc:
+                raise _stopped_at(exc, start, end, count) from None
+            response.blocks.extend(pb.Block(address=address_to_pb(f.address), payload=f.payload, checksum=f.checksum)
+                                   for f in found)
+            response.misses.extend(pb.Miss(address=address_to_pb(m.address), reason=m.reason) for m in misses)
+        return response
+
+    def _unpin_all(self, entries: Sequence[Pinned | Miss]) -> None:
+        for entry in entries:
+            if isinstance(entry, Pinned):
+                self.store.unpin(entry)
 
     async def GetStream(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetChunk]:
-        """The batch is pinned up front (a snapshot no eviction or Delete can break; the store
-        caps how much readers may pin) and each block is released once sent, or when the
-        stream ends early. No view of the arena is held across a yield: every chunk is a copy."""
+        """The batch is pinned up front, slice by slice (a snapshot no eviction or Delete can
+        break once its slice is pinned; the store caps how much readers may pin) and each block
+        is released once sent, or when the stream ends early. Without ``allow_partial`` a miss
+        stops the pinning at its slice and releases what earlier slices pinned. No view of the
+        arena is held across a yield: every chunk is a copy."""
+        entries: list[Pinned | Miss] = []
+        refusal: tuple[grpc.StatusCode, str] | None = None
         try:
-            addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
-            entries = await self.store.pin(addresses, allow_partial=request.allow_partial)
+            addresses = await self._addresses("GetStream", request)
+            async for start, end in self._slices(len(addresses)):
+                try:
+                    entries += await self.store.pin(addresses[start:end], allow_partial=request.allow_partial)
+                except NotFound as exc:
+                    raise _stopped_at(exc, start, end, len(addresses)) from None
         except KvError as exc:
-            await context.abort(_status_of(exc), str(exc))
+            refusal = _status_of(exc), str(exc)
+        except BaseException:          # the client gone between slices
+            self._unpin_all(entries)
+            raise
+        if refusal is not None:        # aborted as errors_to_status does, the request out of reach
+            self._unpin_all(entries)
+            del request, entries
+            await context.abort(*refusal)
         held = [e for e in entries if isinstance(e, Pinned)]
         done = 0
         try:
@@ -190,13 +416,14 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        digests = await self._decoded("Lookup", request.digests, "digests", _digests, self.lookup_slice)
         layer = request.layer if request.HasField("layer") else CROSS_LAYER
-        r = self.store.lookup(list(request.digests), layer)
+        r = await lookup_in_slices(self.store, digests, layer, self.lookup_slice)
         return pb.LookupResponse(longest=r.longest, gpu=r.gpu, ram=r.ram, ssd=r.ssd, peer=r.peer)
 
     @errors_to_status
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
-        addresses = [address_from_pb(a, f"addresses[{i}]") for i, a in enumerate(request.addresses)]
+        addresses = await self._addresses("Delete", request)
         deleted, missing = await self.store.delete(addresses)
         return pb.DeleteResponse(deleted=deleted, not_found=missing)
 
@@ -223,12 +450,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def Overlap(self, request: pb.OverlapRequest, context: grpc.aio.ServicerContext) -> pb.OverlapResponse:
-        digests = list(request.digests)
-        if len(digests) > MAX_BATCH:
-            raise InvalidArgument(f"{len(digests)} digests; at most {MAX_BATCH} per Overlap")
-        for i, digest in enumerate(digests):
-            if len(digest) != DIGEST_BYTES:
-                raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
+        digests = await self._decoded("Overlap", request.digests, "digests", _digests, self.lookup_slice)
         return pb.OverlapResponse(agents=[pb.AgentOverlap(session=info.session, agent_id=info.agent_id, pid=info.pid,
                                                           prefix=prefix)
                                           for info, prefix in self.store.gpu.overlap(digests)])

@@ -18,6 +18,12 @@ A block whose write, fsync or rename fails is discarded (its temporary file remo
 reported failed; an fsync is never retried (after a failed fsync the page cache may already
 have dropped the dirty pages, so a second fsync can succeed without the data being on disk).
 
+Room (:class:`SsdSpace`): a block whose file the tier can never hold (bigger than kv.ssd_gib or
+than the filesystem) is refused before anything is written or evicted, and so is one that would
+not fit even if every file of the tier were evicted (something else fills the disk). A block that
+meets a full disk while being written is written once more after the caller's forced eviction
+(``make_room``), and only its final outcome counts.
+
 Reads and writes use O_DIRECT with page-aligned buffers where the filesystem supports it (the
 payload goes straight between the file and its arena slot), buffered I/O otherwise. All I/O runs
 on a thread pool, so many blocks are in flight at once; the event loop only schedules.
@@ -37,14 +43,16 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Awaitable, Callable, Iterator, Literal
 
 import blake3
 
+from kvcached.fsmodes import make_dirs
 from kvcached.tiers.ssd_format import (HEADER_BYTES, PAGE, SUFFIX, TMP_MARK, BlockHeader, HeaderError, block_dir,
                                       block_name, file_bytes, padded)
 
-__all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "Durability", "DirectIo", "IO_ERROR"]
+__all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "SsdTooLarge", "SsdSpace", "Durability", "DirectIo",
+           "IO_ERROR"]
 
 log = logging.getLogger("kvcached.ssd")
 
@@ -62,7 +70,13 @@ class SsdWriteError(OSError):
 
 
 class SsdFull(SsdWriteError):
-    """The filesystem (or quota) has no room for the block."""
+    """The filesystem (or quota) has no room for the block: it met a full disk while being
+    written, or was refused before because even an empty tier would not make room."""
+
+
+class SsdTooLarge(SsdWriteError):
+    """Refused before anything was written or evicted: the block's file is bigger than the tier
+    can ever hold (kv.ssd_gib, or the filesystem's size). Trying again cannot help."""
 
 
 @dataclass(slots=True)
@@ -74,13 +88,41 @@ class SsdWrite:
     payload: memoryview
 
 
+@dataclass(frozen=True, slots=True)
+class SsdSpace:
+    """The room for block files at one moment (:meth:`SsdTier.space`): what a block's file must
+    fit in before anything is evicted for it. Sizes in bytes."""
+
+    directory: str
+    capacity: int       # kv.ssd_gib: the tier never holds more
+    filesystem: int     # the filesystem's size
+    free: int           # free on it now, for the daemon (statvfs f_bavail)
+    tier: int           # the tier's own files, published or being written (what evicting them all frees)
+
+    def refusal(self, nbytes: int) -> SsdWriteError | None:
+        """Why a block of ``nbytes`` payload bytes must not be written, nothing evicted for it:
+        SsdTooLarge when its file is bigger than the tier could ever be, SsdFull when it is
+        bigger than the free space plus every file of the tier (something else fills the disk).
+        None when it fits, or an eviction could make room for it. The message names the sizes."""
+        size = file_bytes(nbytes)
+        if size > self.capacity or size > self.filesystem:
+            return SsdTooLarge(errno.EFBIG, f"a block of {nbytes} bytes needs a {size}-byte file, more than the SSD "
+                               f"tier can ever hold (kv.ssd_gib is {self.capacity} bytes, the filesystem of "
+                               f"{self.directory} {self.filesystem} bytes); nothing was evicted for it")
+        if size > self.free + self.tier:
+            return SsdFull(errno.ENOSPC, f"the filesystem of {self.directory} is full: a {size}-byte SSD block file "
+                           f"does not fit in its {self.free} free bytes even with all {self.tier} bytes of the SSD "
+                           "tier's files evicted (something else fills the disk); nothing was evicted for it")
+        return None
+
+
 @dataclass(slots=True)
 class SsdCounters:
     writes: int = 0
     write_bytes: int = 0
     file_bytes_written: int = 0       # block files published, headers and padding included (drive wear)
-    write_errors: int = 0
-    no_space: int = 0
+    write_errors: int = 0             # blocks not published in the end (see write_many)
+    no_space: int = 0                 # blocks that met a full disk or were refused for lack of room
     reads: int = 0
     read_bytes: int = 0
     corrupt: int = 0
@@ -127,6 +169,9 @@ class SsdTier:
         self.fresh: set[str] | None = set()
         self.threads = threads
         self._writing = 0            # blocks whose files are being written now (group commit timing)
+        # File bytes of the blocks a write_many call is writing, until it returns (a block it has
+        # published already counts in used_bytes too meanwhile: room is overestimated, never under).
+        self._unsettled_bytes = 0
         self._tmp_serial = itertools.count()
         self._removing: dict[str, asyncio.Future[None]] = {}   # names being unlinked or quarantined
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvcached-ssd")
@@ -142,8 +187,8 @@ class SsdTier:
         """Create the top of the tree (leaf directories come with their first block) and decide
         on O_DIRECT. Raises OSError (unusable directory) or ValueError (``direct_io = "on"``
         where the filesystem refuses it)."""
-        os.makedirs(self.blocks_dir, exist_ok=True)
-        os.makedirs(self.quarantine_dir, exist_ok=True)
+        make_dirs(self.blocks_dir)              # 0700 whatever the umask (kvcached.fsmodes)
+        make_dirs(self.quarantine_dir)
         _fsync_dir(self.directory)
         if self.direct_io_setting == "off":
             self.direct = False
@@ -196,10 +241,64 @@ class SsdTier:
 
     # -- writing ------------------------------------------------------------------------------
 
-    async def write_many(self, writes: list[SsdWrite]) -> list[SsdWriteError | None]:
+    async def write_many(self, writes: list[SsdWrite],
+                         make_room: Callable[[int], Awaitable[object]] | None = None) -> list[SsdWriteError | None]:
         """Publish ``writes`` under the durability mode; per block, None when published or the
-        error that discarded it (SsdFull for no space). The blocks are split into one job per
-        I/O thread (a job per block costs more in hand-offs than a small block's write)."""
+        error that discarded it. A block :meth:`SsdSpace.refusal` refuses is not written at all
+        (SsdTooLarge, SsdFull). Blocks that meet a full disk (SsdFull) are, given ``make_room``,
+        written once more after ``await make_room(n)``, n the file bytes they need (the caller
+        evicts; it must not raise). The counters count each block's final outcome:
+        ``write_errors`` the blocks not published, ``no_space`` those that met a full disk or
+        were refused for lack of room, published in the end or not."""
+        results = self.refusals([w.header.length for w in writes])
+        self.counters.no_space += sum(isinstance(r, SsdFull) for r in results)
+        todo = [i for i, r in enumerate(results) if r is None]
+        for i, r in zip(todo, await self._write_all([writes[i] for i in todo])):
+            results[i] = r
+        met = [i for i in todo if isinstance(results[i], SsdFull)]     # met a full disk while written
+        self.counters.no_space += len(met)
+        if met and make_room is not None:
+            await make_room(sum(file_bytes(writes[i].header.length) for i in met))
+            for i, r in zip(met, await self._write_all([writes[i] for i in met])):
+                if isinstance(r, SsdFull):
+                    r = SsdFull(r.errno, f"the filesystem of {self.directory} is full ({os.strerror(r.errno)}) "
+                                "even after evicting SSD blocks to make room", r.filename)
+                results[i] = r
+        self.counters.write_errors += sum(r is not None for r in results)
+        return results
+
+    def space(self) -> SsdSpace:
+        """The room for block files now (one statvfs; raises OSError if the directory cannot be
+        examined). Until the boot reconcile has counted the tier, all that is used on the
+        filesystem is taken for the tier's (its files of earlier runs are not counted yet), so
+        nothing is refused for room that an eviction could still make."""
+        st = os.statvfs(self.directory)
+        size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        tier = self.used_bytes + self._unsettled_bytes if self.fresh is None else size - free
+        return SsdSpace(self.directory, self.capacity, size, free, tier)
+
+    def refusals(self, sizes: list[int]) -> list[SsdWriteError | None]:
+        """:meth:`SsdSpace.refusal` for blocks of these payload sizes, against one look at the
+        filesystem. If it cannot be examined, nothing is refused here (the writes will say)."""
+        try:
+            space = self.space()
+        except OSError:
+            return [None] * len(sizes)
+        return [space.refusal(n) for n in sizes]
+
+    def free_bytes(self) -> int:
+        """Bytes free on the tier's filesystem for the daemon now (0 if it cannot be examined)."""
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
+    async def _write_all(self, writes: list[SsdWrite]) -> list[SsdWriteError | None]:
+        """Write and publish ``writes``, split into one job per I/O thread (a job per block
+        costs more in hand-offs than a small block's write); per block, None or its error."""
+        if not writes:
+            return []
         loop = asyncio.get_running_loop()
         paths = [self.path_of(w.key, w.header.digest, w.header.layer) for w in writes]
         for path in paths:  # before any file appears: the boot reconcile must not take it for an orphan
@@ -207,10 +306,15 @@ class SsdTier:
         # A removal of the same name still queued on a thread would unlink the new file.
         while pending := {id(f): f for p in paths if (f := self._removing.get(p)) is not None}:
             await asyncio.wait(pending.values())
-        per_job = -(-len(writes) // self.threads) if writes else 1
+        per_job = -(-len(writes) // self.threads)
         chunks = [writes[i:i + per_job] for i in range(0, len(writes), per_job)]
+        unsettled = sum(file_bytes(w.header.length) for w in writes)
+        self._unsettled_bytes += unsettled
         self._writing += len(writes)       # each chunk takes its own off when its files are written
-        results = await asyncio.gather(*(self._write_chunk(loop, chunk) for chunk in chunks))
+        try:
+            results = await asyncio.gather(*(self._write_chunk(loop, chunk) for chunk in chunks))
+        finally:
+            self._unsettled_bytes -= unsettled
         return [r for chunk in results for r in chunk]
 
     async def _write_chunk(self, loop: asyncio.AbstractEventLoop, chunk: list[SsdWrite]) -> list[SsdWriteError | None]:
@@ -239,11 +343,9 @@ class SsdTier:
         return out
 
     def _failed(self, w: SsdWrite, exc: BaseException) -> SsdWriteError:
-        self.counters.write_errors += 1
+        """The error that discarded ``w`` (logged unless it is a full disk; write_many counts)."""
         if isinstance(exc, SsdWriteError):
-            if isinstance(exc, SsdFull):
-                self.counters.no_space += 1
-            else:
+            if not isinstance(exc, SsdFull):
                 log.error("SSD write failed", extra={"fields": {"key": w.key.hex(), "error": str(exc)}})
             return exc
         log.error("SSD write failed", extra={"fields": {"key": w.key.hex(), "error": str(exc)}})
@@ -319,7 +421,7 @@ class SsdTier:
         """Create a leaf directory durably (at most 4096 times in the tier's life): its parent
         and ``blocks/`` are fsynced every time, since another thread may have created the parent
         and not synced ``blocks/`` yet."""
-        os.makedirs(leaf, exist_ok=True)
+        make_dirs(leaf)
         _fsync_dir(os.path.dirname(leaf))
         _fsync_dir(self.blocks_dir)
 

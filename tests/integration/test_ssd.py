@@ -9,16 +9,17 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import blake3
 import grpc
 import pytest
 
 from kvcached.v1 import kvcache_pb2 as pb
+from tests.disks import small_tmpfs
 from kvcached_agent.address import BlockAddress, index_key
 from kvcached.tiers.ssd_format import HEADER_BYTES, block_dir, block_name
 
@@ -132,13 +133,9 @@ def test_damaged_files_are_never_served(make_daemon, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with small_tmpfs(tmp_path / "disk", "4m") as mnt:
+        yield mnt
 
 
 def test_full_disk(make_daemon, tmp_path: Path, small_disk: Path) -> None:

@@ -103,7 +103,7 @@ def run_soak(make_daemon: Callable[..., DaemonProcess], seconds: float) -> None:
     try:
         while time.monotonic() - start < seconds and not load.errors:
             time.sleep(min(5.0, seconds / 20))
-            samples.append((time.monotonic() - start, rss_kib(pid), open_fds(pid)))
+            samples.append((time.monotonic() - start, rss_kib(pid), open_fds(pid, but_under=d.state / "index")))
     finally:
         load.stop.set()
         for t in threads:
@@ -114,7 +114,8 @@ def run_soak(make_daemon: Callable[..., DaemonProcess], seconds: float) -> None:
     report("soak", seconds=round(samples[-1][0]), blocks_written=load.written, blocks_read_bit_exact=load.read_ok,
            misses=load.missed, refused=load.refused, errors=len(load.errors),
            rss_mib_after_warmup=round(first[1] / 1024, 1), rss_mib_end=round(last[1] / 1024, 1),
-           rss_mib_peak=round(peak / 1024, 1), fds_after_warmup=first[2], fds_end=last[2])
+           rss_mib_peak=round(peak / 1024, 1), fds_after_warmup=first[2], fds_end=last[2],
+           index_files_open_end=open_fds(pid) - open_fds(pid, but_under=d.state / "index"))
     assert not load.errors, load.errors[:5]
     assert load.written > 0 and load.read_ok > 0 and load.refused > 0
     assert last[1] - first[1] < 64 * 1024, "RSS kept growing after the warm-up"

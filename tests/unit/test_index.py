@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
 import struct
+import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 from rocksdict import Options, Rdict
 
-from kvcached.index import SCHEMA_VERSION, BlockIndex, BlockRecord, GoneReason, IndexError_, Tier
+from kvcached.errors import Unavailable
+from kvcached.index import (RETRY_FIRST_S, SCHEMA_VERSION, BlockIndex, BlockRecord, GoneReason, IndexError_,
+                            IndexUnwritable, Tier)
+from tests.disks import fill, small_tmpfs
 
 NOW = 1_000_000.0
 TTL = 3600.0
@@ -272,9 +279,15 @@ def test_wrong_schema_version(index_factory: Callable[..., BlockIndex], tmp_path
 
 
 def test_open_creates_the_directory(tmp_path: Path) -> None:
-    index = BlockIndex(tmp_path / "a" / "b")
+    old = os.umask(0)                     # what a daemon started by hand under umask 000 would have
+    try:
+        index = BlockIndex(tmp_path / "a" / "b")
+    finally:
+        os.umask(old)
     try:
         assert (tmp_path / "a" / "b").is_dir()
+        for made in (tmp_path / "a", tmp_path / "a" / "b"):
+            assert stat.S_IMODE(made.stat().st_mode) == 0o700, "the index and its new parents are private"
     finally:
         index.close()
 
@@ -283,3 +296,94 @@ def test_cannot_open_a_file(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises((IndexError_, OSError)):
         BlockIndex(tmp_path / "file")
+
+
+# ---------------------------------------------------------------------------------------------
+# a full disk: writes refused, reads go on, recovery without a restart (a real 4 MiB tmpfs)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with small_tmpfs(tmp_path / "disk", "4m") as mnt:
+        yield mnt
+
+
+def write_until_refused(index: BlockIndex, first: int) -> int:
+    """Put records first, first+1, ... until the index refuses one; returns how many it took."""
+    n = first
+    with pytest.raises(IndexUnwritable) as refused:
+        while True:
+            index.write([(key(n), record(n))])
+            n += 1
+    assert "No space left on device" in str(refused.value)
+    assert isinstance(refused.value, Unavailable), "the API answers UNAVAILABLE"
+    return n - first
+
+
+def recover_within(index: BlockIndex, seconds: float, now: Callable[[], float] = time.monotonic) -> None:
+    deadline = time.monotonic() + seconds
+    while not index.recover(now()):
+        assert time.monotonic() < deadline, f"not writable after {seconds} s: {index.unwritable_reason}"
+        time.sleep(0.05)
+
+
+def test_a_full_disk_refuses_writes_keeps_reads_and_recovers(small_disk: Path) -> None:
+    index = BlockIndex(small_disk / "index")
+    index.write([(key(n), record(n)) for n in range(100)])
+    hog = fill(small_disk)
+    accepted = write_until_refused(index, 100)         # the page cache takes a few more
+    acked = 100 + accepted
+    assert not index.writable and index.write_failures == 1
+    with pytest.raises(IndexUnwritable, match="takes no writes until it recovers by itself"):
+        index.write([(key(9999), record(9999))])        # refused at once, RocksDB not asked
+    assert index.write_failures == 2
+    assert [index.get(key(n)) for n in range(acked)] == [record(n) for n in range(acked)], "reads go on"
+    assert not index.recover(time.monotonic()), "nothing is tried while the disk is full"
+    assert [index.get(key(n)) for n in range(acked)] == [record(n) for n in range(acked)]
+
+    hog.unlink()
+    recover_within(index, 10)
+    assert index.writable and index.recoveries == 1
+    index.write([(key(n), record(n)) for n in range(acked, acked + 10)])
+    assert [index.get(key(n)) for n in range(acked + 10)] == [record(n) for n in range(acked + 10)]
+    index.close()
+    again = BlockIndex(small_disk / "index")            # what a restart reads: nothing acknowledged lost
+    try:
+        assert [again.get(key(n)) for n in range(acked + 10)] == [record(n) for n in range(acked + 10)]
+        assert again.get(key(9999)) is None, "the refused write never happened"
+    finally:
+        again.close()
+
+
+def test_recovery_waits_for_a_reader_of_the_old_instance_and_backs_off(
+        small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A scan in progress on a worker thread keeps the failed RocksDB instance alive: the reopen
+    cannot take its lock. Reads go on from a read-only view; the next try waits RETRY_FIRST_S."""
+    index = BlockIndex(small_disk / "index")
+    index.write([(key(n), record(n)) for n in range(50)])
+    scan = index.scan()
+    assert next(scan)[0] == key(0)                      # an iterator on the writer, held
+    hog = fill(small_disk)
+    acked = 50 + write_until_refused(index, 50)
+    hog.unlink()
+    caplog.set_level(logging.WARNING, logger="kvcached.index")
+    t = 100.0                                           # the backoff's clock, moved by hand
+    deadline = time.monotonic() + 10
+    while "still not writable" not in caplog.text:
+        assert not index.recover(t)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert "lock" in index.unwritable_reason
+    assert [index.get(key(n)) for n in range(acked)] == [record(n) for n in range(acked)], "read from the view"
+    with pytest.raises(IndexUnwritable):
+        index.write([(key(9999), record(9999))])
+    caplog.clear()
+    assert not index.recover(t + RETRY_FIRST_S / 2) and not caplog.text, "no new try within the backoff"
+    assert list(scan)[-1][0] == key(49), "the scan went on over the old instance (as of its start)"
+    del scan                                             # it lets the old instance go
+    recover_within(index, 10, lambda: t + RETRY_FIRST_S)
+    assert index.recoveries == 1
+    index.write([(key(9999), record(9999))])
+    assert index.get(key(9999)) == record(9999)
+    assert [index.get(key(n)) for n in range(acked)] == [record(n) for n in range(acked)]
+    index.close()

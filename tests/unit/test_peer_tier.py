@@ -28,7 +28,7 @@ from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import ALPN, PeerAuth, QuicOptions
 from kvcached.policies.clock import ClockPolicy
-from kvcached.store import PutItem, Store
+from kvcached.store import LookupResult, PutItem, Store
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from tests.certificates import expired_certificate
@@ -211,6 +211,21 @@ def test_delete_drops_and_snapshot_replaces(tmp_path: Path) -> None:
             await until(lambda: b.t.directory.count(A) == 2, "A's snapshot on reconnect")
             assert [holders(b, n) for n in range(6)] == [[], [], [], [], [A], [A]]
             assert b.store.lookup(digests(range(4, 6)), 0).peer == 2
+    asyncio.run(body())
+
+
+def test_lookup_counts_peers_for_a_chain_all_in_ram(tmp_path: Path) -> None:
+    """Lookup answers what is true per tier: a chain held whole in RAM here that a peer holds
+    too counts in ``peer``, as it would for a chain that goes past RAM."""
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            a, b = c[A], c[B]
+            await a.store.put(items(range(6)))
+            await b.store.put(items(range(4)))
+            await until(lambda: b.t.directory.count(A) == 6, "announcements")
+            assert b.store.lookup(digests(range(4)), 0) == LookupResult(longest=4, ram=4, ssd=0, gpu=0, peer=4)
+            assert b.store.lookup(digests(range(6)), 0) == LookupResult(longest=6, ram=4, ssd=0, gpu=0, peer=6)
+            assert b.store.lookup(digests(range(6, 8)), 0).peer == 0
     asyncio.run(body())
 
 

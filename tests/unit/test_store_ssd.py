@@ -17,8 +17,9 @@ from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.store import PutItem, Store
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
-from kvcached.tiers.ssd import SsdTier
+from kvcached.tiers.ssd import SsdFull, SsdSpace, SsdTier, SsdTooLarge
 from kvcached.tiers.ssd_format import HEADER_BYTES, file_bytes
+from tests.disks import fill, small_tmpfs
 from tests.unit.conftest import KIB, SLAB, FakeClock, SyncStore, address, digest, payload
 
 TTL = 3600.0
@@ -191,12 +192,8 @@ def test_delete_removes_the_file(make_store: Callable[..., SyncStore], index: Bl
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A real filesystem of 1 MiB."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null") != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mnt
-    os.system(f"umount {mnt}")
+    with small_tmpfs(tmp_path / "small", "1m") as mnt:
+        yield mnt
 
 
 def test_full_disk_forces_eviction_then_refuses(make_store: Callable[..., SyncStore], index: BlockIndex,
@@ -307,3 +304,177 @@ def test_a_block_put_under_write_back_is_made_durable_by_a_write_through_put(
     store.write_policy = "write_through"
     assert store.put([item(1)]).present == 1
     assert index.get(address(1).key).tiers == Tier.RAM | Tier.SSD
+
+
+# -- Lookup's SSD column for blocks held in RAM too (issue 20, part 2) --------------------------
+
+
+def ssd_truth(store: SyncStore, ns: list[int]) -> int:
+    """The SSD column as the index says it: how many of blocks ``ns``, from the first, have an
+    SSD copy."""
+    tiers = store.index.tiers_of([address(n).key for n in ns])
+    return next((i for i, t in enumerate(tiers) if not t & Tier.SSD), len(ns))
+
+
+def assert_lookup(store: SyncStore, ns: list[int], ram: int, ssd: int) -> None:
+    r = store.lookup([digest(n) for n in ns], 0)
+    assert (r.longest, r.ram, r.ssd) == (ram, ram, ssd)
+    assert r.ssd == ssd_truth(store, ns), "Lookup's SSD column is what the index says"
+
+
+def test_lookup_counts_the_ssd_copies_of_a_chain_all_in_ram(policy_store: Callable[..., SyncStore],
+                                                            clock: FakeClock) -> None:
+    """A block in RAM and on SSD counts in both columns, whether or not the chain goes past
+    RAM; SSD copies dropped later stop counting at once."""
+    store = policy_store("write_back")
+    chain = [1, 2, 3, 4]
+    store.put([item(n) for n in chain])
+    assert_lookup(store, chain, ram=4, ssd=0)             # dirty: not written back yet
+    assert store.demote() == 4
+    assert_lookup(store, chain, ram=4, ssd=4)
+    assert_lookup(store, chain + [99], ram=4, ssd=4)      # the chain past RAM: the other path agrees
+    store.put([item(5)])
+    assert_lookup(store, chain + [5], ram=5, ssd=4)       # block 5 is dirty
+    assert store.drop_from_ssd([address(2).key]) == (1, 0, 0)
+    assert_lookup(store, chain, ram=4, ssd=1)             # block 2 is in RAM only now
+    assert store.write_back_all() == 2                    # blocks 2 and 5 published again
+    assert_lookup(store, chain + [5], ram=5, ssd=5)
+    clock.advance(8 * 86400.0)                            # past the SSD tier's TTL (7 days)
+    assert store.evict_ssd() == 5
+    assert_lookup(store, chain + [5], ram=5, ssd=0)       # their RAM copies stay, clean
+
+
+def test_lookup_follows_capacity_eviction_in_the_ssd_policys_order(policy_store: Callable[..., SyncStore]) -> None:
+    store = policy_store("write_back", ssd_policy="s3fifo", ssd_capacity=2 * file_bytes(60 * KIB))
+    chain = [1, 2, 3, 4]
+    store.put([item(n) for n in chain])
+    store.demote()
+    assert_lookup(store, chain, ram=4, ssd=4)
+    assert store.evict_ssd() == 2                         # over kv.ssd_gib: two SSD copies go
+    r = store.lookup([digest(n) for n in chain], 0)
+    assert r.ram == 4 and r.ssd == ssd_truth(store, chain) < 4
+
+
+def test_lookup_forgets_an_ssd_copy_when_its_block_is_deleted(policy_store: Callable[..., SyncStore]) -> None:
+    """A block deleted and put again is a new block: with the day's SSD budget spent it stays in
+    RAM only, and Lookup must not remember the SSD copy the old one had."""
+    store = policy_store("write_back", budget=4 * file_bytes(60 * KIB))
+    chain = [1, 2, 3, 4]
+    store.put([item(n) for n in chain])
+    store.demote()
+    assert_lookup(store, chain, ram=4, ssd=4)
+    assert store.delete([address(1)]) == (1, 0)
+    store.put([item(1)])
+    store.demote()                                        # the budget refuses it: RAM only, clean
+    assert store.ram.get(address(1).key).clean and store.counters.ssd_budget_declined == 1
+    assert_lookup(store, chain, ram=4, ssd=0)
+
+
+def test_lookup_of_blocks_written_through_or_held_back(policy_store: Callable[..., SyncStore]) -> None:
+    through = policy_store("write_through")
+    through.put([item(n) for n in (1, 2, 3)])
+    assert_lookup(through, [1, 2, 3], ram=3, ssd=3)
+    held = policy_store("write_through_selective", threshold=2)
+    held.put([item(n) for n in (11, 12)])
+    assert_lookup(held, [11, 12], ram=2, ssd=0)           # held in RAM until their second hit
+
+
+# -- counting what happened on a full disk (issue 20, part 2) ---------------------------------
+
+
+def test_a_write_that_succeeds_after_a_forced_eviction_is_no_error(make_store: Callable[..., SyncStore],
+                                                                   small_fs: Path) -> None:
+    store = make_store("write_through", directory=small_fs / "ssd", durability="batch")
+    store.ssd.reconciled(0, 0, 0)          # as the boot reconcile does: the tier's size is known
+    for n in range(1, 25):                 # 1 MiB holds about 14 files of 64 KiB
+        assert store.put([item(n, 60 * KIB)]).stored == 1
+    c, sc = store.counters, store.ssd.counters
+    assert sc.no_space >= 1, "the disk was met full"
+    assert sc.write_errors == 0, "every block was published in the end"
+    assert c.ssd_full_disk_evictions >= 1 and c.ssd_evictions_capacity == c.ssd_full_disk_evictions
+    assert c.ssd_full_disk_evictions <= 2 * sc.no_space, "each forced eviction freed what one block needs"
+    assert store.stats()["ssd_write_errors"] == 0 and store.stats()["ssd_full_disk_evictions"] >= 1
+    store.evict_ssd(need_bytes=1 << 30)    # then nothing left to evict, and another file fills the disk
+    fill(small_fs)
+    with pytest.raises(ResourceExhausted, match="is full") as err:
+        store.put([item(30, 60 * KIB)])
+    assert "nothing was evicted" in str(err.value) and "nothing was stored" in str(err.value)
+    assert sc.write_errors == 0, "refused before any write: the Put failed, no SSD write did"
+
+
+# -- room: what a full disk may cost the SSD tier (issue 20, part 3) --------------------------
+
+
+def test_room_refusals() -> None:
+    """SsdSpace.refusal: never (bigger than kv.ssd_gib or the filesystem), not now even with
+    the tier emptied (something else fills the disk), or an eviction may make room."""
+    space = SsdSpace("/ssd", capacity=1 << 20, filesystem=8 << 20, free=4096, tier=60 * KIB)
+    assert space.refusal(60 * KIB) is None                # a 64 KiB file: evicting the tier makes room
+    full = space.refusal(60 * KIB + 1)                    # a 68 KiB file: more than free + tier
+    assert isinstance(full, SsdFull) and "is full" in full.strerror and str(68 * KIB) in full.strerror
+    too_large = space.refusal(1 << 20)                    # a file over kv.ssd_gib
+    assert isinstance(too_large, SsdTooLarge) and str(1 << 20) in too_large.strerror
+    roomy = SsdSpace("/ssd", capacity=1 << 30, filesystem=8 << 20, free=8 << 20, tier=0)
+    assert isinstance(roomy.refusal(12 << 20), SsdTooLarge), "bigger than the filesystem"
+    assert "filesystem of /ssd 8388608 bytes" in roomy.refusal(12 << 20).strerror
+
+
+def test_write_through_refuses_a_block_the_tier_can_never_hold(policy_store: Callable[..., SyncStore],
+                                                              index: BlockIndex) -> None:
+    store = policy_store("write_through", ssd_capacity=48 * KIB)
+    store.put([item(1, 8 * KIB), item(2, 8 * KIB)])
+    with pytest.raises(ResourceExhausted) as err:
+        store.put([item(3, 8 * KIB), item(4, 60 * KIB)])
+    text = str(err.value)
+    assert "block 1" in text and f"{60 * KIB} bytes" in text and f"kv.ssd_gib is {48 * KIB} bytes" in text
+    assert "nothing was stored" in text
+    assert index.get(address(3).key) is None and index.get(address(4).key) is None
+    assert store.ram.get(address(3).key) is None and store.ssd.blocks == 2, "nothing stored, nothing evicted"
+    assert store.counters.ssd_evictions_capacity == 0
+    (one, two), _ = store.get([address(1), address(2)])
+    assert one.payload == payload(1, 8 * KIB) and two.payload == payload(2, 8 * KIB)
+
+
+def test_write_back_keeps_a_block_the_tier_can_never_hold_in_ram(policy_store: Callable[..., SyncStore],
+                                                                 index: BlockIndex) -> None:
+    store = policy_store("write_back", ssd_capacity=48 * KIB)
+    store.put([item(1, 8 * KIB)])
+    assert store.demote() == 1
+    store.put([item(2, 60 * KIB)])
+    assert store.demote() == 1, "it leaves the dirty list: no write can ever take it"
+    assert store.ssd.counters.write_errors == 1 and store.ssd.blocks == 1
+    assert index.get(address(2).key).tiers == Tier.RAM and store.ram.get(address(2).key).clean
+    assert store.demote() == 0 and store.ssd.counters.write_errors == 1, "not tried again"
+    assert store.counters.ssd_evictions_capacity == 0 and index.get(address(1).key).tiers & Tier.SSD
+    (found,), _ = store.get([address(2)])
+    assert found.payload == payload(2, 60 * KIB)
+
+
+def test_forced_eviction_is_bounded_when_evicting_frees_nothing(make_store: Callable[..., SyncStore],
+                                                                index: BlockIndex, clock: FakeClock,
+                                                                small_fs: Path) -> None:
+    """The tier's files are held open elsewhere (unlinking them frees no space) and a foreign
+    file fills the rest: a write that meets the full disk evicts at most twice what it needs,
+    then fails cleanly; the other blocks stay."""
+    store = make_store("write_through", directory=small_fs / "ssd", durability="batch")
+    for n in range(1, 11):
+        clock.advance(1)                   # oldest first in the SSD queue
+        store.put([item(n, 60 * KIB)])
+    held = [open(file_of(store, n), "rb") for n in range(1, 11)]
+    try:
+        fill(small_fs)
+        with pytest.raises(ResourceExhausted, match="even after evicting"):
+            store.put([item(20, 60 * KIB)])
+        need = file_bytes(60 * KIB)
+        assert store.counters.ssd_full_disk_evictions == 2, f"evicted 2 x {need} bytes at most"
+        on_ssd = [n for n in range(1, 11) if index.get(address(n).key).tiers & Tier.SSD]
+        assert on_ssd == list(range(3, 11)), "the two oldest went, the rest stay"
+        assert store.ssd.counters.write_errors == 1 and store.ssd.counters.no_space == 1
+    finally:
+        for f in held:
+            f.close()
+    assert store.put([item(20, 60 * KIB)]).stored == 1, "the two evicted files' space is free now"
+    assert store.counters.ssd_full_disk_evictions == 2
+    for n in range(3, 11):                 # one at a time: the test arena holds 4 blocks
+        (found,), _ = store.get([address(n)])
+        assert found.payload == payload(n, 60 * KIB)
