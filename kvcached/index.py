@@ -61,6 +61,12 @@ _AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldes
 _SENTINEL = b"write_check"      # in ``meta``: what a recovery writes and reads back
 KEEP_LOG_FILES = 16             # RocksDB's LOG.old files kept (each open, recoveries' included, starts one)
 RECOVERY_HEADROOM = 1 << 20     # free bytes wanted beyond the WAL's size before a reopen is tried
+# Memory and disk the index may hold beyond its table files. The blocks family takes nearly all
+# writes; the small families would never fill a memtable of their own, and a WAL is kept until
+# every family with data in it has flushed: without a cap on the WALs they grow (RocksDB's
+# default cap is 4x all the write buffers, about 2 GiB here) and so does a restart's replay.
+MEMTABLE_BYTES = 32 << 20       # every family's memtables together; past it the largest is flushed
+MAX_WAL_BYTES = 64 << 20        # past it the families holding the oldest WAL are flushed, the WAL deleted
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 16.0   # wait after a failed recovery attempt, doubling
 
 
@@ -216,6 +222,8 @@ class BlockIndex:
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
         opts.set_keep_log_file_num(KEEP_LOG_FILES)
+        opts.set_db_write_buffer_size(MEMTABLE_BYTES)
+        opts.set_max_total_wal_size(MAX_WAL_BYTES)
         return Rdict(self.path, opts, column_families=families)
 
     def _bind(self, db: Rdict, *, read_only: bool) -> Rdict | None:

@@ -15,8 +15,8 @@ import pytest
 from rocksdict import Options, Rdict
 
 from kvcached.errors import Unavailable
-from kvcached.index import (RETRY_FIRST_S, SCHEMA_VERSION, BlockIndex, BlockRecord, GoneReason, IndexError_,
-                            IndexUnwritable, Tier)
+from kvcached.index import (MAX_WAL_BYTES, MEMTABLE_BYTES, RETRY_FIRST_S, SCHEMA_VERSION, BlockIndex, BlockRecord,
+                            GoneReason, IndexError_, IndexUnwritable, Tier)
 from tests.disks import fill, small_tmpfs
 
 NOW = 1_000_000.0
@@ -105,6 +105,14 @@ def test_get_put_delete(index: BlockIndex) -> None:
     assert index.get(key(2)) is None
     index.write(deletes=[key(99)])                       # deleting an absent key is fine
     index.write()                                        # nothing to do
+
+
+def test_memtables_and_wal_are_capped(index: BlockIndex) -> None:
+    """The caps RocksDB was opened with, as it wrote them in its OPTIONS file: without the WAL
+    cap the small families, which never fill a memtable, keep every WAL alive."""
+    options = max(Path(index.path).glob("OPTIONS-*"), key=lambda p: int(p.name.split("-")[1])).read_text()
+    assert f"max_total_wal_size={MAX_WAL_BYTES}" in options.replace(" ", "")
+    assert f"db_write_buffer_size={MEMTABLE_BYTES}" in options.replace(" ", "")
 
 
 def test_write_is_atomic(index: BlockIndex) -> None:
