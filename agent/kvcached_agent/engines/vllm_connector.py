@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace  # noqa: E402
+from kvcached_agent.engines.fingerprint import model_name, weights_fingerprint  # noqa: E402
 from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp, SchedulerSide  # noqa: E402
 from kvcached_agent.engines.vllm_worker import WorkerSide, page_views  # noqa: E402
 
@@ -60,6 +61,14 @@ def _ranks(worker: bool) -> tuple[int, int]:
     return 0, 0
 
 
+def _model_name(vllm_config: "VllmConfig", spec: Any) -> str:
+    """The model's name in every address: its folder's name and a fingerprint of its config,
+    weights and KV layout (kvcached_agent.engines.fingerprint), never the path string alone."""
+    mc = vllm_config.model_config
+    return model_name(mc.model, mc.hf_config.to_dict(), weights_fingerprint(mc.model, mc.revision),
+                      (type(spec).__name__, repr(spec)))
+
+
 class KvcachedConnector(KVConnectorBase_V1):
     """vLLM's KV connector interface over the kvcached agent (see the module docstring)."""
 
@@ -81,7 +90,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         if not per_block:
             raise ValueError(f"kv_connector_extra_config: block_tokens ({block_tokens}) must be a multiple of "
                              f"vLLM's block size ({page_tokens})")
-        model = vllm_config.model_config.model
+        model = _model_name(vllm_config, spec)
         dtype = str(spec.dtype).removeprefix("torch.")
         parallel = vllm_config.parallel_config
         rank, pp_rank = _ranks(role == KVConnectorRole.WORKER)
@@ -93,6 +102,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                            layer_block_bytes=self._page_bytes * per_block, namespace=namespace)
         root = agent.root                 # the chain root of this rank's addresses (model, dtype, size, namespace)
         self.agent = agent
+        self.model_name = model           # what the daemon knows this model as (Admin Evict, chain_digests)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from kvcached_agent.engines import versions
 
-versions.require("vllm")
+versions.require("vllm", since="0.33.0")   # ConfigInfo and the tiering interface are 0.33's
 
 import hashlib  # noqa: E402
 import json  # noqa: E402
