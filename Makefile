@@ -113,7 +113,7 @@ system-deps:
 # bench_agent.py and gpu_copy.py (which only says it skipped where CUDA is missing) get --quick if BENCH_ARGS has it.
 SSD_BENCH_ARGS ?= $(filter --quick,$(BENCH_ARGS))
 
-bench: install engines-venv system-deps
+bench: install engines-venv e2e-venv system-deps
 	$(PY) bench/bench_core.py $(BENCH_ARGS)
 	$(PY) bench/bench_ssd.py $(SSD_BENCH_ARGS)
 	$(PY) bench/bench_agent.py $(filter --quick,$(BENCH_ARGS))
@@ -123,6 +123,7 @@ bench: install engines-venv system-deps
 	$(PY) bench/bench_policies.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_hostile.py $(filter --quick,$(BENCH_ARGS))
 	$(ENGINES_PY) bench/bench_engines.py $(filter --quick,$(BENCH_ARGS))
+	$(E2E_PY) bench/bench_e2e.py $(filter --quick,$(BENCH_ARGS))
 
 # A cluster CA and certificates for three nodes on this machine (docs/peers.md); CERT_NODES to change.
 CERT_NODES ?= node-a node-b node-c

@@ -69,7 +69,7 @@ def _placed(pieces: Sequence[Piece | int], offset: int, tensors: list[Piece], of
 
 @dataclass(slots=True)
 class SaveResult:
-    stored: int = 0                                        # written and committed now
+    stored: int = 0                                        # written and committed now (confirm=False: commit sent)
     present: int = 0                                       # the daemon had them already
     declined: int = 0                                      # the daemon's admission policy did not take them
     skipped: list[int] = field(default_factory=list)       # indexes not stored (busy, full, failed)
@@ -241,11 +241,19 @@ class Agent:
         return p.LookupResult(join(first.longest, rest.longest), join(first.gpu, rest.gpu), join(first.ram, rest.ram),
                               join(first.ssd, rest.ssd), join(first.peer, rest.peer))
 
-    def save(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block]) -> SaveResult:
+    def save(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], *, confirm: bool = True) -> SaveResult:
         """Store each tensor's bytes (or a list of tensors' bytes, in order) as the block at the
         same position. Blocks the daemon has already are not copied again. Returns what was
         stored; blocks it could not take now (busy, no room, the daemon away) are listed in
-        ``skipped``."""
+        ``skipped``.
+
+        ``confirm=False`` returns once the bytes are in the arena and the Commit is sent, without
+        waiting for its answer: the tensors may be reused at once, and the caller does not wait
+        for the daemon's checksums or (under write-through) its SSD write. A block the daemon
+        could not keep in the end is then not reported here (the daemon counts it); ``stored``
+        counts the commits sent. For a cache in an engine's step, where a block not kept is
+        merely computed again later. The daemon's limit of 64 waiting requests per agent still
+        applies: past it the next call waits, which is the back-pressure a writer needs."""
         if len(addresses) != len(tensors):
             raise ValueError(f"{len(addresses)} addresses but {len(tensors)} tensors")
         result = SaveResult()
@@ -255,7 +263,7 @@ class Agent:
             nonlocal done
             for start in range(0, len(addresses), p.MAX_BATCH):
                 end = start + p.MAX_BATCH
-                self._save_batch(addresses[start:end], tensors[start:end], start, result)
+                self._save_batch(addresses[start:end], tensors[start:end], start, result, confirm)
                 done = min(end, len(addresses))
             return True
         if not self._guarded(work, False):
@@ -263,7 +271,7 @@ class Agent:
         return result
 
     def _save_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], base: int,
-                    result: SaveResult) -> None:
+                    result: SaveResult, confirm: bool = True) -> None:
         assert self.client is not None
         blocks = [_pieces(t) for t in tensors]
         if any(isinstance(piece, int) for pieces in blocks for piece in pieces):
@@ -293,6 +301,10 @@ class Agent:
         except BaseException:
             self.client.send(p.Release(handles))      # the slots go back; nothing half-written is kept
             raise
+        if not confirm:
+            self.client.send(p.Commit(handles))          # its answer is read (and dropped) by a later call
+            result.stored += len(todo)
+            return
         committed = self.client.call(p.Commit(handles))
         assert isinstance(committed, p.Committed)
         for (i, _, _), status in zip(todo, committed.statuses):

@@ -395,6 +395,34 @@ def test_blocks_saved_by_an_agent_come_back_from_ssd(make_daemon, write_policy: 
         wait_stats(c, agents=1, held=0)
 
 
+def test_a_save_that_does_not_wait_for_its_commit(make_daemon) -> None:
+    """confirm=False (an engine's step): save returns once the bytes are in the arena and the
+    Commit is sent; under write-through the SSD publish happens after it. The answers it did not
+    wait for are read by later calls without confusing them, and every block comes back exact."""
+    daemon = make_daemon('kv.write_policy="write_through"')
+    size, n = 64 * KIB, 48
+    gen = torch.Generator().manual_seed(9)
+    with daemon.client() as c, connect(daemon, "nowait", dtype="float32", num_layers=1, layer_block_bytes=size) as agent:
+        digests = agent.hash_tokens(list(range(16 * n)))
+        addresses = agent.addresses(digests)
+        data = [random_tensor((size // 4,), torch.float32, gen) for _ in addresses]
+        expected = [tensor_bytes(t) for t in data]
+        for i in range(0, n, 4):                  # twelve saves, no answer waited for
+            r = agent.save(addresses[i:i + 4], data[i:i + 4], confirm=False)
+            assert (r.stored, r.skipped) == (4, [])
+            for t in data[i:i + 4]:
+                t.zero_()                          # the tensors are free once save returns
+        wait_for(lambda: agent.lookup(digests).ssd == n, 30, "every block committed and on SSD")
+        again = agent.save(addresses[:4], [torch.zeros(size // 4) for _ in range(4)])
+        assert (again.stored, again.present) == (0, 4)
+        dst = [torch.zeros(size // 4, dtype=torch.float32) for _ in range(n)]
+        assert agent.load(addresses, dst).loaded == n
+        assert [tensor_bytes(t) for t in dst] == expected
+        (block,), _ = c.get([addresses[5]])
+        assert block.payload == expected[5]
+        wait_stats(c, agents=1, held=0)
+
+
 def test_agent_mistakes_give_back_what_they_held(daemon) -> None:
     """A save or load that fails on the agent's side (a tensor of the wrong size, one not
     contiguous) releases its slots and pins; a block over the size limit is skipped."""
