@@ -24,6 +24,7 @@ HAVE_ENGINE = importlib.util.find_spec("vllm") is not None and importlib.util.fi
 
 if HAVE_ENGINE:
     from tests.integration.conftest import daemon, make_daemon  # noqa: F401  (fixtures)
+    from tests.integration.test_peers import cluster  # noqa: F401  (fixture)
 else:
     collect_ignore_glob = ["test_*.py"]
 
@@ -62,6 +63,7 @@ def engine(tmp_path: Path) -> EngineRun:
         env = {**os.environ, "KVCACHED_FINGERPRINT_CACHE": str(tmp_path / "weights.json")}
         proc = subprocess.run([sys.executable, "-m", "tests.e2e.engine_run", str(plan_path), str(result_path)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+        (tmp_path / f"engine-{n}.log").write_text(proc.stdout + proc.stderr)   # kept for a failed test's reader
         if proc.returncode != 0:
             raise AssertionError(f"engine exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
         return json.loads(result_path.read_text())

@@ -8,9 +8,11 @@ The plan (JSON): ``model`` (a folder), ``block_size`` (vLLM's; its CPU attention
 of 32), ``max_model_len``, ``connector``: null (no connector), or ``{"kind": "kvcached",
 "socket": ..., "extra": {...}}`` (KvcachedConnector) or ``{"kind": "offloading", "cpu_gib":
 ...}`` (vLLM's own CPU offloading), and ``rounds``: a list of rounds, each ``{"prompts": [[token
-ids]...], "max_tokens": N, "reset_prefix_cache": bool}``, served one round after the other
-(each round one ``generate``; ``reset_prefix_cache`` empties vLLM's own prefix cache first, as a
-new engine's is).
+ids]...], "max_tokens": N, "reset_prefix_cache": bool, "wait_for": path, "signal": path}``,
+served one round after the other (each round one ``generate``; ``reset_prefix_cache`` empties
+vLLM's own prefix cache first, as a new engine's is; ``wait_for`` waits until that file exists
+and ``signal`` creates that file as the round starts: how a test does something to the daemon
+at a known point of the engine's work).
 
 The result (JSON): per round, its wall time and per prompt the generated ``token_ids``, the
 chosen tokens' ``logprobs`` (exact floats: JSON keeps every bit of a double) and
@@ -32,6 +34,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+WAIT_FOR_S = 300.0
 
 
 def transfer_config(connector: dict[str, Any] | None) -> Any:
@@ -63,9 +67,17 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         params = SamplingParams(max_tokens=round_.get("max_tokens", 8), temperature=0.0, logprobs=0,
                                 ignore_eos=True, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in round_["prompts"]]
+        if round_.get("wait_for"):
+            deadline = time.monotonic() + WAIT_FOR_S
+            while not os.path.exists(round_["wait_for"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{round_['wait_for']} did not appear within {WAIT_FOR_S} s")
+                time.sleep(0.05)
         if round_.get("reset_prefix_cache") and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running)")
         t = time.perf_counter()
+        if round_.get("signal"):
+            open(round_["signal"], "w").close()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         took = time.perf_counter() - t
         result["rounds"].append({"seconds": took, "outputs": [{

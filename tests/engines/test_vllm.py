@@ -214,7 +214,9 @@ def test_blocks_of_two_vllm_pages_load_around_a_local_hit_that_ends_inside_one(d
     assert e.scheduler.reset_prefix_cache()
     e.add("warm", PROMPT[:17], max_tokens=1)                      # vLLM keeps one 16-token page of it
     e.run()
-    e.add("second", PROMPT + [1])
+    second = e.add("second", PROMPT + [1])
+    _, local, _ = e.scheduler.kv_cache_manager.get_computed_blocks(second)
+    assert local == PAGE_TOKENS, "vLLM's own prefix cache holds one page of the prompt (the path under test)"
     loads_bit_exact(e, "second", 6, 32)                            # 16 tokens local, 176 loaded
 
 

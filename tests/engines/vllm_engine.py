@@ -28,6 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
@@ -90,6 +92,12 @@ class MiniEngine:
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=PAGE_TOKENS)
         self.connector = self.scheduler.connector
+        # Requests are built as vLLM's engine core builds them: with the block hasher, without
+        # which vLLM's own prefix cache silently finds nothing (and a test of a local hit would
+        # pass without ever taking that path).
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(PAGE_TOKENS, hash_fn)
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.worker.register_kv_caches(self.caches)
         self.requests: dict[str, Request] = {}
@@ -104,7 +112,7 @@ class MiniEngine:
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(req_id, list(prompt), params, None)
+        request = Request(req_id, list(prompt), params, None, block_hasher=self.block_hasher)
         self.requests[req_id] = request
         self.scheduler.add_request(request)
         return request
