@@ -25,8 +25,7 @@ metrics off). Two blocks are put: V, 64 KiB, the victim's; R, 512 bytes, the hos
 Cases (65,536 = the largest allowed batch):
 
 1. Lookup of R 65,535 times then an unknown digest: RAM's run ends in the last slice, so every
-   slice is looked up, and looked up again for its SSD and peer runs (the most work a Lookup
-   can make).
+   slice is looked up, each with its SSD copies counted (the most work a Lookup can make).
 2. Lookup of 65,536 unknown digests: every run ends in the first slice.
 3. Get, allow_partial, of 65,536 unknown blocks (each miss reads the index for its reason).
 4. Get, allow_partial, of R 65,536 times (an answer of about 40 MiB).

@@ -163,16 +163,15 @@ def _stopped_at(exc: NotFound, start: int, end: int, count: int) -> NotFound:
 @dataclass(slots=True)
 class _Run:
     """A count from the first digest of a chain, put together slice by slice: a slice's count
-    adds to it while every earlier slice counted whole (a slice may carry one digest more than
-    its ``length``, see :func:`lookup_in_slices`: the count is clamped to the slice)."""
+    adds to it while every earlier slice counted whole."""
 
     count: int = 0
     open: bool = True
 
     def add(self, count: int, length: int) -> None:
         if self.open:
-            self.count += min(count, length)
-            self.open = count >= length
+            self.count += count
+            self.open = count == length
 
 
 class _AgentRun:
@@ -204,61 +203,28 @@ async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, s
     between slices; the answer is the one a single call gives on a store nobody changes
     meanwhile (under concurrent Puts and evictions each slice sees the store as it is when its
     turn comes: a Lookup is a hint either way). It stops after the first slice past which no
-    count can grow, so a chain that misses early costs one slice. Each call is one lookup in the
-    store's counters (``lookups``, the read-latency histogram).
+    count can grow, so a chain that misses early costs one slice. Each slice is one lookup in
+    the store's counters (``lookups``, the read-latency histogram).
 
-    How slices add up follows Store.lookup without an agent: ``ram``, ``longest``, ``ssd`` and
-    ``peer`` are runs from the first digest of a test on one block at a time (in RAM; in some
-    tier; on SSD; held by a usable peer), so a slice's run adds to the chain's while the
-    chain's run reached the slice (:class:`_Run`). Two things need more:
-
-    - The store answers a chain RAM holds whole without asking every tier (it counts no peer
-      run for it, and counted no SSD run either before it learnt to count SSD copies of RAM
-      blocks). So slices RAM holds whole are kept aside until a digest of the chain is found
-      missing from RAM (``absent``, where RAM's run ends); then they are asked again with
-      ``absent`` after them, and every later slice is asked with it from the start, so the
-      store counts every tier as it does for the whole chain. A digest past a slice's end
-      changes no count within it (counts are clamped to the slice). If RAM holds the whole
-      chain, the slices' answers as they came are the chain's.
-    - ``gpu`` is the longest run of any one agent, not of a per-block test (:class:`_AgentRun`).
-    """
+    ``ram``, ``longest``, ``ssd`` and ``peer`` are runs from the first digest of a test on one
+    block at a time (in RAM; in some tier; on SSD; held by a usable peer), which Store.lookup
+    answers for any chain, so a slice's run adds to the chain's while the chain's run reached
+    the slice (:class:`_Run`). ``gpu`` is the longest run of any one agent, not of a per-block
+    test (:class:`_AgentRun`)."""
     if len(digests) <= size:
         return store.lookup(digests, layer)
     ram, longest, ssd, peer = _Run(), _Run(), _Run(), _Run()
-    ssd_all_in_ram, peer_all_in_ram = _Run(), _Run()   # the answer if RAM holds the whole chain
     gpu = _AgentRun(store.gpu)
-    absent: bytes | None = None                  # a digest of the chain RAM does not hold
-    whole_in_ram: list[Sequence[bytes]] = []     # slices RAM held whole, asked before ``absent`` was known
     for start in range(0, len(digests), size):
         if start:
             await asyncio.sleep(0)
         part = digests[start:start + size]
-        found = store.lookup(part if absent is None else [*part, absent], layer)
-        ram.add(found.ram, len(part))
-        longest.add(found.longest, len(part))
+        found = store.lookup(part, layer)
+        for run, count in ((ram, found.ram), (longest, found.longest), (ssd, found.ssd), (peer, found.peer)):
+            run.add(count, len(part))
         gpu.add(part)
-        if absent is None:
-            ssd_all_in_ram.add(found.ssd, len(part))
-            peer_all_in_ram.add(found.peer, len(part))
-            if found.ram == len(part):
-                whole_in_ram.append(part)
-                continue
-            absent = part[found.ram]
-            for held in whole_in_ram:
-                if not (ssd.open or peer.open):
-                    break
-                await asyncio.sleep(0)
-                again = store.lookup([*held, absent], layer)
-                ssd.add(again.ssd, len(held))
-                peer.add(again.peer, len(held))
-            whole_in_ram.clear()
-        ssd.add(found.ssd, len(part))
-        peer.add(found.peer, len(part))
-        if not (ram.open or longest.open or ssd.open or peer.open or gpu.open):
+        if not any(run.open for run in (ram, longest, ssd, peer, gpu)):
             break
-    if absent is None:
-        return LookupResult(longest=ram.count, ram=ram.count, ssd=ssd_all_in_ram.count, gpu=gpu.count,
-                            peer=peer_all_in_ram.count)
     return LookupResult(longest=longest.count, ram=ram.count, ssd=ssd.count, gpu=gpu.count, peer=peer.count)
 
 

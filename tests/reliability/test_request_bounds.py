@@ -153,7 +153,7 @@ def test_slices_add_up_to_one_store_lookup(tmp_path: Path, ssd: bool, peers: boo
                 if round_ == 150:
                     with_agents(store, rng, pools)
                 chain = pools.chain(rng, rng.choice((2, 7, 30, 41, 64)))
-                if rng.random() < 0.3:        # a prefix RAM holds whole, then a miss: the probed path
+                if rng.random() < 0.3:        # a prefix RAM holds whole, then a miss: slices of both store paths
                     chain = rng.choices(pools.of["ram"], k=rng.choice((9, 17, 33))) + chain
                 want = store.lookup(chain, LAYER)
                 for size in (*range(1, 10), 16, 40):
