@@ -10,6 +10,7 @@ a fresh process has an empty prefix cache of its own, as a restarted engine has.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -53,7 +54,7 @@ def engine(tmp_path: Path) -> EngineRun:
     """``engine(model, rounds, connector=None, **plan)``: run one engine process through the
     rounds (tests/e2e/engine_run.py) and return its result; a failed engine fails the test with
     the end of its output."""
-    runs = iter(range(1_000_000))
+    runs = itertools.count()
 
     def run(model: Path, rounds: list[dict[str, Any]], connector: dict[str, Any] | None = None,
             **plan: Any) -> dict[str, Any]:

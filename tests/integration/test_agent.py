@@ -266,7 +266,7 @@ def test_save_load_round_trip_bit_exact(make_daemon, device: str) -> None:
                         # the daemon checksummed what the agent wrote: gRPC serves the same bytes (verified)
                         (block,), _ = c.get([addresses[-1]])
                         assert block.payload == tensor_bytes(src[-1])
-                        r = agent.lookup(digests, layer)      # ssd: what write-through has committed so far
+                        r = agent.lookup(digests, layer)      # ssd: what write-back has published so far
                         assert (r.longest, r.gpu, r.ram, r.peer) == (n, 0, n, 0) and 0 <= r.ssd <= n
                         # a re-save is counted as present; nothing is copied
                         r = agent.save(addresses, src)
@@ -410,6 +410,7 @@ def test_a_save_that_does_not_wait_for_its_commit(make_daemon) -> None:
         for i in range(0, n, 4):                  # twelve saves, no answer waited for
             r = agent.save(addresses[i:i + 4], data[i:i + 4], confirm=False)
             assert (r.stored, r.skipped) == (4, [])
+            assert agent.client._ignore, "the Commit went out and its answer was not waited for"
             for t in data[i:i + 4]:
                 t.zero_()                          # the tensors are free once save returns
         wait_for(lambda: agent.lookup(digests).ssd == n, 30, "every block committed and on SSD")
