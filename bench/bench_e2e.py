@@ -23,8 +23,14 @@ Time to first token is the wall time of a request with ``max_tokens=1``. Per pro
 
 Decode: tokens per second of one request generating ``DECODE_TOKENS`` after a short prompt,
 from the difference between that request and a request of the same length with
-``max_tokens=1`` (the median of ``DECODE_REPEATS`` such pairs), with and without the connector. Targets: RAM hit <= 0.1x recompute at 2,048 tokens, SSD hit
-<= 0.25x, decode with the connector >= 0.95x without.
+``max_tokens=1``. Every engine ends with ``DECODE_REPEATS`` such pairs of prompts of its own (so
+each engine with the connector stores its decode blocks anew), and one more engine without the
+connector runs after the others: two engines without, three with, interleaved in time. The rate
+on each side is the median over its engines' pairs. Engine-to-engine spread on this shared
+2-core machine is several per cent (a py-spy profile of the connector's engine put its connector
+calls at under 0.2% of the decode samples), so a single pair of engines cannot tell 0.95x from
+1.0x. Targets: RAM hit <= 0.1x recompute at 2,048 tokens, SSD hit <= 0.25x, decode with the
+connector >= 0.95x without.
 --quick: 2,048 tokens only and fewer decode tokens (a smoke test). Progress goes to stderr, the
 table to stdout.
 """
@@ -51,7 +57,7 @@ from tests.e2e.model import TinyLlama  # noqa: E402
 
 BLOCK = 32
 DECODE_PROMPT = 128
-DECODE_TOKENS = 128
+DECODE_TOKENS = 256
 DECODE_REPEATS = 3          # decode pairs per engine; the median rate is reported
 BENCH_MODEL = TinyLlama(layers=8, hidden=768, seed=0)
 
@@ -85,8 +91,13 @@ def measure(tmp: Path, lengths: list[int], decode_tokens: int, settings: list[st
     max_len = max(lengths) + decode_tokens + DECODE_PROMPT + 64
     prompts = {n: tokens(n, n) for n in lengths}
     warm = one(tokens(1, 256))
-    decode = [r for k in range(DECODE_REPEATS)
-              for r in (one(tokens(10 + 2 * k, DECODE_PROMPT)), one(tokens(11 + 2 * k, DECODE_PROMPT), decode_tokens))]
+    engines = iter(range(1, 100))
+
+    def decode() -> list[dict[str, Any]]:
+        """Decode pairs on prompts no other engine has seen (a connector engine stores them anew)."""
+        base = 1000 * next(engines)
+        return [r for k in range(DECODE_REPEATS) for r in (one(tokens(base + 2 * k, DECODE_PROMPT)),
+                                                           one(tokens(base + 2 * k + 1, DECODE_PROMPT), decode_tokens))]
     figures: dict[str, Any] = {"lengths": lengths, "ttft": {n: {} for n in lengths}, "cached_tokens": {}}
 
     def record(name: str, results: list[dict[str, Any]], offset: int, per_length: int) -> None:
@@ -95,18 +106,20 @@ def measure(tmp: Path, lengths: list[int], decode_tokens: int, settings: list[st
             figures["ttft"][n][name] = r["seconds"]
             figures["cached_tokens"].setdefault(n, {})[name] = r["outputs"][0]["num_cached_tokens"]
 
-    def decode_rate(results: list[dict[str, Any]]) -> float:
+    rates: dict[str, list[float]] = {"without": [], "with": []}
+
+    def decode_rates(side: str, results: list[dict[str, Any]]) -> None:
         pairs = results[-2 * DECODE_REPEATS:]
-        return statistics.median((decode_tokens - 1) / max(pairs[i + 1]["seconds"] - pairs[i]["seconds"], 1e-9)
-                                 for i in range(0, len(pairs), 2))
+        rates[side] += [(decode_tokens - 1) / max(pairs[i + 1]["seconds"] - pairs[i]["seconds"], 1e-9)
+                        for i in range(0, len(pairs), 2)]
 
     with contextlib.ExitStack() as stack:
         progress("recompute and vLLM's own prefix hit, no connector")
-        plain = engine(tmp, model, [warm] + [r for n in lengths for r in (one(prompts[n]), one(prompts[n]))] + decode,
+        plain = engine(tmp, model, [warm] + [r for n in lengths for r in (one(prompts[n]), one(prompts[n]))] + decode(),
                        None, max_len)
         record("recompute", plain, 1, 2)
         record("vllm_prefix_hit", plain, 2, 2)
-        figures["decode_tokens_per_s"] = {"without": decode_rate(plain)}
+        decode_rates("without", plain)
 
         state = tmp / "daemon"
         state.mkdir()
@@ -114,19 +127,26 @@ def measure(tmp: Path, lengths: list[int], decode_tokens: int, settings: list[st
         proc, _ = start_kvcached(stack, state, 2, extra)
         connector = {"kind": "kvcached", "socket": str(state / "agent.sock")}
         progress("storing, with the connector")
-        stored = engine(tmp, model, [warm] + [one(prompts[n]) for n in lengths] + decode, connector, max_len)
+        stored = engine(tmp, model, [warm] + [one(prompts[n]) for n in lengths] + decode(), connector, max_len)
         record("storing", stored, 1, 1)
-        figures["decode_tokens_per_s"]["with"] = decode_rate(stored)
+        decode_rates("with", stored)
 
         progress("kvcached RAM hit, a new engine")
-        record("kvcached_ram_hit", engine(tmp, model, [warm] + [one(prompts[n]) for n in lengths], connector, max_len),
-               1, 1)
+        hit = engine(tmp, model, [warm] + [one(prompts[n]) for n in lengths] + decode(), connector, max_len)
+        record("kvcached_ram_hit", hit, 1, 1)
+        decode_rates("with", hit)
 
         progress("kvcached SSD hit, the daemon restarted")
         proc.stop()
         start_kvcached(stack, state, 2, extra)
-        record("kvcached_ssd_hit", engine(tmp, model, [warm] + [one(prompts[n]) for n in lengths], connector, max_len),
-               1, 1)
+        hit = engine(tmp, model, [warm] + [one(prompts[n]) for n in lengths] + decode(), connector, max_len)
+        record("kvcached_ssd_hit", hit, 1, 1)
+        decode_rates("with", hit)
+
+        progress("decode again without the connector")
+        decode_rates("without", engine(tmp, model, [warm] + decode(), None, max_len))
+    figures["decode_tokens_per_s"] = {side: statistics.median(r) for side, r in rates.items()}
+    figures["decode_rates"] = rates
     return figures
 
 

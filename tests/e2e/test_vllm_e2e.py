@@ -16,9 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.e2e.conftest import ROOT, EngineRun
 from tests.integration.conftest import DaemonProcess, wait_for
 from tests.integration.test_peers import Cluster, connected, peer_stats
+
+# A test runs two or three engines, each 25-60 s to start on two cores (the first of a fresh
+# machine also compiles vLLM's kernels): the suite's 120 s default is for one daemon's tests.
+pytestmark = pytest.mark.timeout(900)
 
 BLOCK = 32                  # vLLM's block size here (its CPU attention wants a multiple of 32)
 COLD_TOLERANCE = 0.05       # |logprob difference| hit vs cold: bfloat16 sums in another order

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,7 +90,7 @@ def test_pages_on_ssd_only_are_read_back(daemon: DaemonProcess) -> None:
     try:
         k, data = keys(5), pages(5, seed=1)
         assert b.batch_set(k, data)
-        evict_ram(daemon, "tiny-llama")
+        evict_ram(daemon, b.model)
         assert b.batch_exists(k) == 5
         got = b.batch_get(k, empty_pages(5))
         assert all(g is not None and torch.equal(g, x) for g, x in zip(got, data))
@@ -156,3 +158,59 @@ def test_mismatched_pages_are_refused_and_nothing_is_stored(daemon: DaemonProces
         assert all(g is not None and torch.equal(g, x) for g, x in zip(got, data))
     finally:
         b.close()
+
+
+def _model_folder(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}')
+    (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
+def test_pages_are_named_by_the_model_weights_not_by_its_path(daemon: DaemonProcess, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend built outside a server takes SGLang's model name for the path: another path to
+    the same folder shares the pages; new weights placed at the old path are another model."""
+    monkeypatch.setenv("KVCACHED_FINGERPRINT_CACHE", str(tmp_path / "weights.json"))
+    folder = _model_folder(tmp_path / "models" / "tiny", b"weights-one" * 100)
+    monkeypatch.chdir(tmp_path)
+
+    def at(path: str) -> HiCacheStorage:
+        return StorageBackendFactory.create_backend("dynamic", dataclasses.replace(storage_config(daemon),
+                                                                                   model_name=path), None)
+
+    k = keys(4, "fingerprint")
+    first, relative = at(str(folder)), at("models/tiny")
+    try:
+        assert first.batch_set(k, pages(4))
+        assert relative.batch_set(k[:1], pages(1))                # opens it (no host pool registered here)
+        assert first.model.startswith("tiny@") and relative.model == first.model
+        assert relative.batch_exists(k) == 4
+    finally:
+        first.close()
+        relative.close()
+    _model_folder(folder, b"weights-two" * 100)                   # same path, same size, new weights
+    swapped = at(str(folder))
+    try:
+        assert swapped.batch_set(keys(1, "other"), pages(1))
+        assert swapped.model != first.model and swapped.batch_exists(k) == 0
+        assert swapped.batch_get(k, empty_pages(4)) == [None] * 4
+    finally:
+        swapped.close()
+
+
+def test_a_server_names_its_model_by_its_model_path_and_revision(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a server the published --model-path and --revision name the model, whatever served
+    name SGLang passes the backend (it may carry a pool tag)."""
+    import sglang.srt.runtime_context as runtime
+
+    from kvcached_agent.engines.sglang_storage import served_model
+
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="served-name-tag")
+    assert served_model(config) == ("served-name-tag", None)      # no server args published here
+    published = SimpleNamespace(model_path=str(tmp_path), revision="abc123")
+    monkeypatch.setattr(runtime, "get_server_args", lambda: published)
+    assert served_model(config) == (str(tmp_path), "abc123")

@@ -320,3 +320,23 @@ def test_bad_tier_settings_fail_at_engine_start(model: Path, tmp_path: Path) -> 
         Offloading(model, tier_config(socket, timeout_s=0), engine_id=f"bad-{tmp_path.name}-1")
     with pytest.raises(ValueError, match="block_tokens does not apply"):
         Offloading(model, tier_config(socket, block_tokens=32), engine_id=f"bad-{tmp_path.name}-2")
+
+
+def test_new_weights_at_the_old_path_are_another_model_to_the_tier(
+        daemon: DaemonProcess, model: Path, make_offloading, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM gives a tier the model's path only; the tier names the model by the folder's
+    config.json and weights, so chunks stored for old weights are never promoted into new ones."""
+    monkeypatch.setenv("KVCACHED_FINGERPRINT_CACHE", str(tmp_path / "weights.json"))
+    (model / "model.safetensors").write_bytes(b"weights-one" * 100)
+    old = make_offloading(daemon, model)
+    stored = keys_of("stored", 4)
+    old.store("stored", stored)
+    old.settle()
+    assert old.in_daemon(daemon, stored) == 4 and old.tier.model_name.startswith("model@")
+    same = make_offloading(daemon, model)                        # a restarted engine, same weights
+    assert same.tier.model_name == old.tier.model_name and same.in_daemon(daemon, stored) == 4
+    (model / "model.safetensors").write_bytes(b"weights-two" * 100)
+    new = make_offloading(daemon, model)
+    assert new.tier.model_name != old.tier.model_name
+    assert new.in_daemon(daemon, stored) == 0
+    assert new.lookup("again", stored) == 0

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
-from kvcached_agent.engines.fingerprint import WeightDigests, model_name, weights_fingerprint
+from kvcached_agent.engines.fingerprint import (
+    WeightDigests,
+    folder_config,
+    model_name,
+    name_model,
+    weights_fingerprint,
+)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2,
           "_name_or_path": "/somewhere/tiny", "transformers_version": "5.19.0"}
@@ -96,3 +104,33 @@ def test_a_hub_id_is_named_by_id_and_revision(tmp_path: Path) -> None:
     a = weights_fingerprint("org/model-that-is-no-folder", "abc123", digests)
     assert a != weights_fingerprint("org/model-that-is-no-folder", "def456", digests)
     assert digests.hashed == 0
+
+
+def test_processes_starting_together_hash_the_weights_once(folder: Path, tmp_path: Path) -> None:
+    """vLLM's scheduler and workers start together: the one that waited on the lock finds the
+    digests the first wrote and reads no weights."""
+    cache = tmp_path / "cache" / "weights.json"
+    first, second = WeightDigests(cache), WeightDigests(cache)
+    result: list[str] = []
+    with first.exclusive():
+        waiter = threading.Thread(target=lambda: result.append(weights_fingerprint(str(folder), None, second)))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and not result                   # held back by the lock
+        first.digest(folder / "model.safetensors")                # the first process hashes and saves
+        first.save()
+    waiter.join(10)
+    assert result == [weights_fingerprint(str(folder), None, first)]
+    assert first.hashed == 1 and second.hashed == 0
+
+
+def test_name_model_reads_the_folders_config_when_none_is_given(folder: Path, tmp_path: Path) -> None:
+    digests = WeightDigests(tmp_path / "cache.json")
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    assert folder_config(str(folder)) == CONFIG
+    assert name_model(str(folder), None, LAYOUT, digests=digests) == name(str(folder), digests)
+    (folder / "config.json").write_text(json.dumps({**CONFIG, "hidden_size": 512}))
+    assert name_model(str(folder), None, LAYOUT, digests=digests) != name(str(folder), digests)
+    assert folder_config("org/hub-model") == {}
+    (folder / "config.json").write_text("[1, 2]")                # not a mapping: named by its weights
+    assert folder_config(str(folder)) == {}

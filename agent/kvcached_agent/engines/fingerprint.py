@@ -16,21 +16,30 @@ fingerprint of:
 Hashing weights reads them once: about a second per few GB. Digests are kept in a small cache
 file keyed by each file's path, size, mtime, ctime and inode, so a restart costs one ``stat`` per
 file and any change to a file (a copy, a rename over it, an edit, even one that puts the old
-mtime back: the ctime cannot be put back) is hashed again.
+mtime back: the ctime cannot be put back) is hashed again. Processes that start together (vLLM's
+scheduler and its workers) take turns on a lock file beside the cache, so the weights are read
+once, by the first, and the others find its digests.
+
+:func:`name_model` is what each plug-in calls: vLLM's connector with the engine's parsed config,
+vLLM's secondary tier and SGLang's backend (which are given the model's path, not its config) with
+the folder's ``config.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import blake3
 
-__all__ = ["WEIGHT_SUFFIXES", "WeightDigests", "model_name", "weights_fingerprint"]
+__all__ = ["WEIGHT_SUFFIXES", "WeightDigests", "folder_config", "model_name", "name_model",
+           "weights_fingerprint"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 FINGERPRINT_HEX = 32          # 128 bits of BLAKE3 in the name: collisions are not a concern
@@ -79,6 +88,25 @@ class WeightDigests:
         self._entries[real] = {**stamp, "blake3": h.hexdigest()}
         return h.hexdigest()
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the cache's lock file (blocking), then read the cache again: whatever another
+        process hashed while this one waited is known. No lock (an unwritable place) is no error:
+        the weights are then hashed by each process. Not re-entrant: a second hold in one
+        process waits for ever."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._entries = {**self._entries, **self._read()}
+            yield
+        finally:
+            os.close(fd)                                  # closing releases the lock
+
     def save(self) -> None:
         """Write the cache atomically (a temporary file renamed over it); failures are ignored."""
         try:
@@ -104,10 +132,22 @@ def weights_fingerprint(model: str, revision: str | None, digests: WeightDigests
         return json.dumps({"hub": model, "revision": revision})
     digests = digests if digests is not None else WeightDigests()
     files = weight_files(folder)
-    listing = [(str(p.relative_to(folder)), digests.digest(p)) for p in files]
-    if digests.hashed:
-        digests.save()
+    with digests.exclusive():
+        hashed = digests.hashed
+        listing = [(str(p.relative_to(folder)), digests.digest(p)) for p in files]
+        if digests.hashed > hashed:
+            digests.save()
     return json.dumps({"files": listing})
+
+
+def folder_config(model: str) -> dict[str, Any]:
+    """The ``config.json`` of a local model folder; empty for a hub id (its id and revision name
+    its config) or a folder without one (its weights still name it)."""
+    try:
+        data = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _canonical(config: Mapping[str, Any]) -> str:
@@ -124,3 +164,11 @@ def model_name(model: str, config: Mapping[str, Any], weights: str, kv_layout: I
         h.update(len(data).to_bytes(8, "little") + data)
     label = os.path.basename(model.rstrip("/")) or model
     return f"{label[:200]}@{h.hexdigest()[:FINGERPRINT_HEX]}"
+
+
+def name_model(model: str, revision: str | None, kv_layout: Iterable[object],
+               config: Mapping[str, Any] | None = None, digests: WeightDigests | None = None) -> str:
+    """The name of ``model`` (a folder or a hub id) for a plug-in: :func:`model_name` over its
+    configuration (``config``, else the folder's ``config.json``), its weights and ``kv_layout``."""
+    config = config if config is not None else folder_config(model)
+    return model_name(model, config, weights_fingerprint(model, revision, digests), kv_layout)

@@ -9,6 +9,10 @@ SGLang names each page by a key it derives from the page's tokens and every page
 key is already a prefix chain; kvcached addresses the page as BLAKE3(root, key), where the root
 holds the model, the dtype, the page size and this rank's shard (tensor, pipeline and attention
 context-parallel ranks; MLA pages are the same on every tensor rank and share one address).
+The model is named by its fingerprint (kvcached_agent.engines.fingerprint: config.json and
+weights of ``--model-path``, or the hub id and ``--revision``), never by the served name SGLang
+passes: new weights at an old path are another model, and two servers of one model share blocks
+whatever names they serve it under.
 Pages travel as SGLang hands them over: its flat data pages (``batch_set``/``batch_get``, the path
 a dynamic backend gets by default). A daemon that is down is an empty cache: ``batch_exists``
 finds nothing, gets miss, sets report failure, and SGLang serves on.
@@ -33,6 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvcached_agent.address import BlockAddress  # noqa: E402
 from kvcached_agent.engines.common import PluginSettings, key_digests, open_agent, rank_namespace  # noqa: E402
+from kvcached_agent.engines.fingerprint import name_model  # noqa: E402
 
 __all__ = ["KvcachedStorage"]
 
@@ -42,6 +47,19 @@ log = logging.getLogger("kvcached_agent")
 # it removes before the backend sees the config).
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
                 "hicache_storage_pass_prefix_keys", "tp_lcm_size")
+
+
+def served_model(storage_config: HiCacheStorageConfig) -> tuple[str, Optional[str]]:
+    """The model SGLang serves: ``--model-path`` and ``--revision`` of its published server args.
+    Where none are published (a backend built outside a server), the model name SGLang gave the
+    backend stands for the path (it is ``--model-path`` unless a served name was set)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except (ImportError, ValueError):                    # ValueError: "Global server args is not set yet!"
+        return storage_config.model_name or "sglang", None
+    return str(args.model_path), getattr(args, "revision", None)
 
 
 class KvcachedStorage(HiCacheStorage):
@@ -58,7 +76,9 @@ class KvcachedStorage(HiCacheStorage):
                              "(a block is one page, --page-size)")
         self.settings = settings
         self.config = storage_config
-        self.model = storage_config.model_name or "sglang"
+        self.model_path, self.revision = served_model(storage_config)
+        self.model = ""                          # the fingerprint name, once the page layout is known
+        self.format_tag: Optional[str] = None
         c = storage_config
         tp_rank, tp_size = (0, 1) if c.is_mla_model else (c.tp_rank, c.tp_size)
         namespace = rank_namespace(settings.namespace, tp_rank, tp_size, c.pp_rank, c.pp_size)
@@ -75,6 +95,7 @@ class KvcachedStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        self.format_tag = getattr(mem_pool_host, "storage_format_tag", None)
         page = mem_pool_host.get_dummy_flat_data_page()
         self._open(page.numel() * page.element_size(), page.dtype, mem_pool_host.page_size, mem_pool_host.layer_num)
 
@@ -83,6 +104,10 @@ class KvcachedStorage(HiCacheStorage):
             if self._agent is not None:
                 return
             name = str(dtype).removeprefix("torch.")
+            # The host pool's page format tag (SGLang adds it to the served name) tells pools apart.
+            layout = ("sglang-page", self.format_tag, name, page_tokens, layers, page_bytes,
+                      self.config.is_page_first_layout)
+            self.model = name_model(self.model_path, self.revision, layout)
             rank = f"tp{self.config.tp_rank}" + (f"pp{self.config.pp_rank}" if self.config.pp_size > 1 else "")
             self._agent = open_agent(self.settings, agent_id=f"sglang-{rank}", model=self.model, dtype=name,
                                      block_tokens=page_tokens, num_layers=max(layers, 1),

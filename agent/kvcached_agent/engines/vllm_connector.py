@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace  # noqa: E402
-from kvcached_agent.engines.fingerprint import model_name, weights_fingerprint  # noqa: E402
+from kvcached_agent.engines.fingerprint import name_model  # noqa: E402
 from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp, SchedulerSide  # noqa: E402
 from kvcached_agent.engines.vllm_worker import WorkerSide, page_views  # noqa: E402
 
@@ -65,8 +65,7 @@ def _model_name(vllm_config: "VllmConfig", spec: Any) -> str:
     """The model's name in every address: its folder's name and a fingerprint of its config,
     weights and KV layout (kvcached_agent.engines.fingerprint), never the path string alone."""
     mc = vllm_config.model_config
-    return model_name(mc.model, mc.hf_config.to_dict(), weights_fingerprint(mc.model, mc.revision),
-                      (type(spec).__name__, repr(spec)))
+    return name_model(mc.model, mc.revision, (type(spec).__name__, repr(spec)), config=mc.hf_config.to_dict())
 
 
 class KvcachedConnector(KVConnectorBase_V1):

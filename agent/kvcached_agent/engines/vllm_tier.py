@@ -15,7 +15,10 @@ a primary slot. Block bytes never reach the GPU from here; vLLM's worker copies 
   BLAKE3(root, OffloadKey), as SGLang's page keys are; the root holds the model, the dtype, the
   chunk's tokens and a namespace naming the chunk layout (the same facts vLLM's own file tier
   names its folders by), so chunks of another layout, or kvcached's own connector blocks, never
-  share an address.
+  share an address. The model is named by its fingerprint (kvcached_agent.engines.fingerprint:
+  the folder's config.json and weights), never by the path string vLLM passes: new weights at an
+  old path are another model. vLLM 0.33 gives a tier the model's name only, not its revision, so
+  a hub id is named by the id: pin a revision by serving a local snapshot folder.
 - Lookups are vLLM's batched asynchronous lookups (``AsyncLookupManager``, as its file tier): a
   key first answers RETRY, each step's keys go to the daemon as one lookup per request on a
   background thread, and the verdict is there the next step. The scheduler never waits on the
@@ -63,6 +66,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvcached_agent.address import BlockAddress  # noqa: E402
 from kvcached_agent.engines.common import PluginSettings, key_digests, open_agent  # noqa: E402
+from kvcached_agent.engines.fingerprint import name_model  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -136,7 +140,9 @@ class KvcachedTier(SecondaryTierManager):
         self.namespace = layout_namespace(parsed.namespace, offloading_spec)
         # The chunk is one opaque block: one "layer" of the primary's row size, so a daemon whose
         # kv.max_block_mib is smaller refuses the Hello (a clear error at engine start).
-        self.agent: Any = open_agent(parsed, agent_id=f"vllm-{config.engine_id}-tier", model=config.model.name,
+        self.model_name = name_model(config.model.name, None, ("vllm-offload-chunk", self.namespace,
+                                                                self.block_size_bytes))
+        self.agent: Any = open_agent(parsed, agent_id=f"vllm-{config.engine_id}-tier", model=self.model_name,
                                      dtype=config.model.dtype, num_layers=1, layer_block_bytes=self.block_size_bytes,
                                      block_tokens=config.groups[0].tokens_per_block * offloading_spec.blocks_per_chunk,
                                      namespace=self.namespace)
