@@ -336,9 +336,6 @@ class _StubStore:
     def local_prefix(self, digests: Sequence[bytes], layer: int) -> int:
         return 0
 
-    async def serve_pull(self, rows: Any, max_payload: int, counters: Any) -> list[Any]:
-        raise RuntimeError("the benchmark's PeerTier serves nothing")
-
 
 @dataclass
 class Clients:

@@ -39,7 +39,7 @@ import timeit
 import tracemalloc
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

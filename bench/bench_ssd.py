@@ -13,7 +13,7 @@ last minutes, which a one-file-per-block tier pays and fio does not.
    for 64 KiB and 1 MiB blocks: durability "batch" (commit wait ``--commit-ms``, default 10 as
    kv.ssd_commit_ms), ``direct_io="auto"`` (O_DIRECT where the filesystem allows it; the output
    says if it does not), ``--threads`` I/O threads (default 16), batches as big as one
-   write-back round of the store (256 x 64 KiB, 64 x 1 MiB: kvcached.store DEMOTE_BATCH_*),
+   write-back round of the store (256 x 64 KiB, 64 x 1 MiB: kvcached.store.ssd_mover DEMOTE_BATCH_*),
    ``--inflight`` batches at once (default 1: the daemon's write-back issues one round at a
    time). Payloads come from a page-aligned anonymous mmap cut into slots, like the RAM arena
    (``SsdWrite.payload`` is a memoryview of a slot); reads go into page-aligned slots of another

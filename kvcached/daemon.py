@@ -438,8 +438,6 @@ class Daemon:
                 log.exception("SSD eviction failed; will retry")
 
     def _open_index(self) -> BlockIndex:
-        from kvcached.index import IndexError_
-
         cfg = self.config
         try:
             index = BlockIndex(cfg.kv.index_dir)
@@ -658,6 +656,7 @@ class Daemon:
                 pass
         if self.store is not None:
             await self._step("background work", self.store.drain(self.config.grpc.grace_s))
+            self._step_sync("checksum thread", self.store.close)
         if self._saving is not None:              # a periodic policy save still writing the index
             await self._step("policy state save", asyncio.wait([self._saving]))
         self._stopping.set()

@@ -13,34 +13,52 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import grpc
 
 from kvcached.api.grpc_service import check_batch, check_digests, errors_to_status
-from kvcached.config import to_toml
+from kvcached.config import Config, to_toml
 from kvcached.errors import FailedPrecondition, InvalidArgument
 from kvcached.logs import set_level
+from kvcached.store import Store
+from kvcached.tiers.ssd import SsdTier
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, BlockAddress
 
-if TYPE_CHECKING:
-    from kvcached.daemon import Daemon
-
-__all__ = ["AdminService"]
+__all__ = ["AdminService", "Operated"]
 
 log = logging.getLogger("kvcached.admin")
 
 
+class PeerStats(Protocol):
+    def stats(self) -> dict[str, Any]: ...
+
+
+class Operated(Protocol):
+    """What the Admin service reads of the daemon it operates (kvcached.daemon.Daemon is one),
+    each read when a call needs it: SIGHUP replaces the configuration, the peer tier and the
+    reconcile reports arrive after the service starts."""
+
+    config: Config
+    store: Store | None
+    ssd: SsdTier | None
+    peers: PeerStats | None                       # the peer tier, once it is up
+    index_reconcile: dict[str, Any]
+    ssd_reconcile_summary: dict[str, Any]
+
+
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, daemon: "Daemon") -> None:
+    """The Admin RPCs over an :class:`Operated` daemon (see the module)."""
+
+    def __init__(self, daemon: Operated) -> None:
         self.daemon = daemon
         self.max_batch = daemon.config.grpc.max_batch
         self.batch_slice = daemon.config.grpc.batch_slice   # blocks evicted or dropped between yields to requests
 
     @property
-    def store(self):  # type: ignore[no-untyped-def]
+    def store(self) -> Store:
         assert self.daemon.store is not None
         return self.daemon.store
 

@@ -33,6 +33,7 @@ from kvcached.peers.directory import PeerDirectory, PeerHealth, wire_key
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.quic import PeerClientProtocol, PeerGone, PeerHandler, PeerServerProtocol, PullSink
 from kvcached.peers.server import GuardedQuicServer
+from kvcached.peers.store_link import serve_pull
 from kvcached.peers.tls import TICKET_LIFETIME_S, PeerAuth, QuicOptions, ServerTickets
 from kvcached_agent.address import BlockAddress
 
@@ -365,11 +366,16 @@ class PeerTier(PeerHandler):
             return [p.Miss(d, layer, p.MissReason.OVERLOADED) for d, layer in request.addresses]
         self.serving += 1
         try:
-            return await self.store.serve_pull(request.addresses, request.max_payload, self.counters)
+            return await self.serve_pull(request.addresses, request.max_payload)
         except KvError:
             return [p.Miss(d, layer, p.MissReason.BUSY) for d, layer in request.addresses]
         finally:
             self.serving -= 1
+
+    async def serve_pull(self, rows: Sequence[tuple[bytes, int]],
+                         max_payload: int) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
+        """A peer's Pull, answered from this daemon's RAM and SSD (kvcached.peers.store_link)."""
+        return await serve_pull(self.store, rows, max_payload, self.counters)
 
     def stats(self) -> dict[str, Any]:
         now = self.clock()

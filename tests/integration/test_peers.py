@@ -9,7 +9,6 @@ that must be refused are each checked against what the daemons really do.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import ssl

@@ -313,12 +313,12 @@ def test_dead_holder_misses_within_deadline_goes_down_and_comes_back(tmp_path: P
 
 
 def slow_serving(node: Node, delay: float) -> None:
-    serve = node.store.serve_pull
+    serve = node.t.serve_pull
 
     async def slow(*args: Any, **kw: Any) -> Any:
         await asyncio.sleep(delay)
         return await serve(*args, **kw)
-    node.store.serve_pull = slow                       # type: ignore[method-assign]
+    node.t.serve_pull = slow                           # type: ignore[method-assign]
 
 
 def test_hedged_pull_asks_the_next_holder(tmp_path: Path) -> None:

@@ -211,7 +211,7 @@ def test_direct_io_on_where_refused_is_an_error(tmp_path: Path) -> None:
 
 def test_stale_temporary_files_are_recognised(tmp_path: Path) -> None:
     ssd = SsdTier(str(tmp_path / "ssd"), 1 << 30)
-    assert ssd.is_stale_tmp(f"x.kvb.tmp-deadbeef") != (ssd.boot_token == "deadbeef")
+    assert ssd.is_stale_tmp("x.kvb.tmp-deadbeef") != (ssd.boot_token == "deadbeef")
     assert not ssd.is_stale_tmp(f"x.kvb.tmp-{ssd.boot_token}")
     assert not ssd.is_stale_tmp(f"x.kvb.tmp-{ssd.boot_token}-17")
     assert ssd.is_stale_tmp("x.kvb.tmp-0badbeef-3") != (ssd.boot_token == "0badbeef")

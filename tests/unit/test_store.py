@@ -516,13 +516,13 @@ def test_payload_checksum_is_blake3_at_every_size() -> None:
 
 def test_store_owns_the_ram_evict_hook(ram: RamTier, index: BlockIndex, clock: FakeClock) -> None:
     s = Store(ram, index, clock=clock)
-    assert ram.on_evict == s._on_ram_evict
+    assert ram.on_evict == s.ledger.ram_evicted
 
 
 def test_re_put_of_present_blocks_skips_hashing_and_copying(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     store.put([item(1), item(2)])
     hashed: list[int] = []
-    import kvcached.store as store_module
+    import kvcached.store.write_path as store_module
 
     real = store_module.payload_checksums
     monkeypatch.setattr(store_module, "payload_checksums", lambda ps: hashed.append(len(ps)) or real(ps))

@@ -27,7 +27,7 @@ def write(store: SyncStore, block: RamBlock, data: bytes) -> None:
 
 def settle(store: SyncStore) -> None:
     """Let background checksumming finish."""
-    while store._hashing or store._background:
+    while store.inflight.hashing or store.inflight.background:
         store._loop.run_until_complete(asyncio.sleep(0.001))
 
 
@@ -54,7 +54,7 @@ def test_saved_blocks_are_recorded_with_their_checksum(store: SyncStore, index: 
 
 def test_a_get_right_after_commit_waits_for_the_record(store: SyncStore) -> None:
     save(store, [1])
-    assert store._hashing                              # not checksummed yet
+    assert store.inflight.hashing                              # not checksummed yet
     found, misses = store.get([address(1)])            # waits instead of dropping an unrecorded block
     assert not misses and found[0].payload == payload(1, 8 * KIB)
 

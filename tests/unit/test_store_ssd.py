@@ -12,10 +12,8 @@ import pytest
 
 from kvcached.errors import NotFound, ResourceExhausted
 from kvcached.index import BlockIndex, GoneReason, Tier
-from kvcached.policies.clock import ClockPolicy
 from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.store import PutItem, Store
-from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.ssd import SsdFull, SsdSpace, SsdTier, SsdTooLarge
 from kvcached.tiers.ssd_format import HEADER_BYTES, file_bytes
@@ -243,8 +241,8 @@ def test_reconcile_cleans_up_after_a_crash(make_store: Callable[..., SyncStore],
     assert (report.records, report.adopted, report.orphans, report.stale_tmp, report.bad_files) == (3, 1, 1, 1, 1)
     assert sorted(report.lost) == sorted([address(1).key, address(2).key])
     assert not orphan.exists() and not stale.exists() and not file_of(store, 2).exists() and file_of(store, 4).exists()
-    store._store.ssd = fresh_ssd
-    store.finish_ssd_reconcile(report)
+    restarted = Store(store.ram, index, ssd=fresh_ssd, clock=store.clock)     # the next run's store, same RAM
+    restarted.finish_ssd_reconcile(report)
     assert fresh_ssd.blocks == 1 and fresh_ssd.used_bytes == file_bytes(60 * KIB) and fresh_ssd.fresh is None
     assert not index.get(address(1).key).tiers & Tier.SSD and not index.get(address(2).key).tiers & Tier.SSD
     asyncio.get_event_loop().run_until_complete(fresh_ssd.close())
@@ -266,10 +264,10 @@ def test_cancelled_get_leaves_nothing_behind(make_store: Callable[..., SyncStore
         first.cancel()
         second.cancel()
         await asyncio.gather(first, second, return_exceptions=True)
-        await asyncio.gather(*raw._background, return_exceptions=True)
+        await asyncio.gather(*raw.inflight.background, return_exceptions=True)
 
     loop.run_until_complete(cancel_mid_read())
-    assert not raw._promoting
+    assert not raw.inflight.fetching
     assert all(b.refs == 0 for b in store.ram.blocks())
     (found,), _ = store.get([address(1)])
     assert found.payload == payload(1, 60 * KIB)

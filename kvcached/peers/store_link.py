@@ -1,0 +1,68 @@
+"""A peer's Pull, answered out of this daemon's local tiers: the peer side of the store.
+
+:func:`serve_pull` pins the asked blocks in RAM (promoting from SSD; never pulling from another
+peer: a pull never starts another pull) and answers per row the block's head, a view of its bytes
+and a release, or a Miss with its reason. The blocks stay pinned until their release is called
+(once the answer is sent). Runs on the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from kvcached.peers import protocol as p
+from kvcached.store.inflight import release_view
+from kvcached.store.results import Miss, Pinned
+from kvcached_agent.address import BlockAddress
+
+if TYPE_CHECKING:
+    from kvcached.store import Store
+
+__all__ = ["serve_pull"]
+
+Answer = tuple[p.Block, memoryview, Callable[[], None]] | p.Miss
+
+
+async def serve_pull(store: "Store", rows: Sequence[tuple[bytes, int]], max_payload: int,
+                     counters: Any) -> list[Answer]:
+    """A peer's Pull: per row a (Block head, payload view, release) or a Miss, in order. Only
+    local tiers are asked (a pull never starts another pull). The blocks stay pinned until their
+    release is called."""
+    addresses: list[BlockAddress | None] = []
+    for digest, layer in rows:
+        try:
+            addresses.append(BlockAddress(digest, layer))
+        except ValueError:
+            addresses.append(None)
+    valid = [a for a in addresses if a is not None]
+    results = iter(await store.pin(valid, allow_partial=True, peers=False)) if valid else iter(())
+    out: list[Pinned | Miss | None] = [next(results) if address is not None else None for address in addresses]
+    pinned = [r for r in out if isinstance(r, Pinned)]
+    records = {r.digest + r.layer.to_bytes(4, "little"): r
+               for r in store.index.get_many([x.block.key for x in pinned]) if r is not None}
+    answers: list[Answer] = []
+    for (digest, layer), result in zip(rows, out):
+        if not isinstance(result, Pinned):
+            reason = p.MissReason.NOT_FOUND
+            if isinstance(result, Miss) and "corrupt" in result.reason:
+                reason = p.MissReason.DAMAGED
+            answers.append(p.Miss(digest, layer, reason))
+            continue
+        record = records.get(digest + layer.to_bytes(4, "little"))
+        if result.block.length > max_payload or record is None:
+            store.unpin(result)
+            answers.append(p.Miss(digest, layer, p.MissReason.TOO_LARGE if record else p.MissReason.NOT_FOUND))
+            continue
+        view = store.ram.view(result.block)
+        counters.served += 1
+        counters.served_bytes += result.block.length
+        answers.append((p.Block(digest, layer, record.model, result.block.length, result.checksum), view,
+                        _releaser(store, result, view)))
+    return answers
+
+
+def _releaser(store: "Store", pinned: Pinned, view: memoryview) -> Callable[[], None]:
+    def release() -> None:
+        release_view(view)
+        store.unpin(pinned)
+    return release

@@ -1,0 +1,345 @@
+"""The store: one place that puts, finds, fetches and deletes blocks across tiers and the index.
+
+APIs (gRPC, the agent socket, peers) call :class:`Store` and translate its errors
+(kvcached.errors). The store is a thin facade over rooms, one per concern, each with its own
+contract:
+
+- ``results``: the records it takes and hands back; ``settings``: what SIGHUP may change;
+- ``ledger``: the index writes of the request in progress, tombstones, last-seen times;
+- ``inflight``: blocks being fetched, published or checksummed, and the background tasks;
+- ``write_path``: Puts and agents' reserve/commit, admission, write policies;
+- ``read_path``: Get, pin, Lookup, and making blocks resident (promotion, peer pulls);
+- ``ssd_mover``: promotion from SSD, publishing and write-back, the SSD write budget;
+- ``ssd_evictor``: TTL, capacity and forced evictions, the SSD order, the boot reconcile;
+- ``admin``: Delete, dropping RAM copies, listing;
+- ``peer_pulls``: pulls from peers (serving a peer's pull is kvcached.peers.store_link's).
+
+Everything runs on the event loop thread, except :meth:`Store.stats`, which the Prometheus
+scrape thread reads too (plain ints, no lock). The clock is passed in so tests move time by
+hand. Methods that wait (for the SSD tier, a peer, an agent's checksums) are coroutines; the
+synchronous ones block the loop only on RocksDB (point reads, and index writes, fsynced per
+``kv.ssd_durability`` after an SSD publish) and on checksumming a Put's payloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Sequence
+
+from kvcached.gpu_view import GpuView
+from kvcached.index import BlockIndex, BlockRecord
+from kvcached.policies import EvictionPolicy
+from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit, SsdWriteBudget
+from kvcached.policies.prefetch import PrefetchPolicy
+from kvcached.policies.write import WritePolicy, make_write_policy
+from kvcached.reads import ReadStats
+from kvcached.ssd_reconcile import ReconcileReport
+from kvcached.store import admin
+from kvcached.store.inflight import InFlight
+from kvcached.store.ledger import RecordLedger
+from kvcached.store.peer_pulls import PeerPulls, PeerTierLike
+from kvcached.store.read_path import ReadPath
+from kvcached.store.results import Counters, Fetched, LookupResult, Miss, Pinned, PutItem, PutResult
+from kvcached.store.parts import StoreParts, StoreSettings
+from kvcached.store.ssd_evictor import SsdEvictor
+from kvcached.store.ssd_mover import SsdMover, load_budget
+from kvcached.store.write_path import WritePath
+from kvcached.tiers.ram import RamBlock, RamTier
+from kvcached.tiers.ssd import SsdTier
+from kvcached_agent.address import BlockAddress
+
+__all__ = ["Fetched", "LookupResult", "Miss", "Pinned", "PutItem", "PutResult", "Store"]
+
+
+class Store:
+    """Blocks across the RAM tier, the SSD tier (optional), peers (optional) and the index.
+
+    The daemon builds it, then sets what [kv] and [quic] say and SIGHUP may change
+    (``ssd_ttl``, ``gone_ttl``, ``prefetch``, ``mirror_pulls``) and, once the peer tier is up,
+    ``peers``."""
+
+    def __init__(self, ram: RamTier, index: BlockIndex, *, ssd: SsdTier | None = None,
+                 write_policy: WritePolicy | str = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
+                 max_gpu_blocks: int = 1_000_000, clock: Callable[[], float] = time.time,
+                 admission: AdmissionPolicy | None = None, ssd_budget: SsdWriteBudget | None = None,
+                 ssd_order: EvictionPolicy | None = None) -> None:
+        self.ram = ram
+        self.index = index
+        self.ssd = ssd
+        self.clock = clock
+        self.admission = admission or AlwaysAdmit()
+        budget = ssd_budget or SsdWriteBudget(0)
+        self.counters = Counters()
+        self.reads = ReadStats()
+        self.gpu = GpuView(max_gpu_blocks)
+        self.settings = StoreSettings(
+            writes=make_write_policy(write_policy) if isinstance(write_policy, str) else write_policy,
+            dirty_limit=ram.capacity // 2, ssd_ttl=ssd_ttl, gone_ttl=gone_ttl)
+        ram.prefer_clean = ssd is not None
+        self.ledger = RecordLedger(ram, index, clock)
+        # Readers and agents may hold at most half the RAM tier, so a stalled one can never
+        # hold all of it: puts keep finding room in the other half.
+        self.inflight = InFlight(max_held_bytes=ram.capacity // 2)
+        self._budget = budget
+        parts = StoreParts(ram, index, self.ledger, self.inflight, self.counters, self.settings, clock)
+        self.evictor: SsdEvictor | None = None
+        self.mover: SsdMover | None = None
+        if ssd is not None:
+            self.evictor = SsdEvictor(parts, ssd, ssd_order)
+            self.mover = SsdMover(parts, ssd, self.evictor, budget)
+        self.writer = WritePath(parts, ssd, self.mover, self.admission)
+        self.pulls = PeerPulls(parts, self.writer, self.mover)
+        self.reader = ReadPath(parts, self.writer, self.mover, self.pulls, self.gpu, self.reads)
+
+    # -- settings and parts the daemon sets ------------------------------------------------------
+
+    @property
+    def write_policy(self) -> str:
+        """The write policy's config name ([kv] write_policy)."""
+        return self.settings.writes.name
+
+    @write_policy.setter
+    def write_policy(self, name: str) -> None:
+        self.settings.writes = make_write_policy(name)
+
+    @property
+    def ssd_budget(self) -> SsdWriteBudget:
+        """The SSD write budget ([kv] ssd_write_budget_gib)."""
+        return self._budget
+
+    @ssd_budget.setter
+    def ssd_budget(self, budget: SsdWriteBudget) -> None:
+        self._budget = budget
+        if self.mover is not None:
+            self.mover.budget = budget
+
+    @property
+    def ssd_ttl(self) -> float:
+        return self.settings.ssd_ttl
+
+    @ssd_ttl.setter
+    def ssd_ttl(self, value: float) -> None:
+        self.settings.ssd_ttl = value
+
+    @property
+    def gone_ttl(self) -> float:
+        return self.settings.gone_ttl
+
+    @gone_ttl.setter
+    def gone_ttl(self, value: float) -> None:
+        self.settings.gone_ttl = value
+
+    @property
+    def prefetch(self) -> PrefetchPolicy:
+        return self.settings.prefetch
+
+    @prefetch.setter
+    def prefetch(self, policy: PrefetchPolicy) -> None:
+        self.settings.prefetch = policy
+
+    @property
+    def mirror_pulls(self) -> bool:
+        return self.settings.mirror_pulls
+
+    @mirror_pulls.setter
+    def mirror_pulls(self, value: bool) -> None:
+        self.settings.mirror_pulls = value
+
+    @property
+    def peers(self) -> PeerTierLike | None:
+        """The peer tier (kvcached.peers.tier.PeerTier), set by the daemon when [quic] is on."""
+        return self.pulls.peers
+
+    @peers.setter
+    def peers(self, tier: PeerTierLike | None) -> None:
+        self.pulls.peers = tier
+
+    @property
+    def ssd_order(self) -> EvictionPolicy | None:
+        """The SSD tier's eviction order ([kv] ssd_policy); None: the index's LRU queue."""
+        return self.evictor.order if self.evictor is not None else None
+
+    @property
+    def ssd_order_ready(self) -> bool:
+        """False while a rebuilt SSD order is awaited (boot): until then the index queue decides."""
+        return self.evictor.order_ready if self.evictor is not None else True
+
+    @ssd_order_ready.setter
+    def ssd_order_ready(self, ready: bool) -> None:
+        if self.evictor is not None:
+            self.evictor.order_ready = ready
+
+    @property
+    def ssd_reconciled(self) -> bool:
+        """Whether the boot reconcile has counted the SSD tier (capacity eviction waits for it)."""
+        return self.evictor.reconciled if self.evictor is not None else True
+
+    @ssd_reconciled.setter
+    def ssd_reconciled(self, done: bool) -> None:
+        if self.evictor is not None:
+            self.evictor.reconciled = done
+
+    @property
+    def demote_wanted(self) -> "asyncio.Event":
+        """Set when dirty blocks wait for write-back (the daemon's demoter waits on it)."""
+        return self._mover().demote_wanted
+
+    @property
+    def evict_wanted(self) -> "asyncio.Event":
+        """Set when the SSD tier is over capacity (the daemon's evictor waits on it)."""
+        return self._evictor().wanted
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes readers pin and agents hold reserved (Stats' held_bytes)."""
+        return self.inflight.held_bytes
+
+    @property
+    def max_pinned_bytes(self) -> int:
+        return self.inflight.max_held_bytes
+
+    @property
+    def max_block_bytes(self) -> int:
+        return self.ram.max_block_bytes
+
+    def _mover(self) -> SsdMover:
+        assert self.mover is not None, "no SSD tier"
+        return self.mover
+
+    def _evictor(self) -> SsdEvictor:
+        assert self.evictor is not None, "no SSD tier"
+        return self.evictor
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    async def put(self, items: Sequence[PutItem]) -> PutResult:
+        return await self.writer.put(items)
+
+    def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | str]:
+        return self.writer.reserve(entries)
+
+    async def throttle_writes(self) -> None:
+        await self.writer.throttle_writes()
+
+    def abort_reserved(self, block: RamBlock) -> None:
+        self.writer.abort_reserved(block)
+
+    async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]], model: str) -> list[str | None]:
+        return await self.writer.commit_written(written, model)
+
+    def offset_of(self, block: RamBlock) -> int:
+        """Byte offset of the block's slot in the shared arena."""
+        return self.ram.slabs.offset(block.slot)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
+        return await self.reader.get(addresses, allow_partial=allow_partial)
+
+    async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
+                  peers: bool = True) -> list[Pinned | Miss]:
+        return await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers)
+
+    def read(self, pinned: Pinned, start: int, length: int) -> bytes:
+        return self.reader.read(pinned, start, length)
+
+    def unpin(self, pinned: Pinned) -> None:
+        self.reader.unpin(pinned)
+
+    def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> LookupResult:
+        return self.reader.lookup(digests, layer, agent)
+
+    def stored_bytes(self, addresses: Sequence[BlockAddress]) -> int:
+        return self.reader.stored_bytes(addresses)
+
+    def miss_reason(self, address: BlockAddress) -> str:
+        return self.reader.miss_reason(address)
+
+    def local_prefix(self, digests: Sequence[bytes], layer: int) -> int:
+        return self.reader.local_prefix(digests, layer)
+
+    # -- the SSD tier ------------------------------------------------------------------------------
+
+    async def demote(self) -> int:
+        return await self.mover.demote() if self.mover is not None else 0
+
+    async def write_back_all(self) -> int:
+        return await self.mover.write_back_all() if self.mover is not None else 0
+
+    def load_budget(self) -> None:
+        """Take up the SSD write budget's ledger from the index (at boot)."""
+        load_budget(self.index, self._budget, self.clock())
+
+    async def evict_ssd(self, need_bytes: int = 0) -> int:
+        return await self.evictor.evict(need_bytes) if self.evictor is not None else 0
+
+    def adopt_ssd_order(self, built: EvictionPolicy) -> None:
+        self._evictor().adopt_order(built)
+
+    def finish_ssd_reconcile(self, report: ReconcileReport) -> None:
+        self._evictor().finish_reconcile(report)
+
+    async def drop_from_ssd(self, keys: Sequence[bytes]) -> tuple[int, int, int]:
+        return await self.evictor.drop(keys) if self.evictor is not None else (0, 0, len(keys))
+
+    # -- operator actions, upkeep ----------------------------------------------------------------
+
+    async def delete(self, addresses: Sequence[BlockAddress], *, skip_busy: bool = False) -> tuple[int, int]:
+        return await admin.delete(self.ram, self.index, self.ssd, self.evictor, self.ledger, self.inflight,
+                                  self.counters, addresses, skip_busy=skip_busy)
+
+    def drop_from_ram(self, keys: Sequence[bytes]) -> tuple[int, int, int]:
+        return admin.drop_from_ram(self.ram, self.index, self.ssd is not None, self.ledger, self.inflight, keys)
+
+    def list_blocks(self, *, model: str = "", tier: str = "", page_token: bytes = b"",
+                    page_size: int = 100, max_scan: int = 10_000) -> tuple[list[BlockRecord], bytes]:
+        return admin.list_blocks(self.index, model=model, tier=tier, page_token=page_token, page_size=page_size,
+                                 max_scan=max_scan)
+
+    def flush_last_seen(self) -> int:
+        return self.ledger.flush_last_seen(self.ssd_order)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) for background promotions, publishes and checksums: on a
+        clean stop they finish before the tiers close."""
+        await self.inflight.drain(timeout)
+
+    def close(self) -> None:
+        """Stop the checksum thread (after :meth:`drain`)."""
+        self.writer.close()
+
+    def stats(self) -> dict[str, int]:
+        c = self.counters
+        out = {
+            "ram_blocks": len(self.ram),
+            "ram_bytes": self.ram.used_bytes,
+            "ram_reserved_bytes": self.ram.slabs.reserved_bytes,
+            "ram_capacity_bytes": self.ram.capacity,
+            "ram_evictions": self.ram.evictions,
+            "ram_dropped": self.ram.dropped,
+            "index_entries": self.index.count_estimate(),
+            "puts": c.puts, "put_bytes": c.put_bytes, "hits": c.hits, "misses": c.misses,
+            "hit_bytes": c.hit_bytes, "lookups": c.lookups, "deletes": c.deletes,
+            "ram_dirty_bytes": self.ram.dirty_bytes, "ram_dirty_evictions": self.ram.dirty_evictions,
+            "promotions": c.promotions, "demotions": c.demotions,
+            "agents": len(self.gpu), "held_bytes": self.inflight.held_bytes,
+            "gpu_blocks": sum(len(a.blocks) for a in self.gpu.agents()),
+            "admission_declined": c.declined,
+        }
+        if self.ssd is not None:
+            sc = self.ssd.counters
+            out |= {
+                "ssd_blocks": self.ssd.blocks, "ssd_bytes": self.ssd.payload_bytes, "ssd_file_bytes": self.ssd.used_bytes, "ssd_capacity_bytes": self.ssd.capacity,
+                "ssd_evictions_ttl": c.ssd_evictions_ttl, "ssd_evictions_capacity": c.ssd_evictions_capacity,
+                "ssd_evictions_admin": c.ssd_evictions_admin, "ssd_full_disk_evictions": c.ssd_full_disk_evictions,
+                "ssd_corrupt": c.ssd_corrupt, "ssd_reads": sc.reads, "ssd_read_bytes": sc.read_bytes,
+                "ssd_writes": sc.writes, "ssd_write_bytes": sc.write_bytes,
+                "ssd_file_bytes_written": sc.file_bytes_written, "ssd_write_errors": sc.write_errors,
+                "ssd_no_space": sc.no_space, "ssd_missing": sc.missing, "ssd_group_commits": sc.group_commits,
+                "ssd_reconciled": int(self.ssd_reconciled),
+                "ssd_budget_declined": c.ssd_budget_declined, "held_written": c.held_written,
+            }
+            if not self.ssd_budget.unlimited:
+                out["ssd_budget_remaining_bytes"] = self.ssd_budget.remaining(self.clock())
+        return out

@@ -1,0 +1,55 @@
+"""What the store's rooms share: the settings SIGHUP may change, and the parts every room holds.
+
+:class:`StoreSettings` is shared by reference, so a change is seen by every room at once.
+:class:`StoreParts` bundles the RAM tier, the index, the ledger, the in-flight tables, the
+counters, the settings and the clock; a :class:`Room` takes them as attributes of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvcached.index import BlockIndex
+from kvcached.policies.prefetch import PrefetchPolicy, WaitComplete
+from kvcached.policies.write import WritePolicy
+from kvcached.store.inflight import InFlight
+from kvcached.store.ledger import RecordLedger
+from kvcached.store.results import Counters
+from kvcached.tiers.ram import RamTier
+
+__all__ = ["Room", "StoreParts", "StoreSettings"]
+
+
+@dataclass(slots=True)
+class StoreSettings:
+    writes: WritePolicy                 # [kv] write_policy
+    dirty_limit: int                    # write-back: a Put waits for the demoter above this many dirty bytes
+    ssd_ttl: float = 7 * 86400.0        # [kv] ssd_ttl: SSD blocks unused this long are dropped
+    gone_ttl: float = 3600.0            # [kv] gone_ttl: how long a tombstone says why a block went
+    mirror_pulls: bool = True           # [kv] mirror_pulls: a pulled block is stored here too
+    prefetch: PrefetchPolicy = field(default_factory=WaitComplete)   # [kv] prefetch_policy
+
+
+@dataclass(frozen=True, slots=True)
+class StoreParts:
+    ram: RamTier
+    index: BlockIndex
+    ledger: RecordLedger
+    inflight: InFlight
+    counters: Counters
+    settings: StoreSettings
+    clock: Callable[[], float]
+
+
+class Room:
+    """A room of the store: the shared parts as its own attributes."""
+
+    def __init__(self, parts: StoreParts) -> None:
+        self.ram = parts.ram
+        self.index = parts.index
+        self.ledger = parts.ledger
+        self.inflight = parts.inflight
+        self.counters = parts.counters
+        self.settings = parts.settings
+        self.clock = parts.clock

@@ -1,0 +1,94 @@
+"""What the store's rooms take and hand back: plain records, no behaviour.
+
+``Counters`` are the store's running totals (read by Stats and the Prometheus collector, also
+from its scrape thread: plain ints, read without a lock). ``Reached`` says how far one read had
+to go, for read accounting (kvcached.reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcached.tiers.ram import RamBlock
+from kvcached_agent.address import BlockAddress
+
+__all__ = ["Counters", "Fetched", "LookupResult", "Miss", "Pinned", "PutItem", "PutResult", "Reached"]
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    address: BlockAddress
+    payload: bytes | memoryview
+    model: str = ""
+    checksum: bytes = b""      # empty: the daemon computes it; else it must match
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    address: BlockAddress
+    payload: bytes
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """A block held for a reader: its bytes stay put until :meth:`Store.unpin`."""
+
+    address: BlockAddress
+    block: RamBlock
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    address: BlockAddress
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Longest-prefix hit counts: per tier, and ``longest`` where each block is in some tier."""
+
+    longest: int
+    ram: int
+    ssd: int = 0
+    gpu: int = 0
+    peer: int = 0
+
+
+@dataclass(slots=True)
+class Counters:
+    puts: int = 0
+    put_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0
+    lookups: int = 0
+    deletes: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    ssd_evictions_ttl: int = 0
+    ssd_evictions_capacity: int = 0
+    ssd_evictions_admin: int = 0
+    ssd_full_disk_evictions: int = 0   # SSD blocks a forced eviction dropped (also in ssd_evictions_capacity / _ttl)
+    ssd_corrupt: int = 0
+    declined: int = 0              # new blocks the admission policy did not take
+    ssd_budget_declined: int = 0   # publishes the SSD write budget refused (kept in RAM only)
+    held_written: int = 0          # write_through_selective: held blocks that earned their SSD write
+
+
+@dataclass(slots=True)
+class Reached:
+    """How far one read had to go: blocks promoted from SSD and pulled from peers for it, and
+    whether the peer tier was in play."""
+
+    peers: bool
+    promoted: int = 0
+    pulled: int = 0
+
+
+@dataclass(slots=True)
+class PutResult:
+    stored: int = 0
+    present: int = 0
+    declined: int = 0      # not stored: the admission policy (or the SSD write budget) declined them
