@@ -69,11 +69,22 @@ from typing import Any, Callable, Sequence
 
 warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)   # torch's CPU build; numpy is not used
 import torch  # noqa: E402
+from bench_core import (  # noqa: E402
+    BENCH_DIR,
+    MiB,
+    Proc,
+    Row,
+    percentile,
+    print_table,
+    proc_times,
+    progress,
+    size_name,
+    start_kvcached,
+)
 
-from bench_core import BENCH_DIR, MiB, Proc, Row, percentile, print_table, proc_times, progress, size_name, start_kvcached
-from kvcached_agent import protocol as p
-from kvcached_agent.address import CROSS_LAYER, BlockAddress
-from kvcached_agent.agent import Agent
+from kvcached_agent import protocol as p  # noqa: E402
+from kvcached_agent.address import CROSS_LAYER, BlockAddress  # noqa: E402
+from kvcached_agent.agent import Agent  # noqa: E402
 
 BLOCK = 1 * MiB
 BATCH = 64

@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from bench_core import progress, start_kvcached  # noqa: E402
+
 from tests.e2e.model import TinyLlama  # noqa: E402
 
 BLOCK = 32

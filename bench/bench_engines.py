@@ -47,7 +47,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
-
 from bench_core import Row, percentile, progress, start_kvcached  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_SIZE = 32, 8, 128
@@ -81,10 +80,11 @@ def main() -> int:
     rounds, calls, loads = (4, 50, 3) if args.quick else (10, 200, 7)
     torch.set_num_threads(1)            # the second core is the daemon's (as bench_agent.py)
 
-    from kvcached_agent import Agent
-    from kvcached_agent.engines.vllm_scheduler import LoadOp
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kvcached_agent import Agent
+    from kvcached_agent.engines.vllm_scheduler import LoadOp
     from tests.engines.vllm_engine import PAGE_TOKENS, MiniEngine, tiny_llama
 
     rows: list[Row] = []

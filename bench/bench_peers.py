@@ -123,8 +123,20 @@ from typing import Any, Awaitable, Callable, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_core import (KiB, MiB, Proc, Row, fmt, percentile, progress, proc_times, size_name,  # noqa: E402
-                        start_kvcached, start_redis, tune_client_malloc)
+from bench_core import (  # noqa: E402
+    KiB,
+    MiB,
+    Proc,
+    Row,
+    fmt,
+    percentile,
+    proc_times,
+    progress,
+    size_name,
+    start_kvcached,
+    start_redis,
+    tune_client_malloc,
+)
 
 SIZES = (64 * KiB, 1 * MiB)
 LAT_SIZE = 64 * KiB           # the single-block latency figure and the profile use this block size

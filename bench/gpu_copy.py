@@ -33,11 +33,20 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from bench_agent import (CopyCase, block_views, copy_rows, fill, one_copy_note, phases, report, run_copy_case, run_script,
-                         start_agent)     # first: it silences torch's warning that numpy is missing
-from bench_core import MiB, Row, progress, size_name
-
 import torch  # noqa: E402
+from bench_agent import (
+    CopyCase,
+    block_views,
+    copy_rows,
+    fill,
+    one_copy_note,
+    phases,
+    report,
+    run_copy_case,
+    run_script,
+    start_agent,  # first: it silences torch's warning that numpy is missing
+)
+from bench_core import MiB, Row, progress, size_name
 
 CASES = ((1 * MiB, 64), (16 * MiB, 16))
 RAM_GIB = 2.0

@@ -87,7 +87,7 @@ def _die(code: int, message: str) -> int:
     return code
 
 
-def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _load(args: argparse.Namespace):
     from kvcached.config import load_config
 
     path = args.config
@@ -144,7 +144,7 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _iso(ts) -> str:  # type: ignore[no-untyped-def]
+def _iso(ts) -> str:
     return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, timezone.utc).isoformat(timespec="seconds")
 
 
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcached.client import ChecksumMismatch
 
         if isinstance(exc, grpc.RpcError):
-            return _die(1, f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
+            return _die(1, f"{exc.code().name}: {exc.details()}")
         if isinstance(exc, ChecksumMismatch):
             return _die(1, str(exc))
         raise

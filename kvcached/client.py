@@ -129,7 +129,7 @@ class KvCacheClient:
     def stats(self) -> pb.StatsResponse:
         return self.stub.Stats(pb.StatsRequest(), timeout=self.timeout)
 
-    def list_blocks(self, *, model: str = "", tier: int = pb.TIER_UNSPECIFIED, page_size: int = 1000,
+    def list_blocks(self, *, model: str = "", tier: "pb.Tier" = pb.TIER_UNSPECIFIED, page_size: int = 1000,
                     limit: int | None = None) -> Iterator[pb.BlockInfo]:
         """Every matching record, following page tokens (at most ``limit``)."""
         token = b""

@@ -492,7 +492,11 @@ def _unknown(kind: str, name: str, known: Sequence[str]) -> str:
 
 def _coerce(section: str, f: dataclasses.Field[Any], value: Any) -> Any:
     key = f"{section}.{f.name}"
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    else:
+        assert f.default_factory is not dataclasses.MISSING, f"{key} has no default"
+        default = f.default_factory()
     kind = f.metadata["kind"] or type(default)
     if f.name.endswith("_ttl"):
         try:
@@ -501,7 +505,7 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: Any) -> Any:
             raise ConfigError(key, str(exc)) from None
     # bool is an int in Python; never accept one for the other.
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
-        want = {bool: "a boolean", int: "an integer", str: "a string", list: "a list"}.get(kind, "a number")  # type: ignore[call-overload]
+        want = {bool: "a boolean", int: "an integer", str: "a string", list: "a list"}.get(kind, "a number")
         raise ConfigError(key, f"expected {want}, got {_type_name(value)} {value!r}")
     if kind is list and f.name == "listen" and not all(isinstance(x, str) for x in value):
         raise ConfigError(key, f"expected a list of strings, got {value!r}")

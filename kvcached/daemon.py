@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvcached import __version__
+from kvcached import __version__, policy_state
 from kvcached.api.access import ReadOnly
 from kvcached.api.admin_service import AdminService
 from kvcached.api.agent_server import AgentServer
@@ -44,18 +44,17 @@ from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, set_da
 from kvcached.index import BlockIndex, IndexError_
 from kvcached.logs import fields, set_level
 from kvcached.metrics import start_metrics
-from kvcached.policies.prefetch import make_prefetch_policy
-from kvcached.systemd import Notifier
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
-from kvcached import policy_state
 from kvcached.policies import make_eviction_policy
 from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
+from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.policies.write import make_write_policy
-from kvcached.store import Store
-from kvcached.tiers.arena import SharedArena
 from kvcached.ssd_reconcile import reconcile_ssd
+from kvcached.store import Store
+from kvcached.systemd import Notifier
+from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.ssd import SsdTier
 from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -261,8 +260,12 @@ class Daemon:
         if problem:
             log.warning("this daemon's certificate will be refused by its peers", extra=fields(problem=problem))
         listen = parse_listen(q.listen) if q.listen else None
+        endpoint = None
+        if listen is not None:
+            assert listen.host is not None and listen.port is not None, "config takes only host:port for quic.listen"
+            endpoint = (listen.host.strip("[]"), listen.port)
         settings = PeerSettings(
-            listen=(listen.host.strip("[]"), listen.port) if listen is not None else None,  # type: ignore[union-attr]
+            listen=endpoint,
             peers={peer["name"]: _host_port(peer["address"]) for peer in q.peers},
             options=QuicOptions(q.max_datagram_size, int(q.max_data_mib * (1 << 20)),
                                 int(q.max_stream_data_mib * (1 << 20))),

@@ -38,7 +38,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
@@ -252,19 +252,24 @@ class BlockIndex:
         """The stored bytes of ``key``'s record (None if absent); read-only, thread-safe."""
         return self._blocks.get(key)
 
+    def _raw_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """The raw records of ``keys`` in one multi-get (None where absent). rocksdict's stubs
+        type a multi-get key list as a list of its key union, which a list[bytes] is not."""
+        return cast("list[bytes | None]", self._blocks[cast(Any, keys)])
+
     def get_many(self, keys: list[bytes]) -> list[BlockRecord | None]:
-        return [None if raw is None else BlockRecord.decode(raw) for raw in self._blocks[keys]]
+        return [None if raw is None else BlockRecord.decode(raw) for raw in self._raw_many(keys)]
 
     def checksums(self, keys: list[bytes]) -> list[bytes | None]:
         """The payload checksums of ``keys`` (None where absent), read straight from the stored
         bytes: the Get path needs nothing else from the record."""
         return [None if raw is None or len(raw) < _RECORD.size else raw[_CHECKSUM:_CHECKSUM + 32]
-                for raw in self._blocks[keys]]
+                for raw in self._raw_many(keys)]
 
     def tiers_of(self, keys: list[bytes]) -> list[Tier]:
         """The tier set of each of ``keys`` (NONE where absent), from the raw bytes."""
         return [Tier(raw[_TIERS]) if raw is not None and len(raw) >= _RECORD.size else Tier.NONE
-                for raw in self._blocks[keys]]
+                for raw in self._raw_many(keys)]
 
     def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = (), *,
               queue: Iterable[bytes] = (), unqueue: Iterable[bytes] = (), sync: bool = False,
@@ -306,16 +311,16 @@ class BlockIndex:
             n += 1
         if not n:
             return
-        before = self._blocks[[k for k, _ in encoded] + deleted] if watching and (encoded or deleted) else []
+        before = self._raw_many([k for k, _ in encoded] + deleted) if watching and (encoded or deleted) else []
         try:
             self._commit(batch, sync)
         except IndexUnwritable:
-            batch = None          # see _commit: this frame lives on in the traceback
+            del batch             # see _commit: this frame lives on in the traceback
             raise
         if before:
             self._report(encoded, deleted, before)
 
-    def _commit(self, batch: WriteBatch | None, sync: bool) -> None:
+    def _commit(self, batch: WriteBatch, sync: bool) -> None:
         """Write ``batch``, or raise IndexUnwritable (nothing of it applied). The first failure
         makes the index unwritable: RocksDB refuses every write after a failed one anyway, until
         it is reopened (:meth:`recover`).
@@ -332,7 +337,7 @@ class BlockIndex:
                         return
                     except Exception as exc:  # rocksdict raises plain Exception
                         self._became_unwritable(str(exc))
-        batch = None
+        del batch
         self.write_failures += 1
         raise IndexUnwritable(self._refusal())
 
@@ -504,7 +509,7 @@ class BlockIndex:
         not in ``tier``, are left out."""
         out = []
         mask, keep, why = int(tier), ~int(tier) & 0xFF, int(reason)   # plain ints: enum ops are slow
-        for key, raw in zip(keys, self._blocks[keys]):
+        for key, raw in zip(keys, self._raw_many(keys)):
             if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION or not raw[_TIERS] & mask:
                 continue
             patched = bytearray(raw)
@@ -520,7 +525,7 @@ class BlockIndex:
         Absent records are left out: a block the index no longer knows stays unknown."""
         out = []
         mask = int(tier)
-        for key, raw in zip(keys, self._blocks[keys]):
+        for key, raw in zip(keys, self._raw_many(keys)):
             if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION:
                 continue
             patched = bytearray(raw)
@@ -533,7 +538,7 @@ class BlockIndex:
     def with_last_seen(self, keys: list[bytes], now: float) -> list[tuple[bytes, bytes]]:
         """Encoded records of the present blocks among ``keys`` with last-seen set to ``now``."""
         out = []
-        for key, raw in zip(keys, self._blocks[keys]):
+        for key, raw in zip(keys, self._raw_many(keys)):
             if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION or not raw[_TIERS]:
                 continue
             patched = bytearray(raw)
@@ -560,7 +565,7 @@ class BlockIndex:
             it.next()
         del it
         keys = [e[_AGE.size:] for e in entries]
-        return list(zip(entries, keys, self._blocks[keys] if keys else []))
+        return list(zip(entries, keys, self._raw_many(keys) if keys else []))
 
     def ssd_queue_keys(self) -> Iterator[bytes]:
         """Every key of the SSD queue, oldest entry first (a key may repeat, and a stale one
@@ -686,7 +691,7 @@ class BlockIndex:
     def delete_expired(self, keys: list[bytes], now: float, gone_ttl: float) -> int:
         """Delete those of ``keys`` that are still expired tombstones (a block may have come
         back since they were found); returns how many. Call from the index's owner."""
-        doomed = [key for key, raw in zip(keys, self._blocks[keys]) if _is_expired_tombstone(raw, now, gone_ttl)]
+        doomed = [key for key, raw in zip(keys, self._raw_many(keys)) if _is_expired_tombstone(raw, now, gone_ttl)]
         self.write(deletes=doomed)
         return len(doomed)
 

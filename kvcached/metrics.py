@@ -12,8 +12,7 @@ import logging
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
-                                    InfoMetricFamily, Metric)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvcached import __version__
@@ -127,13 +126,13 @@ class StoreCollector(Collector):
             yield family
         if reads.latency is None:
             return
-        family = HistogramMetricFamily("kvcached_lookup_seconds", "Time to answer a read (Lookup, Get, agent lookup "
-                                       "or load, peer pull served), by the deepest tier it reached and its outcome",
-                                       labels=["tier", "outcome"])
+        histogram_family = HistogramMetricFamily(
+            "kvcached_lookup_seconds", "Time to answer a read (Lookup, Get, agent lookup or load, peer pull served), "
+            "by the deepest tier it reached and its outcome", labels=["tier", "outcome"])
         for (tier, result), histogram in reads.latency.items():
             buckets, total = histogram.cumulative()
-            family.add_metric([tier, result], buckets, total)
-        yield family
+            histogram_family.add_metric([tier, result], buckets, total)
+        yield histogram_family
 
 
 def _peer_metrics(stats: dict[str, Any]) -> Iterator[Metric]:

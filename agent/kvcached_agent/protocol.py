@@ -24,7 +24,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import ClassVar, Iterator, Sequence, Union
+from typing import Any, ClassVar, Iterator, Protocol, Sequence, Union
 
 __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "ErrorCode", "Status", "ProtocolError", "Frame",
@@ -520,7 +520,16 @@ class Error:
 Message = Union[Hello, Allocate, Commit, Lookup, Load, Release, Overlap, Pinned, Evicted, Heartbeat,
                 Welcome, Slots, Committed, LookupResult, Loaded, Released, OverlapResult, Error]
 
-MESSAGES: dict[int, type] = {cls.TYPE: cls for cls in (
+class _Decodable(Protocol):
+    """A message class as the decoder sees it: its type byte and how its body is read."""
+
+    TYPE: ClassVar[int]
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> Any: ...                  # a Message (subclasses return their own type)
+
+
+MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
     Hello, Allocate, Commit, Lookup, Load, Release, Overlap, Pinned, Evicted, Heartbeat,
     Welcome, Slots, Committed, LookupResult, Loaded, Released, OverlapResult, Error)}
 EVENTS = frozenset({Pinned.TYPE, Evicted.TYPE, Heartbeat.TYPE})   # requests that get no reply (unless an Error)
@@ -556,7 +565,7 @@ def decode(frame: Frame) -> Message:
     reader = _Reader(frame.body, cls.__name__)
     message = cls.decode_body(reader)
     reader.end()
-    return message  # type: ignore[no-any-return]
+    return message
 
 
 class FrameDecoder:

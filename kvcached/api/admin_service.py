@@ -41,12 +41,18 @@ class Operated(Protocol):
     each read when a call needs it: SIGHUP replaces the configuration, the peer tier and the
     reconcile reports arrive after the service starts."""
 
-    config: Config
-    store: Store | None
-    ssd: SsdTier | None
-    peers: PeerStats | None                       # the peer tier, once it is up
-    index_reconcile: dict[str, Any]
-    ssd_reconcile_summary: dict[str, Any]
+    @property
+    def config(self) -> Config: ...
+    @property
+    def store(self) -> Store | None: ...
+    @property
+    def ssd(self) -> SsdTier | None: ...
+    @property
+    def peers(self) -> PeerStats | None: ...          # the peer tier, once it is up
+    @property
+    def index_reconcile(self) -> dict[str, Any]: ...
+    @property
+    def ssd_reconcile_summary(self) -> dict[str, Any]: ...
 
 
 class AdminService(pb_grpc.AdminServicer):

@@ -20,7 +20,7 @@ import os
 import socket
 import struct
 from itertools import count
-from typing import Any
+from typing import Any, cast
 
 from kvcached import __version__
 from kvcached.api.agent_session import WAITING, AgentSession, PeerCredentials, check_hello
@@ -122,9 +122,10 @@ class AgentConnection(asyncio.Protocol):
     # -- asyncio callbacks ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]   # uvloop's transports are not asyncio.Transport subclasses
-        self.transport.set_write_buffer_limits(high=_HIGH_WATER)
-        self.peer = _peer_credentials(self.transport)
+        stream = cast(asyncio.Transport, transport)     # uvloop's transports are not asyncio.Transport subclasses
+        self.transport = stream
+        stream.set_write_buffer_limits(high=_HIGH_WATER)
+        self.peer = _peer_credentials(stream)
         self._hello_timer = self._loop.call_later(
             HELLO_TIMEOUT_S, self.end, f"no Hello within {HELLO_TIMEOUT_S:g} s", p.ErrorCode.HANDSHAKE)
         self.server.connections.add(self)

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Iterator, Sequence
 
-from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
-                             Unavailable)
+from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
 from kvcached.gpu_view import GpuViewFull
 from kvcached.store import Miss, Pinned, Store
 from kvcached.tiers.ram import RamBlock

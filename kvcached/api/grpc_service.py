@@ -31,8 +31,7 @@ from kvcached import __version__
 from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.api.convert import address_from_pb, address_to_pb, tier_name
 from kvcached.config import GrpcSection
-from kvcached.errors import (DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted,
-                             Unavailable)
+from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
 from kvcached.gpu_view import GpuView
 from kvcached.index import BlockRecord, Tier
 from kvcached.store import LookupResult, Miss, Pinned, PutItem, Store
@@ -63,7 +62,7 @@ D = TypeVar("D")
 def _status_of(exc: KvError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in _STATUS:
-            return _STATUS[cls]  # type: ignore[index]
+            return _STATUS[cls]
     return grpc.StatusCode.INTERNAL
 
 
@@ -112,7 +111,7 @@ def block_info(record: BlockRecord) -> pb.BlockInfo:
 def _peer_stats(store: Store) -> dict[str, Any]:
     if store.peers is None:
         return {}
-    s = store.peers.stats()       # type: ignore[attr-defined]
+    s = store.peers.stats()
     peers = [pb.PeerStats(name=name, up=p["up"], connected=p["connected"], blocks=p["blocks"],
                           last_error=p["last_error"]) for name, p in s.pop("peers").items()]
     return {"peers": peers, **s}

@@ -257,7 +257,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
                     data: bytes | memoryview = p.encode(answer, request_id)
                     if not await self._wait_for_room(sid, len(data)):
                         return
-                    self._quic.send_stream_data(sid, data)
+                    self._quic.send_stream_data(sid, data)  # type: ignore[arg-type]   # aioquic takes any buffer; its hint says bytes
                     self._written[sid] += len(data)
                     continue
                 head, payload, release = answer
@@ -266,7 +266,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
                     if not await self._wait_for_room(sid, len(data) + len(payload)):
                         return
                     self._quic.send_stream_data(sid, data)
-                    self._quic.send_stream_data(sid, payload)     # copied into the stream's buffer
+                    self._quic.send_stream_data(sid, payload)  # type: ignore[arg-type]   # copied into the stream's buffer (any buffer works)
                     self._written[sid] += len(data) + len(payload)
                 finally:
                     release()

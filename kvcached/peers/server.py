@@ -124,7 +124,7 @@ class GuardedQuicServer(QuicServer):
         for victim in victims:
             self._discard(cast(QuicConnectionProtocol, victim), DISPLACED)
         self._admitting = (source, validated, header.destination_cid)
-        retry, self._retry = self._retry, (self._retry if validated else None)   # aioquic: no Retry for this one
+        retry, self._retry = self._retry, (self._retry if validated else None)  # type: ignore[assignment]   # aioquic reads None as: no Retry for this one
         try:
             super().datagram_received(data, addr)              # creates the connection (_make_protocol)
         finally:

@@ -38,10 +38,10 @@ from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.store import admin
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
+from kvcached.store.parts import StoreParts, StoreSettings
 from kvcached.store.peer_pulls import PeerPulls, PeerTierLike
 from kvcached.store.read_path import ReadPath
 from kvcached.store.results import Counters, Fetched, LookupResult, Miss, Pinned, PutItem, PutResult
-from kvcached.store.parts import StoreParts, StoreSettings
 from kvcached.store.ssd_evictor import SsdEvictor
 from kvcached.store.ssd_mover import SsdMover, load_budget
 from kvcached.store.write_path import WritePath
@@ -330,7 +330,8 @@ class Store:
         if self.ssd is not None:
             sc = self.ssd.counters
             out |= {
-                "ssd_blocks": self.ssd.blocks, "ssd_bytes": self.ssd.payload_bytes, "ssd_file_bytes": self.ssd.used_bytes, "ssd_capacity_bytes": self.ssd.capacity,
+                "ssd_blocks": self.ssd.blocks, "ssd_bytes": self.ssd.payload_bytes, "ssd_file_bytes": self.ssd.used_bytes,
+                "ssd_capacity_bytes": self.ssd.capacity,
                 "ssd_evictions_ttl": c.ssd_evictions_ttl, "ssd_evictions_capacity": c.ssd_evictions_capacity,
                 "ssd_evictions_admin": c.ssd_evictions_admin, "ssd_full_disk_evictions": c.ssd_full_disk_evictions,
                 "ssd_corrupt": c.ssd_corrupt, "ssd_reads": sc.reads, "ssd_read_bytes": sc.read_bytes,

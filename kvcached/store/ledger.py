@@ -76,8 +76,8 @@ class RecordLedger:
 
         If the index cannot be written, the request's new blocks leave RAM again (what the
         index does not know must not be served) and Unavailable says so."""
+        new_keys = [key for key, record in self._pending.items() if record.present]
         puts: list[tuple[bytes, BlockRecord | bytes]] = list(self._pending.items())
-        new_keys = [key for key, record in puts if record.present]
         evicted, self._evicted = list(self._evicted), set()
         self._pending.clear()
         try:

@@ -24,14 +24,13 @@ from kvcached.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvcached.gpu_view import GpuView
 from kvcached.index import Tier
 from kvcached.reads import ReadStats, outcome
+from kvcached.store.parts import Room, StoreParts
 from kvcached.store.peer_pulls import PeerPulls
 from kvcached.store.results import Fetched, LookupResult, Miss, Pinned, Reached
-from kvcached.store.parts import Room, StoreParts
 from kvcached.store.ssd_mover import SsdMover
 from kvcached.store.write_path import WritePath
 from kvcached.tiers.ram import RamBlock
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress, index_key
-
 
 __all__ = ["LOOKUP_KEYS", "LOOKUP_LAYERS", "ReadPath", "prefix_length"]
 

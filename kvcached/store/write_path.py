@@ -26,8 +26,8 @@ from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvErr
 from kvcached.index import BlockRecord, Tier
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit
 from kvcached.store.inflight import release_view
-from kvcached.store.results import PutItem, PutResult
 from kvcached.store.parts import Room, StoreParts
+from kvcached.store.results import PutItem, PutResult
 from kvcached.store.ssd_mover import SsdMover
 from kvcached.tiers.ram import WRITING, RamBlock, RamFull
 from kvcached.tiers.ssd import SsdFull, SsdTier, SsdTooLarge, SsdWriteError
@@ -337,9 +337,9 @@ class WritePath(Room):
             try:
                 self.ledger.commit()      # tombstones of what the reservations evicted
             except BaseException:
-                for block in out:
-                    if isinstance(block, RamBlock):
-                        self.abort_reserved(block)
+                for slot in out:
+                    if isinstance(slot, RamBlock):
+                        self.abort_reserved(slot)
                 raise
         return out
 

@@ -4,8 +4,8 @@ The arena is cut into equal *slabs* of ``slab_bytes`` (the largest block size). 
 either free or serves one *size class*, cut into equal slots of that class's size. Classes run
 from 4 KiB upward with four steps per power of two (x1, x1.25, x1.5, x1.75, all 4 KiB
 multiples): a block of 16 KiB or more gets a slot under 1.25 times its size, a smaller one
-wastes less than 4 KiB, and power-of-two blocks (the usual KV block) waste nothing. Every slot starts on a 4 KiB boundary, as O_DIRECT reads and
-cudaHostRegister want.
+wastes less than 4 KiB, and power-of-two blocks (the usual KV block) waste nothing. Every slot
+starts on a 4 KiB boundary, as O_DIRECT reads and cudaHostRegister want.
 
 This is memcached's slab design: allocation and free are O(1), there is no fragmentation
 across classes, and a slab moves between classes when it empties (the RAM tier empties a whole

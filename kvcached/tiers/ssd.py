@@ -48,8 +48,18 @@ from typing import Any, Awaitable, Callable, Iterator, Literal
 import blake3
 
 from kvcached.fsmodes import make_dirs
-from kvcached.tiers.ssd_format import (HEADER_BYTES, PAGE, SUFFIX, TMP_MARK, BlockHeader, HeaderError, block_dir,
-                                      block_name, file_bytes, padded)
+from kvcached.tiers.ssd_format import (
+    HEADER_BYTES,
+    PAGE,
+    SUFFIX,
+    TMP_MARK,
+    BlockHeader,
+    HeaderError,
+    block_dir,
+    block_name,
+    file_bytes,
+    padded,
+)
 
 __all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "SsdTooLarge", "SsdSpace", "Durability", "DirectIo",
            "IO_ERROR"]
@@ -261,7 +271,7 @@ class SsdTier:
             await make_room(sum(file_bytes(writes[i].header.length) for i in met))
             for i, r in zip(met, await self._write_all([writes[i] for i in met])):
                 if isinstance(r, SsdFull):
-                    r = SsdFull(r.errno, f"the filesystem of {self.directory} is full ({os.strerror(r.errno)}) "
+                    r = SsdFull(r.errno, f"the filesystem of {self.directory} is full ({os.strerror(r.errno or errno.ENOSPC)}) "
                                 "even after evicting SSD blocks to make room", r.filename)
                 results[i] = r
         self.counters.write_errors += sum(r is not None for r in results)
@@ -460,15 +470,15 @@ class SsdTier:
                 dirs.setdefault(os.path.dirname(g.final), []).append(g)
         dir_syncs = await asyncio.gather(*(loop.run_in_executor(self._pool, _fsync_dir, d) for d in dirs),
                                          return_exceptions=True)
-        for (d, members), r in zip(dirs.items(), dir_syncs):
+        for (d, members), synced in zip(dirs.items(), dir_syncs):
             for g in members:
-                if r is None:
+                if synced is None:
                     self._published(g.write)
                     if not g.future.done():
                         g.future.set_result(None)
                 else:   # the names may not be durable: discard them, never fsync again
                     _unlink_quietly(g.final)
-                    self._fail_pending(g, r)
+                    self._fail_pending(g, synced)
 
     def _fail_pending(self, g: _Written, exc: BaseException) -> None:
         _unlink_quietly(g.tmp)

@@ -29,6 +29,7 @@ the block is never served.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ class BlockHeader:
         return fixed + blake3.blake3(fixed).digest()[:_HEADER_SUM] + bytes(HEADER_BYTES - _CHECKED - _HEADER_SUM)
 
     @classmethod
-    def decode(cls, page: bytes | bytearray | memoryview) -> "BlockHeader":
+    def decode(cls, page: bytes | bytearray | memoryview | mmap.mmap) -> "BlockHeader":
         if len(page) < _CHECKED + _HEADER_SUM:
             raise HeaderError(f"header is {len(page)} bytes, shorter than {_CHECKED + _HEADER_SUM}")
         fixed = bytes(page[:_CHECKED])

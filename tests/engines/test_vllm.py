@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from kvcached.v1 import kvcache_pb2 as pb
-from kvcached_agent.address import chain_digests
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
+from kvcached_agent.address import chain_digests
 from tests.engines.vllm_engine import PAGE_TOKENS, MiniEngine, tiny_llama
 from tests.integration.conftest import DaemonProcess, wait_for
 from tests.integration.test_peers import Cluster, connected

@@ -205,7 +205,7 @@ def test_config_agents_peers_reconcile_and_log_level(make_daemon, tmp_path: Path
         assert 'ram_gib = 0.125' in text
         assert stub.ListAgents(pb.ListAgentsRequest(), timeout=10).agents == []
         from kvcached_agent import protocol as ap
-        from kvcached_agent.client import AgentClient     # an agent connects: it is listed
+        from kvcached_agent.client import AgentClient  # an agent connects: it is listed
         hello = ap.Hello(agent_id="worker-0", model="m", dtype="bf16", block_tokens=16, num_layers=2,
                          layer_block_bytes=4096)
         agent = AgentClient(str(d.state / "agent.sock"), hello, heartbeat=False)

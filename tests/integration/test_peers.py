@@ -28,7 +28,6 @@ from kvcached.peers.tls import ALPN, PeerAuth, QuicOptions
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent import Agent
 from kvcached_agent.address import BlockAddress
-
 from tests.certificates import expired_certificate
 
 from .conftest import DaemonProcess, run_cli, wait_for

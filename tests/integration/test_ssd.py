@@ -18,10 +18,10 @@ import blake3
 import grpc
 import pytest
 
-from kvcached.v1 import kvcache_pb2 as pb
-from tests.disks import small_tmpfs
-from kvcached_agent.address import BlockAddress, index_key
 from kvcached.tiers.ssd_format import HEADER_BYTES, block_dir, block_name
+from kvcached.v1 import kvcache_pb2 as pb
+from kvcached_agent.address import BlockAddress, index_key
+from tests.disks import small_tmpfs
 
 from .conftest import wait_for
 

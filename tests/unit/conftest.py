@@ -20,9 +20,9 @@ from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.clock import ClockPolicy
 from kvcached.policies.write import make_write_policy
 from kvcached.store import Store
-from kvcached.tiers.ssd import SsdTier
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamBlock, RamTier
+from kvcached.tiers.ssd import SsdTier
 from kvcached_agent.address import BlockAddress
 
 KIB = 1 << 10

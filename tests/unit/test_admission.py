@@ -10,8 +10,7 @@ from typing import Callable
 import pytest
 
 from kvcached.index import BlockIndex, Tier
-from kvcached.policies.admission import (DAY_S, AlwaysAdmit, CountMinSketch, ReuseAdmission, SsdWriteBudget,
-                                         make_admission_policy)
+from kvcached.policies.admission import DAY_S, AlwaysAdmit, CountMinSketch, ReuseAdmission, SsdWriteBudget, make_admission_policy
 from kvcached.store import PutItem
 from kvcached.tiers.ssd_format import file_bytes
 from tests.unit.conftest import KIB, SLAB, FakeClock, SyncStore, address, payload

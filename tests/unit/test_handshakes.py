@@ -3,8 +3,7 @@ and the source key of server.py."""
 
 from __future__ import annotations
 
-from kvcached.peers.handshakes import (BUDGET, DISPLACED, FULL, SOURCE_LIMIT, TIMEOUT, HandshakeLimits,
-                                       HandshakeTable, ReplyBudget)
+from kvcached.peers.handshakes import BUDGET, DISPLACED, FULL, SOURCE_LIMIT, TIMEOUT, HandshakeLimits, HandshakeTable, ReplyBudget
 from kvcached.peers.server import source_of
 
 

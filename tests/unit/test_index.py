@@ -15,8 +15,18 @@ import pytest
 from rocksdict import Options, Rdict
 
 from kvcached.errors import Unavailable
-from kvcached.index import (MAX_WAL_BYTES, MEMTABLE_BYTES, RETRY_FIRST_S, SCHEMA_VERSION, BlockIndex, BlockRecord,
-                            GoneReason, IndexError_, IndexUnwritable, Tier)
+from kvcached.index import (
+    MAX_WAL_BYTES,
+    MEMTABLE_BYTES,
+    RETRY_FIRST_S,
+    SCHEMA_VERSION,
+    BlockIndex,
+    BlockRecord,
+    GoneReason,
+    IndexError_,
+    IndexUnwritable,
+    Tier,
+)
 from tests.disks import fill, small_tmpfs
 
 NOW = 1_000_000.0

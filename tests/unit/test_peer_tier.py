@@ -21,9 +21,9 @@ from aioquic.quic.connection import QuicConnection
 from kvcached.certs import make_cluster
 from kvcached.index import BlockIndex
 from kvcached.peers import protocol as p
-from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers import quic as quic_layer
 from kvcached.peers.directory import PeerState, wire_key
+from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import ALPN, PeerAuth, QuicOptions
@@ -452,7 +452,8 @@ def test_server_refuses_bad_client_certificates(tmp_path: Path) -> None:
                 return config
 
             cases = {"another CA": (client_config(other.nodes[B]), "client certificate refused"),
-                     "expired": (client_config(expired_certificate(c.files.ca.parent, tmp_path / "expired", B)), "client certificate refused"),
+                     "expired": (client_config(expired_certificate(c.files.ca.parent, tmp_path / "expired", B)),
+                                 "client certificate refused"),
                      "not a peer": (client_config(c.files.nodes[C]), "node-c"),
                      "no certificate": (client_config(None), "no certificate")}
             for case, (config, why) in cases.items():

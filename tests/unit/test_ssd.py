@@ -14,8 +14,7 @@ import blake3
 import pytest
 
 from kvcached.tiers.ssd import SsdFull, SsdTier, SsdWrite
-from kvcached.tiers.ssd_format import (HEADER_BYTES, PAGE, BlockHeader, HeaderError, block_name, file_bytes, padded,
-                                      parse_name)
+from kvcached.tiers.ssd_format import HEADER_BYTES, PAGE, BlockHeader, HeaderError, block_name, file_bytes, padded, parse_name
 from tests.unit.conftest import payload
 
 SIZES = [1, 4095, 4096, 4097, 65536, 100_000]

@@ -9,10 +9,10 @@ from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFo
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
 from kvcached.policies.clock import ClockPolicy
 from kvcached.store import Fetched, LookupResult, Pinned, PutItem, Store
-from kvcached_agent.integrity import payload_checksum
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached_agent.address import BlockAddress
+from kvcached_agent.integrity import payload_checksum
 from tests.unit.conftest import KIB, SLAB, FakeClock, SyncStore, address, digest, payload
 
 T0 = 1_000_000.0

@@ -154,7 +154,7 @@ class SchedulerSide:
             if state is not None:
                 self._assign(state, new.block_ids[0], new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set())
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
             added = cached.new_block_ids[i]
