@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from kvcached.policies.admission import ADMISSION_POLICIES
+from kvcached.policies.prefetch import PREFETCH_POLICIES
+from kvcached.policies.write import WRITE_POLICIES
 from kvcached_agent.protocol import MAX_BATCH
 
 __all__ = ["Config", "ConfigError", "ListenAddress", "is_loopback", "load_config", "parse_listen", "parse_duration"]
@@ -298,11 +301,11 @@ class KvSection:
                            "ram_policy name.", "lru")
     write_policy: str = _key("When new blocks go to SSD: write_back (soon after the Put), write_through (before it "
                              "returns) or write_through_selective (once hit write_through_threshold times).",
-                             "write_back", _one_of("write_back", "write_through", "write_through_selective"))
+                             "write_back", _one_of(*WRITE_POLICIES))
     write_through_threshold: int = _key("Hits a new block needs before it goes to SSD under "
                                         "write_through_selective.", 2, _positive, int)
     admission: str = _key("Which offered new blocks are stored: always, or reuse (on the admission_threshold-th "
-                          "offer within admission_window offers).", "always", _one_of("always", "reuse"))
+                          "offer within admission_window offers).", "always", _one_of(*ADMISSION_POLICIES))
     admission_threshold: int = _key("Offers a block needs before it is stored under admission = reuse (1..255).", 2,
                                     _threshold, int)
     admission_window: int = _key("Offers after which admission = reuse halves its counts (16 bytes of memory each).",
@@ -321,7 +324,7 @@ class KvSection:
     mirror_pulls: bool = _key("Keep a local copy of blocks pulled from peers.", True)
     prefetch_policy: str = _key("How long a load waits for SSD reads and peer pulls: wait_complete, best_effort (not at "
                                 "all) or timeout (prefetch_timeout_ms).", "wait_complete",
-                                _one_of("wait_complete", "best_effort", "timeout"))
+                                _one_of(*PREFETCH_POLICIES))
     prefetch_timeout_ms: float = _key("Longest wait of a load for its reads under prefetch_policy = timeout, ms.", 50.0,
                                       _positive, (int, float))
     gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", 3600.0)

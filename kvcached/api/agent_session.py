@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
 from kvcached.gpu_view import GpuViewFull
-from kvcached.store import Miss, Pinned, Store
+from kvcached.store import CommitOutcome, Miss, Pinned, SlotRefusal, Store
 from kvcached.tiers.ram import RamBlock
 from kvcached_agent import protocol as p
 from kvcached_agent.address import BlockAddress
@@ -26,8 +26,10 @@ __all__ = ["WAITING", "AgentSession", "PeerCredentials", "check_hello", "error_c
 
 log = logging.getLogger("kvcached.agent")
 
-_STATUS = {"present": p.Status.PRESENT, "busy": p.Status.BUSY, "full": p.Status.FULL, "invalid": p.Status.INVALID,
-           "failed": p.Status.FAILED, "unknown": p.Status.UNKNOWN_HANDLE, "declined": p.Status.DECLINED}
+_SLOT_STATUS = {SlotRefusal.PRESENT: p.Status.PRESENT, SlotRefusal.BUSY: p.Status.BUSY, SlotRefusal.FULL: p.Status.FULL,
+                SlotRefusal.INVALID: p.Status.INVALID, SlotRefusal.DECLINED: p.Status.DECLINED}
+_COMMIT_STATUS = {None: p.Status.OK, CommitOutcome.FAILED: p.Status.FAILED, CommitOutcome.UNKNOWN: p.Status.UNKNOWN_HANDLE,
+                  CommitOutcome.DECLINED: p.Status.DECLINED}
 _CODES: list[tuple[type[KvError], p.ErrorCode]] = [
     (InvalidArgument, p.ErrorCode.INVALID_ARGUMENT), (NotFound, p.ErrorCode.NOT_FOUND),
     (ResourceExhausted, p.ErrorCode.RESOURCE_EXHAUSTED), (FailedPrecondition, p.ErrorCode.FAILED_PRECONDITION),
@@ -124,8 +126,8 @@ class AgentSession:
         results = self.store.reserve([(a, length) for a, (_, _, length) in zip(addresses, message.entries)])
         entries: list[tuple[int, int, int]] = []
         for address, result in zip(addresses, results):
-            if isinstance(result, str):
-                entries.append((_STATUS[result], 0, 0))
+            if isinstance(result, SlotRefusal):
+                entries.append((_SLOT_STATUS[result], 0, 0))
             else:
                 handle = next(self._handles)
                 self._writes[handle] = (address, result)
@@ -135,8 +137,7 @@ class AgentSession:
     async def _commit(self, message: p.Commit) -> p.Committed:
         found = [self._writes.pop(h, None) for h in message.handles]
         results = iter(await self.store.commit_written([w for w in found if w is not None], self.hello.model))
-        return p.Committed([p.Status.UNKNOWN_HANDLE if w is None else _STATUS.get(next(results) or "", p.Status.OK)
-                            for w in found])
+        return p.Committed([p.Status.UNKNOWN_HANDLE if w is None else _COMMIT_STATUS[next(results)] for w in found])
 
     async def _load(self, message: p.Load) -> p.Loaded:
         addresses = [BlockAddress(digest, layer) for digest, layer in message.entries]

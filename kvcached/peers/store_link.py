@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from kvcached.index import GoneReason
 from kvcached.peers import protocol as p
 from kvcached.store.inflight import release_view
 from kvcached.store.results import Miss, Pinned
@@ -44,7 +45,7 @@ async def serve_pull(store: "Store", rows: Sequence[tuple[bytes, int]], max_payl
     for (digest, layer), result in zip(rows, out):
         if not isinstance(result, Pinned):
             reason = p.MissReason.NOT_FOUND
-            if isinstance(result, Miss) and "corrupt" in result.reason:
+            if isinstance(result, Miss) and result.gone is GoneReason.CORRUPT:
                 reason = p.MissReason.DAMAGED
             answers.append(p.Miss(digest, layer, reason))
             continue

@@ -41,7 +41,17 @@ from kvcached.store.ledger import RecordLedger
 from kvcached.store.parts import StoreParts, StoreSettings
 from kvcached.store.peer_pulls import PeerPulls, PeerTierLike
 from kvcached.store.read_path import ReadPath
-from kvcached.store.results import Counters, Fetched, LookupResult, Miss, Pinned, PutItem, PutResult
+from kvcached.store.results import (
+    CommitOutcome,
+    Counters,
+    Fetched,
+    LookupResult,
+    Miss,
+    Pinned,
+    PutItem,
+    PutResult,
+    SlotRefusal,
+)
 from kvcached.store.ssd_evictor import SsdEvictor
 from kvcached.store.ssd_mover import SsdMover, load_budget
 from kvcached.store.write_path import WritePath
@@ -49,7 +59,7 @@ from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.ssd import SsdTier
 from kvcached_agent.address import BlockAddress
 
-__all__ = ["Fetched", "LookupResult", "Miss", "Pinned", "PutItem", "PutResult", "Store"]
+__all__ = ["CommitOutcome", "Fetched", "LookupResult", "Miss", "Pinned", "PutItem", "PutResult", "SlotRefusal", "Store"]
 
 
 class Store:
@@ -216,7 +226,7 @@ class Store:
     async def put(self, items: Sequence[PutItem]) -> PutResult:
         return await self.writer.put(items)
 
-    def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | str]:
+    def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | SlotRefusal]:
         return self.writer.reserve(entries)
 
     async def throttle_writes(self) -> None:
@@ -225,7 +235,8 @@ class Store:
     def abort_reserved(self, block: RamBlock) -> None:
         self.writer.abort_reserved(block)
 
-    async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]], model: str) -> list[str | None]:
+    async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]],
+                             model: str) -> list[CommitOutcome | None]:
         return await self.writer.commit_written(written, model)
 
     def offset_of(self, block: RamBlock) -> int:

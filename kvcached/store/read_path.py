@@ -92,7 +92,7 @@ class ReadPath(Room):
         for address in addresses:
             block = self.ram.get(address.key)
             if block is None:
-                misses.append(Miss(address, self.miss_reason(address)))
+                misses.append(self.miss_of(address))
             else:
                 blocks.append((address, block))
         checksums = self._checksums([b.key for _, b in blocks])
@@ -150,8 +150,7 @@ class ReadPath(Room):
         out: list[Pinned | Miss] = []
         for address, block, checksum in entries:
             if block is None or checksum is None:
-                reason = self.miss_reason(address) if block is None else self.ledger.drop_unindexed(block)
-                out.append(Miss(address, reason))
+                out.append(self.miss_of(address) if block is None else Miss(address, self.ledger.drop_unindexed(block)))
                 self.counters.misses += 1
                 continue
             self.ram.pin(block)
@@ -209,14 +208,19 @@ class ReadPath(Room):
             total += sum(r.nbytes for r in self.index.get_many(absent) if r is not None and r.tiers & Tier.SSD)
         return total
 
-    def miss_reason(self, address: BlockAddress) -> str:
-        """Why ``address`` is not here, in words."""
+    def miss_of(self, address: BlockAddress) -> Miss:
+        """Why ``address`` is not here: in words, and what the index says became of it."""
         record = self.index.get(address.key)
         if record is None:
-            return "unknown block"
+            return Miss(address, "unknown block")
         if not record.present:
-            return f"{record.gone_reason.text}; its metadata is kept until {self.settings.gone_ttl:.0f} s after it went"
-        return "not resident in any tier this daemon has"
+            return Miss(address, f"{record.gone_reason.text}; its metadata is kept until {self.settings.gone_ttl:.0f} s "
+                        "after it went", record.gone_reason)
+        return Miss(address, "not resident in any tier this daemon has")
+
+    def miss_reason(self, address: BlockAddress) -> str:
+        """Why ``address`` is not here, in words."""
+        return self.miss_of(address).reason
 
     # -- making blocks resident ------------------------------------------------------------------
 

@@ -7,12 +7,15 @@ to go, for read accounting (kvcached.reads).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
+from kvcached.index import GoneReason
 from kvcached.tiers.ram import RamBlock
 from kvcached_agent.address import BlockAddress
 
-__all__ = ["Counters", "Fetched", "LookupResult", "Miss", "Pinned", "PutItem", "PutResult", "Reached"]
+__all__ = ["CommitOutcome", "Counters", "Fetched", "LookupResult", "Miss", "Pinned", "PutItem", "PutResult", "Reached",
+           "SlotRefusal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +44,30 @@ class Pinned:
 
 @dataclass(frozen=True, slots=True)
 class Miss:
+    """A block a read did not find: why, in words for people, and ``gone``, why the index says it
+    went (CORRUPT: its SSD copy failed verification), for code that acts on it."""
+
     address: BlockAddress
     reason: str
+    gone: GoneReason = GoneReason.NONE
+
+
+class SlotRefusal(enum.StrEnum):
+    """Why :meth:`Store.reserve` handed out no slot for an entry."""
+
+    PRESENT = "present"      # RAM or SSD has the block: nothing to write
+    BUSY = "busy"            # another writer has it reserved
+    FULL = "full"            # no room, or agents and readers already hold half the RAM tier
+    INVALID = "invalid"      # a size outside 1..max_block_bytes
+    DECLINED = "declined"    # the admission policy does not take it yet: nothing to write
+
+
+class CommitOutcome(enum.StrEnum):
+    """What became of a written block :meth:`Store.commit_written` did not keep."""
+
+    FAILED = "failed"        # write_through: it could not be published on SSD
+    UNKNOWN = "unknown"      # not a reserved block (any more)
+    DECLINED = "declined"    # write_through: the SSD write budget refused it
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from kvcached.index import BlockRecord, Tier
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit
 from kvcached.store.inflight import release_view
 from kvcached.store.parts import Room, StoreParts
-from kvcached.store.results import PutItem, PutResult
+from kvcached.store.results import CommitOutcome, PutItem, PutResult, SlotRefusal
 from kvcached.store.ssd_mover import SsdMover
 from kvcached.tiers.ram import WRITING, RamBlock, RamFull
 from kvcached.tiers.ssd import SsdFull, SsdTier, SsdTooLarge, SsdWriteError
@@ -294,7 +294,7 @@ class WritePath(Room):
 
     # -- agents: blocks written straight into arena slots ---------------------------------------
 
-    def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | str]:
+    def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | SlotRefusal]:
         """Slots for blocks an agent is about to write, entry by entry: a RamBlock (WRITING, its
         bytes counted as held) or why not: ``present`` (RAM or SSD has it: nothing to write),
         ``busy`` (another writer has it reserved), ``full`` (no room, or agents and readers
@@ -303,31 +303,31 @@ class WritePath(Room):
         keys = [a.key for a, _ in entries]
         on_ssd = self.index.tiers_of(keys) if self.ssd is not None else [Tier.NONE] * len(keys)
         inflight = self.inflight
-        out: list[RamBlock | str] = []
+        out: list[RamBlock | SlotRefusal] = []
         mine: set[bytes] = set()
         try:
             for (address, length), tiers in zip(entries, on_ssd):
                 key = address.key
                 if not 0 < length <= self.ram.max_block_bytes:
-                    out.append("invalid")
+                    out.append(SlotRefusal.INVALID)
                 elif key in mine:
-                    out.append("present")        # the same block twice in one batch: written once
+                    out.append(SlotRefusal.PRESENT)        # the same block twice in one batch: written once
                 elif key in self.ram or tiers & Tier.SSD:
                     self.ledger.touched(key)     # a re-save is a use
-                    out.append("present")
+                    out.append(SlotRefusal.PRESENT)
                 elif inflight.held_bytes + length > inflight.max_held_bytes:
-                    out.append("full")
+                    out.append(SlotRefusal.FULL)
                 elif not self.admission.admit(key):
                     self.counters.declined += 1
-                    out.append("declined")
+                    out.append(SlotRefusal.DECLINED)
                 else:
                     try:
                         block = self.ram.reserve(key, length)
                     except ValueError:           # reserved by another writer right now
-                        out.append("busy")
+                        out.append(SlotRefusal.BUSY)
                         continue
                     except RamFull:
-                        out.append("full")
+                        out.append(SlotRefusal.FULL)
                         continue
                     self.ledger.reserved(key)
                     inflight.held_bytes += length
@@ -361,19 +361,20 @@ class WritePath(Room):
             self.ram.abort(block)
         self.inflight.held_bytes -= block.length
 
-    async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]], model: str) -> list[str | None]:
+    async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]],
+                             model: str) -> list[CommitOutcome | None]:
         """The agent wrote these reserved blocks: each becomes visible (and evictable) now, and
         is recorded in the index once a background thread has checksummed it. Under
         write_through this waits for the records and the SSD publish; a block that cannot be
         published is dropped (``failed``). Per entry: None, ``failed`` or ``unknown`` (not a
         reserved block any more); under write_through also ``declined`` (the SSD write budget
         refused it; not kept)."""
-        out: list[str | None] = []
+        out: list[CommitOutcome | None] = []
         batch: list[tuple[BlockAddress, RamBlock]] = []
         through = self.mover is not None and self.settings.writes.synchronous
         for address, block in written:
             if block.refs != WRITING or not self.ram.holds(block):
-                out.append("unknown")
+                out.append(CommitOutcome.UNKNOWN)
                 continue
             self.inflight.held_bytes -= block.length
             self.commit_new(block)
@@ -409,7 +410,7 @@ class WritePath(Room):
                         self.ram.delete(block.key)
                         self.ledger.delete_records([block.key])
         declined = {b.key for b in refused}
-        outcomes = iter(None if ok else "declined" if block.key in declined else "failed"
+        outcomes = iter(None if ok else CommitOutcome.DECLINED if block.key in declined else CommitOutcome.FAILED
                         for (_, block), ok in zip(batch, durable))
         return [r if r is not None else next(outcomes) for r in out]
 
