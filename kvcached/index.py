@@ -11,10 +11,8 @@ the daemon restarted and they lived only in RAM), the metadata stays for ``kv.go
 Get can say why it misses, and a later fetch from a peer can still be checked against the
 stored checksum.
 
-Record layout (little-endian, version 1)::
-
-    u8 version | u8 tiers | u8 gone_reason | u8 pad | u32 layer | u64 nbytes |
-    f64 created | f64 last_seen | f64 gone_at | 32 B checksum | 32 B digest | model (UTF-8, rest)
+The record format (BlockRecord, Tier, GoneReason, the byte layout, the SSD queue's entries) is
+kvcached.index_format's.
 
 Writes go through the WAL without fsync: a daemon crash loses nothing the OS has. Writes that
 publish SSD blocks under a durable mode pass ``sync=True`` (one WAL fsync per group commit), so
@@ -31,33 +29,45 @@ room (docs/index.md, "When the index cannot be written").
 from __future__ import annotations
 
 import concurrent.futures
-import enum
 import logging
 import os
 import struct
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, cast
 
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvcached.errors import Unavailable
 from kvcached.fsmodes import make_dirs
+from kvcached.index_format import (
+    AGE,
+    CHECKSUM_AT,
+    F64,
+    GONE_AT_AT,
+    LAST_SEEN_AT,
+    REASON_AT,
+    RECORD,
+    SCHEMA_VERSION,
+    TIERS_AT,
+    BlockRecord,
+    GoneReason,
+    Tier,
+    is_expired_tombstone,
+    is_present,
+    queue_entry,
+    queue_time,
+    raw_ssd_view,
+    wire_key_of,
+)
 
 __all__ = ["BlockIndex", "BlockRecord", "Tier", "GoneReason", "IndexError_", "IndexUnwritable", "queue_entry",
            "queue_time", "raw_ssd_view"]
 
 log = logging.getLogger("kvcached.index")
 
-SCHEMA_VERSION = 1
-_RECORD = struct.Struct("<BBBxIQddd32s32s")
-_F64 = struct.Struct("<d")
-# byte offsets of the fields that change in place (see the layout above)
-_TIERS, _REASON, _LAST_SEEN, _GONE_AT, _CHECKSUM = 1, 2, 24, 32, 40
-_LAYER, _DIGEST = 4, 72
 _FAMILIES = ("blocks", "meta", "ssd_age", "policy")
-_AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
 _SENTINEL = b"write_check"      # in ``meta``: what a recovery writes and reads back
 KEEP_LOG_FILES = 16             # RocksDB's LOG.old files kept (each open, recoveries' included, starts one)
 RECOVERY_HEADROOM = 1 << 20     # free bytes wanted beyond the WAL's size before a reopen is tried
@@ -70,52 +80,6 @@ MAX_WAL_BYTES = 64 << 20        # past it the families holding the oldest WAL ar
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 16.0   # wait after a failed recovery attempt, doubling
 
 
-def _is_expired_tombstone(raw: bytes | None, now: float, gone_ttl: float) -> bool:
-    return (raw is not None and len(raw) >= _RECORD.size and raw[0] == SCHEMA_VERSION and raw[_TIERS] == 0
-            and now - _F64.unpack_from(raw, _GONE_AT)[0] > gone_ttl)
-
-
-class Tier(enum.IntFlag):
-    """Where a block's bytes are (a set: a block can be in several tiers at once)."""
-
-    NONE = 0
-    RAM = 1
-    SSD = 2
-
-
-class GoneReason(enum.IntEnum):
-    NONE = 0
-    EVICTED = 1           # dropped from the last tier that held it
-    LOST_AT_RESTART = 2   # lived only in RAM when the daemon stopped
-    CORRUPT = 3           # its SSD file failed verification and was quarantined
-    FILE_MISSING = 4      # its SSD file was gone (or did not match) at a read or the boot reconcile
-
-    @property
-    def text(self) -> str:
-        return _REASON_TEXT[self.value]
-
-
-_REASON_TEXT = {0: "present", 1: "evicted", 2: "lost at restart (it lived only in RAM)",
-                3: "its SSD copy was corrupt (quarantined)", 4: "its SSD file was missing or did not match"}
-
-
-def queue_entry(last_seen: float, key: bytes) -> bytes:
-    """The SSD queue entry of ``key`` used last at ``last_seen``."""
-    return _AGE.pack(max(0, int(last_seen * 1e6))) + key
-
-
-def queue_time(entry: bytes) -> float:
-    return _AGE.unpack_from(entry)[0] / 1e6
-
-
-def raw_ssd_view(raw: bytes) -> tuple[Tier, int, float, bytes, bytes, int] | None:
-    """(tiers, nbytes, last_seen, checksum, digest, layer) of a raw record, or None if unreadable."""
-    if len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION:
-        return None
-    _, tiers, _, layer, nbytes, _, last_seen, _, checksum, digest = _RECORD.unpack_from(raw)
-    return Tier(tiers), nbytes, last_seen, checksum, digest, layer
-
-
 class IndexError_(Exception):
     """The index cannot be opened or used (locked by another daemon, corrupt, wrong version)."""
 
@@ -123,48 +87,6 @@ class IndexError_(Exception):
 class IndexUnwritable(IndexError_, Unavailable):
     """A write was refused: the index cannot be written now (a full disk, an I/O error). Nothing
     of that write was applied; reads go on; :meth:`BlockIndex.recover` brings writes back."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRecord:
-    digest: bytes
-    layer: int
-    model: str
-    nbytes: int
-    checksum: bytes
-    created: float
-    last_seen: float
-    tiers: Tier = Tier.RAM
-    gone_reason: GoneReason = GoneReason.NONE
-    gone_at: float = 0.0
-
-    @property
-    def present(self) -> bool:
-        return self.tiers != Tier.NONE
-
-    def encode(self) -> bytes:
-        return _RECORD.pack(SCHEMA_VERSION, int(self.tiers), int(self.gone_reason), self.layer, self.nbytes,
-                            self.created, self.last_seen, self.gone_at, self.checksum, self.digest) + self.model.encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "BlockRecord":
-        if len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION:
-            raise ValueError(f"index record of {len(raw)} bytes, version {raw[:1].hex() or '?'} is not readable")
-        (_, tiers, reason, layer, nbytes, created, last_seen, gone_at, checksum, digest) = _RECORD.unpack_from(raw)
-        return cls(digest, layer, raw[_RECORD.size:].decode(), nbytes, checksum, created, last_seen,
-                   Tier(tiers), GoneReason(reason), gone_at)
-
-    def gone(self, reason: GoneReason, now: float) -> "BlockRecord":
-        return replace(self, tiers=Tier.NONE, gone_reason=reason, gone_at=now)
-
-
-def _present(raw: bytes | None) -> bool:
-    return raw is not None and len(raw) >= _RECORD.size and raw[0] == SCHEMA_VERSION and raw[_TIERS] != 0
-
-
-def _wire_key(raw: bytes) -> bytes:
-    """The block's address as the peer protocol writes it: digest, then u32 layer."""
-    return raw[_DIGEST:_DIGEST + 32] + raw[_LAYER:_LAYER + 4]
 
 
 class BlockIndex:
@@ -263,12 +185,12 @@ class BlockIndex:
     def checksums(self, keys: list[bytes]) -> list[bytes | None]:
         """The payload checksums of ``keys`` (None where absent), read straight from the stored
         bytes: the Get path needs nothing else from the record."""
-        return [None if raw is None or len(raw) < _RECORD.size else raw[_CHECKSUM:_CHECKSUM + 32]
+        return [None if raw is None or len(raw) < RECORD.size else raw[CHECKSUM_AT:CHECKSUM_AT + 32]
                 for raw in self._raw_many(keys)]
 
     def tiers_of(self, keys: list[bytes]) -> list[Tier]:
         """The tier set of each of ``keys`` (NONE where absent), from the raw bytes."""
-        return [Tier(raw[_TIERS]) if raw is not None and len(raw) >= _RECORD.size else Tier.NONE
+        return [Tier(raw[TIERS_AT]) if raw is not None and len(raw) >= RECORD.size else Tier.NONE
                 for raw in self._raw_many(keys)]
 
     def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = (), *,
@@ -473,14 +395,14 @@ class BlockIndex:
         gained: list[bytes] = []
         dropped: list[bytes] = []
         for (_, raw), old in zip(encoded, before):
-            was, now = _present(old), _present(raw)
+            was, now = is_present(old), is_present(raw)
             if now and not was:
-                gained.append(_wire_key(raw))
+                gained.append(wire_key_of(raw))
             elif was and not now:
-                dropped.append(_wire_key(raw))
+                dropped.append(wire_key_of(raw))
         for old in before[len(encoded):]:
-            if _present(old):
-                dropped.append(_wire_key(old))      # type: ignore[arg-type]
+            if is_present(old):
+                dropped.append(wire_key_of(old))      # type: ignore[arg-type]
         if gained or dropped:
             try:
                 self.watcher(gained, dropped)       # type: ignore[misc]
@@ -495,8 +417,8 @@ class BlockIndex:
         it.seek_to_first()
         while it.valid():
             raw = it.value()
-            if _present(raw):
-                out.append(_wire_key(raw))
+            if is_present(raw):
+                out.append(wire_key_of(raw))
             it.next()
         del it
         return out
@@ -510,13 +432,13 @@ class BlockIndex:
         out = []
         mask, keep, why = int(tier), ~int(tier) & 0xFF, int(reason)   # plain ints: enum ops are slow
         for key, raw in zip(keys, self._raw_many(keys)):
-            if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION or not raw[_TIERS] & mask:
+            if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION or not raw[TIERS_AT] & mask:
                 continue
             patched = bytearray(raw)
-            patched[_TIERS] &= keep
-            if not patched[_TIERS]:
-                patched[_REASON] = why
-                _F64.pack_into(patched, _GONE_AT, now)
+            patched[TIERS_AT] &= keep
+            if not patched[TIERS_AT]:
+                patched[REASON_AT] = why
+                F64.pack_into(patched, GONE_AT_AT, now)
             out.append((key, bytes(patched)))
         return out
 
@@ -526,12 +448,12 @@ class BlockIndex:
         out = []
         mask = int(tier)
         for key, raw in zip(keys, self._raw_many(keys)):
-            if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION:
+            if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
                 continue
             patched = bytearray(raw)
-            patched[_TIERS] |= mask
-            patched[_REASON] = 0
-            _F64.pack_into(patched, _GONE_AT, 0.0)
+            patched[TIERS_AT] |= mask
+            patched[REASON_AT] = 0
+            F64.pack_into(patched, GONE_AT_AT, 0.0)
             out.append((key, bytes(patched)))
         return out
 
@@ -539,10 +461,10 @@ class BlockIndex:
         """Encoded records of the present blocks among ``keys`` with last-seen set to ``now``."""
         out = []
         for key, raw in zip(keys, self._raw_many(keys)):
-            if raw is None or len(raw) < _RECORD.size or raw[0] != SCHEMA_VERSION or not raw[_TIERS]:
+            if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION or not raw[TIERS_AT]:
                 continue
             patched = bytearray(raw)
-            _F64.pack_into(patched, _LAST_SEEN, now)
+            F64.pack_into(patched, LAST_SEEN_AT, now)
             out.append((key, bytes(patched)))
         return out
 
@@ -564,7 +486,7 @@ class BlockIndex:
             entries.append(it.key())
             it.next()
         del it
-        keys = [e[_AGE.size:] for e in entries]
+        keys = [e[AGE.size:] for e in entries]
         return list(zip(entries, keys, self._raw_many(keys) if keys else []))
 
     def ssd_queue_keys(self) -> Iterator[bytes]:
@@ -573,7 +495,7 @@ class BlockIndex:
         it = self._age.iter()
         it.seek_to_first()
         while it.valid():
-            yield it.key()[_AGE.size:]
+            yield it.key()[AGE.size:]
             it.next()
         del it
 
@@ -599,7 +521,7 @@ class BlockIndex:
         n = 0
         while it.valid():
             raw = it.value()
-            if len(raw) >= _RECORD.size and raw[0] == SCHEMA_VERSION and raw[_TIERS] & Tier.SSD:
+            if len(raw) >= RECORD.size and raw[0] == SCHEMA_VERSION and raw[TIERS_AT] & Tier.SSD:
                 yield it.key(), raw
             n += 1
             if n % 10_000 == 0 and stop():
@@ -679,7 +601,7 @@ class BlockIndex:
         n = 0
         while it.valid():
             raw = it.value()
-            if _is_expired_tombstone(raw, now, gone_ttl):
+            if is_expired_tombstone(raw, now, gone_ttl):
                 out.append(it.key())
             n += 1
             if n % 10_000 == 0 and stop():
@@ -691,7 +613,7 @@ class BlockIndex:
     def delete_expired(self, keys: list[bytes], now: float, gone_ttl: float) -> int:
         """Delete those of ``keys`` that are still expired tombstones (a block may have come
         back since they were found); returns how many. Call from the index's owner."""
-        doomed = [key for key, raw in zip(keys, self._raw_many(keys)) if _is_expired_tombstone(raw, now, gone_ttl)]
+        doomed = [key for key, raw in zip(keys, self._raw_many(keys)) if is_expired_tombstone(raw, now, gone_ttl)]
         self.write(deletes=doomed)
         return len(doomed)
 

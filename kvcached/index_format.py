@@ -1,0 +1,117 @@
+"""The index's record format: what one block's record holds and how it is laid out in bytes.
+
+Record layout (little-endian, version 1)::
+
+    u8 version | u8 tiers | u8 gone_reason | u8 pad | u32 layer | u64 nbytes |
+    f64 created | f64 last_seen | f64 gone_at | 32 B checksum | 32 B digest | model (UTF-8, rest)
+
+The index (kvcached.index) patches ``tiers``, ``gone_reason``, ``last_seen`` and ``gone_at`` in
+place at the offsets below; the SSD eviction queue's entries are the big-endian microsecond time
+a block was last used, then its key, so the queue sorts oldest first. No I/O here.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, replace
+
+__all__ = ["AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "RECORD", "REASON_AT",
+           "SCHEMA_VERSION", "TIERS_AT", "BlockRecord", "GoneReason", "Tier", "is_expired_tombstone", "is_present",
+           "queue_entry", "queue_time", "raw_ssd_view", "wire_key_of"]
+
+SCHEMA_VERSION = 1
+RECORD = struct.Struct("<BBBxIQddd32s32s")
+F64 = struct.Struct("<d")
+# byte offsets of the fields that change in place (see the layout above)
+TIERS_AT, REASON_AT, LAST_SEEN_AT, GONE_AT_AT, CHECKSUM_AT = 1, 2, 24, 32, 40
+LAYER_AT, DIGEST_AT = 4, 72
+AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
+
+
+def is_expired_tombstone(raw: bytes | None, now: float, gone_ttl: float) -> bool:
+    return (raw is not None and len(raw) >= RECORD.size and raw[0] == SCHEMA_VERSION and raw[TIERS_AT] == 0
+            and now - F64.unpack_from(raw, GONE_AT_AT)[0] > gone_ttl)
+
+
+class Tier(enum.IntFlag):
+    """Where a block's bytes are (a set: a block can be in several tiers at once)."""
+
+    NONE = 0
+    RAM = 1
+    SSD = 2
+
+
+class GoneReason(enum.IntEnum):
+    NONE = 0
+    EVICTED = 1           # dropped from the last tier that held it
+    LOST_AT_RESTART = 2   # lived only in RAM when the daemon stopped
+    CORRUPT = 3           # its SSD file failed verification and was quarantined
+    FILE_MISSING = 4      # its SSD file was gone (or did not match) at a read or the boot reconcile
+
+    @property
+    def text(self) -> str:
+        return _REASON_TEXT[self.value]
+
+
+_REASON_TEXT = {0: "present", 1: "evicted", 2: "lost at restart (it lived only in RAM)",
+                3: "its SSD copy was corrupt (quarantined)", 4: "its SSD file was missing or did not match"}
+
+
+def queue_entry(last_seen: float, key: bytes) -> bytes:
+    """The SSD queue entry of ``key`` used last at ``last_seen``."""
+    return AGE.pack(max(0, int(last_seen * 1e6))) + key
+
+
+def queue_time(entry: bytes) -> float:
+    return AGE.unpack_from(entry)[0] / 1e6
+
+
+def raw_ssd_view(raw: bytes) -> tuple[Tier, int, float, bytes, bytes, int] | None:
+    """(tiers, nbytes, last_seen, checksum, digest, layer) of a raw record, or None if unreadable."""
+    if len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
+        return None
+    _, tiers, _, layer, nbytes, _, last_seen, _, checksum, digest = RECORD.unpack_from(raw)
+    return Tier(tiers), nbytes, last_seen, checksum, digest, layer
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    digest: bytes
+    layer: int
+    model: str
+    nbytes: int
+    checksum: bytes
+    created: float
+    last_seen: float
+    tiers: Tier = Tier.RAM
+    gone_reason: GoneReason = GoneReason.NONE
+    gone_at: float = 0.0
+
+    @property
+    def present(self) -> bool:
+        return self.tiers != Tier.NONE
+
+    def encode(self) -> bytes:
+        return RECORD.pack(SCHEMA_VERSION, int(self.tiers), int(self.gone_reason), self.layer, self.nbytes,
+                            self.created, self.last_seen, self.gone_at, self.checksum, self.digest) + self.model.encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "BlockRecord":
+        if len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
+            raise ValueError(f"index record of {len(raw)} bytes, version {raw[:1].hex() or '?'} is not readable")
+        (_, tiers, reason, layer, nbytes, created, last_seen, gone_at, checksum, digest) = RECORD.unpack_from(raw)
+        return cls(digest, layer, raw[RECORD.size:].decode(), nbytes, checksum, created, last_seen,
+                   Tier(tiers), GoneReason(reason), gone_at)
+
+    def gone(self, reason: GoneReason, now: float) -> "BlockRecord":
+        return replace(self, tiers=Tier.NONE, gone_reason=reason, gone_at=now)
+
+
+def is_present(raw: bytes | None) -> bool:
+    return raw is not None and len(raw) >= RECORD.size and raw[0] == SCHEMA_VERSION and raw[TIERS_AT] != 0
+
+
+def wire_key_of(raw: bytes) -> bytes:
+    """The block's address as the peer protocol writes it: digest, then u32 layer."""
+    return raw[DIGEST_AT:DIGEST_AT + 32] + raw[LAYER_AT:LAYER_AT + 4]
