@@ -60,6 +60,7 @@ from kvcached.tiers.ssd_format import (
     file_bytes,
     padded,
 )
+from kvcached.tiers.ssd_io import fsync_dir, preadv_all, pwritev_all, rename_all, subdirs, unlink_all, unlink_quietly
 
 __all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "SsdTooLarge", "SsdSpace", "Durability", "DirectIo",
            "IO_ERROR"]
@@ -199,7 +200,7 @@ class SsdTier:
         where the filesystem refuses it)."""
         make_dirs(self.blocks_dir)              # 0700 whatever the umask (kvcached.fsmodes)
         make_dirs(self.quarantine_dir)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         if self.direct_io_setting == "off":
             self.direct = False
         else:
@@ -412,7 +413,7 @@ class SsdTier:
             raise _write_error(exc, tmp) from None
         try:
             try:
-                _pwritev_all(fd, parts, file_bytes(n))
+                pwritev_all(fd, parts, file_bytes(n))
                 if self.durability != "none":
                     os.fsync(fd)
             finally:
@@ -420,11 +421,11 @@ class SsdTier:
             if self.durability != "batch":
                 os.rename(tmp, final)
             if self.durability == "always":
-                _fsync_dir(os.path.dirname(final))
+                fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             if self.durability == "always":
-                _unlink_quietly(final)
+                unlink_quietly(final)
             raise _write_error(exc, tmp) from None
 
     def _make_leaf(self, leaf: str) -> None:
@@ -432,8 +433,8 @@ class SsdTier:
         and ``blocks/`` are fsynced every time, since another thread may have created the parent
         and not synced ``blocks/`` yet."""
         make_dirs(leaf)
-        _fsync_dir(os.path.dirname(leaf))
-        _fsync_dir(self.blocks_dir)
+        fsync_dir(os.path.dirname(leaf))
+        fsync_dir(self.blocks_dir)
 
     def _enqueue(self, item: _Written) -> None:
         """Add a written, fsynced file to the open group. The group commits when no other write
@@ -461,14 +462,14 @@ class SsdTier:
         in once (in parallel). Files were fsynced by their writers, concurrently."""
         loop = asyncio.get_running_loop()
         self.counters.group_commits += 1
-        renamed = await loop.run_in_executor(self._pool, _rename_all, [(g.tmp, g.final) for g in group])
+        renamed = await loop.run_in_executor(self._pool, rename_all, [(g.tmp, g.final) for g in group])
         dirs: dict[str, list[_Written]] = {}
         for g, r in zip(group, renamed):
             if r is not None:
                 self._fail_pending(g, r)
             else:
                 dirs.setdefault(os.path.dirname(g.final), []).append(g)
-        dir_syncs = await asyncio.gather(*(loop.run_in_executor(self._pool, _fsync_dir, d) for d in dirs),
+        dir_syncs = await asyncio.gather(*(loop.run_in_executor(self._pool, fsync_dir, d) for d in dirs),
                                          return_exceptions=True)
         for (d, members), synced in zip(dirs.items(), dir_syncs):
             for g in members:
@@ -477,11 +478,11 @@ class SsdTier:
                     if not g.future.done():
                         g.future.set_result(None)
                 else:   # the names may not be durable: discard them, never fsync again
-                    _unlink_quietly(g.final)
+                    unlink_quietly(g.final)
                     self._fail_pending(g, synced)
 
     def _fail_pending(self, g: _Written, exc: BaseException) -> None:
-        _unlink_quietly(g.tmp)
+        unlink_quietly(g.tmp)
         err = self._failed(g.write, exc)
         if not g.future.done():
             g.future.set_exception(err)
@@ -532,7 +533,7 @@ class SsdTier:
             actual = os.fstat(fd).st_size
             if actual != file_bytes(n):
                 return f"file is {actual} bytes, expected {file_bytes(n)} (truncated or torn)"
-            got = _preadv_all(fd, [head, body], file_bytes(n))
+            got = preadv_all(fd, [head, body], file_bytes(n))
             if got != file_bytes(n):
                 return f"short read: {got} of {file_bytes(n)} bytes"
             try:
@@ -556,7 +557,7 @@ class SsdTier:
         """Unlink the files of these blocks (accounting them out); returns how many existed."""
         paths = [(self.path_of(k, h.digest, h.layer), h.length) for k, h in items]
         with self._removing_paths([p for p, _ in paths]):
-            gone = await asyncio.get_running_loop().run_in_executor(self._pool, _unlink_all, [p for p, _ in paths])
+            gone = await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all, [p for p, _ in paths])
         for (path, size), existed in zip(paths, gone):
             self._touched_path(path)
             if existed:
@@ -568,7 +569,7 @@ class SsdTier:
         """Unlink one block's file on the calling thread (Delete: one unlink is cheap)."""
         path = self.path_of(key, header.digest, header.layer)
         self._touched_path(path)
-        existed = _unlink_quietly(path)
+        existed = unlink_quietly(path)
         if existed:
             self._account(header.length, -1)
             self.counters.removed += 1
@@ -591,11 +592,11 @@ class SsdTier:
         except FileNotFoundError:
             return False
         except OSError:
-            return _unlink_quietly(path)
+            return unlink_quietly(path)
         try:
             names = sorted(os.scandir(self.quarantine_dir), key=lambda e: e.stat().st_mtime_ns)
             for entry in names[:max(0, len(names) - QUARANTINE_KEEP)]:
-                _unlink_quietly(entry.path)
+                unlink_quietly(entry.path)
         except OSError:
             pass
         return True
@@ -641,8 +642,8 @@ class SsdTier:
 
     def walk(self) -> Iterator[os.DirEntry[str]]:
         """Every entry in the leaf directories (files of all kinds, any name)."""
-        for top in _subdirs(self.blocks_dir):
-            for leaf in _subdirs(top):
+        for top in subdirs(self.blocks_dir):
+            for leaf in subdirs(top):
                 try:
                     with os.scandir(leaf) as it:
                         yield from it
@@ -677,85 +678,3 @@ def _write_error(exc: OSError, path: str) -> SsdWriteError:
     if exc.errno in _NOSPACE:
         return SsdFull(exc.errno, f"no space left for SSD block file ({exc.strerror})", path)
     return SsdWriteError(exc.errno or errno.EIO, f"SSD write failed: {exc.strerror or exc}", path)
-
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return sorted(e.path for e in it if e.is_dir(follow_symlinks=False))
-    except FileNotFoundError:
-        return []
-
-
-def _rest(parts: list[Any], done: int) -> list[memoryview]:
-    """What is left of ``parts`` after the first ``done`` bytes (views: release them)."""
-    out = []
-    for part in parts:
-        size = len(part)
-        if done >= size:
-            done -= size
-            continue
-        out.append(memoryview(part)[done:])
-        done = 0
-    return out
-
-
-def _pwritev_all(fd: int, parts: list[Any], total: int) -> None:
-    done = os.pwritev(fd, parts, 0)
-    while done < total:     # a short write (rare on regular files): go on from where it stopped
-        rest = _rest(parts, done)
-        try:
-            n = os.pwritev(fd, rest, done)
-        finally:
-            for view in rest:
-                view.release()
-        if n <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += n
-
-
-def _preadv_all(fd: int, parts: list[Any], total: int) -> int:
-    """Bytes read into ``parts`` from offset 0, up to ``total`` (fewer only at end of file)."""
-    done = os.preadv(fd, parts, 0)
-    while 0 < done < total:
-        rest = _rest(parts, done)
-        try:
-            n = os.preadv(fd, rest, done)
-        finally:
-            for view in rest:
-                view.release()
-        if n <= 0:
-            break
-        done += n
-    return done
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rename_all(pairs: list[tuple[str, str]]) -> list[OSError | None]:
-    out: list[OSError | None] = []
-    for tmp, final in pairs:
-        try:
-            os.rename(tmp, final)
-            out.append(None)
-        except OSError as exc:
-            out.append(exc)
-    return out
-
-
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _unlink_all(paths: list[str]) -> list[bool]:
-    return [_unlink_quietly(p) for p in paths]

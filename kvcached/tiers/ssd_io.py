@@ -1,0 +1,93 @@
+"""Plain file operations of the SSD tier, run on its I/O threads: vectored reads and writes that
+finish short transfers, directory fsyncs, renames and unlinks in batches. No asyncio, no state.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+__all__ = ["fsync_dir", "preadv_all", "pwritev_all", "rename_all", "remaining", "subdirs", "unlink_all", "unlink_quietly"]
+
+
+def subdirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return sorted(e.path for e in it if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+
+
+def remaining(parts: list[Any], done: int) -> list[memoryview]:
+    """What is left of ``parts`` after the first ``done`` bytes (views: release them)."""
+    out = []
+    for part in parts:
+        size = len(part)
+        if done >= size:
+            done -= size
+            continue
+        out.append(memoryview(part)[done:])
+        done = 0
+    return out
+
+
+def pwritev_all(fd: int, parts: list[Any], total: int) -> None:
+    done = os.pwritev(fd, parts, 0)
+    while done < total:     # a short write (rare on regular files): go on from where it stopped
+        rest = remaining(parts, done)
+        try:
+            n = os.pwritev(fd, rest, done)
+        finally:
+            for view in rest:
+                view.release()
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += n
+
+
+def preadv_all(fd: int, parts: list[Any], total: int) -> int:
+    """Bytes read into ``parts`` from offset 0, up to ``total`` (fewer only at end of file)."""
+    done = os.preadv(fd, parts, 0)
+    while 0 < done < total:
+        rest = remaining(parts, done)
+        try:
+            n = os.preadv(fd, rest, done)
+        finally:
+            for view in rest:
+                view.release()
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rename_all(pairs: list[tuple[str, str]]) -> list[OSError | None]:
+    out: list[OSError | None] = []
+    for tmp, final in pairs:
+        try:
+            os.rename(tmp, final)
+            out.append(None)
+        except OSError as exc:
+            out.append(exc)
+    return out
+
+
+def unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def unlink_all(paths: list[str]) -> list[bool]:
+    return [unlink_quietly(p) for p in paths]
