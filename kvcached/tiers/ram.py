@@ -34,6 +34,7 @@ __all__ = ["RamBlock", "RamFull", "BlockBusy", "RamTier", "WRITING"]
 
 WRITING = -1
 CLEAN_SEARCH = 32      # candidates looked at for a clean victim before a dirty one goes
+LENGTHS_KEPT = 4096    # distinct block sizes whose int objects are shared between blocks
 
 
 class RamFull(Exception):
@@ -65,6 +66,7 @@ class RamTier:
         self.policy = policy
         self.on_evict = on_evict
         self._blocks: dict[bytes, RamBlock] = {}
+        self._lengths: dict[int, int] = {}
         self._by_slot: list[RamBlock | None] = [None] * (self.slabs.nslabs * self.slabs.slots_per_slab_max)
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
         self.evictions = 0
@@ -139,6 +141,11 @@ class RamTier:
             self._make_room(cls)
             slot = self.slabs.allocate(cls)
             assert slot is not None, "room was made but allocation failed"
+        # Blocks come in few sizes: one int object per size, not one per block (32 bytes each).
+        if len(self._lengths) < LENGTHS_KEPT:
+            length = self._lengths.setdefault(length, length)
+        else:
+            length = self._lengths.get(length, length)
         block = RamBlock(key, slot, length)
         self._blocks[key] = block
         self._by_slot[slot] = block
