@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from kvcached.policies import EVICTION_POLICIES
 from kvcached.policies.admission import ADMISSION_POLICIES
 from kvcached.policies.prefetch import PREFETCH_POLICIES
 from kvcached.policies.write import WRITE_POLICIES
@@ -588,7 +589,6 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
         raise ConfigError("kv.max_block_mib", f"{kv.max_block_mib:g} MiB does not fit in kv.ram_gib = {kv.ram_gib:g}")
     if not 1 <= config.grpc.max_message_mib <= 2047:
         raise ConfigError("grpc.max_message_mib", f"must be in 1..2047 (gRPC's limit is 2 GiB), got {config.grpc.max_message_mib}")
-    from kvcached.policies import EVICTION_POLICIES  # late: policies import nothing from here
 
     if kv.ram_policy not in EVICTION_POLICIES:
         raise ConfigError("kv.ram_policy", f"unknown policy {kv.ram_policy!r}; known: {', '.join(sorted(EVICTION_POLICIES))}")

@@ -12,178 +12,18 @@ one would have.
 
 from __future__ import annotations
 
-import json
-import struct
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from kvcached.policies.arc import ArcPolicy
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot, SnapshotError, resident_keys
+from kvcached.policies.clock import ClockPolicy
+from kvcached.policies.lru import LruPolicy
+from kvcached.policies.s3fifo import S3FifoPolicy
 
-__all__ = ["EvictionPolicy", "EVICTION_POLICIES", "PolicySnapshot", "SnapshotError", "make_eviction_policy"]
-
-_MAGIC = b"KVPS1"
-_HEAD = struct.Struct("<5sI")
-
-
-class SnapshotError(ValueError):
-    """A stored snapshot cannot be read (damaged, or written by another policy)."""
-
-
-@dataclass
-class PolicySnapshot:
-    """What a policy knows, as plain data: named lists of keys in the policy's own order (oldest
-    first), a small number (0..255) per key for the lists that keep one (``values``: CLOCK's
-    reference bits, S3-FIFO's frequencies), and named numbers. ``kind`` names the policy that
-    wrote it. Lists are built with ``list(ordered_dict)`` copies, no per-key Python code
-    (bench_policies measures the cost: 0.1-0.25 s per million keys here)."""
-
-    kind: str
-    lists: dict[str, list[bytes]] = field(default_factory=dict)
-    values: dict[str, list[int]] = field(default_factory=dict)
-    numbers: dict[str, float] = field(default_factory=dict)
-
-    def items(self, name: str) -> Iterable[tuple[bytes, int]]:
-        """(key, value) of list ``name``, oldest first (value 0 where the list keeps none)."""
-        keys = self.lists.get(name, [])
-        values = self.values.get(name)
-        return zip(keys, values) if values is not None else ((key, 0) for key in keys)
-
-    def encode(self) -> bytes:
-        """Magic, a JSON head (kind, numbers, per list its name, length, key size and whether
-        it has values), then per list its keys back to back and its values, one byte each.
-        Keys of one list share a size (BLAKE3 index keys are 32 bytes); a list whose keys do
-        not (tests) stores one length byte before each key."""
-        heads = []
-        parts: list[bytes] = []
-        for name, keys in self.lists.items():
-            size = len(keys[0]) if keys else 0
-            fixed = all(len(k) == size for k in keys)
-            values = self.values.get(name)
-            heads.append([name, len(keys), size if fixed else -1, values is not None])
-            parts.append(b"".join(keys) if fixed else b"".join(bytes((len(k),)) + k for k in keys))
-            if values is not None:
-                try:
-                    parts.append(bytes(values))          # small ints and bools: one C-level pass
-                except ValueError:
-                    parts.append(bytes(min(255, max(0, int(v))) for v in values))
-        head = json.dumps({"kind": self.kind, "numbers": self.numbers, "lists": heads}).encode()
-        return b"".join([_HEAD.pack(_MAGIC, len(head)), head, *parts])
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "PolicySnapshot":
-        try:
-            magic, n = _HEAD.unpack_from(raw)
-            if magic != _MAGIC:
-                raise SnapshotError("not a policy snapshot")
-            head = json.loads(raw[_HEAD.size:_HEAD.size + n])
-            pos = _HEAD.size + n
-            snapshot = cls(str(head["kind"]), numbers={k: float(v) for k, v in head["numbers"].items()})
-            for name, count, size, has_values in head["lists"]:
-                if count == 0:
-                    keys = []
-                elif size > 0:
-                    end = pos + count * size
-                    if end > len(raw):
-                        raise SnapshotError("truncated")
-                    keys = [raw[i:i + size] for i in range(pos, end, size)]
-                    pos = end
-                else:
-                    keys = []
-                    for _ in range(count):
-                        length = raw[pos]
-                        keys.append(raw[pos + 1:pos + 1 + length])
-                        pos += length + 1
-                snapshot.lists[name] = keys
-                if has_values:
-                    if pos + count > len(raw):
-                        raise SnapshotError("truncated")
-                    snapshot.values[name] = list(raw[pos:pos + count])
-                    pos += count
-            if pos != len(raw):
-                raise SnapshotError(f"{len(raw) - pos} bytes left over")
-            return snapshot
-        except SnapshotError:
-            raise
-        except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
-            raise SnapshotError(f"damaged policy snapshot: {exc}") from None
-
-
-class EvictionPolicy(ABC):
-    """Orders the keys resident in one tier for eviction."""
-
-    @abstractmethod
-    def insert(self, key: bytes) -> None:
-        """``key`` became resident."""
-
-    @abstractmethod
-    def touch(self, key: bytes) -> None:
-        """``key`` was used (hit)."""
-
-    @abstractmethod
-    def remove(self, key: bytes) -> None:
-        """``key`` left the tier because it was deleted. Unknown keys are ignored."""
-
-    def evicted(self, key: bytes) -> None:
-        """``key`` left the tier because the tier evicted it (a policy with ghost lists
-        remembers it); by default the same as :meth:`remove`."""
-        self.remove(key)
-
-    @abstractmethod
-    def candidates(self) -> Iterator[bytes]:
-        """Keys in the order the policy would evict them.
-
-        The iterator ends after a bounded number of steps (a policy with second chances yields
-        each key at least once within two passes). The caller removes what it evicts with
-        :meth:`remove`; a key it skips stays resident.
-        """
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-    @abstractmethod
-    def __iter__(self) -> Iterator[bytes]:
-        """The resident keys, in no promised order (the order is :meth:`candidates`')."""
-
-    @abstractmethod
-    def __contains__(self, key: bytes) -> bool:
-        """``key`` is resident as far as the policy knows (ghosts are not)."""
-
-    @abstractmethod
-    def snapshot(self) -> PolicySnapshot:
-        """Everything the policy has learned, resident order and ghosts included."""
-
-    @abstractmethod
-    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
-        """Take up ``snapshot`` (of this same kind) in a fresh instance. Keys of the snapshot's
-        resident lists for which ``resident(key)`` is false are not resident in this tier now
-        (RAM is empty after a restart): a policy with ghost lists remembers them there, one
-        without forgets them. The caller then inserts resident keys the snapshot lacked."""
-
-
-def resident_keys(items: Iterable[tuple[bytes, int]], resident: Callable[[bytes], bool]) -> tuple[
-        list[tuple[bytes, int]], list[bytes]]:
-    """Split a snapshot list (:meth:`PolicySnapshot.items`) into the entries still resident
-    and the keys that are not."""
-    kept: list[tuple[bytes, int]] = []
-    gone: list[bytes] = []
-    for key, value in items:
-        if resident(key):
-            kept.append((key, value))
-        else:
-            gone.append(key)
-    return kept, gone
-
-
-def _registry() -> dict[str, type[EvictionPolicy]]:
-    from kvcached.policies.arc import ArcPolicy
-    from kvcached.policies.clock import ClockPolicy
-    from kvcached.policies.lru import LruPolicy
-    from kvcached.policies.s3fifo import S3FifoPolicy
-
-    return {"clock": ClockPolicy, "lru": LruPolicy, "arc": ArcPolicy, "s3fifo": S3FifoPolicy}
-
+__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "PolicySnapshot", "SnapshotError", "make_eviction_policy",
+           "resident_keys"]
 
 #: config string -> policy class ([kv] ram_policy)
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = _registry()
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"clock": ClockPolicy, "lru": LruPolicy, "arc": ArcPolicy,
+                                                      "s3fifo": S3FifoPolicy}
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from kvcached.policies import EvictionPolicy, PolicySnapshot
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot
 
 
 class ClockPolicy(EvictionPolicy):

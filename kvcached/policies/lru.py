@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from kvcached.policies import EvictionPolicy, PolicySnapshot
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot
 
 
 class LruPolicy(EvictionPolicy):

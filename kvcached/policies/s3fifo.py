@@ -22,7 +22,7 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from kvcached.policies import EvictionPolicy, PolicySnapshot, resident_keys
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot, resident_keys
 
 __all__ = ["S3FifoPolicy"]
 
