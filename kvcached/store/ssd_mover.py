@@ -28,7 +28,7 @@ from kvcached.store.inflight import pin_arrived, release_view
 from kvcached.store.parts import Room, StoreParts
 from kvcached.store.ssd_evictor import SsdEvictor, header_of
 from kvcached.tiers.ram import WRITING, RamBlock, RamFull
-from kvcached.tiers.ssd import IO_ERROR, SsdTier, SsdTooLarge, SsdWrite, SsdWriteError
+from kvcached.tiers.ssd import IO_ERROR, ReadFault, ReadProblem, SsdTier, SsdTooLarge, SsdWrite, SsdWriteError
 from kvcached.tiers.ssd_format import file_bytes
 from kvcached_agent.address import BlockAddress
 
@@ -104,15 +104,15 @@ class SsdMover(Room):
     async def _read_and_commit(self, mine: list[tuple[BlockRecord, RamBlock, asyncio.Future[RamBlock | None]]]) -> None:
         """Read reserved blocks from SSD, commit the good ones, drop the bad ones, resolve every
         future whatever happens."""
-        bad: list[tuple[BlockRecord, RamBlock, str]] = []
+        bad: list[tuple[BlockRecord, RamBlock, ReadProblem]] = []
         try:
             views = [self.ram.slot_view(b) for _, b, _ in mine]
             try:
-                problems: list[str | None] = await self.ssd.read_many(
+                problems: list[ReadProblem | None] = await self.ssd.read_many(
                     [(b.key, header_of(r), v) for (r, b, _), v in zip(mine, views)])
             except Exception as exc:     # the reads themselves failed (not a bad file): every one is a miss
                 log.exception("SSD reads failed")
-                problems = [f"{IO_ERROR}: {exc}"] * len(mine)
+                problems = [ReadProblem(ReadFault.IO_ERROR, f"{IO_ERROR}: {exc}")] * len(mine)
             finally:
                 for view in views:
                     release_view(view)
@@ -123,7 +123,7 @@ class SsdMover(Room):
                     good.append(block)
                 else:
                     self.ram.abort(block)
-                    if not problem.startswith(IO_ERROR):    # an I/O error says nothing about the file
+                    if problem.fault is not ReadFault.IO_ERROR:    # an I/O error says nothing about the file
                         bad.append((record, block, problem))
             puts = self.index.with_tier([b.key for b in good], Tier.RAM)
             known = {key for key, _ in puts}
@@ -131,13 +131,13 @@ class SsdMover(Room):
                 if block.key not in known and self.ram.busy_reason(block.key) is None:   # deleted meanwhile
                     self.ram.delete(block.key)
             for record, block, problem in bad:
-                reason = GoneReason.FILE_MISSING if problem == "missing" else GoneReason.CORRUPT
+                reason = GoneReason.FILE_MISSING if problem.fault is ReadFault.MISSING else GoneReason.CORRUPT
                 puts += self.ledger.without_ssd([block.key], reason, self.clock())
             self.index.write(puts)
             self.evictor.forget([block.key for _, block, _ in bad])
             self.counters.promotions += len(known)
             for record, block, problem in bad:    # moved aside before anyone is told it is a miss
-                if problem != "missing":
+                if problem.fault is ReadFault.DAMAGED:
                     self.counters.ssd_corrupt += 1
                     await self.ssd.quarantine(block.key, header_of(record), problem)
         finally:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import enum
 import errno
 import itertools
 import logging
@@ -63,7 +64,7 @@ from kvcached.tiers.ssd_format import (
 from kvcached.tiers.ssd_io import fsync_dir, preadv_all, pwritev_all, rename_all, subdirs, unlink_all, unlink_quietly
 
 __all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "SsdTooLarge", "SsdSpace", "Durability", "DirectIo",
-           "IO_ERROR"]
+           "IO_ERROR", "ReadFault", "ReadProblem"]
 
 log = logging.getLogger("kvcached.ssd")
 
@@ -74,6 +75,29 @@ GROUP_MAX_BYTES = 256 << 20      # ... or this many bytes
 QUARANTINE_KEEP = 100            # newest quarantined files kept for inspection
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
 IO_ERROR = "I/O error"     # a read problem that says nothing about the file (a miss, no quarantine)
+
+
+class ReadFault(enum.Enum):
+    """What kind of problem kept a block from being served from its file."""
+
+    MISSING = "missing"      # no file (counted missing; the record loses the SSD tier)
+    IO_ERROR = "io_error"    # the read itself failed: nothing is known about the file (a miss, no quarantine)
+    DAMAGED = "damaged"      # the file is there and wrong (counted corrupt, quarantined)
+
+
+class ReadProblem(str):
+    """Why a block was not served from its file: the text for people (the string itself) and
+    ``fault`` for code that acts on it."""
+
+    fault: ReadFault
+
+    def __new__(cls, fault: ReadFault, text: str) -> "ReadProblem":
+        problem = super().__new__(cls, text)
+        problem.fault = fault
+        return problem
+
+
+MISSING = ReadProblem(ReadFault.MISSING, "missing")
 
 
 class SsdWriteError(OSError):
@@ -489,13 +513,13 @@ class SsdTier:
 
     # -- reading ------------------------------------------------------------------------------
 
-    async def read_into(self, key: bytes, header: BlockHeader, dest: memoryview) -> str | None:
+    async def read_into(self, key: bytes, header: BlockHeader, dest: memoryview) -> ReadProblem | None:
         """Read the block described by ``header`` (what the index says it is) into ``dest``
         (its arena slot, at least :func:`padded` bytes) and verify it. None when the bytes in
-        ``dest[:length]`` are the block; else ``"missing"`` (no file) or why the file is bad."""
+        ``dest[:length]`` are the block; else the :class:`ReadProblem`."""
         return (await self.read_many([(key, header, dest)]))[0]
 
-    async def read_many(self, reads: list[tuple[bytes, BlockHeader, memoryview]]) -> list[str | None]:
+    async def read_many(self, reads: list[tuple[bytes, BlockHeader, memoryview]]) -> list[ReadProblem | None]:
         """:meth:`read_into` for a batch, split into one job per I/O thread."""
         loop = asyncio.get_running_loop()
         jobs = [(self.path_of(k, h.digest, h.layer), h, d) for k, h, d in reads]
@@ -507,16 +531,16 @@ class SsdTier:
             if problem is None:
                 self.counters.reads += 1
                 self.counters.read_bytes += header.length
-            elif problem == "missing":
+            elif problem.fault is ReadFault.MISSING:
                 self.counters.missing += 1
-            elif not problem.startswith(IO_ERROR):
+            elif problem.fault is ReadFault.DAMAGED:
                 self.counters.corrupt += 1
         return problems
 
-    def _read_chunk(self, jobs: list[tuple[str, BlockHeader, memoryview]]) -> list[str | None]:
+    def _read_chunk(self, jobs: list[tuple[str, BlockHeader, memoryview]]) -> list[ReadProblem | None]:
         return [self._read_verify(path, header, dest) for path, header, dest in jobs]
 
-    def _read_verify(self, path: str, want: BlockHeader, dest: memoryview) -> str | None:
+    def _read_verify(self, path: str, want: BlockHeader, dest: memoryview) -> ReadProblem | None:
         n = want.length
         size = padded(n)
         if len(dest) < size:
@@ -525,28 +549,28 @@ class SsdTier:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0))
         except FileNotFoundError:
-            return "missing"
+            return MISSING
         except OSError as exc:
-            return f"{IO_ERROR}: cannot open: {exc.strerror or exc}"
+            return ReadProblem(ReadFault.IO_ERROR, f"{IO_ERROR}: cannot open: {exc.strerror or exc}")
         body = dest[:size]
         try:
             actual = os.fstat(fd).st_size
             if actual != file_bytes(n):
-                return f"file is {actual} bytes, expected {file_bytes(n)} (truncated or torn)"
+                return ReadProblem(ReadFault.DAMAGED, f"file is {actual} bytes, expected {file_bytes(n)} (truncated or torn)")
             got = preadv_all(fd, [head, body], file_bytes(n))
             if got != file_bytes(n):
-                return f"short read: {got} of {file_bytes(n)} bytes"
+                return ReadProblem(ReadFault.DAMAGED, f"short read: {got} of {file_bytes(n)} bytes")
             try:
                 problem = BlockHeader.decode(head).disagreement(want.digest, want.layer, n, want.checksum)
             except HeaderError as exc:
                 problem = str(exc)
             if problem is not None:
-                return problem
+                return ReadProblem(ReadFault.DAMAGED, problem)
             if blake3.blake3(body[:n]).digest() != want.checksum:
-                return "payload does not match its BLAKE3 checksum"
+                return ReadProblem(ReadFault.DAMAGED, "payload does not match its BLAKE3 checksum")
             return None
         except OSError as exc:
-            return f"{IO_ERROR}: read failed: {exc.strerror or exc}"
+            return ReadProblem(ReadFault.IO_ERROR, f"{IO_ERROR}: read failed: {exc.strerror or exc}")
         finally:
             os.close(fd)
             body.release()
