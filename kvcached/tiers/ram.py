@@ -13,18 +13,19 @@ Contract (the rules of DESIGN.md, enforced here):
 - Evicted blocks are handed to ``on_evict`` (the store keeps their metadata in the index).
 - A block is *clean* when evicting it loses nothing the tiers want kept: a copy is on SSD, or
   the SSD tier's own policy dropped that copy (TTL, capacity). *Dirty* blocks are waiting to be
-  written back: only RAM has them. Dirty
-  blocks are kept in commit order (:attr:`RamTier.dirty`, oldest first) for the write-back
-  demoter; with ``prefer_clean`` eviction looks a little further for a clean victim before it
-  drops a dirty one (whose bytes are then gone).
+  written back: only RAM has them. Dirty blocks are kept in the order they became dirty
+  (:attr:`RamTier.dirty`, a :class:`DirtyList`, oldest first) for the write-back demoter;
+  with ``prefer_clean`` eviction looks a little further for a clean victim before it drops a
+  dirty one (whose bytes are then gone).
 
 Runs on the event loop thread only; no locks, no I/O besides memcpy into the arena.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from kvcached.policies import EvictionPolicy
 from kvcached.tiers.arena import SharedArena
@@ -58,6 +59,53 @@ class RamBlock:
     hits_to_ssd: int = 0     # write_through_selective: hits still needed before it goes to SSD
 
 
+class DirtyList:
+    """The tier's dirty blocks, oldest first, as a deque of block references (8 bytes a block,
+    where a dict entry costs some 60). A block cleaned, dropped or replaced leaves its entry
+    behind: iteration skips such entries (and drops them at the front), and the deque is rebuilt
+    once they outnumber the live ones. A block dirtied again comes up at its earlier place while
+    that entry is still there, else at the end."""
+
+    def __init__(self, blocks: dict[bytes, RamBlock]) -> None:
+        self._blocks = blocks
+        self._queue: deque[RamBlock] = deque()
+        self._live = 0
+
+    def _is_live(self, block: RamBlock) -> bool:
+        return not block.clean and block.refs != WRITING and self._blocks.get(block.key) is block
+
+    def add(self, block: RamBlock) -> None:
+        self._queue.append(block)
+        self._live += 1
+        if len(self._queue) > 2 * self._live + 1024:
+            self._queue = deque(self._live_blocks())
+
+    def _live_blocks(self) -> Iterator[RamBlock]:
+        seen: set[int] = set()
+        for block in self._queue:
+            if self._is_live(block) and id(block) not in seen:
+                seen.add(id(block))
+                yield block
+
+    def removed(self) -> None:
+        """A block of the list is clean or gone now (its entry goes stale)."""
+        self._live -= 1
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __bool__(self) -> bool:
+        return self._live > 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        """The keys of the dirty blocks, oldest first. Do not change the tier while iterating."""
+        queue = self._queue
+        while queue and not self._is_live(queue[0]):
+            queue.popleft()
+        for block in self._live_blocks():
+            yield block.key
+
+
 class RamTier:
     def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy,
                  on_evict: Callable[[list[RamBlock]], None] = lambda blocks: None) -> None:
@@ -72,7 +120,7 @@ class RamTier:
         self.evictions = 0
         self.dirty_evictions = 0     # evicted with no copy on SSD: their bytes are gone
         self.dropped = 0             # dropped on an operator's request (Admin Evict, Drain)
-        self.dirty: dict[bytes, None] = {}   # committed dirty blocks, oldest first
+        self.dirty = DirtyList(self._blocks)   # committed dirty blocks, oldest first
         self.dirty_bytes = 0
         self.prefer_clean = False
 
@@ -165,23 +213,24 @@ class RamTier:
         block.refs = 0
         block.clean = clean
         if not clean:
-            self.dirty[block.key] = None
+            self.dirty.add(block)
             self.dirty_bytes += block.length
         self.policy.insert(block.key)
 
     def mark_clean(self, block: RamBlock) -> None:
         """The block's bytes are now on SSD too."""
-        if not block.clean and self.dirty.pop(block.key, 0) is None:
+        if not block.clean and block.refs != WRITING and self._blocks.get(block.key) is block:
+            self.dirty.removed()
             self.dirty_bytes -= block.length
         block.clean = True
         block.hits_to_ssd = 0
 
     def mark_dirty(self, block: RamBlock) -> None:
         """The block's SSD copy is gone: RAM holds its only copy again."""
-        if block.clean and block.refs != WRITING:
+        if block.clean and block.refs != WRITING and self._blocks.get(block.key) is block:
             block.hits_to_ssd = 0
             block.clean = False
-            self.dirty[block.key] = None
+            self.dirty.add(block)
             self.dirty_bytes += block.length
 
     def slot_view(self, block: RamBlock) -> memoryview:
@@ -247,7 +296,8 @@ class RamTier:
         self.on_evict(blocks)
 
     def _drop(self, block: RamBlock, evicted: bool = False) -> None:
-        if self.dirty.pop(block.key, 0) is None:
+        if not block.clean and block.refs != WRITING:
+            self.dirty.removed()
             self.dirty_bytes -= block.length
         del self._blocks[block.key]
         self._by_slot[block.slot] = None

@@ -342,3 +342,35 @@ def test_cross_class_needs_whole_idle_slab(ram: RamTier, evicted: list[list[RamB
     assert evicted == [] and len(ram) == 64
     put(ram, 101, 4 * KIB)                   # the small class can still evict one of its own
     assert len(evicted) == 1 and evicted[0][0].key not in {key(0), key(16), key(32), key(48)}
+
+
+def test_dirty_list_keeps_dirty_blocks_oldest_first_and_forgets_the_rest(ram: RamTier) -> None:
+    """Blocks cleaned, deleted or dirtied again never show twice or out of turn; the count and
+    the bytes follow every change."""
+    blocks = [put(ram, n, 4 * KIB) for n in range(6)]
+    assert list(ram.dirty) == [key(n) for n in range(6)] and len(ram.dirty) == 6
+    ram.mark_clean(blocks[0])
+    ram.mark_clean(blocks[3])
+    ram.delete(key(1))
+    assert list(ram.dirty) == [key(2), key(4), key(5)] and ram.dirty_bytes == 3 * 4 * KIB
+    ram.mark_dirty(blocks[3])                         # its SSD copy was lost: dirty again, once
+    ram.mark_dirty(blocks[3])
+    assert list(ram.dirty) == [key(2), key(3), key(4), key(5)] and len(ram.dirty) == 4
+    put(ram, 1, 4 * KIB)                               # the same key again: a new block, at the end
+    assert list(ram.dirty)[-1] == key(1) and len(ram.dirty) == 5
+    for block in list(ram.blocks()):
+        ram.mark_clean(block)
+    assert not ram.dirty and list(ram.dirty) == [] and ram.dirty_bytes == 0
+
+
+def test_dirty_list_stays_bounded_when_blocks_are_cleaned_out_of_order(arena: SharedArena) -> None:
+    """A dirty block at the front that never gets written does not let the entries of blocks
+    cleaned behind it pile up: the list is rebuilt once they outnumber the live ones."""
+    ram = RamTier(arena, SLAB, ClockPolicy())
+    stuck = put(ram, 0, 4 * KIB)
+    for n in range(1, 20_000):
+        block = put(ram, n, 4 * KIB)
+        ram.mark_clean(block)
+        ram.delete(block.key)
+    assert list(ram.dirty) == [stuck.key]
+    assert len(ram.dirty._queue) <= 2 * len(ram.dirty) + 1025
