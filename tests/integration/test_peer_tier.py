@@ -1,6 +1,6 @@
 """The peer tier end to end in one process: real Stores (memfd arena, RocksDB index), each with a
 real PeerTier over QUIC on 127.0.0.1 and mutual TLS with certificates from kvcached.certs.
-Tests run their own event loop (asyncio.run), as the other async unit tests do."""
+Tests run their own event loop (asyncio.run). In one process, but over real sockets: an integration test."""
 
 from __future__ import annotations
 
