@@ -4,7 +4,8 @@ APIs (gRPC, the agent socket, peers) call :class:`Store` and translate its error
 (kvcached.errors). The store is a thin facade over rooms, one per concern, each with its own
 contract:
 
-- ``results``: the records it takes and hands back; ``settings``: what SIGHUP may change;
+- ``results``: the records it takes and hands back; ``parts``: what SIGHUP may change, and the
+  parts every room shares;
 - ``ledger``: the index writes of the request in progress, tombstones, last-seen times;
 - ``inflight``: blocks being fetched, published or checksummed, and the background tasks;
 - ``write_path``: Puts and agents' reserve/commit, admission, write policies;
@@ -263,9 +264,6 @@ class Store:
 
     def stored_bytes(self, addresses: Sequence[BlockAddress]) -> int:
         return self.reader.stored_bytes(addresses)
-
-    def miss_reason(self, address: BlockAddress) -> str:
-        return self.reader.miss_reason(address)
 
     def local_prefix(self, digests: Sequence[bytes], layer: int) -> int:
         return self.reader.local_prefix(digests, layer)
