@@ -13,7 +13,7 @@ policy operation next to a bare dict lookup, and a daemon's RAM-tier Get rate pe
      the sizes.
 2. Cost per operation: insert, touch (a hit), lookup (a membership test, as the tier's dict
    does before it touches) and evict (candidates() then evicted()) on a policy holding 100,000
-   keys, in ns, against a bare dict lookup in the same run. No target: the figure says what a
+   keys (driven by key, through KeyedPolicy, as the SSD tier's order is), in ns, against a bare dict lookup in the same run. No target: the figure says what a
    policy adds to a RAM-tier request (a Get of one block costs tens of microseconds).
 3. A daemon's RAM-tier Get rate per policy: one ``kvcached serve`` per policy (RAM only), 64 KiB
    blocks cycling through a working set larger than the tier, so every Get is a hit or a miss
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_core import KiB, Row, progress, start_kvcached  # noqa: E402
 
-from kvcached.policies import make_eviction_policy  # noqa: E402
+from kvcached.policies import make_keyed_policy  # noqa: E402
 from kvcached.policies.admission import ReuseAdmission  # noqa: E402
 from kvcached.sim.replay import Result, simulate  # noqa: E402
 from kvcached.sim.report import svg, table  # noqa: E402
@@ -102,7 +102,7 @@ def op_cost_rows(keys: int, number: int) -> list[Row]:
     bare = min(timeit.repeat(lambda: probe in table_, number=number, repeat=5)) / number
     rows = []
     for name in POLICIES:
-        policy = make_eviction_policy(name)
+        policy = make_keyed_policy(name)
         for key in universe:
             policy.insert(key)
         fresh = iter([os.urandom(16) for _ in range(number * 5 + 10)])
@@ -129,10 +129,11 @@ def op_cost_rows(keys: int, number: int) -> list[Row]:
 def state_rows(name: str, universe: list[bytes]) -> list[Row]:
     """What keeping and saving a policy's state costs: the snapshot copy the event loop pays
     (kvcached.policy_state), against a bare list() of a dict of the same keys, and the memory per
-    key (the SSD tier's in-memory policies pay it per block), against a bare dict of them."""
+    key (the SSD tier's in-memory policies pay it per block, through KeyedPolicy: the key's id
+    and the policy's columns), against a bare dict of them."""
     keys = len(universe)
     table_ = dict.fromkeys(universe)
-    policy = make_eviction_policy(name)
+    policy = make_keyed_policy(name)
     for key in universe:
         policy.insert(key)
     copy = min(timeit.repeat(lambda: list(table_), number=3, repeat=3)) / 3
@@ -141,7 +142,7 @@ def state_rows(name: str, universe: list[bytes]) -> list[Row]:
     before = tracemalloc.get_traced_memory()[0]
     bare = dict.fromkeys(universe)
     bare_bytes = tracemalloc.get_traced_memory()[0] - before
-    fresh = make_eviction_policy(name)
+    fresh = make_keyed_policy(name)
     for key in universe:
         fresh.insert(key)
     policy_bytes = tracemalloc.get_traced_memory()[0] - before - bare_bytes

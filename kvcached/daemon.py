@@ -46,7 +46,7 @@ from kvcached.metrics import start_metrics
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
-from kvcached.policies import make_eviction_policy
+from kvcached.policies import make_eviction_policy, make_keyed_policy
 from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.policies.write import make_write_policy
@@ -124,7 +124,7 @@ class Daemon:
                            ssd_ttl=kv.ssd_ttl, gone_ttl=kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks,
                            admission=make_admission_policy(kv.admission, kv.admission_threshold, kv.admission_window),
                            ssd_budget=SsdWriteBudget(int(kv.ssd_write_budget_gib * (1 << 30))),
-                           ssd_order=make_eviction_policy(kv.ssd_policy) if self.ssd and kv.ssd_policy != "lru" else None)
+                           ssd_order=make_keyed_policy(kv.ssd_policy) if self.ssd and kv.ssd_policy != "lru" else None)
         self.store.ssd_order_ready = self.store.ssd_order is None   # rebuilt after the reconcile
         self._restore_policies()
         self.store.mirror_pulls = cfg.kv.mirror_pulls
@@ -253,7 +253,7 @@ class Daemon:
         (kvcached.policy_state). The SSD tier's order follows once its reconcile is done."""
         assert self.store is not None and self.index is not None
         store, kv = self.store, self.config.kv
-        ram_keys = policy_state.restore_ram(self.index, store.ram.policy, kv.ram_policy)
+        ram_keys = policy_state.restore_ram(self.index, store.ram.policy_state(), kv.ram_policy)
         admission = policy_state.restore_admission(self.index, store.admission)
         store.load_budget()
         if ram_keys or admission:
@@ -266,7 +266,7 @@ class Daemon:
         saving it would replace the whole saved order with that part."""
         assert self.store is not None
         store = self.store
-        return policy_state.capture(store.ram.policy, store.ssd_order if store.ssd_order_ready else None,
+        return policy_state.capture(store.ram.policy_state(), store.ssd_order if store.ssd_order_ready else None,
                                     store.admission)
 
     def _save_policies(self) -> int:

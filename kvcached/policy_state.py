@@ -8,8 +8,8 @@ in chunks in one atomic batch, so a crash mid-save leaves the previous save whol
 write budget's ledger is not saved here: the store writes it before each publish (a crash must
 not let the daemon write more than its budget).
 
-The snapshot is taken on the event loop (``list()`` copies of the policy's ordered dicts,
-0.1-0.25 s per million keys in bench/bench_policies.py) and encoded (``b"".join`` of fixed-size keys) and written by
+The snapshot is taken on the event loop (the policy's id queues walked into lists of keys; the
+cost per million keys is in bench/bench_policies.py) and encoded (``b"".join`` of fixed-size keys) and written by
 a worker thread, off the hot path. At boot:
 
 - the RAM tier is empty (block bytes live in RAM only while the daemon runs), so the RAM
@@ -28,7 +28,7 @@ import struct
 from typing import Callable
 
 from kvcached.index import BlockIndex
-from kvcached.policies import EvictionPolicy, PolicySnapshot, SnapshotError, make_eviction_policy
+from kvcached.policies import KeyedPolicy, PolicySnapshot, PolicyState, SnapshotError, make_keyed_policy
 from kvcached.policies.admission import AdmissionPolicy
 
 __all__ = ["save_blob", "load_blob", "capture", "write_captured", "restore_ram", "restore_admission",
@@ -61,7 +61,7 @@ def load_blob(index: BlockIndex, name: bytes) -> bytes | None:
     return b"".join(chunks) if len(chunks) == count else None
 
 
-def capture(ram: EvictionPolicy, ssd: EvictionPolicy | None, admission: AdmissionPolicy) -> list[
+def capture(ram: PolicyState, ssd: PolicyState | None, admission: AdmissionPolicy) -> list[
         tuple[bytes, PolicySnapshot | bytes]]:
     """On the event loop: copies of what each policy knows (encoding comes later, off it)."""
     out: list[tuple[bytes, PolicySnapshot | bytes]] = [(RAM, ram.snapshot())]
@@ -100,7 +100,7 @@ def _snapshot(index: BlockIndex, name: bytes, kind: str) -> PolicySnapshot | Non
     return snapshot
 
 
-def restore_ram(index: BlockIndex, policy: EvictionPolicy, kind: str) -> int:
+def restore_ram(index: BlockIndex, policy: PolicyState, kind: str) -> int:
     """At boot, before any block is stored: the RAM policy takes up its saved state (no key is
     resident). Returns how many keys the saved state held."""
     snapshot = _snapshot(index, RAM, kind)
@@ -129,7 +129,7 @@ def restore_admission(index: BlockIndex, admission: AdmissionPolicy) -> bool:
 
 
 def build_ssd_order(index: BlockIndex, kind: str, stop: Callable[[], bool] = lambda: False,
-                    progress: Callable[[int], None] = lambda n: None) -> EvictionPolicy:
+                    progress: Callable[[int], None] = lambda n: None) -> KeyedPolicy:
     """In a worker thread, after the boot reconcile: the SSD tier's policy over every block the
     index has on SSD, in the saved order where there is one, then in the SSD queue's order
     (least recently used first) for the rest."""
@@ -138,7 +138,7 @@ def build_ssd_order(index: BlockIndex, kind: str, stop: Callable[[], bool] = lam
         on_ssd.add(key)
         if len(on_ssd) % 1_000_000 == 0:
             progress(len(on_ssd))
-    policy = make_eviction_policy(kind)
+    policy = make_keyed_policy(kind)
     snapshot = _snapshot(index, SSD, kind)
     if snapshot is not None:
         policy.restore(snapshot, on_ssd.__contains__)

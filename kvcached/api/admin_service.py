@@ -122,7 +122,7 @@ class AdminService(pb_grpc.AdminServicer):
                                      "(use Evict or Delete to drop blocks on purpose)")
         written = await store.write_back_all()
         dropped = busy = 0
-        keys = [block.key for block in store.ram.blocks()]
+        keys = store.ram.keys()
         for i in range(0, len(keys), self.batch_slice):
             d, b, _ = store.drop_from_ram(keys[i:i + self.batch_slice])
             dropped, busy = dropped + d, busy + b

@@ -9,61 +9,75 @@ its target, T2's otherwise. vLLM's ARC manager (../shared/seeds/003) works the s
 
 The tier's capacity is in bytes and blocks vary in size, so ``c`` (the cache size in keys that
 bounds ``p`` and the ghost lists) is the most keys ever resident at once.
-O(1) per operation; ``candidates`` yields at most every resident key once.
+T1 and T2 are :class:`~kvcached.policies.links.IdQueue` over the tier's ids (9 bytes a resident
+entry); the ghosts are keys, since their ids went back to the tier. O(1) per operation;
+``candidates`` yields at most every resident entry once.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from typing import Callable, Iterator
 
 from kvcached.policies.base import EvictionPolicy, PolicySnapshot, resident_keys
+from kvcached.policies.links import IdLinks, IdQueue
 
 __all__ = ["ArcPolicy"]
 
 
 class ArcPolicy(EvictionPolicy):
     def __init__(self) -> None:
-        self.t1: OrderedDict[bytes, None] = OrderedDict()   # resident, seen once; oldest first
-        self.t2: OrderedDict[bytes, None] = OrderedDict()   # resident, seen twice or more
-        self.b1: OrderedDict[bytes, None] = OrderedDict()   # ghosts evicted from T1
+        self._links = IdLinks()
+        self.t1 = IdQueue(self._links, 1)                   # resident, seen once; oldest first
+        self.t2 = IdQueue(self._links, 2)                   # resident, seen twice or more
+        self.b1: OrderedDict[bytes, None] = OrderedDict()   # ghosts evicted from T1 (keys)
         self.b2: OrderedDict[bytes, None] = OrderedDict()   # ghosts evicted from T2
-        self.p = 0.0                                        # target size of T1, in keys
-        self.c = 1                                          # the cache size in keys (high-water mark)
+        self.p = 0.0                                        # target size of T1, in entries
+        self.c = 1                                          # the cache size in entries (high-water mark)
 
-    def insert(self, key: bytes) -> None:
+    def _unlink(self, entry: int) -> bool:
+        """Take ``entry`` out of T1 or T2; whether it was in one."""
+        for queue in (self.t1, self.t2):
+            if entry in queue:
+                queue.remove(entry)
+                return True
+        return False
+
+    def size_for(self, capacity: int) -> None:
+        self._links.size_for(capacity)
+
+    def insert(self, entry: int, key: bytes) -> None:
+        self._unlink(entry)
         if key in self.b1:                   # evicted from T1 too soon: give recency more room
             self.p = min(float(self.c), self.p + max(1.0, len(self.b2) / len(self.b1)))
             del self.b1[key]
-            self.t2[key] = None
+            self.t2.push(entry)
         elif key in self.b2:                 # evicted from T2 too soon: give frequency more room
             self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
             del self.b2[key]
-            self.t2[key] = None
+            self.t2.push(entry)
         else:
-            self.t1.pop(key, None)
-            self.t2.pop(key, None)
-            self.t1[key] = None
+            self.t1.push(entry)
         self.c = max(self.c, len(self.t1) + len(self.t2))
         self._trim_ghosts()
 
-    def touch(self, key: bytes) -> None:
-        if key in self.t1:
-            del self.t1[key]
-            self.t2[key] = None
-        elif key in self.t2:
-            self.t2.move_to_end(key)
+    def touch(self, entry: int) -> None:
+        if entry in self.t1:
+            self.t1.remove(entry)
+            self.t2.push(entry)
+        elif entry in self.t2:
+            self.t2.move_to_back(entry)
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, entry: int) -> None:
         """Deleted, not evicted: no ghost is kept."""
-        self.t1.pop(key, None)
-        self.t2.pop(key, None)
+        self._unlink(entry)
 
-    def evicted(self, key: bytes) -> None:
-        if self.t1.pop(key, 0) is None:
+    def evicted(self, entry: int, key: bytes) -> None:
+        if entry in self.t1:
+            self.t1.remove(entry)
             self.b1[key] = None
-        elif self.t2.pop(key, 0) is None:
+        elif entry in self.t2:
+            self.t2.remove(entry)
             self.b2[key] = None
         self._trim_ghosts()
 
@@ -75,46 +89,48 @@ class ArcPolicy(EvictionPolicy):
         while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
             self.b2.popitem(last=False)
 
-    def candidates(self) -> Iterator[bytes]:
+    def candidates(self) -> Iterator[int]:
         """REPLACE: T1's oldest while T1 is over its target (or T2 is empty), else T2's oldest;
-        when the caller skips a key (in use) the next one, then the other list."""
+        when the caller skips an entry (in use) the next one, then the other list."""
         first, second = (self.t1, self.t2) if self.t1 and (len(self.t1) > self.p or not self.t2) else (self.t2, self.t1)
         for queue in (first, second):
             for _ in range(len(queue)):
                 if not queue:
                     break
-                key = next(iter(queue))
-                queue.move_to_end(key)       # skipped (in use): young again in its own list
-                yield key
+                entry = queue.head
+                queue.move_to_back(entry)    # skipped (in use): young again in its own list
+                yield entry
 
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)
 
-    def __iter__(self) -> Iterator[bytes]:
-        return itertools.chain(self.t1, self.t2)
+    def __iter__(self) -> Iterator[int]:
+        yield from self.t1
+        yield from self.t2
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.t1 or key in self.t2
+    def __contains__(self, entry: int) -> bool:
+        return self._links.tag_of(entry) != 0
 
-    def snapshot(self) -> PolicySnapshot:
-        return PolicySnapshot("arc", {name: list(getattr(self, name)) for name in ("t1", "t2", "b1", "b2")},
+    def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
+        return PolicySnapshot("arc", {"t1": [key_of(e) for e in self.t1], "t2": [key_of(e) for e in self.t2],
+                                      "b1": list(self.b1), "b2": list(self.b2)},
                               numbers={"p": self.p, "c": float(self.c)})
 
-    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
+    def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
         """Lists, target and size as they were. A T1 (T2) key that is not resident any more
         becomes the youngest ghost of B1 (B2): it did leave the tier, and if it comes back
         ARC learns from it as from any ghost hit."""
         lists = snapshot.lists
         self.p = snapshot.numbers.get("p", 0.0)
         self.c = max(1, int(snapshot.numbers.get("c", 1)))
-        for live, ghosts in (("t1", "b1"), ("t2", "b2")):
-            kept, gone = resident_keys(snapshot.items(live), resident)
-            target, memory = getattr(self, live), getattr(self, ghosts)
+        for live, ghosts, target, memory in (("t1", "b1", self.t1, self.b1), ("t2", "b2", self.t2, self.b2)):
+            kept, gone = resident_keys(snapshot.items(live), entry_of)
             for key in lists.get(ghosts, ()):
-                if not resident(key):
+                if entry_of(key) is None:
                     memory[key] = None
             for key in gone:
                 memory[key] = None
-            for key, _ in kept:
-                target[key] = None
+            for entry, _ in kept:
+                if entry not in self:
+                    target.push(entry)
         self._trim_ghosts()

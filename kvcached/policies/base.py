@@ -25,8 +25,8 @@ class PolicySnapshot:
     """What a policy knows, as plain data: named lists of keys in the policy's own order (oldest
     first), a small number (0..255) per key for the lists that keep one (``values``: CLOCK's
     reference bits, S3-FIFO's frequencies), and named numbers. ``kind`` names the policy that
-    wrote it. Lists are built with ``list(ordered_dict)`` copies, no per-key Python code
-    (bench_policies measures the cost: 0.1-0.25 s per million keys here)."""
+    wrote it. Lists are built by walking the policy's id queues on the event loop
+    (bench_policies measures the cost per million keys)."""
 
     kind: str
     lists: dict[str, list[bytes]] = field(default_factory=dict)
@@ -100,66 +100,83 @@ class PolicySnapshot:
 
 
 class EvictionPolicy(ABC):
-    """Orders the keys resident in one tier for eviction."""
+    """Orders the resident entries of one tier for eviction.
+
+    Entries are named by *ids*: small dense ints the tier hands out (the RAM tier's record
+    numbers; :class:`~kvcached.policies.keyed.KeyedPolicy` hands them out for tiers that name
+    blocks by key only), so a policy keeps its per-entry state in array columns indexed by id
+    (kvcached.policies.links: a few bytes an entry) rather than in a dict of keys (some 90). An
+    id names one entry from :meth:`insert` to :meth:`remove` or :meth:`evicted`; then the tier
+    may give it to another. The entry's key comes along where a policy remembers entries past
+    their eviction (ghost lists hold keys: the id is gone by then).
+    """
+
+    def size_for(self, capacity: int) -> None:
+        """The tier hands out ids below ``capacity`` only: the policy may lay out its per-id
+        columns for that many now (kvcached.policies.links.column: pages cost RAM once used)
+        instead of growing them. By default nothing happens."""
 
     @abstractmethod
-    def insert(self, key: bytes) -> None:
-        """``key`` became resident."""
+    def insert(self, entry: int, key: bytes) -> None:
+        """``entry`` (whose key is ``key``) became resident."""
 
     @abstractmethod
-    def touch(self, key: bytes) -> None:
-        """``key`` was used (hit)."""
+    def touch(self, entry: int) -> None:
+        """``entry`` was used (hit). Entries the policy does not hold are ignored."""
 
     @abstractmethod
-    def remove(self, key: bytes) -> None:
-        """``key`` left the tier because it was deleted. Unknown keys are ignored."""
+    def remove(self, entry: int) -> None:
+        """``entry`` left the tier because it was deleted. Entries not held are ignored."""
 
-    def evicted(self, key: bytes) -> None:
-        """``key`` left the tier because the tier evicted it (a policy with ghost lists
-        remembers it); by default the same as :meth:`remove`."""
-        self.remove(key)
+    def evicted(self, entry: int, key: bytes) -> None:
+        """``entry`` (key ``key``) left the tier because the tier evicted it (a policy with
+        ghost lists remembers the key); by default the same as :meth:`remove`."""
+        self.remove(entry)
 
     @abstractmethod
-    def candidates(self) -> Iterator[bytes]:
-        """Keys in the order the policy would evict them.
+    def candidates(self) -> Iterator[int]:
+        """Entries in the order the policy would evict them.
 
         The iterator ends after a bounded number of steps (a policy with second chances yields
-        each key at least once within two passes). The caller removes what it evicts with
-        :meth:`remove`; a key it skips stays resident.
+        each entry at least once within two passes). The caller removes what it evicts with
+        :meth:`evicted` or :meth:`remove`; an entry it skips stays resident.
         """
 
     @abstractmethod
     def __len__(self) -> int: ...
 
     @abstractmethod
-    def __iter__(self) -> Iterator[bytes]:
-        """The resident keys, in no promised order (the order is :meth:`candidates`')."""
+    def __iter__(self) -> Iterator[int]:
+        """The resident entries, in no promised order (the order is :meth:`candidates`')."""
 
     @abstractmethod
-    def __contains__(self, key: bytes) -> bool:
-        """``key`` is resident as far as the policy knows (ghosts are not)."""
+    def __contains__(self, entry: int) -> bool:
+        """``entry`` is resident as far as the policy knows."""
 
     @abstractmethod
-    def snapshot(self) -> PolicySnapshot:
-        """Everything the policy has learned, resident order and ghosts included."""
+    def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
+        """Everything the policy has learned, resident order and ghosts included, in keys
+        (``key_of`` names a resident entry's key)."""
 
     @abstractmethod
-    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
-        """Take up ``snapshot`` (of this same kind) in a fresh instance. Keys of the snapshot's
-        resident lists for which ``resident(key)`` is false are not resident in this tier now
-        (RAM is empty after a restart): a policy with ghost lists remembers them there, one
-        without forgets them. The caller then inserts resident keys the snapshot lacked."""
+    def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
+        """Take up ``snapshot`` (of this same kind) in a fresh instance. ``entry_of`` gives the
+        id of a key of the snapshot's resident lists that is resident in the tier now, None for
+        one that is not (RAM is empty after a restart): a policy with ghost lists remembers
+        those there, one without forgets them. The caller then inserts resident entries the
+        snapshot lacked."""
 
 
-def resident_keys(items: Iterable[tuple[bytes, int]], resident: Callable[[bytes], bool]) -> tuple[
-        list[tuple[bytes, int]], list[bytes]]:
-    """Split a snapshot list (:meth:`PolicySnapshot.items`) into the entries still resident
-    and the keys that are not."""
-    kept: list[tuple[bytes, int]] = []
+def resident_keys(items: Iterable[tuple[bytes, int]], entry_of: Callable[[bytes], int | None]) -> tuple[
+        list[tuple[int, int]], list[bytes]]:
+    """Split a snapshot list (:meth:`PolicySnapshot.items`) into the (id, value) of the keys
+    still resident and the keys that are not."""
+    kept: list[tuple[int, int]] = []
     gone: list[bytes] = []
     for key, value in items:
-        if resident(key):
-            kept.append((key, value))
+        entry = entry_of(key)
+        if entry is not None:
+            kept.append((entry, value))
         else:
             gone.append(key)
     return kept, gone

@@ -1,60 +1,69 @@
 """CLOCK (second chance): the approximate LRU of the RAM tier.
 
 A hit only sets a reference bit, so the hot path never reorders anything. When room is needed
-the hand sweeps from the oldest key: a key with its bit set loses the bit and goes round once
-more; a key without it is offered for eviction. Corbató's CLOCK (1968); the FIFO-with-second-
-chance form here has the same behaviour and O(1) amortised steps.
+the hand sweeps from the oldest entry: one with its bit set loses the bit and goes round once
+more; one without it is offered for eviction. Corbató's CLOCK (1968); the FIFO-with-second-
+chance form here has the same behaviour and O(1) amortised steps. The ring is an
+:class:`~kvcached.policies.links.IdQueue`, the bit its per-id value: 9 bytes an entry.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Iterator
 
 from kvcached.policies.base import EvictionPolicy, PolicySnapshot
+from kvcached.policies.links import IdLinks, IdQueue
 
 
 class ClockPolicy(EvictionPolicy):
     def __init__(self) -> None:
-        self._ring: OrderedDict[bytes, bool] = OrderedDict()   # key -> referenced since last pass
+        self._links = IdLinks()
+        self._ring = IdQueue(self._links, 1)     # value: referenced since the hand last passed
 
-    def insert(self, key: bytes) -> None:
-        self._ring[key] = False
-        self._ring.move_to_end(key)
+    def size_for(self, capacity: int) -> None:
+        self._links.size_for(capacity)
 
-    def touch(self, key: bytes) -> None:
-        if key in self._ring:
-            self._ring[key] = True
+    def insert(self, entry: int, key: bytes) -> None:
+        if entry in self._ring:
+            self._ring.remove(entry)
+        self._ring.push(entry)
 
-    def remove(self, key: bytes) -> None:
-        self._ring.pop(key, None)
+    def touch(self, entry: int) -> None:
+        if entry in self._ring:
+            self._links.value[entry] = 1
 
-    def candidates(self) -> Iterator[bytes]:
-        ring = self._ring
+    def remove(self, entry: int) -> None:
+        if entry in self._ring:
+            self._ring.remove(entry)
+
+    def candidates(self) -> Iterator[int]:
+        ring, bits = self._ring, self._links.value
         for _ in range(2 * len(ring)):
             if not ring:
                 return
-            key, referenced = next(iter(ring.items()))
-            ring.move_to_end(key)
-            if referenced:
-                ring[key] = False
+            entry = ring.head
+            ring.move_to_back(entry)
+            if bits[entry]:
+                bits[entry] = 0
                 continue
-            yield key
+            yield entry
 
     def __len__(self) -> int:
         return len(self._ring)
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[int]:
         return iter(self._ring)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._ring
+    def __contains__(self, entry: int) -> bool:
+        return entry in self._ring
 
-    def snapshot(self) -> PolicySnapshot:
-        return PolicySnapshot("clock", {"ring": list(self._ring)}, {"ring": list(self._ring.values())})
+    def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
+        entries, bits = list(self._ring), self._links.value
+        return PolicySnapshot("clock", {"ring": [key_of(e) for e in entries]}, {"ring": [bits[e] for e in entries]})
 
-    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
+    def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
         """The ring and reference bits of the keys still resident (CLOCK keeps no ghosts)."""
         for key, bit in snapshot.items("ring"):
-            if resident(key):
-                self._ring[key] = bool(bit)
+            entry = entry_of(key)
+            if entry is not None and entry not in self._ring:
+                self._ring.push(entry, 1 if bit else 0)

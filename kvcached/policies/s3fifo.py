@@ -13,16 +13,18 @@ that costs nothing else on the hot path. When room is needed:
 A key that comes back while G remembers it goes straight to M. A scan of one-off blocks only
 ever passes through S, so it cannot flush the hot blocks in M: most new KV blocks are used once
 (one request's tail) and the reused ones are prefixes, which is the workload S3-FIFO is for.
+S and M are :class:`~kvcached.policies.links.IdQueue` over the tier's ids, the counter their
+per-id value (9 bytes a resident entry); G holds keys, since their ids went back to the tier.
 O(1) per operation; ``candidates`` is amortised O(1) per eviction.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from typing import Callable, Iterator
 
 from kvcached.policies.base import EvictionPolicy, PolicySnapshot, resident_keys
+from kvcached.policies.links import IdLinks, IdQueue
 
 __all__ = ["S3FifoPolicy"]
 
@@ -32,91 +34,102 @@ MAX_FREQ = 3           # two bits of frequency, as in the paper
 
 class S3FifoPolicy(EvictionPolicy):
     def __init__(self) -> None:
-        self.small: OrderedDict[bytes, int] = OrderedDict()   # key -> hits while resident; oldest first
-        self.main: OrderedDict[bytes, int] = OrderedDict()
+        self._links = IdLinks()                               # value: hits while resident
+        self.small = IdQueue(self._links, 1)                  # oldest first
+        self.main = IdQueue(self._links, 2)
         self.ghost: OrderedDict[bytes, None] = OrderedDict()
 
-    def insert(self, key: bytes) -> None:
-        self.small.pop(key, None)
-        self.main.pop(key, None)
+    def _unlink(self, entry: int) -> None:
+        tag = self._links.tag_of(entry)
+        if tag:
+            (self.small if tag == self.small.tag else self.main).remove(entry)
+
+    def size_for(self, capacity: int) -> None:
+        self._links.size_for(capacity)
+
+    def insert(self, entry: int, key: bytes) -> None:
+        self._unlink(entry)
         if self.ghost.pop(key, 0) is None:
-            self.main[key] = 0
+            self.main.push(entry)
         else:
-            self.small[key] = 0
+            self.small.push(entry)
 
-    def touch(self, key: bytes) -> None:
-        if key in self.small:
-            self.small[key] = min(MAX_FREQ, self.small[key] + 1)
-        elif key in self.main:
-            self.main[key] = min(MAX_FREQ, self.main[key] + 1)
+    def touch(self, entry: int) -> None:
+        if self._links.tag_of(entry):
+            value = self._links.value
+            value[entry] = min(MAX_FREQ, value[entry] + 1)
 
-    def remove(self, key: bytes) -> None:
-        self.small.pop(key, None)
-        self.main.pop(key, None)
+    def remove(self, entry: int) -> None:
+        self._unlink(entry)
 
-    def evicted(self, key: bytes) -> None:
-        if self.small.pop(key, None) is not None:
+    def evicted(self, entry: int, key: bytes) -> None:
+        if entry in self.small:
+            self.small.remove(entry)
             self.ghost[key] = None
             while len(self.ghost) > max(1, len(self.main)):
                 self.ghost.popitem(last=False)
-        else:
-            self.main.pop(key, None)
+        elif entry in self.main:
+            self.main.remove(entry)
 
-    def candidates(self) -> Iterator[bytes]:
-        """Keys to evict, S3-FIFO's order. Promotions and second chances happen as the queues
-        are walked; a yielded key the caller skips (in use) goes to the young end of its queue,
-        and once every key of one queue was offered the walk turns to the other, so a walk
-        offers every resident key before it ends (about two passes at most)."""
-        small, main = self.small, self.main
-        from_small = from_main = 0           # keys offered (and skipped) from each queue in this walk
+    def candidates(self) -> Iterator[int]:
+        """Entries to evict, S3-FIFO's order. Promotions and second chances happen as the
+        queues are walked; a yielded entry the caller skips (in use) goes to the young end of
+        its queue, and once every entry of one queue was offered the walk turns to the other,
+        so a walk offers every resident entry before it ends (about two passes at most)."""
+        small, main, hits_of = self.small, self.main, self._links.value
+        from_small = from_main = 0           # entries offered (and skipped) from each queue in this walk
         for _ in range(2 * (len(small) + len(main)) + 2):
             small_left, main_left = from_small < len(small), from_main < len(main)
             if small_left and (not main_left or len(small) > SMALL_SHARE * (len(small) + len(main))):
-                key, hits = next(iter(small.items()))
-                if hits:
-                    del small[key]
-                    main[key] = 0            # proved itself in S: into M, its counter spent
+                entry = small.head
+                if hits_of[entry]:
+                    small.remove(entry)
+                    main.push(entry)         # proved itself in S: into M, its counter spent
                     continue
-                small.move_to_end(key)
+                small.move_to_back(entry)
                 from_small += 1
-                yield key
+                yield entry
             elif main_left:
-                key, hits = next(iter(main.items()))
-                main.move_to_end(key)
+                entry = main.head
+                main.move_to_back(entry)
+                hits = hits_of[entry]
                 if hits:
-                    main[key] = hits - 1
+                    hits_of[entry] = hits - 1
                     continue
                 from_main += 1
-                yield key
+                yield entry
             else:
                 return
 
     def __len__(self) -> int:
         return len(self.small) + len(self.main)
 
-    def __iter__(self) -> Iterator[bytes]:
-        return itertools.chain(self.small, self.main)
+    def __iter__(self) -> Iterator[int]:
+        yield from self.small
+        yield from self.main
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.small or key in self.main
+    def __contains__(self, entry: int) -> bool:
+        return self._links.tag_of(entry) != 0
 
-    def snapshot(self) -> PolicySnapshot:
-        return PolicySnapshot("s3fifo", {"small": list(self.small), "main": list(self.main), "ghost": list(self.ghost)},
-                              {"small": list(self.small.values()), "main": list(self.main.values())})
+    def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
+        small, main, hits = list(self.small), list(self.main), self._links.value
+        return PolicySnapshot("s3fifo", {"small": [key_of(e) for e in small], "main": [key_of(e) for e in main],
+                                         "ghost": list(self.ghost)},
+                              {"small": [hits[e] for e in small], "main": [hits[e] for e in main]})
 
-    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
+    def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
         """Queues and counters as they were. A key of S or M that is not resident any more
         goes to the ghost FIFO, so when it comes back it enters M: it had been kept (or was
         still being judged) before the restart, unlike a new key."""
         lists = snapshot.lists
         for key in lists.get("ghost", ()):
-            if not resident(key):
+            if entry_of(key) is None:
                 self.ghost[key] = None
-        for name in ("small", "main"):
-            kept, gone = resident_keys(snapshot.items(name), resident)
-            queue = getattr(self, name)
-            for key, hits in kept:
-                queue[key] = min(MAX_FREQ, hits)
+        for name, queue in (("small", self.small), ("main", self.main)):
+            kept, gone = resident_keys(snapshot.items(name), entry_of)
+            for entry, hits in kept:
+                if entry not in self:
+                    queue.push(entry, min(MAX_FREQ, hits))
             for key in gone:
                 self.ghost[key] = None
         while len(self.ghost) > max(1, len(self.main), len(lists.get("main", ()))):

@@ -4,7 +4,7 @@ The cache here holds ``capacity`` blocks (the traces' blocks are all one size, s
 N blocks); each request walks its chain in order, and each block is a hit if the cache holds
 it, else it is inserted, evicting what the policy offers first. The policies are the classes
 of kvcached.policies, driven through the same calls the RAM tier makes (insert, touch,
-candidates, evicted), not copies of them.
+candidates, evicted; by key, through KeyedPolicy), not copies of them.
 
 Belady's MIN (offline: evict the block whose next use is furthest away) is the bound no online
 policy can beat on block hits; its hit rate is the yardstick of the table.
@@ -16,7 +16,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
-from kvcached.policies import EvictionPolicy, make_eviction_policy
+from kvcached.policies import KeyedPolicy, make_keyed_policy
 
 __all__ = ["Result", "accesses_of", "belady", "replay", "replay_hits", "simulate"]
 
@@ -26,7 +26,7 @@ def accesses_of(trace: Sequence[Sequence[bytes]]) -> list[bytes]:
     return [digest for request in trace for digest in request]
 
 
-def replay_hits(policy: EvictionPolicy, capacity: int, accesses: Iterable[bytes]) -> Iterator[bool]:
+def replay_hits(policy: KeyedPolicy, capacity: int, accesses: Iterable[bytes]) -> Iterator[bool]:
     """Per access, whether ``policy`` with room for ``capacity`` blocks had it: the calls the
     RAM tier makes (touch on a hit; on a miss with a full cache, evict the first candidate, then
     insert)."""
@@ -47,7 +47,7 @@ def replay_hits(policy: EvictionPolicy, capacity: int, accesses: Iterable[bytes]
 
 def replay(policy_name: str, capacity: int, accesses: Iterable[bytes]) -> int:
     """Hits of ``policy_name`` with room for ``capacity`` blocks."""
-    return sum(replay_hits(make_eviction_policy(policy_name), capacity, accesses))
+    return sum(replay_hits(make_keyed_policy(policy_name), capacity, accesses))
 
 
 def belady(capacity: int, accesses: Sequence[bytes]) -> int:

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 from kvcached.gpu_view import GpuView
 from kvcached.index import BlockIndex, BlockRecord
-from kvcached.policies import EvictionPolicy
+from kvcached.policies import KeyedPolicy
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit, SsdWriteBudget
 from kvcached.policies.prefetch import PrefetchPolicy
 from kvcached.policies.write import WritePolicy, make_write_policy
@@ -74,7 +74,7 @@ class Store:
                  write_policy: WritePolicy | str = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
                  max_gpu_blocks: int = 1_000_000, clock: Callable[[], float] = time.time,
                  admission: AdmissionPolicy | None = None, ssd_budget: SsdWriteBudget | None = None,
-                 ssd_order: EvictionPolicy | None = None) -> None:
+                 ssd_order: KeyedPolicy | None = None) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
@@ -167,7 +167,7 @@ class Store:
         self.pulls.peers = tier
 
     @property
-    def ssd_order(self) -> EvictionPolicy | None:
+    def ssd_order(self) -> KeyedPolicy | None:
         """The SSD tier's eviction order ([kv] ssd_policy); None: the index's LRU queue."""
         return self.evictor.order if self.evictor is not None else None
 
@@ -283,7 +283,7 @@ class Store:
     async def evict_ssd(self, need_bytes: int = 0) -> int:
         return await self.evictor.evict(need_bytes) if self.evictor is not None else 0
 
-    def adopt_ssd_order(self, built: EvictionPolicy) -> None:
+    def adopt_ssd_order(self, built: KeyedPolicy) -> None:
         self._evictor().adopt_order(built)
 
     def finish_ssd_reconcile(self, report: ReconcileReport) -> None:

@@ -24,7 +24,7 @@ from typing import Callable
 
 from kvcached.errors import Unavailable
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, IndexUnwritable, Tier
-from kvcached.policies import EvictionPolicy
+from kvcached.policies import KeyedPolicy
 from kvcached.tiers.ram import RamBlock, RamTier
 
 __all__ = ["RecordLedger"]
@@ -106,7 +106,7 @@ class RecordLedger:
         self.ssd_losses += 1
         self.index.write(deletes=keys)
 
-    def flush_last_seen(self, order: EvictionPolicy | None) -> int:
+    def flush_last_seen(self, order: KeyedPolicy | None) -> int:
         """Write the last-seen time of blocks used since the previous flush (batched, off the
         hot path), telling the SSD eviction ``order`` too; returns how many records were
         updated."""

@@ -20,7 +20,7 @@ import logging
 from typing import Sequence
 
 from kvcached.index import BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
-from kvcached.policies import EvictionPolicy
+from kvcached.policies import KeyedPolicy
 from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.store.parts import Room, StoreParts
 from kvcached.tiers.ssd import SsdTier
@@ -43,7 +43,7 @@ class SsdEvictor(Room):
     """Drops SSD copies (see the module). ``wanted`` is set when the tier is over capacity (the
     daemon's evictor loop waits on it)."""
 
-    def __init__(self, parts: StoreParts, ssd: SsdTier, order: EvictionPolicy | None) -> None:
+    def __init__(self, parts: StoreParts, ssd: SsdTier, order: KeyedPolicy | None) -> None:
         super().__init__(parts)
         self.ssd = ssd
         # The SSD tier's eviction order ([kv] ssd_policy): None is "lru", the index's own queue
@@ -122,7 +122,7 @@ class SsdEvictor(Room):
                 if key not in self.order:
                     self.order.insert(key)
 
-    def adopt_order(self, built: EvictionPolicy) -> None:
+    def adopt_order(self, built: KeyedPolicy) -> None:
         """Take the SSD policy rebuilt after the boot reconcile (policy_state.build_ssd_order);
         blocks published since boot, which the interim policy holds, are added to it."""
         interim = self.order

@@ -146,7 +146,7 @@ class SsdMover(Room):
                 if block.refs == WRITING and self.ram.holds(block):   # reserved, never committed
                     self.ram.abort(block)
                 if not future.done():
-                    future.set_result(block if self.ram.get(block.key) is block else None)
+                    future.set_result(block if self.ram.get(block.key) == block else None)
 
     # -- RAM -> SSD ----------------------------------------------------------------------------
 
@@ -262,7 +262,7 @@ class SsdMover(Room):
         """Write every block only RAM holds to SSD (Drain): the dirty ones, and clean ones whose
         SSD copy was evicted. Returns how many were published; stops when a round publishes
         nothing (the SSD failing, or only busy blocks left)."""
-        keys = [b.key for b in self.ram.blocks() if b.clean]
+        keys = self.ram.clean_keys()
         for key, record in zip(keys, self.index.get_many(keys)):
             block = self.ram.get(key)
             if block is not None and record is not None and record.present and not record.tiers & Tier.SSD:

@@ -225,7 +225,7 @@ class WritePath(Room):
                         self.ram.delete(block.key)
                 raise
         # a block of this batch may have been evicted by a later one of the same batch (not if held)
-        return result, [(b, r) for b, r in new if self.ram.get(b.key) is b], full
+        return result, [(b, r) for b, r in new if self.ram.get(b.key) == b], full
 
     def _check_ssd_room(self, todo: list[tuple[int, PutItem]]) -> None:
         """Write-through: a new block the SSD tier cannot take, however much it evicts
@@ -402,7 +402,7 @@ class WritePath(Room):
             if new:
                 _, refused = await self._write_through(new, {b.key for _, b in batch})
         finally:
-            durable = [self.ram.get(b.key) is b and b.clean for _, b in batch]
+            durable = [self.ram.holds(b) and b.clean for _, b in batch]
             for (_, block), ok in zip(batch, durable):
                 if self.ram.holds(block):
                     self.ram.unpin(block)

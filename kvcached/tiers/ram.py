@@ -11,10 +11,17 @@ Contract (the rules of DESIGN.md, enforced here):
   slab whose blocks are all idle, that whole slab is emptied and changes class. If no candidate
   works, :class:`RamFull` is raised and nothing was evicted.
 - Evicted blocks are handed to ``on_evict`` (the store keeps their metadata in the index).
+- What the tier keeps per block is a record: a dense id (kvcached.policies.links.KeyIds) and a
+  few bytes in array columns indexed by it (slot, length, state, references), and the policy's
+  few bytes under the same id: some 200 bytes a block with its key at a million blocks
+  (bench_core figure 4), where an object per block cost 350. A :class:`RamBlock` is a *handle*
+  to a record, made when asked for: it stays valid (:meth:`RamTier.holds`) until its block
+  leaves the tier, and then reads as an idle clean-less block of its old key and length.
 - A block is *clean* when evicting it loses nothing the tiers want kept: a copy is on SSD, or
   the SSD tier's own policy dropped that copy (TTL, capacity). *Dirty* blocks are waiting to be
   written back: only RAM has them. Dirty blocks are kept in the order they became dirty
-  (:attr:`RamTier.dirty`, a :class:`DirtyList`, oldest first) for the write-back demoter;
+  (:attr:`RamTier.dirty`, a :class:`DirtyList`, oldest first: a block dirtied again goes to the
+  end) for the write-back demoter;
   with ``prefer_clean`` eviction looks a little further for a clean victim before it drops a
   dirty one (whose bytes are then gone).
 
@@ -23,11 +30,10 @@ Runs on the event loop thread only; no locks, no I/O besides memcpy into the are
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
-from kvcached.policies import EvictionPolicy
+from kvcached.policies import EvictionPolicy, PolicySnapshot
+from kvcached.policies.links import IdLinks, IdQueue, KeyIds, column
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.slabs import SlabAllocator
 
@@ -35,7 +41,6 @@ __all__ = ["RamBlock", "RamFull", "BlockBusy", "RamTier", "WRITING"]
 
 WRITING = -1
 CLEAN_SEARCH = 32      # candidates looked at for a clean victim before a dirty one goes
-LENGTHS_KEPT = 4096    # distinct block sizes whose int objects are shared between blocks
 
 
 class RamFull(Exception):
@@ -46,64 +51,72 @@ class BlockBusy(Exception):
     """The block is being written or read; it cannot be removed now."""
 
 
-@dataclass(slots=True, eq=False)
 class RamBlock:
-    """One resident block: where its bytes are and who holds it. Checksums and other metadata
-    live in the index, not here (this object is paid for per resident block)."""
+    """A handle to one resident block: its record id, key, slot and length (fixed for the
+    block's life), and its live state read from the tier: ``refs`` (WRITING, 0 idle, n
+    readers), ``clean`` and ``hits_to_ssd`` (write_through_selective: hits still needed before
+    it goes to SSD). Handles of the same block compare equal. Checksums and other metadata live
+    in the index, not here."""
 
-    key: bytes
-    slot: int
-    length: int
-    refs: int = WRITING
-    clean: bool = False
-    hits_to_ssd: int = 0     # write_through_selective: hits still needed before it goes to SSD
+    __slots__ = ("tier", "id", "gen", "key", "slot", "length")
+
+    def __init__(self, tier: RamTier, entry: int, gen: int, key: bytes, slot: int, length: int) -> None:
+        self.tier = tier
+        self.id = entry
+        self.gen = gen
+        self.key = key
+        self.slot = slot
+        self.length = length
+
+    @property
+    def refs(self) -> int:
+        tier = self.tier
+        return tier._refs[self.id] if tier._gen[self.id] == self.gen else 0
+
+    @property
+    def clean(self) -> bool:
+        tier = self.tier
+        return tier._gen[self.id] == self.gen and tier._clean[self.id] == 1
+
+    @property
+    def hits_to_ssd(self) -> int:
+        tier = self.tier
+        return tier._hits[self.id] if tier._gen[self.id] == self.gen else 0
+
+    @hits_to_ssd.setter
+    def hits_to_ssd(self, hits: int) -> None:
+        if self.tier._gen[self.id] == self.gen:
+            self.tier._hits[self.id] = hits
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, RamBlock) and other.id == self.id and other.gen == self.gen
+                and other.tier is self.tier)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.gen))
+
+    def __repr__(self) -> str:
+        return f"RamBlock(key={self.key.hex()[:16]}, slot={self.slot}, length={self.length})"
 
 
 class DirtyList:
-    """The tier's dirty blocks, oldest first, as a deque of block references (8 bytes a block,
-    where a dict entry costs some 60). A block cleaned, dropped or replaced leaves its entry
-    behind: iteration skips such entries (and drops them at the front), and the deque is rebuilt
-    once they outnumber the live ones. A block dirtied again comes up at its earlier place while
-    that entry is still there, else at the end."""
+    """The tier's dirty blocks, oldest first: an :class:`IdQueue` over the tier's record ids
+    (8 bytes a block). Iterating gives their keys; do not change the tier while iterating."""
 
-    def __init__(self, blocks: dict[bytes, RamBlock]) -> None:
-        self._blocks = blocks
-        self._queue: deque[RamBlock] = deque()
-        self._live = 0
-
-    def _is_live(self, block: RamBlock) -> bool:
-        return not block.clean and block.refs != WRITING and self._blocks.get(block.key) is block
-
-    def add(self, block: RamBlock) -> None:
-        self._queue.append(block)
-        self._live += 1
-        if len(self._queue) > 2 * self._live + 1024:
-            self._queue = deque(self._live_blocks())
-
-    def _live_blocks(self) -> Iterator[RamBlock]:
-        seen: set[int] = set()
-        for block in self._queue:
-            if self._is_live(block) and id(block) not in seen:
-                seen.add(id(block))
-                yield block
-
-    def removed(self) -> None:
-        """A block of the list is clean or gone now (its entry goes stale)."""
-        self._live -= 1
+    def __init__(self, ids: KeyIds, capacity: int) -> None:
+        self._ids = ids
+        links = IdLinks()
+        links.size_for(capacity)
+        self.queue = IdQueue(links, 1)
 
     def __len__(self) -> int:
-        return self._live
+        return len(self.queue)
 
     def __bool__(self) -> bool:
-        return self._live > 0
+        return bool(self.queue)
 
     def __iter__(self) -> Iterator[bytes]:
-        """The keys of the dirty blocks, oldest first. Do not change the tier while iterating."""
-        queue = self._queue
-        while queue and not self._is_live(queue[0]):
-            queue.popleft()
-        for block in self._live_blocks():
-            yield block.key
+        return map(self._ids.key_of, self.queue)
 
 
 class RamTier:
@@ -113,14 +126,24 @@ class RamTier:
         self.slabs = SlabAllocator(arena.size, slab_bytes)
         self.policy = policy
         self.on_evict = on_evict
-        self._blocks: dict[bytes, RamBlock] = {}
-        self._lengths: dict[int, int] = {}
-        self._by_slot: list[RamBlock | None] = [None] * (self.slabs.nslabs * self.slabs.slots_per_slab_max)
+        # A record per block, its id from _ids; the columns are indexed by id. Each record
+        # holds a slot, so ids stay below the number of slots: the columns are laid out for
+        # that many, and cost RAM for the ids in use only (kvcached.policies.links.column).
+        slots = self.slabs.nslabs * self.slabs.slots_per_slab_max
+        self._ids = KeyIds()                 # key <-> record id
+        self._slot = column("q", slots)      # the record's slot
+        self._length = column("q", slots)    # payload bytes
+        self._refs = column("i", slots)      # WRITING, 0 idle, n readers
+        self._clean = column("B", slots)     # 1: a copy is on SSD (or SSD dropped it on purpose)
+        self._hits = column("i", slots)      # hits before it goes to SSD (write_through_selective)
+        self._gen = column("I", slots)       # bumped when the record's block leaves: stale handles
+        self._by_slot = column("i", slots)   # slot -> record id + 1 (0: free)
+        policy.size_for(slots)
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
         self.evictions = 0
         self.dirty_evictions = 0     # evicted with no copy on SSD: their bytes are gone
         self.dropped = 0             # dropped on an operator's request (Admin Evict, Drain)
-        self.dirty = DirtyList(self._blocks)   # committed dirty blocks, oldest first
+        self.dirty = DirtyList(self._ids, slots)     # committed dirty blocks, oldest first
         self.dirty_bytes = 0
         self.prefer_clean = False
 
@@ -135,43 +158,59 @@ class RamTier:
         return self.slabs.slab_bytes
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._ids)
 
     def __contains__(self, key: bytes) -> bool:
-        block = self._blocks.get(key)
-        return block is not None and block.refs != WRITING
+        entry = self._ids.get(key)
+        return entry is not None and self._refs[entry] != WRITING
+
+    def _handle(self, entry: int) -> RamBlock:
+        key = self._ids.keys[entry]
+        assert key is not None
+        return RamBlock(self, entry, self._gen[entry], key, self._slot[entry], self._length[entry])
 
     def get(self, key: bytes) -> RamBlock | None:
         """The committed block under ``key``, or None (absent or still being written)."""
-        block = self._blocks.get(key)
-        if block is None or block.refs == WRITING:
+        entry = self._ids.get(key)
+        if entry is None or self._refs[entry] == WRITING:
             return None
-        return block
+        return self._handle(entry)
 
     def resident_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are committed blocks (the lookup hot path)."""
-        blocks = self._blocks
+        get, refs = self._ids.get, self._refs
         n = 0
         for key in keys:
-            block = blocks.get(key)
-            if block is None or block.refs == WRITING:
+            entry = get(key)
+            if entry is None or refs[entry] == WRITING:
                 break
             n += 1
         return n
 
     def holds(self, block: RamBlock) -> bool:
-        """``block`` (this very object, committed or not) is in the tier."""
-        return self._blocks.get(block.key) is block
+        """``block``'s block (committed or not) is still in the tier."""
+        return block.tier is self and self._gen[block.id] == block.gen
 
     def busy_reason(self, key: bytes) -> str | None:
         """Why ``key`` cannot be removed now (None: absent or idle)."""
-        block = self._blocks.get(key)
-        if block is None or block.refs == 0:
+        entry = self._ids.get(key)
+        if entry is None or self._refs[entry] == 0:
             return None
-        return "being written" if block.refs == WRITING else f"{block.refs} readers"
+        refs = self._refs[entry]
+        return "being written" if refs == WRITING else f"{refs} readers"
 
     def blocks(self) -> Iterable[RamBlock]:
-        return self._blocks.values()
+        """Every block in the tier, committed or not (do not change the tier while iterating)."""
+        return (self._handle(entry) for entry in self._ids.entries())
+
+    def keys(self) -> list[bytes]:
+        """The keys of every block in the tier, committed or not."""
+        return list(self._ids)
+
+    def clean_keys(self) -> list[bytes]:
+        """The keys of the committed blocks that are clean."""
+        clean, refs = self._clean, self._refs
+        return [key for key, e in self._ids.items() if clean[e] and refs[e] != WRITING]
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -181,7 +220,7 @@ class RamTier:
         Raises ValueError for a size outside 1..max_block_bytes or a key already present,
         RamFull when no room can be made.
         """
-        if key in self._blocks:
+        if key in self._ids:
             raise ValueError("block already present")
         cls = self.slabs.class_for(length)
         slot = self.slabs.allocate(cls)
@@ -189,48 +228,52 @@ class RamTier:
             self._make_room(cls)
             slot = self.slabs.allocate(cls)
             assert slot is not None, "room was made but allocation failed"
-        # Blocks come in few sizes: one int object per size, not one per block (32 bytes each).
-        if len(self._lengths) < LENGTHS_KEPT:
-            length = self._lengths.setdefault(length, length)
-        else:
-            length = self._lengths.get(length, length)
-        block = RamBlock(key, slot, length)
-        self._blocks[key] = block
-        self._by_slot[slot] = block
+        entry = self._ids.add(key)
+        self._slot[entry] = slot
+        self._length[entry] = length
+        self._refs[entry] = WRITING
+        self._clean[entry] = 0
+        self._hits[entry] = 0
+        self._by_slot[slot] = entry + 1
         self.used_bytes += length
-        return block
+        return RamBlock(self, entry, self._gen[entry], key, slot, length)
 
     def write(self, block: RamBlock, data: bytes | memoryview) -> None:
-        if block.refs != WRITING or len(data) != block.length:
+        if block.refs != WRITING or not self.holds(block) or len(data) != block.length:
             raise ValueError("block is not reserved for writing this many bytes")
         self.arena.write(self.slabs.offset(block.slot), data)
 
     def commit(self, block: RamBlock, clean: bool = False) -> None:
         """WRITING -> idle: the block becomes visible and evictable. ``clean``: its bytes are
         on SSD already (a promotion)."""
-        if block.refs != WRITING:
+        entry = block.id
+        if not self.holds(block) or self._refs[entry] != WRITING:
             raise ValueError("block is not being written")
-        block.refs = 0
-        block.clean = clean
+        self._refs[entry] = 0
+        self._clean[entry] = clean
         if not clean:
-            self.dirty.add(block)
+            self.dirty.queue.push(entry)
             self.dirty_bytes += block.length
-        self.policy.insert(block.key)
+        self.policy.insert(entry, block.key)
 
     def mark_clean(self, block: RamBlock) -> None:
         """The block's bytes are now on SSD too."""
-        if not block.clean and block.refs != WRITING and self._blocks.get(block.key) is block:
-            self.dirty.removed()
+        if not self.holds(block):
+            return
+        entry = block.id
+        if not self._clean[entry] and self._refs[entry] != WRITING:
+            self.dirty.queue.remove(entry)
             self.dirty_bytes -= block.length
-        block.clean = True
-        block.hits_to_ssd = 0
+        self._clean[entry] = 1
+        self._hits[entry] = 0
 
     def mark_dirty(self, block: RamBlock) -> None:
         """The block's SSD copy is gone: RAM holds its only copy again."""
-        if block.clean and block.refs != WRITING and self._blocks.get(block.key) is block:
-            block.hits_to_ssd = 0
-            block.clean = False
-            self.dirty.add(block)
+        entry = block.id
+        if self.holds(block) and self._clean[entry] and self._refs[entry] != WRITING:
+            self._hits[entry] = 0
+            self._clean[entry] = 0
+            self.dirty.queue.push(entry)
             self.dirty_bytes += block.length
 
     def slot_view(self, block: RamBlock) -> memoryview:
@@ -240,14 +283,14 @@ class RamTier:
 
     def abort(self, block: RamBlock) -> None:
         """Give back a reserved slot whose write failed."""
-        if block.refs != WRITING:
+        if not self.holds(block) or self._refs[block.id] != WRITING:
             raise ValueError("block is not being written")
-        self._drop(block)
+        self._drop(block.id)
 
     # -- reading ------------------------------------------------------------------------------
 
     def read(self, block: RamBlock) -> bytes:
-        self.policy.touch(block.key)
+        self.policy.touch(block.id)
         return self.arena.read(self.slabs.offset(block.slot), block.length)
 
     def read_range(self, block: RamBlock, start: int, length: int) -> bytes:
@@ -262,69 +305,87 @@ class RamTier:
         return self.arena.view[offset:offset + block.length]
 
     def pin(self, block: RamBlock) -> None:
-        if block.refs == WRITING:
+        """One more reader (BlockBusy while it is being written). A block that left the tier
+        has no readers to count: nothing happens."""
+        entry = block.id
+        if self._gen[entry] != block.gen:
+            return
+        if self._refs[entry] == WRITING:
             raise BlockBusy("block is being written")
-        block.refs += 1
-        self.policy.touch(block.key)
+        self._refs[entry] += 1
+        self.policy.touch(entry)
 
     def unpin(self, block: RamBlock) -> None:
-        if block.refs <= 0:
+        entry = block.id
+        if self._gen[entry] != block.gen:
+            return
+        if self._refs[entry] <= 0:
             raise ValueError("block is not pinned")
-        block.refs -= 1
+        self._refs[entry] -= 1
 
     # -- removal ------------------------------------------------------------------------------
 
     def delete(self, key: bytes) -> bool:
         """Remove an idle block. False if absent; BlockBusy if being written or read."""
-        block = self._blocks.get(key)
-        if block is None:
+        entry = self._ids.get(key)
+        if entry is None:
             return False
-        if block.refs != 0:
-            raise BlockBusy("block is being written" if block.refs == WRITING else f"block has {block.refs} readers")
-        self._drop(block)
+        refs = self._refs[entry]
+        if refs != 0:
+            raise BlockBusy("block is being written" if refs == WRITING else f"block has {refs} readers")
+        self._drop(entry)
         return True
 
     def drop(self, blocks: list[RamBlock]) -> None:
         """Drop idle blocks on request (not for room): counted apart from evictions, reported to
-        ``on_evict`` as evictions are, so the index learns the RAM copy is gone."""
-        for block in blocks:
-            if block.refs != 0:
-                raise BlockBusy(f"block has {block.refs} readers" if block.refs > 0 else "block is being written")
-        for block in blocks:
-            self._drop(block)
-        self.dropped += len(blocks)
-        self.on_evict(blocks)
+        ``on_evict`` as evictions are, so the index learns the RAM copy is gone. Blocks that
+        already left the tier are passed over."""
+        held = [block for block in blocks if self.holds(block)]
+        for block in held:
+            refs = self._refs[block.id]
+            if refs != 0:
+                raise BlockBusy(f"block has {refs} readers" if refs > 0 else "block is being written")
+        for block in held:
+            self._drop(block.id)
+        self.dropped += len(held)
+        self.on_evict(held)
 
-    def _drop(self, block: RamBlock, evicted: bool = False) -> None:
-        if not block.clean and block.refs != WRITING:
-            self.dirty.removed()
-            self.dirty_bytes -= block.length
-        del self._blocks[block.key]
-        self._by_slot[block.slot] = None
-        if evicted:
-            self.policy.evicted(block.key)
-        else:
-            self.policy.remove(block.key)
-        self.slabs.free(block.slot)
-        self.used_bytes -= block.length
+    def _drop(self, entry: int, evicted: bool = False) -> None:
+        key = self._ids.keys[entry]
+        assert key is not None
+        length = self._length[entry]
+        if not self._clean[entry] and self._refs[entry] != WRITING:
+            self.dirty.queue.remove(entry)
+            self.dirty_bytes -= length
+        if self._refs[entry] != WRITING:
+            if evicted:
+                self.policy.evicted(entry, key)
+            else:
+                self.policy.remove(entry)
+        slot = self._slot[entry]
+        self._by_slot[slot] = 0
+        self._gen[entry] = (self._gen[entry] + 1) & 0xFFFFFFFF
+        self._ids.discard(key)
+        self.slabs.free(slot)
+        self.used_bytes -= length
 
     def _make_room(self, cls: int) -> None:
         """Evict the policy's first workable candidate (one block, or one whole slab); with
         ``prefer_clean``, the first clean one among the next few, else that first one."""
-        fallback: list[RamBlock] | None = None
+        fallback: list[int] | None = None
         looked = 0
-        for key in self.policy.candidates():
-            block = self._blocks[key]
-            if block.refs != 0:
+        refs, clean, by_slot = self._refs, self._clean, self._by_slot
+        for entry in self.policy.candidates():
+            if refs[entry] != 0:
                 continue
-            slab = self.slabs.slab_of(block.slot)
+            slab = self.slabs.slab_of(self._slot[entry])
             if self.slabs.class_of_slab(slab) == cls:
-                victims = [block]
+                victims = [entry]
             else:
-                victims = [b for s in self.slabs.slots_of(slab) if (b := self._by_slot[s]) is not None]
-                if any(b.refs != 0 for b in victims):
+                victims = [e - 1 for s in self.slabs.slots_of(slab) if (e := by_slot[s])]
+                if any(refs[e] != 0 for e in victims):
                     continue
-            if not self.prefer_clean or all(v.clean for v in victims):
+            if not self.prefer_clean or all(clean[e] for e in victims):
                 self._evict(victims)
                 return
             fallback = fallback or victims
@@ -334,13 +395,36 @@ class RamTier:
         if fallback:
             self._evict(fallback)
             return
-        raise RamFull(f"RAM tier full: {len(self._blocks)} blocks, {self.used_bytes} bytes, "
+        raise RamFull(f"RAM tier full: {len(self)} blocks, {self.used_bytes} bytes, "
                       "none of them can be evicted now (all in use)")
 
-    def _evict(self, victims: list[RamBlock]) -> None:
-        for victim in victims:
-            if not victim.clean:
+    def _evict(self, victims: list[int]) -> None:
+        blocks = [self._handle(entry) for entry in victims]
+        for entry in victims:
+            if not self._clean[entry]:
                 self.dirty_evictions += 1
-            self._drop(victim, evicted=True)
+            self._drop(entry, evicted=True)
         self.evictions += len(victims)
-        self.on_evict(victims)
+        self.on_evict(blocks)
+
+    # -- policy state -------------------------------------------------------------------------
+
+    def policy_state(self) -> "RamPolicyState":
+        """The policy's state in keys, for kvcached.policy_state."""
+        return RamPolicyState(self.policy, self._ids)
+
+
+class RamPolicyState:
+    """The RAM tier's policy as kvcached.policy_state sees it: snapshot and restore in keys
+    (kvcached.policies.PolicyState), translated through the tier's record ids."""
+
+    def __init__(self, policy: EvictionPolicy, ids: KeyIds) -> None:
+        self._policy = policy
+        self._ids = ids
+
+    def snapshot(self) -> PolicySnapshot:
+        return self._policy.snapshot(self._ids.key_of)
+
+    def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
+        ids = self._ids
+        self._policy.restore(snapshot, lambda key: ids.get(key) if resident(key) else None)

@@ -15,9 +15,10 @@ import blake3
 import pytest
 
 from kvcached.index import BlockIndex
-from kvcached.policies import EVICTION_POLICIES, make_eviction_policy
+from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, KeyedPolicy, make_eviction_policy, make_keyed_policy
 from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.clock import ClockPolicy
+from kvcached.policies.links import IdQueue, KeyIds
 from kvcached.policies.write import make_write_policy
 from kvcached.store import Store
 from kvcached.tiers.arena import SharedArena
@@ -169,7 +170,7 @@ def policy_store(index: BlockIndex, clock: FakeClock, tmp_path: Path,
                          write_policy=make_write_policy(write_policy, threshold), clock=clock,
                          admission=make_admission_policy(admission, threshold, 10_000),
                          ssd_budget=SsdWriteBudget(budget),
-                         ssd_order=make_eviction_policy(ssd_policy) if ssd and ssd_policy != "lru" else None)
+                         ssd_order=make_keyed_policy(ssd_policy) if ssd and ssd_policy != "lru" else None)
         store = event_loop_for_store.run_until_complete(build())
         store.ssd_reconciled = True
         return SyncStore(store, event_loop_for_store)
@@ -179,3 +180,78 @@ def policy_store(index: BlockIndex, clock: FakeClock, tmp_path: Path,
         if tier is not None:
             event_loop_for_store.run_until_complete(tier.close())
         arena.close()
+
+
+# -- policies looked into by key -----------------------------------------------------------------
+
+
+class QueueView:
+    """One id queue of a keyed policy, read and written by key as the OrderedDicts the policies
+    kept before they took ids (the policy tests look inside policies)."""
+
+    def __init__(self, ids: KeyIds, queue: IdQueue) -> None:
+        self.ids, self.queue = ids, queue
+
+    def _entry(self, key: bytes) -> int | None:
+        entry = self.ids.get(key)
+        return entry if entry is not None and entry in self.queue else None
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter([self.ids.key_of(e) for e in self.queue])
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    def __contains__(self, key: bytes) -> bool:
+        return self._entry(key) is not None
+
+    def __getitem__(self, key: bytes) -> int:
+        entry = self._entry(key)
+        if entry is None:
+            raise KeyError(key)
+        return self.queue.links.value[entry]
+
+    def __setitem__(self, key: bytes, value: int | None) -> None:
+        entry = self.ids.add(key)
+        if entry in self.queue:
+            self.queue.links.value[entry] = value or 0
+        else:
+            self.queue.push(entry, value or 0)
+
+    def move_to_end(self, key: bytes, last: bool = True) -> None:
+        entry = self._entry(key)
+        if entry is None:
+            raise KeyError(key)
+        if last:
+            self.queue.move_to_back(entry)
+            return
+        values = self.queue.links.value
+        order = [(e, values[e]) for e in self.queue]
+        for e, _ in order:
+            self.queue.remove(e)
+        for e, value in sorted(order, key=lambda item: item[0] != entry):
+            self.queue.push(e, value)
+
+
+class Keyed(KeyedPolicy):
+    """A :class:`KeyedPolicy` whose queues (T1, S, the CLOCK ring...) read as :class:`QueueView`
+    and whose other attributes (ghost lists, ARC's target) are the policy's own."""
+
+    def __init__(self, policy: EvictionPolicy, ids: KeyIds | None = None) -> None:
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "_ids", ids if ids is not None else KeyIds())
+
+    @classmethod
+    def of(cls, keyed: KeyedPolicy) -> "Keyed":
+        """A view of ``keyed`` (the same policy and ids)."""
+        return cls(keyed.policy, keyed._ids)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.policy, name)
+        return QueueView(self._ids, value) if isinstance(value, IdQueue) else value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.policy, name, value)

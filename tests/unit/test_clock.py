@@ -6,20 +6,21 @@ import itertools
 
 import pytest
 
-from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, make_eviction_policy
+from kvcached.policies import EVICTION_POLICIES, KeyedPolicy, make_eviction_policy
 from kvcached.policies.clock import ClockPolicy
+from tests.unit.conftest import Keyed
 
 
 def keys(*names: str) -> list[bytes]:
     return [n.encode() for n in names]
 
 
-def first(policy: EvictionPolicy, n: int) -> list[bytes]:
+def first(policy: KeyedPolicy, n: int) -> list[bytes]:
     return list(itertools.islice(policy.candidates(), n))
 
 
-def make(*names: str) -> ClockPolicy:
-    p = ClockPolicy()
+def make(*names: str) -> Keyed:
+    p = Keyed(ClockPolicy())
     for k in keys(*names):
         p.insert(k)
     return p
@@ -108,7 +109,7 @@ def test_skipped_candidates_stay_and_keep_order() -> None:
 
 
 def test_empty() -> None:
-    p = ClockPolicy()
+    p = Keyed(ClockPolicy())
     assert list(p.candidates()) == [] and len(p) == 0
 
 

@@ -8,25 +8,26 @@ from typing import Iterable
 
 import pytest
 
-from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, PolicySnapshot, SnapshotError, make_eviction_policy
+from kvcached.policies import EVICTION_POLICIES, KeyedPolicy, PolicySnapshot, SnapshotError, make_eviction_policy
 from kvcached.policies.arc import ArcPolicy
 from kvcached.policies.lru import LruPolicy
 from kvcached.policies.s3fifo import S3FifoPolicy
 from kvcached.sim.replay import replay_hits
+from tests.unit.conftest import Keyed
 
 
 def k(name: str | int) -> bytes:
     return str(name).encode()
 
 
-def run(policy: EvictionPolicy, capacity: int, trace: Iterable[str | int]) -> list[bool]:
+def run(policy: KeyedPolicy, capacity: int, trace: Iterable[str | int]) -> list[bool]:
     """Drive ``policy`` as a tier of ``capacity`` keys does; True per access that hit."""
     return list(replay_hits(policy, capacity, (k(name) for name in trace)))
 
 
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 def test_every_policy_keeps_the_common_rules(name: str) -> None:
-    p = make_eviction_policy(name)
+    p = Keyed(make_eviction_policy(name))
     for n in range(10):
         p.insert(k(n))
     p.touch(k(3))
@@ -44,13 +45,13 @@ def test_every_policy_keeps_the_common_rules(name: str) -> None:
 
 
 def test_lru_evicts_the_least_recently_used() -> None:
-    p = LruPolicy()
+    p = Keyed(LruPolicy())
     assert run(p, 3, "abcad") == [False, False, False, True, False]
     assert next(iter(p.candidates())) == k("c")             # b went for d; c is now oldest
 
 
 def test_arc_a_b1_ghost_hit_grows_the_target_of_t1() -> None:
-    p = ArcPolicy()
+    p = Keyed(ArcPolicy())
     assert run(p, 4, "abcdde") == [False] * 4 + [True, False]   # d seen twice: T2; e evicts T1's oldest
     assert list(p.t1) == [k("b"), k("c"), k("e")] and list(p.t2) == [k("d")] and list(p.b1) == [k("a")]
     assert p.p == 0
@@ -58,8 +59,8 @@ def test_arc_a_b1_ghost_hit_grows_the_target_of_t1() -> None:
     assert p.p == 1 and k("a") in p.t2 and not p.b1
 
 
-def arc_state(t1: str, t2: str, b1: str, b2: str, target: float, c: int) -> ArcPolicy:
-    p = ArcPolicy()
+def arc_state(t1: str, t2: str, b1: str, b2: str, target: float, c: int) -> Keyed:
+    p = Keyed(ArcPolicy())
     for attr, names in (("t1", t1), ("t2", t2), ("b1", b1), ("b2", b2)):
         for name in names:
             getattr(p, attr)[k(name)] = None
@@ -89,7 +90,7 @@ def test_arc_evicts_from_t1_over_its_target_else_from_t2() -> None:
 
 
 def test_arc_ghost_lists_stay_bounded() -> None:
-    p = ArcPolicy()
+    p = Keyed(ArcPolicy())
     run(p, 8, range(1000))           # a pure scan: every key once
     assert len(p) == 8
     assert len(p.t1) + len(p.b1) <= 8 and len(p.t1) + len(p.t2) + len(p.b1) + len(p.b2) <= 16
@@ -104,21 +105,21 @@ def hot_then_scan(hot: int, scan: int, rounds: int) -> list[str]:
     return out
 
 
-def hit_rate(policy: EvictionPolicy, capacity: int, trace: list[str]) -> float:
+def hit_rate(policy: KeyedPolicy, capacity: int, trace: list[str]) -> float:
     hits = run(policy, capacity, trace)
     return sum(hits) / len(hits)
 
 
 def test_scan_resistance_arc_and_s3fifo_keep_the_hot_set_lru_does_not() -> None:
     trace = hot_then_scan(hot=20, scan=60, rounds=20)
-    lru, arc, s3 = (hit_rate(p, 40, trace) for p in (LruPolicy(), ArcPolicy(), S3FifoPolicy()))
+    lru, arc, s3 = (hit_rate(p, 40, trace) for p in (Keyed(LruPolicy()), Keyed(ArcPolicy()), Keyed(S3FifoPolicy())))
     # LRU: each scan flushes the hot set, which then only hits on its second pass in a round
     assert lru == pytest.approx(20 / 100, abs=0.02)
     assert arc > lru + 0.15 and s3 > lru + 0.15, (lru, arc, s3)
 
 
 def test_s3fifo_one_hit_in_the_small_queue_promotes_to_main() -> None:
-    p = S3FifoPolicy()
+    p = Keyed(S3FifoPolicy())
     for n in range(10):
         p.insert(k(n))
     p.touch(k(0))
@@ -132,7 +133,7 @@ def test_s3fifo_one_hit_in_the_small_queue_promotes_to_main() -> None:
 
 
 def test_s3fifo_main_gives_second_chances_by_frequency() -> None:
-    p = S3FifoPolicy()
+    p = Keyed(S3FifoPolicy())
     for name in "abc":
         p.ghost[k(name)] = None
         p.insert(k(name))                      # all three straight into M
@@ -144,7 +145,7 @@ def test_s3fifo_main_gives_second_chances_by_frequency() -> None:
 
 
 def test_s3fifo_ghost_is_bounded_by_main() -> None:
-    p = S3FifoPolicy()
+    p = Keyed(S3FifoPolicy())
     run(p, 10, range(500))
     assert len(p.ghost) <= max(1, len(p.main))
 
@@ -156,7 +157,7 @@ class Cache:
     """A tier of ``capacity`` keys driven as the RAM tier drives its policy, whose policy can be
     swapped for a restored copy mid-trace."""
 
-    def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
+    def __init__(self, policy: KeyedPolicy, capacity: int) -> None:
         self.policy, self.capacity, self.resident = policy, capacity, set[bytes]()
 
     def access(self, key: bytes) -> bool:
@@ -183,11 +184,11 @@ def test_a_restored_policy_decides_exactly_as_the_original(name: str) -> None:
     """A restart with the tier's keys still resident (the SSD tier): the restored policy makes
     the same decisions as the one that never stopped, hit for hit."""
     trace = zipf_keys(6000, seed=3)
-    original = Cache(make_eviction_policy(name), 60)
+    original = Cache(Keyed(make_eviction_policy(name)), 60)
     for key in trace[:3000]:
         original.access(key)
     raw = original.policy.snapshot().encode()
-    restored = Cache(make_eviction_policy(name), 60)
+    restored = Cache(Keyed(make_eviction_policy(name)), 60)
     restored.policy.restore(PolicySnapshot.decode(raw), original.resident.__contains__)
     restored.resident = set(original.resident)
     assert set(restored.policy) == original.resident and len(restored.policy) == 60
@@ -197,10 +198,10 @@ def test_a_restored_policy_decides_exactly_as_the_original(name: str) -> None:
 def test_arc_restored_with_nothing_resident_keeps_its_target_and_ghosts() -> None:
     """A restart of the RAM tier (empty again): T1 and T2 become ghosts B1 and B2, p stays, and
     a block that was in T2 comes back into T2 (frequency remembered)."""
-    p = ArcPolicy()
+    p = Keyed(ArcPolicy())
     run(p, 4, "abcddbbe")
     t2, target = list(p.t2), p.p
-    fresh = ArcPolicy()
+    fresh = Keyed(ArcPolicy())
     fresh.restore(PolicySnapshot.decode(p.snapshot().encode()), lambda key: False)
     assert len(fresh) == 0 and fresh.p == target and fresh.c == p.c
     assert set(t2) <= set(fresh.b2)
@@ -209,10 +210,10 @@ def test_arc_restored_with_nothing_resident_keeps_its_target_and_ghosts() -> Non
 
 
 def test_s3fifo_restored_with_nothing_resident_sends_proven_blocks_to_main() -> None:
-    p = S3FifoPolicy()
+    p = Keyed(S3FifoPolicy())
     p.ghost[k("hot")] = None
     p.insert(k("hot"))                   # in M
-    fresh = S3FifoPolicy()
+    fresh = Keyed(S3FifoPolicy())
     fresh.restore(PolicySnapshot.decode(p.snapshot().encode()), lambda key: False)
     assert len(fresh) == 0 and k("hot") in fresh.ghost
     fresh.insert(k("hot"))
@@ -221,16 +222,16 @@ def test_s3fifo_restored_with_nothing_resident_sends_proven_blocks_to_main() -> 
 
 def test_lru_and_clock_restored_with_nothing_resident_start_cold() -> None:
     for name in ("lru", "clock"):
-        p = make_eviction_policy(name)
+        p = Keyed(make_eviction_policy(name))
         p.insert(k(1))
-        fresh = make_eviction_policy(name)
+        fresh = Keyed(make_eviction_policy(name))
         fresh.restore(p.snapshot(), lambda key: False)
         assert len(fresh) == 0 and list(fresh) == []
 
 
 def test_a_damaged_snapshot_is_refused_with_a_clear_error() -> None:
-    raw = LruPolicy().snapshot().encode()
-    p = LruPolicy()
+    raw = Keyed(LruPolicy()).snapshot().encode()
+    p = Keyed(LruPolicy())
     for n in range(5):
         p.insert(k(n))
     good = p.snapshot().encode()

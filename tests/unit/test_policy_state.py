@@ -16,7 +16,7 @@ from kvcached.policies.arc import ArcPolicy
 from kvcached.policies.lru import LruPolicy
 from kvcached.store import PutItem
 from kvcached.tiers.ssd_format import file_bytes
-from tests.unit.conftest import KIB, SyncStore, address, payload
+from tests.unit.conftest import KIB, Keyed, SyncStore, address, payload
 
 
 def item(n: int, size: int = 16 * KIB) -> PutItem:
@@ -42,23 +42,23 @@ def test_blobs_are_chunked_replaced_whole_and_incomplete_ones_ignored(index: Blo
 
 
 def test_ram_state_of_another_policy_or_damaged_starts_cold(index: BlockIndex, caplog: pytest.LogCaptureFixture) -> None:
-    arc = ArcPolicy()
+    arc = Keyed(ArcPolicy())
     for n in range(10):
         arc.insert(address(n).key)
     policy_state.save_blob(index, policy_state.RAM, arc.snapshot().encode())
-    assert policy_state.restore_ram(index, LruPolicy(), "lru") == 0, "written by arc: lru starts cold"
-    fresh = ArcPolicy()
+    assert policy_state.restore_ram(index, Keyed(LruPolicy()), "lru") == 0, "written by arc: lru starts cold"
+    fresh = Keyed(ArcPolicy())
     assert policy_state.restore_ram(index, fresh, "arc") == 10 and len(fresh.b1) == 10
     policy_state.save_blob(index, policy_state.RAM, b"KVPS1\xff\xff")
     with caplog.at_level(logging.WARNING, "kvcached.policy_state"):
-        assert policy_state.restore_ram(index, ArcPolicy(), "arc") == 0
+        assert policy_state.restore_ram(index, Keyed(ArcPolicy()), "arc") == 0
     assert "unreadable" in caplog.text
 
 
 def test_admission_state_round_trip_and_mismatched_settings(index: BlockIndex) -> None:
     gate = ReuseAdmission(threshold=2, window=1000)
     gate.admit(address(1).key)
-    policy_state.write_captured(index, policy_state.capture(LruPolicy(), None, gate))
+    policy_state.write_captured(index, policy_state.capture(Keyed(LruPolicy()), None, gate))
     again = ReuseAdmission(threshold=2, window=1000)
     assert policy_state.restore_admission(index, again)
     assert again.admit(address(1).key), "the offer before the restart counts"
@@ -100,7 +100,7 @@ def test_ssd_order_forgets_blocks_that_left_the_ssd_by_another_way(policy_store:
     store.delete([address(0)])                       # gone from SSD: the policy forgets it
     assert address(0).key not in store.ssd_order and len(store.ssd_order) == 2
     store.ssd_order.insert(address(0).key)           # as if a removal had been missed: oldest in T1
-    store.ssd_order.t1.move_to_end(address(0).key, last=False)
+    Keyed.of(store.ssd_order).t1.move_to_end(address(0).key, last=False)
     store.put([item(3), item(4)])
     store.demote()
     store.evict_ssd()
@@ -118,12 +118,12 @@ def test_ssd_order_is_rebuilt_after_a_restart_from_state_then_queue(policy_store
     built = policy_state.build_ssd_order(index, "arc")
     assert set(built) == {address(n).key for n in range(6)}
     assert next(iter(built.candidates())) == address(0).key, "the queue's order: oldest first"
-    order = ArcPolicy()
+    order = Keyed(ArcPolicy())
     for n in (5, 4, 3, 2, 1, 0, 99):                 # a saved order (99: no longer on SSD)
         order.insert(address(n).key)
     order.touch(address(5).key)
     policy_state.save_blob(index, policy_state.SSD, order.snapshot().encode())
     rebuilt = policy_state.build_ssd_order(index, "arc")
-    assert address(99).key not in rebuilt and address(5).key in rebuilt.t2
+    assert address(99).key not in rebuilt and address(5).key in Keyed.of(rebuilt).t2
     assert next(iter(rebuilt.candidates())) == address(4).key
     assert isinstance(PolicySnapshot.decode(policy_state.load_blob(index, policy_state.SSD) or b""), PolicySnapshot)

@@ -76,7 +76,7 @@ def test_round_trip_bit_exact() -> None:
         blocks = [put(ram, i, size) for i, size in enumerate(sizes)]
         for i, (block, size) in enumerate(zip(blocks, sizes)):
             got = ram.get(key(i))
-            assert got is block and got.length == size and got.refs == 0
+            assert got == block and got.length == size and got.refs == 0
             assert ram.slabs.offset(got.slot) % 4096 == 0
             assert ram.read(got) == payload(i, size)
             assert arena.read(ram.slabs.offset(got.slot), size) == payload(i, size) == ram.view(got).tobytes()
@@ -109,10 +109,10 @@ def test_writing_block_is_invisible_and_not_evictable(ram: RamTier) -> None:
         ram.pin(writing)
     for n in range(5, 12):
         put(ram, n)
-    assert ram._blocks[key(0)] is writing, "the WRITING block survived a stream of evictions"
+    assert ram.holds(writing), "the WRITING block survived a stream of evictions"
     ram.write(writing, payload(0, SLAB))
     ram.commit(writing)
-    assert ram.get(key(0)) is writing and ram.read(writing) == payload(0, SLAB)
+    assert ram.get(key(0)) == writing and ram.read(writing) == payload(0, SLAB)
 
 
 def test_write_and_commit_checks(ram: RamTier) -> None:
@@ -187,7 +187,7 @@ def test_pinned_block_is_not_evicted(ram: RamTier, evicted: list[list[RamBlock]]
     ram.pin(pinned)
     for n in range(1, 20):
         put(ram, n)
-    assert ram.get(key(0)) is pinned and ram.read(pinned) == payload(0, SLAB)
+    assert ram.get(key(0)) == pinned and ram.read(pinned) == payload(0, SLAB)
     assert all(b.key != key(0) for batch in evicted for b in batch)
     ram.unpin(pinned)                       # (the read above gave it a second chance)
     for n in range(20, 80):                 # blocks as used as it: any policy gets to it in time
@@ -298,7 +298,7 @@ def test_mixed_sizes_stay_in_budget_and_intact(arena: SharedArena) -> None:
         if rng.random() < 0.3:
             ram.read(ram.get(key(rng.choice([n, n - 1]))) or block)
         for p in pinned:
-            assert ram.get(p.key) is p, "a pinned block was evicted"
+            assert ram.get(p.key) == p, "a pinned block was evicted"
     assert ram.evictions == len(evicted) > 0
     assert len({b.key for b in evicted}) == len(evicted)
     assert not any(b.key in ram for b in evicted)
@@ -315,7 +315,7 @@ def test_all_pinned_raises_ram_full_and_evicts_nothing(ram: RamTier, evicted: li
             ram.reserve(key(99), size)
         assert sorted(b.key for b in ram.blocks()) == before
         assert evicted == [] and ram.evictions == 0
-        assert key(99) not in ram._blocks
+        assert key(99) not in ram.keys()
     assert_within_budget(ram)
     ram.unpin(blocks[3])
     put(ram, 99, 16 * KIB)
@@ -345,8 +345,8 @@ def test_cross_class_needs_whole_idle_slab(ram: RamTier, evicted: list[list[RamB
 
 
 def test_dirty_list_keeps_dirty_blocks_oldest_first_and_forgets_the_rest(ram: RamTier) -> None:
-    """Blocks cleaned, deleted or dirtied again never show twice or out of turn; the count and
-    the bytes follow every change."""
+    """Blocks cleaned, deleted or dirtied again never show twice; a block dirtied again is the
+    youngest dirty block; the count and the bytes follow every change."""
     blocks = [put(ram, n, 4 * KIB) for n in range(6)]
     assert list(ram.dirty) == [key(n) for n in range(6)] and len(ram.dirty) == 6
     ram.mark_clean(blocks[0])
@@ -355,7 +355,7 @@ def test_dirty_list_keeps_dirty_blocks_oldest_first_and_forgets_the_rest(ram: Ra
     assert list(ram.dirty) == [key(2), key(4), key(5)] and ram.dirty_bytes == 3 * 4 * KIB
     ram.mark_dirty(blocks[3])                         # its SSD copy was lost: dirty again, once
     ram.mark_dirty(blocks[3])
-    assert list(ram.dirty) == [key(2), key(3), key(4), key(5)] and len(ram.dirty) == 4
+    assert list(ram.dirty) == [key(2), key(4), key(5), key(3)] and len(ram.dirty) == 4
     put(ram, 1, 4 * KIB)                               # the same key again: a new block, at the end
     assert list(ram.dirty)[-1] == key(1) and len(ram.dirty) == 5
     for block in list(ram.blocks()):
@@ -365,7 +365,8 @@ def test_dirty_list_keeps_dirty_blocks_oldest_first_and_forgets_the_rest(ram: Ra
 
 def test_dirty_list_stays_bounded_when_blocks_are_cleaned_out_of_order(arena: SharedArena) -> None:
     """A dirty block at the front that never gets written does not let the entries of blocks
-    cleaned behind it pile up: the list is rebuilt once they outnumber the live ones."""
+    cleaned behind it pile up: the list holds live blocks only, in columns as long as the
+    most records ever held at once."""
     ram = RamTier(arena, SLAB, ClockPolicy())
     stuck = put(ram, 0, 4 * KIB)
     for n in range(1, 20_000):
@@ -373,4 +374,4 @@ def test_dirty_list_stays_bounded_when_blocks_are_cleaned_out_of_order(arena: Sh
         ram.mark_clean(block)
         ram.delete(block.key)
     assert list(ram.dirty) == [stuck.key]
-    assert len(ram.dirty._queue) <= 2 * len(ram.dirty) + 1025
+    assert len(ram.dirty.queue) == 1 and len(ram.dirty.queue.links.where) <= 1025
