@@ -484,11 +484,11 @@ class ServingNode:
         self.tier = PeerTier(self.store, auth, settings)
         await self.tier.start()
         self.store.peers = self.tier              # wired as daemon._start_peers does
-        self.index.watcher = self.tier.local_changed
+        self.index.presence = self.tier.presence
 
     async def stop_serving(self) -> None:
         if self.tier is not None:
-            self.index.watcher = None
+            self.index.presence = None
             self.store.peers = None
             await self.tier.stop()
             self.tier = None

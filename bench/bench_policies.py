@@ -13,8 +13,9 @@ policy operation next to a bare dict lookup, and a daemon's RAM-tier Get rate pe
      the sizes.
 2. Cost per operation: insert, touch (a hit), lookup (a membership test, as the tier's dict
    does before it touches) and evict (candidates() then evicted()) on a policy holding 100,000
-   keys (driven by key, through KeyedPolicy, as the SSD tier's order is), in ns, against a bare dict lookup in the same run. No target: the figure says what a
-   policy adds to a RAM-tier request (a Get of one block costs tens of microseconds).
+   keys (driven by key, through KeyedPolicy, as the SSD tier's order is), in ns, against a bare
+   dict lookup in the same run. No target: the figure says what a policy adds to a RAM-tier
+   request (a Get of one block costs tens of microseconds).
 3. A daemon's RAM-tier Get rate per policy: one ``kvcached serve`` per policy (RAM only), 64 KiB
    blocks cycling through a working set larger than the tier, so every Get is a hit or a miss
    that evicts; gRPC Get of one block at a time, interleaved rounds; Gets/s against the clock

@@ -209,7 +209,7 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"quic.listen {q.listen}: {exc.strerror or exc}") from None
         self.store.peers = self.peers
-        self.index.watcher = self.peers.local_changed
+        self.index.presence = self.peers.presence
         log.info("peer tier listening", extra=fields(listen=q.listen or None, peers=len(q.peers),
                                                      mirror_pulls=self.config.kv.mirror_pulls))
 

@@ -34,6 +34,7 @@ import os
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, cast
 
@@ -62,7 +63,7 @@ from kvcached.index_format import (
     wire_key_of,
 )
 
-__all__ = ["BlockIndex", "BlockRecord", "Tier", "GoneReason", "IndexError_", "IndexUnwritable", "queue_entry",
+__all__ = ["BlockIndex", "PresenceFeed", "BlockRecord", "Tier", "GoneReason", "IndexError_", "IndexUnwritable", "queue_entry",
            "queue_time", "raw_ssd_view"]
 
 log = logging.getLogger("kvcached.index")
@@ -89,13 +90,37 @@ class IndexUnwritable(IndexError_, Unavailable):
     of that write was applied; reads go on; :meth:`BlockIndex.recover` brings writes back."""
 
 
+class PresenceFeed:
+    """Blocks that became present or stopped being present, in the order the index's writes
+    made them so, as (wire key, present) pairs for one reader to take in batches (the peer
+    tier's announcer). The index records into it from whatever thread wrote; a deque's append
+    and popleft are atomic, so neither side takes a lock and the index calls nothing above it.
+    An index records changes only while it has a feed (:attr:`BlockIndex.presence`): a daemon
+    without peers keeps none."""
+
+    def __init__(self) -> None:
+        self._changes: deque[tuple[bytes, bool]] = deque()
+
+    def record(self, gained: list[bytes], dropped: list[bytes]) -> None:
+        self._changes.extend((key, True) for key in gained)
+        self._changes.extend((key, False) for key in dropped)
+
+    def take(self) -> list[tuple[bytes, bool]]:
+        """The changes recorded so far, oldest first; they are gone from the feed."""
+        changes = self._changes
+        return [changes.popleft() for _ in range(len(changes))]
+
+    def __len__(self) -> int:
+        return len(self._changes)
+
+
 class BlockIndex:
     """Block metadata on disk. One owner (the store, on the event loop) calls it; the methods
     that say so are also safe from a worker thread, and :meth:`write` may be called from one
     (the SSD reconcile, the policy saver) while the owner goes on."""
 
-    #: Told (gained wire keys, dropped wire keys) after writes that change presence (peer announcements).
-    watcher: Callable[[list[bytes], list[bytes]], None] | None = None
+    #: Where writes that change a block's presence are recorded (peer announcements); None: nowhere.
+    presence: PresenceFeed | None = None
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -199,13 +224,13 @@ class BlockIndex:
         """Apply puts (records, or encoded records from the ``with_*`` methods), deletes, SSD
         queue entries (from :func:`queue_entry`) and ``policy`` family entries (None deletes)
         atomically, in one WriteBatch; ``sync`` waits
-        for the WAL to reach the disk. With a :attr:`watcher`, blocks that become present or
-        stop being present are reported to it once the write is done; ``watch=False`` says the
+        for the WAL to reach the disk. With a :attr:`presence` feed, blocks that become present or
+        stop being present are recorded in it once the write is done; ``watch=False`` says the
         write changes no block's presence (last-seen times)."""
         batch = WriteBatch(raw_mode=True)
         batch.set_default_column_family(self._blocks_handle)
         n = 0
-        watching = self.watcher is not None and watch
+        watching = self.presence is not None and watch
         encoded: list[tuple[bytes, bytes]] = []
         deleted: list[bytes] = []
         for key, record in puts:
@@ -403,11 +428,8 @@ class BlockIndex:
         for old in before[len(encoded):]:
             if is_present(old):
                 dropped.append(wire_key_of(old))      # type: ignore[arg-type]
-        if gained or dropped:
-            try:
-                self.watcher(gained, dropped)       # type: ignore[misc]
-            except Exception:
-                log.exception("index watcher failed")
+        if (gained or dropped) and self.presence is not None:
+            self.presence.record(gained, dropped)
 
     def present_wire_keys(self) -> list[bytes]:
         """The wire keys (digest | u32 layer) of every present block, read-only (safe from a

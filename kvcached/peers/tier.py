@@ -28,6 +28,7 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
 from kvcached.errors import KvError
+from kvcached.index import PresenceFeed
 from kvcached.peers import protocol as p
 from kvcached.peers.directory import PeerDirectory, PeerHealth, wire_key
 from kvcached.peers.handshakes import HandshakeLimits
@@ -110,6 +111,9 @@ class PeerTier(PeerHandler):
         self._server_protocol: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listing = 0
+        #: What this daemon's index gained and dropped, announced to peers (set it as the
+        #: index's ``presence`` too).
+        self.presence = PresenceFeed()
 
     # -- lifecycle --
 
@@ -289,21 +293,19 @@ class PeerTier(PeerHandler):
         finally:
             link.snapshotting = False
 
-    def local_changed(self, gained: Iterable[bytes], dropped: Iterable[bytes]) -> None:
-        """The index's watcher: wire keys this daemon now holds, and no longer holds."""
+    def _take_changes(self) -> None:
+        """Move what the index recorded since the last round (wire keys this daemon now holds,
+        and no longer holds) into each live peer's pending announcements; peers not connected
+        now get a snapshot when they are."""
+        changes = self.presence.take()
         live = [link for link in self.links.values() if link.client is not None and link.client.verified]
-        if not live:
-            return
-        for key in gained:
-            for link in live:
-                link.pending[key] = True
-        for key in dropped:
-            for link in live:
-                link.pending[key] = False
+        for link in live:
+            link.pending.update(changes)
 
     async def _announcer(self) -> None:
         while True:
             await asyncio.sleep(ANNOUNCE_S)
+            self._take_changes()
             for link in self.links.values():
                 client = link.client
                 if link.snapshotting or not link.pending or client is None or not client.verified:

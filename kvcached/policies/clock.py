@@ -29,7 +29,8 @@ class ClockPolicy(EvictionPolicy):
         self._ring.push(entry)
 
     def touch(self, entry: int) -> None:
-        if entry in self._ring:
+        where = self._links.where
+        if entry < len(where) and where[entry]:
             self._links.value[entry] = 1
 
     def remove(self, entry: int) -> None:

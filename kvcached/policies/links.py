@@ -51,19 +51,19 @@ def grown(column: array[int], size: int) -> None:
 class KeyIds:
     """Keys to dense ids and back: a dict, a list and a stack of freed ids."""
 
-    __slots__ = ("_ids", "keys", "_free")
+    __slots__ = ("index", "keys", "_free")
 
     def __init__(self) -> None:
-        self._ids: dict[bytes, int] = {}
+        self.index: dict[bytes, int] = {}      # key -> id (read it directly on hot paths)
         self.keys: list[bytes | None] = []      # id -> key (None: free)
         self._free: list[int] = []
 
     def get(self, key: bytes) -> int | None:
-        return self._ids.get(key)
+        return self.index.get(key)
 
     def add(self, key: bytes) -> int:
         """The id of ``key``, a new one if it has none."""
-        entry = self._ids.get(key)
+        entry = self.index.get(key)
         if entry is not None:
             return entry
         if self._free:
@@ -72,12 +72,12 @@ class KeyIds:
         else:
             entry = len(self.keys)
             self.keys.append(key)
-        self._ids[key] = entry
+        self.index[key] = entry
         return entry
 
     def discard(self, key: bytes) -> int | None:
         """Forget ``key``; its id (returned, None if it had none) may be handed out again."""
-        entry = self._ids.pop(key, None)
+        entry = self.index.pop(key, None)
         if entry is not None:
             self.keys[entry] = None
             self._free.append(entry)
@@ -95,20 +95,20 @@ class KeyIds:
         return len(self.keys)
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self.index)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._ids
+        return key in self.index
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(self._ids)
+        return iter(self.index)
 
     def entries(self) -> Iterator[int]:
         """The ids in use, in the order their keys were added."""
-        return iter(self._ids.values())
+        return iter(self.index.values())
 
     def items(self) -> Iterator[tuple[bytes, int]]:
-        return iter(self._ids.items())
+        return iter(self.index.items())
 
 
 class IdLinks:
@@ -185,27 +185,14 @@ class IdQueue:
             yield entry
             entry = following[entry]
 
+    # The three changes are written out, not built on shared helpers: a Python call costs
+    # about as much as the whole change, and these run once or twice per block per request.
+
     def push(self, entry: int, value: int = 0) -> None:
         """Append ``entry`` (in no queue of these links now) at the back, with ``value``."""
         links = self.links
-        links.ensure(entry)
-        self._link(entry)
-        links.where[entry] = self.tag
-        links.value[entry] = value
-
-    def remove(self, entry: int) -> None:
-        """Take ``entry`` (in this queue) out; its value is kept until it is pushed again."""
-        self._unlink(entry)
-        self.links.where[entry] = 0
-
-    def move_to_back(self, entry: int) -> None:
-        """``entry`` (in this queue) becomes the youngest, its value unchanged."""
-        if entry != self.tail:
-            self._unlink(entry)
-            self._link(entry)
-
-    def _link(self, entry: int) -> None:
-        links = self.links
+        if entry >= len(links.where):
+            links.ensure(entry)
         tail = self.tail
         links.prev[entry] = tail
         links.next[entry] = NONE
@@ -215,8 +202,11 @@ class IdQueue:
             links.next[tail] = entry
         self.tail = entry
         self.size += 1
+        links.where[entry] = self.tag
+        links.value[entry] = value
 
-    def _unlink(self, entry: int) -> None:
+    def remove(self, entry: int) -> None:
+        """Take ``entry`` (in this queue) out; its value is kept until it is pushed again."""
         links = self.links
         before, after = links.prev[entry], links.next[entry]
         if before == NONE:
@@ -228,3 +218,22 @@ class IdQueue:
         else:
             links.prev[after] = before
         self.size -= 1
+        links.where[entry] = 0
+
+    def move_to_back(self, entry: int) -> None:
+        """``entry`` (in this queue) becomes the youngest, its value unchanged."""
+        tail = self.tail
+        if entry == tail:
+            return
+        links = self.links
+        prev, following = links.prev, links.next
+        before, after = prev[entry], following[entry]      # after is not NONE: entry is not the tail
+        if before == NONE:
+            self.head = after
+        else:
+            following[before] = after
+        prev[after] = before
+        prev[entry] = tail
+        following[entry] = NONE
+        following[tail] = entry
+        self.tail = entry

@@ -1,8 +1,10 @@
 """The store's side of the index: what a request changed, written once at its end.
 
 A request (a Put, an agent's reserve or commit, a promotion, a pull) stages the records of its
-new blocks here, and the RAM tier reports here what it evicted meanwhile (the tier's
-``on_evict``); :meth:`RecordLedger.commit` then writes both to the index in one write. The
+new blocks here, and takes here what the RAM tier evicted meanwhile (its outbox,
+``RamTier.take_evicted``: every method of the ledger takes it first, so evictions are noted in
+the order they happened relative to the stages); :meth:`RecordLedger.commit` then writes both to
+the index in one write. The
 ledger is synchronous and holds no lock: it relies on the event loop running one request's
 synchronous steps at a time, so every path that stages a record or reserves RAM (which may evict)
 calls :meth:`commit` before its next await. A staged record that would otherwise wait for
@@ -43,22 +45,28 @@ class RecordLedger:
         self._evicted: set[bytes] = set()              # evicted during it, index not yet told
         self._touched: set[bytes] = set()              # used since the last flush_last_seen
         self.ssd_losses = 0                            # SSD copies lost or records deleted, ever
-        ram.on_evict = self.ram_evicted
+
+    def _take_evictions(self) -> None:
+        for blocks in self.ram.take_evicted():
+            self._ram_evicted(blocks)
 
     def stage(self, key: bytes, record: BlockRecord) -> None:
         """``record`` goes to the index with this request's commit."""
+        self._take_evictions()
         self._pending[key] = record
 
     def reserved(self, key: bytes) -> None:
         """A slot for ``key`` was just reserved: an eviction of an older copy earlier in this
         request leaves no tombstone (the new block has the key now)."""
+        self._take_evictions()
         self._evicted.discard(key)
 
     def touched(self, key: bytes) -> None:
         """``key`` was used: its last-seen time is due."""
+        self._take_evictions()
         self._touched.add(key)
 
-    def ram_evicted(self, blocks: list[RamBlock]) -> None:
+    def _ram_evicted(self, blocks: list[RamBlock]) -> None:
         """The RAM tier dropped ``blocks`` (inside a request): noted here, told to the index
         once per request by :meth:`commit`, not once per victim."""
         now = self.clock()
@@ -76,6 +84,7 @@ class RecordLedger:
 
         If the index cannot be written, the request's new blocks leave RAM again (what the
         index does not know must not be served) and Unavailable says so."""
+        self._take_evictions()
         new_keys = [key for key, record in self._pending.items() if record.present]
         puts: list[tuple[bytes, BlockRecord | bytes]] = list(self._pending.items())
         evicted, self._evicted = list(self._evicted), set()
@@ -110,6 +119,7 @@ class RecordLedger:
         """Write the last-seen time of blocks used since the previous flush (batched, off the
         hot path), telling the SSD eviction ``order`` too; returns how many records were
         updated."""
+        self._take_evictions()
         if not self._touched:
             return 0
         keys, self._touched = list(self._touched), set()

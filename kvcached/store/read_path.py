@@ -329,15 +329,14 @@ class ReadPath(Room):
         may or may not (its SSD copy evicted, or refused by the SSD write budget: kept in RAM
         only). Only clean blocks before the first dirty or held one, and not remembered, are
         read (one batched read)."""
-        get = self.ram.get
+        clean_for_ssd = self.ram.clean_for_ssd
         seen, losses = self._ssd_seen, self.ledger.ssd_losses
         end = len(keys)
         ask: list[int] = []
         for i, key in enumerate(keys):
             if seen.get(key) == losses:
                 continue
-            block = get(key)
-            if block is None or not block.clean or block.hits_to_ssd:
+            if not clean_for_ssd(key):
                 end = i
                 break
             ask.append(i)

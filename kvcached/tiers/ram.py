@@ -10,7 +10,9 @@ Contract (the rules of DESIGN.md, enforced here):
   first idle one of the same class frees its slot, or, if a candidate sits in another class's
   slab whose blocks are all idle, that whole slab is emptied and changes class. If no candidate
   works, :class:`RamFull` is raised and nothing was evicted.
-- Evicted blocks are handed to ``on_evict`` (the store keeps their metadata in the index).
+- Blocks that leave by eviction or an operator's drop wait in an outbox, one list per
+  eviction, until :meth:`RamTier.take_evicted` (the store's ledger, which tells the index):
+  the tier calls nothing above it.
 - What the tier keeps per block is a record: a dense id (kvcached.policies.links.KeyIds) and a
   few bytes in array columns indexed by it (slot, length, state, references), and the policy's
   few bytes under the same id: some 200 bytes a block with its key at a million blocks
@@ -120,17 +122,17 @@ class DirtyList:
 
 
 class RamTier:
-    def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy,
-                 on_evict: Callable[[list[RamBlock]], None] = lambda blocks: None) -> None:
+    def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy) -> None:
         self.arena = arena
         self.slabs = SlabAllocator(arena.size, slab_bytes)
         self.policy = policy
-        self.on_evict = on_evict
+        self._evicted: list[list[RamBlock]] = []   # evictions and drops not taken yet
         # A record per block, its id from _ids; the columns are indexed by id. Each record
         # holds a slot, so ids stay below the number of slots: the columns are laid out for
         # that many, and cost RAM for the ids in use only (kvcached.policies.links.column).
         slots = self.slabs.nslabs * self.slabs.slots_per_slab_max
         self._ids = KeyIds()                 # key <-> record id
+        self._index = self._ids.index        # key -> record id, read directly on hot paths
         self._slot = column("q", slots)      # the record's slot
         self._length = column("q", slots)    # payload bytes
         self._refs = column("i", slots)      # WRITING, 0 idle, n readers
@@ -161,7 +163,7 @@ class RamTier:
         return len(self._ids)
 
     def __contains__(self, key: bytes) -> bool:
-        entry = self._ids.get(key)
+        entry = self._index.get(key)
         return entry is not None and self._refs[entry] != WRITING
 
     def _handle(self, entry: int) -> RamBlock:
@@ -171,14 +173,21 @@ class RamTier:
 
     def get(self, key: bytes) -> RamBlock | None:
         """The committed block under ``key``, or None (absent or still being written)."""
-        entry = self._ids.get(key)
+        entry = self._index.get(key)
         if entry is None or self._refs[entry] == WRITING:
             return None
-        return self._handle(entry)
+        return RamBlock(self, entry, self._gen[entry], key, self._slot[entry], self._length[entry])
+
+    def clean_for_ssd(self, key: bytes) -> bool:
+        """``key`` is a committed block that is clean and not held back from SSD
+        (write_through_selective): what Lookup's SSD column asks per block, without a handle."""
+        entry = self._index.get(key)
+        return (entry is not None and self._refs[entry] != WRITING and self._clean[entry] == 1
+                and self._hits[entry] == 0)
 
     def resident_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are committed blocks (the lookup hot path)."""
-        get, refs = self._ids.get, self._refs
+        get, refs = self._index.get, self._refs
         n = 0
         for key in keys:
             entry = get(key)
@@ -193,7 +202,7 @@ class RamTier:
 
     def busy_reason(self, key: bytes) -> str | None:
         """Why ``key`` cannot be removed now (None: absent or idle)."""
-        entry = self._ids.get(key)
+        entry = self._index.get(key)
         if entry is None or self._refs[entry] == 0:
             return None
         refs = self._refs[entry]
@@ -220,7 +229,7 @@ class RamTier:
         Raises ValueError for a size outside 1..max_block_bytes or a key already present,
         RamFull when no room can be made.
         """
-        if key in self._ids:
+        if key in self._index:
             raise ValueError("block already present")
         cls = self.slabs.class_for(length)
         slot = self.slabs.allocate(cls)
@@ -247,7 +256,7 @@ class RamTier:
         """WRITING -> idle: the block becomes visible and evictable. ``clean``: its bytes are
         on SSD already (a promotion)."""
         entry = block.id
-        if not self.holds(block) or self._refs[entry] != WRITING:
+        if block.tier is not self or self._gen[entry] != block.gen or self._refs[entry] != WRITING:
             raise ValueError("block is not being written")
         self._refs[entry] = 0
         self._clean[entry] = clean
@@ -310,24 +319,28 @@ class RamTier:
         entry = block.id
         if self._gen[entry] != block.gen:
             return
-        if self._refs[entry] == WRITING:
+        refs = self._refs
+        n = refs[entry]
+        if n == WRITING:
             raise BlockBusy("block is being written")
-        self._refs[entry] += 1
+        refs[entry] = n + 1
         self.policy.touch(entry)
 
     def unpin(self, block: RamBlock) -> None:
         entry = block.id
         if self._gen[entry] != block.gen:
             return
-        if self._refs[entry] <= 0:
+        refs = self._refs
+        n = refs[entry]
+        if n <= 0:
             raise ValueError("block is not pinned")
-        self._refs[entry] -= 1
+        refs[entry] = n - 1
 
     # -- removal ------------------------------------------------------------------------------
 
     def delete(self, key: bytes) -> bool:
         """Remove an idle block. False if absent; BlockBusy if being written or read."""
-        entry = self._ids.get(key)
+        entry = self._index.get(key)
         if entry is None:
             return False
         refs = self._refs[entry]
@@ -337,9 +350,9 @@ class RamTier:
         return True
 
     def drop(self, blocks: list[RamBlock]) -> None:
-        """Drop idle blocks on request (not for room): counted apart from evictions, reported to
-        ``on_evict`` as evictions are, so the index learns the RAM copy is gone. Blocks that
-        already left the tier are passed over."""
+        """Drop idle blocks on request (not for room): counted apart from evictions, put in the
+        outbox as evictions are (:meth:`take_evicted`), so the index learns the RAM copy is
+        gone. Blocks that already left the tier are passed over."""
         held = [block for block in blocks if self.holds(block)]
         for block in held:
             refs = self._refs[block.id]
@@ -348,7 +361,7 @@ class RamTier:
         for block in held:
             self._drop(block.id)
         self.dropped += len(held)
-        self.on_evict(held)
+        self._evicted.append(held)
 
     def _drop(self, entry: int, evicted: bool = False) -> None:
         key = self._ids.keys[entry]
@@ -405,7 +418,15 @@ class RamTier:
                 self.dirty_evictions += 1
             self._drop(entry, evicted=True)
         self.evictions += len(victims)
-        self.on_evict(blocks)
+        self._evicted.append(blocks)
+
+    def take_evicted(self) -> list[list[RamBlock]]:
+        """The blocks evicted or dropped since the last call, one list per eviction (a block,
+        or a whole slab's), oldest first; the outbox is empty after."""
+        if not self._evicted:
+            return []
+        taken, self._evicted = self._evicted, []
+        return taken
 
     # -- policy state -------------------------------------------------------------------------
 

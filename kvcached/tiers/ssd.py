@@ -61,7 +61,7 @@ from kvcached.tiers.ssd_format import (
     file_bytes,
     padded,
 )
-from kvcached.tiers.ssd_io import fsync_dir, preadv_all, pwritev_all, rename_all, subdirs, unlink_all, unlink_quietly
+from kvcached.tiers.ssd_io import fsync_dir, preadv_all, probe_direct, pwritev_all, rename_all, subdirs, unlink_all, unlink_quietly
 
 __all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "SsdTooLarge", "SsdSpace", "Durability", "DirectIo",
            "IO_ERROR", "ReadFault", "ReadProblem"]
@@ -228,34 +228,12 @@ class SsdTier:
         if self.direct_io_setting == "off":
             self.direct = False
         else:
-            problem = self._probe_direct()
+            problem = probe_direct(os.path.join(self.directory, f".direct-probe{TMP_MARK}{self.boot_token}"))
             if problem and self.direct_io_setting == "on":
                 raise ValueError(f"kv.ssd_direct_io is \"on\" but {self.directory} refuses O_DIRECT: {problem}")
             self.direct = problem is None
             if problem:
                 log.info("O_DIRECT unavailable; using buffered I/O", extra={"fields": {"dir": self.directory, "why": problem}})
-
-    def _probe_direct(self) -> str | None:
-        if not hasattr(os, "O_DIRECT"):
-            return "this platform has no O_DIRECT"
-        path = os.path.join(self.directory, f".direct-probe{TMP_MARK}{self.boot_token}")
-        buf = mmap.mmap(-1, PAGE)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-            try:
-                os.pwrite(fd, buf, 0)
-                os.preadv(fd, [buf], 0)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            return exc.strerror or str(exc)
-        finally:
-            buf.close()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        return None
 
     async def close(self) -> None:
         """Finish the commits in progress (their blocks stay unpublished if the group has not

@@ -5,10 +5,38 @@ finish short transfers, directory fsyncs, renames and unlinks in batches. No asy
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from typing import Any
 
-__all__ = ["fsync_dir", "preadv_all", "pwritev_all", "rename_all", "remaining", "subdirs", "unlink_all", "unlink_quietly"]
+__all__ = ["fsync_dir", "preadv_all", "probe_direct", "pwritev_all", "rename_all", "remaining", "subdirs", "unlink_all",
+           "unlink_quietly"]
+
+PAGE = 4096
+
+
+def probe_direct(path: str) -> str | None:
+    """Whether the filesystem of ``path`` (a file name free to use) takes O_DIRECT reads and
+    writes of one page: None if it does, else why not, in the system's words."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this platform has no O_DIRECT"
+    buf = mmap.mmap(-1, PAGE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        try:
+            os.pwrite(fd, buf, 0)
+            os.preadv(fd, [buf], 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        buf.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return None
 
 
 def subdirs(path: str) -> list[str]:

@@ -105,13 +105,13 @@ class Cluster:
         assert tier.address == self.addr(name)
         node.tier = tier                       # wired as daemon._start_peers does
         node.store.peers = tier
-        node.index.watcher = tier.local_changed
+        node.index.presence = tier.presence
         return tier
 
     async def stop(self, name: str) -> None:
         node = self.nodes[name]
         if node.tier is not None:
-            node.index.watcher = None
+            node.index.presence = None
             node.store.peers = None
             await node.tier.stop()
             node.tier = None

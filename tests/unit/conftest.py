@@ -75,17 +75,48 @@ def arena() -> Iterator[SharedArena]:
     a.close()
 
 
+class EvictionLog(list[list[RamBlock]]):
+    """What a RAM tier evicted, one list per eviction, taken from its outbox
+    (``RamTier.take_evicted``) whenever the test looks."""
+
+    def __init__(self, ram: RamTier) -> None:
+        super().__init__()
+        self.ram = ram
+
+    def _take(self) -> None:
+        super().extend(self.ram.take_evicted())
+
+    def __iter__(self) -> Iterator[list[RamBlock]]:
+        self._take()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._take()
+        return super().__len__()
+
+    def __getitem__(self, index: Any) -> Any:
+        self._take()
+        return super().__getitem__(index)
+
+    def __eq__(self, other: object) -> bool:
+        self._take()
+        return list(super().__iter__()) == other
+
+    def flat(self) -> list[RamBlock]:
+        return [block for batch in self for block in batch]
+
+
 @pytest.fixture
-def evicted() -> list[list[RamBlock]]:
-    """What ``on_evict`` of the ``ram`` fixture received, one list per call."""
-    return []
+def evicted(ram: RamTier) -> EvictionLog:
+    """What the ``ram`` fixture evicted, one list per eviction."""
+    return EvictionLog(ram)
 
 
 @pytest.fixture(params=sorted(EVICTION_POLICIES))
-def ram(request: pytest.FixtureRequest, arena: SharedArena, evicted: list[list[RamBlock]]) -> RamTier:
+def ram(request: pytest.FixtureRequest, arena: SharedArena) -> RamTier:
     """A RAM tier with each eviction policy in turn: the tier's rules (a block in use is never
     evicted, an eviction that cannot free enough changes nothing) hold whatever the policy."""
-    return RamTier(arena, SLAB, make_eviction_policy(request.param), on_evict=evicted.append)
+    return RamTier(arena, SLAB, make_eviction_policy(request.param))
 
 
 @pytest.fixture

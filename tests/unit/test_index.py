@@ -25,6 +25,7 @@ from kvcached.index import (
     GoneReason,
     IndexError_,
     IndexUnwritable,
+    PresenceFeed,
     Tier,
 )
 from tests.disks import fill, small_tmpfs
@@ -405,3 +406,21 @@ def test_recovery_waits_for_a_reader_of_the_old_instance_and_backs_off(
     assert index.get(key(9999)) == record(9999)
     assert [index.get(key(n)) for n in range(acked)] == [record(n) for n in range(acked)]
     index.close()
+
+
+def test_presence_changes_are_recorded_in_the_feed(index: BlockIndex) -> None:
+    """Writes that make a block present or not present any more are recorded, in order, as
+    (wire key, present); writes that change no presence are not; with no feed nothing is."""
+    def wire(n: int) -> bytes:
+        return bytes([n % 256]) * 32 + n.to_bytes(4, "little")
+
+    index.write([(key(9), record(9))])                               # no feed yet: nothing kept
+    feed = PresenceFeed()
+    index.presence = feed
+    index.write([(key(1), record(1)), (key(2), record(2))])
+    index.write([(key(1), record(1, tiers=Tier.RAM | Tier.SSD))])    # still present
+    index.write([(key(1), record(1))], watch=False)
+    index.write(deletes=[key(2)])
+    index.write([(key(9), tombstone(9, NOW))])
+    assert feed.take() == [(wire(1), True), (wire(2), True), (wire(2), False), (wire(9), False)]
+    assert feed.take() == [] and len(feed) == 0

@@ -10,7 +10,7 @@ import pytest
 from kvcached.policies.clock import ClockPolicy
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import WRITING, BlockBusy, RamBlock, RamFull, RamTier
-from tests.unit.conftest import ARENA, KIB, SLAB, payload
+from tests.unit.conftest import ARENA, KIB, SLAB, EvictionLog, payload
 
 
 def key(n: int) -> bytes:
@@ -238,7 +238,7 @@ def test_eviction_stream_stays_in_budget(ram: RamTier, evicted: list[list[RamBlo
     assert_bytes_intact(ram)
 
 
-def test_on_evict_receives_the_blocks(ram: RamTier, evicted: list[list[RamBlock]]) -> None:
+def test_evicted_blocks_wait_in_the_outbox(ram: RamTier, evicted: list[list[RamBlock]]) -> None:
     first = [put(ram, n) for n in range(4)]
     put(ram, 4)
     assert evicted == [[first[0]]]
@@ -277,8 +277,8 @@ def test_cross_class_reclaim_skips_a_slab_with_a_pinned_block(ram: RamTier, evic
 
 def test_mixed_sizes_stay_in_budget_and_intact(arena: SharedArena) -> None:
     """Random sizes 1 KiB..slab force slabs to change class again and again."""
-    evicted: list[RamBlock] = []
-    ram = RamTier(arena, SLAB, ClockPolicy(), on_evict=evicted.extend)
+    ram = RamTier(arena, SLAB, ClockPolicy())
+    log = EvictionLog(ram)
     rng = random.Random(1)
     pinned: list[RamBlock] = []
     for n in range(400):
@@ -299,6 +299,7 @@ def test_mixed_sizes_stay_in_budget_and_intact(arena: SharedArena) -> None:
             ram.read(ram.get(key(rng.choice([n, n - 1]))) or block)
         for p in pinned:
             assert ram.get(p.key) == p, "a pinned block was evicted"
+    evicted = log.flat()
     assert ram.evictions == len(evicted) > 0
     assert len({b.key for b in evicted}) == len(evicted)
     assert not any(b.key in ram for b in evicted)
@@ -375,3 +376,28 @@ def test_dirty_list_stays_bounded_when_blocks_are_cleaned_out_of_order(arena: Sh
         ram.delete(block.key)
     assert list(ram.dirty) == [stuck.key]
     assert len(ram.dirty.queue) == 1 and len(ram.dirty.queue.links.where) <= 1025
+
+
+def test_a_handle_of_a_block_that_left_reads_as_gone(ram: RamTier) -> None:
+    """Handles are made on demand: two of one block are equal, and once the block leaves (its
+    record may then serve another block) a handle is no longer held, reads as idle and dirty,
+    keeps its key and length, and pins nothing."""
+    block = put(ram, 1, 4 * KIB)
+    again = ram.get(key(1))
+    assert again == block and again is not block and hash(again) == hash(block)
+    ram.pin(block)
+    assert again.refs == 1 and ram.busy_reason(key(1)) == "1 readers"
+    ram.unpin(again)
+    ram.mark_clean(block)
+    assert again.clean
+    ram.delete(key(1))
+    successor = put(ram, 2, 4 * KIB)             # takes the freed record
+    assert successor.id == block.id and successor != block
+    assert not ram.holds(block) and block.refs == 0 and not block.clean and block.hits_to_ssd == 0
+    assert (block.key, block.length) == (key(1), 4 * KIB)
+    ram.pin(block)
+    ram.unpin(block)
+    ram.mark_clean(block)
+    assert successor.refs == 0 and not successor.clean, "the stale handle changed nothing"
+    with pytest.raises(ValueError):
+        ram.commit(block)

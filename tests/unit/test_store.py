@@ -514,9 +514,13 @@ def test_payload_checksum_is_blake3_at_every_size() -> None:
         assert payload_checksum(memoryview(p)) == blake3.blake3(p).digest()
 
 
-def test_store_owns_the_ram_evict_hook(ram: RamTier, index: BlockIndex, clock: FakeClock) -> None:
-    s = Store(ram, index, clock=clock)
-    assert ram.on_evict == s.ledger.ram_evicted
+def test_the_ledger_takes_what_the_ram_tier_evicted(store: Store) -> None:
+    """The RAM tier calls nothing above it: its evictions wait in its outbox, and the request
+    that caused them takes them into the index at its commit."""
+    store.put([item(1)])
+    evict_by_filling(store)
+    assert store.ram.take_evicted() == [], "taken by the ledger before the request ended"
+    assert store.index.get(address(1).key).gone_reason == GoneReason.EVICTED
 
 
 def test_re_put_of_present_blocks_skips_hashing_and_copying(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
