@@ -85,7 +85,7 @@ async def pin_arrived(ram: RamTier, waits: list[asyncio.Future[RamBlock | None]]
         blocks = [w.result() for w in waits if w.done() and not w.cancelled() and w.exception() is None]
     held: list[RamBlock] = []
     for block in blocks:
-        if block is not None and ram.get(block.key) == block:
+        if block is not None and ram.committed(block):
             ram.pin(block)
             held.append(block)
     return held

@@ -181,7 +181,7 @@ class ReadPath(Room):
         self.ram.unpin(block)
         transient = self.pulls.transient
         if transient and block.refs == 0 and transient.pop(block.key, None) is not None:
-            if self.ram.get(block.key) == block:      # read once, not mirrored: gone again
+            if self.ram.committed(block):      # read once, not mirrored: gone again
                 self.ram.delete(block.key)
 
     def _checksums(self, keys: list[bytes]) -> list[bytes | None]:

@@ -146,7 +146,7 @@ class SsdMover(Room):
                 if block.refs == WRITING and self.ram.holds(block):   # reserved, never committed
                     self.ram.abort(block)
                 if not future.done():
-                    future.set_result(block if self.ram.get(block.key) == block else None)
+                    future.set_result(block if self.ram.committed(block) else None)
 
     # -- RAM -> SSD ----------------------------------------------------------------------------
 

@@ -225,7 +225,7 @@ class WritePath(Room):
                         self.ram.delete(block.key)
                 raise
         # a block of this batch may have been evicted by a later one of the same batch (not if held)
-        return result, [(b, r) for b, r in new if self.ram.get(b.key) == b], full
+        return result, [(b, r) for b, r in new if self.ram.committed(b)], full
 
     def _check_ssd_room(self, todo: list[tuple[int, PutItem]]) -> None:
         """Write-through: a new block the SSD tier cannot take, however much it evicts

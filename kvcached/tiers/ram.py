@@ -200,6 +200,12 @@ class RamTier:
         """``block``'s block (committed or not) is still in the tier."""
         return block.tier is self and self._gen[block.id] == block.gen
 
+    def committed(self, block: RamBlock) -> bool:
+        """``block``'s block is still in the tier and committed (what ``get(block.key) ==
+        block`` says, without making a handle)."""
+        entry = block.id
+        return block.tier is self and self._gen[entry] == block.gen and self._refs[entry] != WRITING
+
     def busy_reason(self, key: bytes) -> str | None:
         """Why ``key`` cannot be removed now (None: absent or idle)."""
         entry = self._index.get(key)
