@@ -85,6 +85,11 @@ splits into the pull alone (PeerTier.fetch), the gRPC hop alone (Get on A) and t
 B's own work around the pull); the peer counters of daemon B (pulled, failed, hedged, missed);
 how long B took to see A's blocks; how much CPU other processes took during the run.
 
+--lane tls: the daemons and the in-process tiers pull over the TLS lane ([quic] lane = "tls",
+kvcached.peers.lane) instead of QUIC; every baseline stays what it is, so the ratios say how the
+lane compares with bare aioquic and redis-py. Default: quic (what the figures above describe; the
+daemons are given ``quic.lane="quic"``).
+
 --quick: 128 x 64 KiB and 64 x 1 MiB blocks, 1 round of 0.1 s, 3 x 35 single-block calls per
 side, 2 profiled batches: about a minute for both datagram sizes. Full: 512 x 64 KiB and 128 x
 1 MiB, 5 rounds of 1 s, 5 x 100 calls, 8 profiled batches: about 5 minutes on 2 cores. Most of
@@ -165,6 +170,8 @@ class Settings:
     lat_calls: int            # single 64 KiB calls per side per round
     profile_batches: int      # profiled PeerTier.fetch batches of 64 x 64 KiB, per datagram size
 
+
+LANE = "quic"          # what pulls go over (--lane)
 
 FULL = Settings(blocks={64 * KiB: 512, 1 * MiB: 128}, rounds=5, seconds=1.0, min_calls=1, lat_rounds=5,
                 lat_calls=100, profile_batches=8)
@@ -402,7 +409,7 @@ class Clients:
         settings = PeerSettings(listen=None if listen is None else ("127.0.0.1", listen),
                                 peers={"node-a": ("127.0.0.1", port_a)},
                                 options=quic_options(self.datagram), pull_timeout_s=30.0, hedge_s=0.05,
-                                max_payload=MAX_PAYLOAD)
+                                max_payload=MAX_PAYLOAD, lane=LANE)
         self.tier = PeerTier(_StubStore(), auth, settings)
         await self.tier.start()
         deadline = time.monotonic() + 20
@@ -480,7 +487,8 @@ class ServingNode:
         auth = PeerAuth.from_files(str(certs / "ca.pem"), str(certs / "node-a.pem"), str(certs / "node-a-key.pem"),
                                    ["node-b"])
         settings = PeerSettings(listen=("127.0.0.1", port), peers={"node-b": ("127.0.0.1", port_b)},
-                                options=quic_options(datagram), pull_timeout_s=30.0, max_payload=MAX_PAYLOAD)
+                                options=quic_options(datagram), pull_timeout_s=30.0, max_payload=MAX_PAYLOAD,
+                                lane=LANE)
         self.tier = PeerTier(self.store, auth, settings)
         await self.tier.start()
         self.store.peers = self.tier              # wired as daemon._start_peers does
@@ -595,7 +603,7 @@ def start_daemon(stack: contextlib.ExitStack, tmp: Path, certs: Path, me: str, p
             f'quic.ca="{certs / "ca.pem"}"', f'quic.cert="{certs / f"{me}.pem"}"',
             f'quic.key="{certs / f"{me}-key.pem"}"',
             f"quic.max_datagram_size={datagram}", f"quic.max_data_mib={MAX_DATA / MiB:g}",
-            f"quic.max_stream_data_mib={MAX_STREAM_DATA / MiB:g}", "quic.pull_timeout_s=30"]
+            f"quic.max_stream_data_mib={MAX_STREAM_DATA / MiB:g}", "quic.pull_timeout_s=30", f'quic.lane="{LANE}"']
     return start_kvcached(stack, tmp, ram_gib, sets, max_message=MAX_MESSAGE)
 
 
@@ -1211,6 +1219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvcached peer-tier benchmark (figures with same-run baselines)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="smoke test (about a minute): fewer blocks and rounds")
+    parser.add_argument("--lane", choices=("quic", "tls"), default="quic",
+                        help="what the daemons and in-process tiers pull over: quic (default: what the figures "
+                             "describe) or the TLS lane ([quic] lane)")
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--certs", help=argparse.SUPPRESS)
@@ -1218,6 +1229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--datagram", type=int, default=DATAGRAMS[-1], help=argparse.SUPPRESS)
     parser.add_argument("--ready", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global LANE
+    LANE = args.lane
     if args.bare_server:
         return bare_server_main(args)
     s = QUICK if args.quick else FULL

@@ -398,6 +398,8 @@ class QuicSection:
                                _window_mib, (int, float))
     max_stream_data_mib: float = _key("Stream flow-control window, MiB (bytes in flight per pull).", 16.0,
                                       _window_mib, (int, float))
+    lane: str = _key("Pull payloads over: tls (a TLS 1.3 TCP lane on the QUIC port's number, the cluster "
+                     "certificates; QUIC if it cannot be had) or quic (no lane).", "tls", _one_of("tls", "quic"))
     pull_timeout_s: float = _key("Deadline of a pull from peers: what has not arrived by then is a miss.", 2.0,
                                  _pull_timeout, (int, float))
     hedge_ms: float = _key("A pull not finished after this long is also asked of the next peer holding the "

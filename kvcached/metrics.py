@@ -154,7 +154,10 @@ def _peer_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
     for name, key, doc in (("quic_pulled_bytes", "peer_pulled_bytes", "Payload bytes pulled from peers"),
                            ("quic_hedged", "peer_hedged", "Pulls also asked of a second peer after the hedge delay"),
                            ("quic_served_blocks", "peer_served", "Blocks sent to peers"),
-                           ("quic_served_bytes", "peer_served_bytes", "Payload bytes sent to peers")):
+                           ("quic_served_bytes", "peer_served_bytes", "Payload bytes sent to peers"),
+                           ("lane_pulls", "peer_lane_pulls", "Pulls made over a TLS lane ([quic] lane = \"tls\")"),
+                           ("lane_fallbacks", "peer_lane_fallbacks",
+                            "Pulls that went over QUIC because the lane could not be had or broke")):
         yield CounterMetricFamily(f"kvcached_{name}", doc, value=stats[key])
 
 

@@ -34,7 +34,7 @@ __all__ = ["PeerHandler", "PeerServerProtocol", "PeerClientProtocol", "PullSink"
 log = logging.getLogger("kvcached.peers")
 
 REFUSED = 0x101          # application close code: mutual TLS failed (the reason phrase says why)
-_REQUEST_BODY = 4 << 20  # a request body is at most a full batch of addresses
+REQUEST_BODY = 4 << 20  # a request body is at most a full batch of addresses
 SEND_QUEUE_BYTES = 8 << 20   # per connection: answer bytes handed to aioquic and not yet sent
 SEND_STALL_S = 30.0          # an answer whose queue has not moved this long is given up (stream reset)
 STALLED = 0x102              # stream reset code: the peer stopped reading an answer
@@ -197,7 +197,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
         sid = event.stream_id
         decoder = self._decoders.get(sid)
         if decoder is None:
-            decoder = self._decoders[sid] = p.FrameDecoder(max_body=_REQUEST_BODY, max_payload=1)
+            decoder = self._decoders[sid] = p.FrameDecoder(max_body=REQUEST_BODY, max_payload=1)
         decoder.feed(event.data)
         try:
             for item in decoder:
@@ -310,14 +310,54 @@ class PullSink(abc.ABC):
         """The peer does not send this one."""
 
 
+class PullAnswers:
+    """The answers to one request as its decoder hands them out, whatever carries them (a QUIC
+    stream, a lane): a Block's payload goes into the buffer its sink gives and the sink hears
+    when it is all in; a Miss goes to the sink; an Error answer raises ProtocolError. No I/O."""
+
+    def __init__(self, peer: str, decoder: p.FrameDecoder, sink: PullSink | None) -> None:
+        self.peer, self.decoder, self.sink = peer, decoder, sink
+        self.block: p.Block | None = None
+        self.skipping = False
+        self.answered = 0            # entries answered (Blocks whole, Misses)
+
+    def take(self, item: p.Event) -> p.Message | None:
+        """Handle one decoded event; an answer that is neither a Block nor a Miss (an
+        ExistsResult) is returned for the caller to take."""
+        sink = self.sink
+        if isinstance(item, p.BlockHeader):
+            if sink is None:
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block answers only a Pull")
+            view = sink.slot(item.block)
+            self.block, self.skipping = item.block, view is None
+            if view is not None:
+                self.decoder.receive_into(view)
+        elif isinstance(item, p.BlockEnd):
+            block, self.block = self.block, None
+            self.answered += 1
+            if block is not None and not self.skipping and sink is not None:
+                sink.arrived(block)
+        elif isinstance(item, p.PayloadChunk):
+            pass                       # a payload the sink skipped
+        else:
+            message = p.decode(item)
+            if isinstance(message, p.Error):
+                code = p.ErrorCode(message.code) if message.code in p.ErrorCode._value2member_map_ else p.ErrorCode.INTERNAL
+                raise p.ProtocolError(code, f"{self.peer}: {message.message}")
+            if not isinstance(message, p.Miss):
+                return message
+            if sink is None:
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Miss answers only a Pull")
+            self.answered += 1
+            sink.missed(message)
+        return None
+
+
 @dataclass
 class _Request:
     sid: int
-    decoder: p.FrameDecoder
+    answers: PullAnswers
     done: asyncio.Future[Any]
-    sink: PullSink | None = None
-    block: p.Block | None = None
-    skipping: bool = False
     early: bool = False           # sent as 0-RTT data: may have to go again (_send_early_again)
     data: bytes = b""             # the request's frame, kept while it may have to go again
 
@@ -411,8 +451,8 @@ class PeerClientProtocol(QuicConnectionProtocol):
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
         sid = self._quic.get_next_available_stream_id()
         data = p.encode(message, request_id)
-        request = _Request(sid, p.FrameDecoder(max_payload=self.max_payload),
-                           asyncio.get_running_loop().create_future(), sink, early=not self.verified,
+        request = _Request(sid, PullAnswers(self.peer, p.FrameDecoder(max_payload=self.max_payload), sink),
+                           asyncio.get_running_loop().create_future(), early=not self.verified,
                            data=data if not self.verified else b"")
         self._requests[sid] = request
         self._quic.send_stream_data(sid, data, end_stream=True)
@@ -463,7 +503,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
         request = self._requests.get(event.stream_id)
         if request is None:
             return
-        decoder = request.decoder
+        decoder = request.answers.decoder
         decoder.feed(event.data)
         try:
             for item in decoder:
@@ -482,29 +522,9 @@ class PeerClientProtocol(QuicConnectionProtocol):
                     request.done.set_result(None)
 
     def _answer(self, request: _Request, item: p.Event) -> None:
-        if isinstance(item, p.BlockHeader):
-            sink = request.sink
-            if sink is None:
-                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block answers only a Pull")
-            view = sink.slot(item.block)
-            request.block, request.skipping = item.block, view is None
-            if view is not None:
-                request.decoder.receive_into(view)
-        elif isinstance(item, p.BlockEnd):
-            block, request.block = request.block, None
-            if block is not None and not request.skipping and request.sink is not None:
-                request.sink.arrived(block)
-        elif isinstance(item, p.PayloadChunk):
-            pass                       # a payload the sink skipped
-        else:
-            message = p.decode(item)
-            if isinstance(message, p.Error):
-                raise p.ProtocolError(p.ErrorCode(message.code) if message.code in p.ErrorCode._value2member_map_
-                                      else p.ErrorCode.INTERNAL, f"{self.peer}: {message.message}")
-            if isinstance(message, p.ExistsResult):
-                if not request.done.done():
-                    request.done.set_result(message.count)
-            elif isinstance(message, p.Miss) and request.sink is not None:
-                request.sink.missed(message)
-            else:
-                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer this request")
+        message = request.answers.take(item)
+        if isinstance(message, p.ExistsResult):
+            if not request.done.done():
+                request.done.set_result(message.count)
+        elif message is not None:
+            raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer this request")

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -32,10 +33,11 @@ from kvcached.index import PresenceFeed
 from kvcached.peers import protocol as p
 from kvcached.peers.directory import PeerDirectory, PeerHealth, wire_key
 from kvcached.peers.handshakes import HandshakeLimits
+from kvcached.peers.lane import LaneClient, LaneServer
 from kvcached.peers.quic import PeerClientProtocol, PeerGone, PeerHandler, PeerServerProtocol, PullSink
 from kvcached.peers.server import GuardedQuicServer
 from kvcached.peers.store_link import serve_pull
-from kvcached.peers.tls import TICKET_LIFETIME_S, PeerAuth, QuicOptions, ServerTickets
+from kvcached.peers.tls import TICKET_LIFETIME_S, PeerAuth, PeerRefused, QuicOptions, ServerTickets
 from kvcached_agent.address import BlockAddress
 
 __all__ = ["PeerTier", "PeerSettings", "PeerLink", "PeerCounters"]
@@ -64,6 +66,8 @@ class PeerSettings:
     backoff_max_s: float = 60.0
     max_payload: int = 16 << 20
     limits: HandshakeLimits = HandshakeLimits()
+    lane: str = "tls"                          # "tls": pulls over a TLS lane (kvcached.peers.lane); "quic": no lane
+    lane_retry_s: float = 30.0                 # a lane that could not be had is tried again after this
 
 
 @dataclass
@@ -76,6 +80,8 @@ class PeerCounters:
     hedged: int = 0            # pulls also asked of a second peer
     served: int = 0            # blocks sent to peers
     served_bytes: int = 0
+    lane_pulls: int = 0        # pulls made over a lane
+    lane_fallbacks: int = 0    # pulls that went over QUIC because the lane could not be had or broke
 
 
 @dataclass
@@ -94,6 +100,8 @@ class PeerLink:
     snapshotting: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     transport: Any = None
+    lane: LaneClient | None = None
+    lane_retry_at: float = 0.0                 # the lane failed: QUIC until then
 
 
 class PeerTier(PeerHandler):
@@ -111,6 +119,7 @@ class PeerTier(PeerHandler):
         self._server_protocol: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listing = 0
+        self.lane_server: LaneServer | None = None
         #: What this daemon's index gained and dropped, announced to peers (set it as the
         #: index's ``presence`` too).
         self.presence = PresenceFeed()
@@ -126,6 +135,13 @@ class PeerTier(PeerHandler):
             self._server, self._server_protocol = await loop.create_datagram_endpoint(
                 lambda: GuardedQuicServer(configuration=config, create_protocol=protocol, limits=self.settings.limits),
                 local_addr=(host, port))
+            if self.settings.lane == "tls":        # TCP, the QUIC port's number
+                self.lane_server = LaneServer(self.auth, self)
+                try:
+                    await self.lane_server.start(host, self._server.get_extra_info("sockname")[1])
+                except OSError:
+                    self._server.close()
+                    raise
         self._spawn(self._announcer())
         for link in self.links.values():
             self._spawn(self._dial(link))
@@ -146,6 +162,11 @@ class PeerTier(PeerHandler):
                 link.transport.close()
         if self._server is not None:
             self._server_protocol.close()      # closes every connection peers opened here, then the socket
+        if self.lane_server is not None:
+            await self.lane_server.stop()
+        for link in self.links.values():
+            if link.lane is not None:
+                await link.lane.close()
         await asyncio.sleep(0)
 
     def _spawn(self, coro: Any) -> None:
@@ -251,6 +272,21 @@ class PeerTier(PeerHandler):
             if not early:
                 await asyncio.wait_for(asyncio.shield(client.ready), max(deadline - self.clock(), 0.001))
         return client
+
+    def _lane(self, link: PeerLink, client: PeerClientProtocol) -> LaneClient | None:
+        """The lane to pull from ``link``'s peer over, or None (lanes off, the peer's QUIC
+        handshake not complete yet, or the lane failed a short while ago)."""
+        if self.settings.lane != "tls" or not client.verified or self.clock() < link.lane_retry_at:
+            return None
+        if link.lane is None:
+            link.lane = LaneClient(self.auth, link.name, link.address, self.settings.max_payload)
+        return link.lane
+
+    def _lane_failed(self, link: PeerLink, exc: BaseException) -> None:
+        self.counters.lane_fallbacks += 1
+        link.lane_retry_at = self.clock() + self.settings.lane_retry_s
+        log.info("lane not usable; pulling over QUIC", extra={"fields": {"peer": link.name, "reason": _why(exc),
+                                                                         "retry_s": self.settings.lane_retry_s}})
 
     def _ticket(self, link: PeerLink, ticket: SessionTicket) -> None:
         link.ticket, link.ticket_at = ticket, time.time()
@@ -480,7 +516,20 @@ class _Fetch:
         self.sinks.append(sink)
         try:
             client = await tier._client(link, tier.clock() + tier.settings.pull_timeout_s)
-            await client.pull([_split(k) for k in keys], sink)
+            lane = tier._lane(link, client)
+            if lane is not None:
+                try:
+                    await lane.pull([_split(k) for k in keys], sink)
+                    tier.counters.lane_pulls += 1
+                    keys = []
+                except (OSError, ssl.SSLError, PeerRefused, PeerGone, asyncio.TimeoutError) as exc:
+                    tier._lane_failed(link, exc)
+                    sink.close()                # slots of payloads cut short go back
+                    keys = [k for k in keys if k not in self.got]
+                    sink = _Sink(self, name, set(keys))
+                    self.sinks.append(sink)
+            if keys:
+                await client.pull([_split(k) for k in keys], sink)
         except (PeerGone, OSError, p.ProtocolError, asyncio.TimeoutError, RuntimeError) as exc:
             tier.counters.failed += 1
             tier._dial_failed(link, exc)

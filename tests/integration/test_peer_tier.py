@@ -41,9 +41,17 @@ ALL = (1 << 62) - 1          # every peer's bit, for PeerDirectory.holders
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port number free for UDP (QUIC) and TCP (the lane) on 127.0.0.1."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+                try:
+                    t.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
 
 
 async def until(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
@@ -97,7 +105,8 @@ class Cluster:
 
     async def start(self, name: str) -> PeerTier:
         node = self.nodes[name]
-        kw = {"pull_timeout_s": 1.0, "hedge_s": 0.05, "fail_limit": 3, "backoff_s": 1.0} | self.settings
+        # QUIC carries the pulls here (this module tests it); tests/integration/test_lane.py, the lane
+        kw = {"pull_timeout_s": 1.0, "hedge_s": 0.05, "fail_limit": 3, "backoff_s": 1.0, "lane": "quic"} | self.settings
         peers = {n: self.addr(n) for n in self.names if n != name}
         tier = PeerTier(node.store, self.auth(name), PeerSettings(listen=self.addr(name), peers=peers,
                                                                   options=OPTIONS, **kw))
