@@ -16,8 +16,37 @@ from kvcached.peers.lane import LaneClient, client_context
 from kvcached.peers.quic import PullSink
 from kvcached.peers.tls import PeerAuth, PeerRefused
 from tests.certificates import expired_certificate
-from tests.integration.test_peer_tier import SIZE, A, B, C, cluster, get_exact, items, until
+from tests.integration.test_peer_tier import (
+    SIZE,
+    A,
+    B,
+    C,
+    Cluster,
+    cluster,
+    get_exact,
+    items,
+    test_checksum_mismatch_falls_back_to_another_holder,
+    test_dead_holder_misses_within_deadline_goes_down_and_comes_back,
+    test_delete_drops_and_snapshot_replaces,
+    test_hedged_pull_asks_the_next_holder,
+    test_hedged_pull_does_not_wait_for_the_slow_peer,
+    test_peer_metrics_count_pulls_and_show_peers_up,
+    test_put_announced_then_pulled,
+    until,
+)
 from tests.unit.conftest import payload
+
+# The peer tier's tests that hold whatever carries the pulls, run again here over the lane.
+__all__ = ["test_checksum_mismatch_falls_back_to_another_holder",
+           "test_dead_holder_misses_within_deadline_goes_down_and_comes_back",
+           "test_delete_drops_and_snapshot_replaces", "test_hedged_pull_asks_the_next_holder",
+           "test_hedged_pull_does_not_wait_for_the_slow_peer", "test_peer_metrics_count_pulls_and_show_peers_up",
+           "test_put_announced_then_pulled"]
+
+
+@pytest.fixture(autouse=True)
+def over_the_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Cluster, "lane", "tls")
 
 
 class Collect(PullSink):
@@ -133,4 +162,34 @@ def test_a_lane_pull_answers_blocks_and_misses_in_order(tmp_path: Path) -> None:
             assert bytes(sink2.buffers[wanted[1][0]]) == payload(1, SIZE)
             await lane.close()
             assert client_context(lane.auth).minimum_version == ssl.TLSVersion.TLSv1_3
+    asyncio.run(body())
+
+
+def test_a_lane_cut_mid_payload_leaves_no_block_and_quic_brings_it(tmp_path: Path) -> None:
+    """The lane breaks in the middle of a payload: the half-written slot is given back, never
+    visible, and the pull is made again over QUIC."""
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            a, b, n = c[A], c[B], 8
+            await a.store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            server = a.t.lane_server
+            assert server is not None
+
+            async def cut(peer: str, writer: asyncio.StreamWriter, frame: p.Frame) -> None:
+                message = p.decode(frame)
+                assert isinstance(message, p.Pull)
+                answers = await server.handler.pull(peer, message)
+                head, view, _ = answers[0]                    # type: ignore[misc]
+                writer.write(p.encode(head, frame.request_id))
+                writer.write(bytes(view[:len(view) // 2]))
+                await writer.drain()
+                for answer in answers:
+                    if not isinstance(answer, p.Miss):
+                        answer[2]()
+                writer.transport.abort()                      # the lane breaks
+            server._request = cut                             # type: ignore[method-assign]
+            await get_exact(b, range(n))                      # over QUIC, after the lane broke
+            assert b.t.counters.lane_fallbacks == 1 and b.t.counters.corrupt == 0
+            assert b.t.counters.pulled == n and b.t.counters.lane_pulls == 0
     asyncio.run(body())

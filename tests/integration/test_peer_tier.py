@@ -86,6 +86,10 @@ class Node:
 
 
 class Cluster:
+    #: What pulls go over unless a test says: QUIC here (this module tests it); test_lane.py runs
+    #: the tests that hold for any transport again with "tls".
+    lane = "quic"
+
     def __init__(self, tmp_path: Path, names: tuple[str, ...], settings: dict[str, Any]) -> None:
         self.names, self.settings = names, settings
         self.files, _ = make_cluster(tmp_path / "certs", [A, B, C])
@@ -105,8 +109,7 @@ class Cluster:
 
     async def start(self, name: str) -> PeerTier:
         node = self.nodes[name]
-        # QUIC carries the pulls here (this module tests it); tests/integration/test_lane.py, the lane
-        kw = {"pull_timeout_s": 1.0, "hedge_s": 0.05, "fail_limit": 3, "backoff_s": 1.0, "lane": "quic"} | self.settings
+        kw = {"pull_timeout_s": 1.0, "hedge_s": 0.05, "fail_limit": 3, "backoff_s": 1.0, "lane": self.lane} | self.settings
         peers = {n: self.addr(n) for n in self.names if n != name}
         tier = PeerTier(node.store, self.auth(name), PeerSettings(listen=self.addr(name), peers=peers,
                                                                   options=OPTIONS, **kw))
