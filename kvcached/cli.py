@@ -184,7 +184,8 @@ def _client_command(args: argparse.Namespace) -> int:
                 print(f"  peer {peer.name}: {state}, {peer.blocks} blocks announced{error}")
             if s.peers:
                 print(f"  peer pulls: {s.peer_pulled} blocks ({s.peer_pulled_bytes} bytes), {s.peer_missed} missed, "
-                      f"{s.peer_corrupt} corrupt, {s.peer_failed} failed, {s.peer_hedged} hedged; "
+                      f"{s.peer_corrupt} corrupt, {s.peer_failed} failed, {s.peer_hedged} hedged, "
+                      f"{s.peer_lane_pulls} over the lane ({s.peer_lane_fallbacks} fell back to QUIC); "
                       f"served {s.peer_served} ({s.peer_served_bytes} bytes)")
         elif args.command == "ls":
             tier = {None: pb.TIER_UNSPECIFIED, "ram": pb.TIER_RAM, "ssd": pb.TIER_SSD, "gone": pb.TIER_GONE}[args.tier]

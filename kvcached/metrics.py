@@ -180,6 +180,9 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
     for reason in ("source_limit", "full", "displaced", "timeout", "budget"):
         refused.add_metric([reason], stats["quic_refused"].get(reason, 0))
     yield refused
+    if "lane_refused" in stats:
+        yield CounterMetricFamily("kvcached_lane_refused", "Bulk-lane connections refused after TLS: a certificate "
+                                  "that names no configured peer or fails the peer checks", value=stats["lane_refused"])
 
 
 def start_metrics(listen: str, store: Store) -> Any:

@@ -431,7 +431,8 @@ class PeerTier(PeerHandler):
             return {}
         return {"quic_handshakes": server.table.handshaking, "quic_connections": server.table.connections,
                 "quic_retries": server.retries, "quic_dropped_datagrams": server.dropped,
-                "quic_refused": dict(server.table.refused)}
+                "quic_refused": dict(server.table.refused),
+                **({"lane_refused": self.lane_server.counters.refused} if self.lane_server is not None else {})}
 
 
 def _why(exc: BaseException) -> str:

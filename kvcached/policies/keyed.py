@@ -71,7 +71,7 @@ class KeyedPolicy:
         return entry is not None and entry in self.policy
 
     def snapshot(self) -> PolicySnapshot:
-        return self.policy.snapshot(self._ids.key_of)
+        return self.policy.snapshot(self._ids.key_getter)
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         """See :meth:`EvictionPolicy.restore`; ids are handed out to the resident keys the

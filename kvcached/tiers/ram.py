@@ -450,7 +450,7 @@ class RamPolicyState:
         self._ids = ids
 
     def snapshot(self) -> PolicySnapshot:
-        return self._policy.snapshot(self._ids.key_of)
+        return self._policy.snapshot(self._ids.key_getter)
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         ids = self._ids

@@ -275,6 +275,8 @@ def test_wrong_type_in_a_file(tmp_path: Path) -> None:
     ("quic.backoff_s=0", "quic.backoff_s", ("greater than 0",)),
     ('quic.pull_timeout_s="2s"', "quic.pull_timeout_s", ()),
     ('quic.retry="sometimes"', "quic.retry", ("always, under_load", "'sometimes'")),
+    ('quic.lane="mac"', "quic.lane", ("tls, quic", "'mac'")),
+    ("quic.lane=1", "quic.lane", ()),
     ("quic.max_handshakes=0", "quic.max_handshakes", ("between 1 and 65536",)),
     ("quic.max_handshakes_per_source=70000", "quic.max_handshakes_per_source", ("between 1 and 65536",)),
     ("quic.max_connections=0", "quic.max_connections", ("between 1 and 1048576",)),
