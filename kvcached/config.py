@@ -274,6 +274,11 @@ def _count_1_to(most: int) -> Callable[[int], None]:
     return check
 
 
+def _lane_stripes(v: int) -> None:
+    if not 1 <= v <= 16:
+        raise ValueError(f"must be between 1 and 16, got {v}")
+
+
 def _fail_limit(v: int) -> None:
     if not 1 <= v <= 1000:
         raise ValueError(f"must be between 1 and 1000, got {v}")
@@ -398,8 +403,12 @@ class QuicSection:
                                _window_mib, (int, float))
     max_stream_data_mib: float = _key("Stream flow-control window, MiB (bytes in flight per pull).", 16.0,
                                       _window_mib, (int, float))
-    lane: str = _key("Pull payloads over: tls (a TLS 1.3 TCP lane on the QUIC port's number, the cluster "
-                     "certificates; QUIC if it cannot be had) or quic (no lane).", "tls", _one_of("tls", "quic"))
+    lane: str = _key("Pull payloads over a TCP lane on the QUIC port's number: tls (TLS 1.3, the cluster "
+                     "certificates) or mac (plain TCP, keyed BLAKE3 seals with a key granted over QUIC: "
+                     "authenticated, not encrypted, for a fabric nobody else can read); QUIC where the lane "
+                     "cannot be had. quic: no lane.", "tls", _one_of("tls", "mac", "quic"))
+    lane_stripes: int = _key("Lane connections one large pull (16 blocks or more) is split over.", 4,
+                             _lane_stripes, int)
     pull_timeout_s: float = _key("Deadline of a pull from peers: what has not arrived by then is a miss.", 2.0,
                                  _pull_timeout, (int, float))
     hedge_ms: float = _key("A pull not finished after this long is also asked of the next peer holding the "

@@ -155,7 +155,7 @@ def _peer_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                            ("quic_hedged", "peer_hedged", "Pulls also asked of a second peer after the hedge delay"),
                            ("quic_served_blocks", "peer_served", "Blocks sent to peers"),
                            ("quic_served_bytes", "peer_served_bytes", "Payload bytes sent to peers"),
-                           ("lane_pulls", "peer_lane_pulls", "Pulls made over a TLS lane ([quic] lane = \"tls\")"),
+                           ("lane_pulls", "peer_lane_pulls", "Pulls made over a bulk lane ([quic] lane = \"tls\" or \"mac\")"),
                            ("lane_fallbacks", "peer_lane_fallbacks",
                             "Pulls that went over QUIC because the lane could not be had or broke")):
         yield CounterMetricFamily(f"kvcached_{name}", doc, value=stats[key])
@@ -181,8 +181,12 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         refused.add_metric([reason], stats["quic_refused"].get(reason, 0))
     yield refused
     if "lane_refused" in stats:
-        yield CounterMetricFamily("kvcached_lane_refused", "Bulk-lane connections refused after TLS: a certificate "
-                                  "that names no configured peer or fails the peer checks", value=stats["lane_refused"])
+        yield CounterMetricFamily("kvcached_lane_refused", "Bulk-lane connections refused: tls, a certificate that "
+                                  "names no configured peer or fails the peer checks; mac, a key not proved (either "
+                                  "side)", value=stats["lane_refused"])
+        yield CounterMetricFamily("kvcached_lane_bad_seals", "mac lanes ended by this server for a frame whose seal "
+                                  "was missing or did not match (changed, replayed, out of order)",
+                                  value=stats["lane_bad_seals"])
 
 
 def start_metrics(listen: str, store: Store) -> Any:

@@ -2,8 +2,8 @@
 
 Plain classes, no sockets: :func:`encode` turns a message into bytes, :class:`FrameDecoder`
 turns an ordered byte stream into events, :func:`decode` turns a frame into a message. Any
-ordered byte stream carries it: one QUIC stream per request today, one TLS-over-TCP connection
-for many requests perhaps later (request ids, not streams, pair answers with requests).
+ordered byte stream carries it: one QUIC stream per request, or one bulk-lane connection (TCP,
+kvcached.peers.lane) for many requests in turn (request ids, not streams, pair answers with requests).
 docs/peer-protocol.md specifies the same bytes; the unit tests pin them byte for byte. This
 protocol is versioned apart from the agent protocol (kvcached_agent.protocol): they share the
 addressing and the payload checksum, never a frame layout or a version number.
@@ -38,7 +38,8 @@ __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "MAX_PAYLOAD", "ErrorCode", "MissReason",
     "ProtocolError", "FrameDecoder", "encode", "decode", "Message", "Event",
     "Frame", "BlockHeader", "PayloadChunk", "BlockEnd",
-    "Pull", "Exists", "Announce", "Drop", "Snapshot", "Block", "Miss", "ExistsResult", "Error",
+    "Pull", "Exists", "LaneOpen", "Announce", "Drop", "Snapshot", "Block", "Miss", "ExistsResult", "LaneKey",
+    "Seal", "Error",
     "REQUESTS", "EVENTS", "EARLY_DATA_TYPES", "STATE_CHANGING", "allowed_as_early_data",
 ]
 
@@ -209,6 +210,23 @@ class Exists:
 
 
 @dataclass(frozen=True, slots=True)
+class LaneOpen:
+    """Grant me a key for ``mac`` bulk lanes (kvcached.peers.lane_mac). Answered by LaneKey, or by
+    Error UNAVAILABLE where the receiver runs no ``mac`` lane. Sent over QUIC only, never as 0-RTT
+    early data: the key lives as long as this QUIC connection (its mutual TLS is what makes it a
+    secret of these two daemons)."""
+
+    TYPE: ClassVar[int] = 0x03
+
+    def encode_body(self) -> bytes:
+        return b""
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "LaneOpen":
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
 class _Addresses:
     addresses: Sequence[tuple[bytes, int]]
 
@@ -333,6 +351,45 @@ class ExistsResult:
 
 
 @dataclass(frozen=True, slots=True)
+class LaneKey:
+    """Answer to LaneOpen: a key id (named in a lane's hello) and the 32-byte key itself."""
+
+    TYPE: ClassVar[int] = 0x84
+    key_id: bytes
+    key: bytes
+    _FIXED: ClassVar[struct.Struct] = struct.Struct("<16s32s")
+
+    def encode_body(self) -> bytes:
+        if len(self.key_id) != 16 or len(self.key) != 32:
+            raise ValueError("LaneKey: the key id is 16 bytes and the key 32")
+        return self._FIXED.pack(self.key_id, self.key)
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "LaneKey":
+        return cls(*r.unpack(cls._FIXED))
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """On a ``mac`` lane only: the keyed BLAKE3 tag of the frame that comes next (its header and
+    body; a Block's payload is bound through the checksum in its head). Neither a request nor an
+    answer: the lane checks it and takes it off the stream (kvcached.peers.lane_mac)."""
+
+    TYPE: ClassVar[int] = 0x20
+    tag: bytes
+    _FIXED: ClassVar[struct.Struct] = struct.Struct("<32s")
+
+    def encode_body(self) -> bytes:
+        if len(self.tag) != 32:
+            raise ValueError(f"Seal: the tag is {len(self.tag)} bytes, not 32")
+        return self._FIXED.pack(self.tag)
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Seal":
+        return cls(*r.unpack(cls._FIXED))
+
+
+@dataclass(frozen=True, slots=True)
 class Error:
     """A request (or the stream) failed; the request id says which request."""
 
@@ -352,7 +409,7 @@ class Error:
 
 _BLOCK_HEAD_MAX = Block._FIXED.size + 2 + MAX_TEXT
 
-Message = Union[Pull, Exists, Announce, Drop, Snapshot, Block, Miss, ExistsResult, Error]
+Message = Union[Pull, Exists, LaneOpen, Announce, Drop, Snapshot, Block, Miss, ExistsResult, LaneKey, Seal, Error]
 
 class _Decodable(Protocol):
     """A message class as the decoder sees it: its type byte and how its body is read."""
@@ -364,17 +421,18 @@ class _Decodable(Protocol):
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
-    Pull, Exists, Announce, Drop, Snapshot, Block, Miss, ExistsResult, Error)}
-#: What one daemon sends another unasked; the rest are answers.
-REQUESTS = frozenset({Pull.TYPE, Exists.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+    Pull, Exists, LaneOpen, Announce, Drop, Snapshot, Block, Miss, ExistsResult, LaneKey, Seal, Error)}
+#: What one daemon sends another unasked; the rest are answers (and Seal, which is neither).
+REQUESTS = frozenset({Pull.TYPE, Exists.TYPE, LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
 #: Requests that get no answer (unless an Error).
 EVENTS = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
 #: Requests that may arrive as 0-RTT early data. Early data can be replayed by anyone who
 #: recorded it (RFC 8446 section 8, RFC 9001 section 9.2), so only requests that change
 #: nothing (idempotent: a replay costs bytes, not correctness) are taken from it.
 EARLY_DATA_TYPES = frozenset({Pull.TYPE, Exists.TYPE})
-#: Requests that change what the receiver believes the sender holds: never taken as early data.
-STATE_CHANGING = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+#: Requests that change state at the receiver (what it believes the sender holds, the lane keys
+#: it granted): never taken as early data.
+STATE_CHANGING = frozenset({LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
 
 
 def allowed_as_early_data(type_: int) -> bool:

@@ -27,6 +27,7 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
 from kvcached.peers import protocol as p
+from kvcached.peers.lane_mac import LaneKeys
 from kvcached.peers.tls import PeerAuth, PeerRefused, ServerTickets
 
 __all__ = ["PeerHandler", "PeerServerProtocol", "PeerClientProtocol", "PullSink", "PeerGone", "REFUSED"]
@@ -74,9 +75,9 @@ class PeerServerProtocol(QuicConnectionProtocol):
     ticket bound to a verified peer): until then nothing it sends is read."""
 
     def __init__(self, quic: QuicConnection, stream_handler: Any = None, *, auth: PeerAuth,
-                 tickets: ServerTickets, handler: PeerHandler) -> None:
+                 tickets: ServerTickets, handler: PeerHandler, lane_keys: LaneKeys | None = None) -> None:
         super().__init__(quic, stream_handler)
-        self.auth, self.tickets, self.handler = auth, tickets, handler
+        self.auth, self.tickets, self.handler, self.lane_keys = auth, tickets, handler, lane_keys
         self.peer: str | None = None
         self.verified = False
         self._issued: SessionTicket | None = None
@@ -128,6 +129,8 @@ class PeerServerProtocol(QuicConnectionProtocol):
         elif isinstance(event, events.ConnectionTerminated):
             self._gone = True          # pulls being answered stop and unpin what they hold
             self._room.set()
+            if self.lane_keys is not None:
+                self.lane_keys.revoke(self)     # lane keys live as long as the session that granted them
 
     def transmit(self) -> None:
         super().transmit()
@@ -235,6 +238,12 @@ class PeerServerProtocol(QuicConnectionProtocol):
             self._send(sid, p.encode(answer, frame.request_id), end=True)
         elif isinstance(message, (p.Announce, p.Drop, p.Snapshot)):
             self.handler.event(peer, message, frame.request_id)
+        elif isinstance(message, p.LaneOpen):
+            if self.lane_keys is None:
+                self._error(sid, frame.request_id, p.ErrorCode.UNAVAILABLE, "this daemon runs no mac lane")
+            else:
+                key_id, key = self.lane_keys.grant(peer, self)
+                self._send(sid, p.encode(p.LaneKey(key_id, key), frame.request_id), end=True)
         else:
             self._error(sid, frame.request_id, p.ErrorCode.UNEXPECTED,
                         f"{type(message).__name__} is an answer, not a request")
@@ -377,6 +386,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
         self._requests: dict[int, _Request] = {}
         self._next_id = 1
         self._events_stream: int | None = None
+        self._lane_key: tuple[bytes, bytes] | None = None
 
     # -- handshake and lifetime --
 
@@ -466,6 +476,19 @@ class PeerClientProtocol(QuicConnectionProtocol):
         finally:
             self._abandon(request)
 
+    async def lane_key(self) -> tuple[bytes, bytes]:
+        """A key for ``mac`` lanes to this peer (kvcached.peers.lane_mac), granted over this
+        session and valid while it lasts; asked for once, then kept. ProtocolError if the peer
+        runs no mac lane, PeerGone if the connection ends first."""
+        if self._lane_key is None:
+            request = self._start(p.LaneOpen())
+            try:
+                key = await request.done
+            finally:
+                self._abandon(request)
+            self._lane_key = (key.key_id, key.key)
+        return self._lane_key
+
     async def pull(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink) -> None:
         """Pull ``addresses``; answers go to ``sink`` as they arrive. Returns once every entry
         is answered; PeerGone if the connection or stream ends first, ProtocolError if the peer
@@ -526,5 +549,8 @@ class PeerClientProtocol(QuicConnectionProtocol):
         if isinstance(message, p.ExistsResult):
             if not request.done.done():
                 request.done.set_result(message.count)
+        elif isinstance(message, p.LaneKey):
+            if not request.done.done():
+                request.done.set_result(message)
         elif message is not None:
             raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer this request")

@@ -57,6 +57,7 @@ class Cluster:
         self.ports = {name: free_udp_port() for name in names}
         self.daemons: dict[str, DaemonProcess] = {}
         self.addresses = {name: f"127.0.0.1:{port}" for name, port in self.ports.items()}
+        self.lane = "tls"                 # what pulls go over ([quic] lane)
 
     def daemon(self, name: str, *overrides: str, cert: str | None = None, peers: dict[str, str] | None = None,
                start: bool = True) -> DaemonProcess:
@@ -69,7 +70,8 @@ class Cluster:
             f'quic.listen="{self.addresses[name]}"', f"quic.peers=[{listed}]",
             f'quic.ca="{self.certs / "ca.pem"}"', f'quic.cert="{self.certs / (cert + ".pem")}"',
             f'quic.key="{self.certs / (cert + "-key.pem")}"', "quic.max_datagram_size=16000",
-            "quic.pull_timeout_s=2", "quic.backoff_s=0.5", "quic.backoff_max_s=2", *overrides])
+            "quic.pull_timeout_s=2", "quic.backoff_s=0.5", "quic.backoff_max_s=2", f'quic.lane="{self.lane}"',
+            *overrides])
         self.daemons[name] = d
         return d.start() if start else d
 
@@ -102,7 +104,12 @@ def lookup(d: DaemonProcess, data: dict[BlockAddress, bytes]) -> pb.LookupRespon
         return c.lookup([a.digest for a in data])
 
 
-def test_blocks_put_on_one_daemon_are_found_and_fetched_bit_exact_on_the_others(cluster: Cluster) -> None:
+LANES = pytest.mark.parametrize("lane", ["tls", "mac"])
+
+
+@LANES
+def test_blocks_put_on_one_daemon_are_found_and_fetched_bit_exact_on_the_others(cluster: Cluster, lane: str) -> None:
+    cluster.lane = lane
     a = cluster.daemon("node-a")
     b = cluster.daemon("node-b")
     c = cluster.daemon("node-c", "kv.mirror_pulls=false")
@@ -124,6 +131,7 @@ def test_blocks_put_on_one_daemon_are_found_and_fetched_bit_exact_on_the_others(
     with b.client() as client:
         s = client.stats()
         assert s.peer_pulled == 12 and s.peer_corrupt == 0
+        assert s.peer_lane_pulls >= 1 and s.peer_lane_fallbacks == 0     # over the lane, in this mode
 
     with c.client() as client:                       # mirror_pulls off: read, then not kept
         got, _ = client.get(list(data)[:4])
@@ -137,7 +145,9 @@ def test_blocks_put_on_one_daemon_are_found_and_fetched_bit_exact_on_the_others(
     wait_for(lambda: peer_stats(c)["node-a"].blocks == 6, text="c hears a's drops")
 
 
-def test_an_agent_load_pulls_from_a_peer_into_its_arena_slots(cluster: Cluster) -> None:
+@LANES
+def test_an_agent_load_pulls_from_a_peer_into_its_arena_slots(cluster: Cluster, lane: str) -> None:
+    cluster.lane = lane
     a = cluster.daemon("node-a", peers={"node-b": cluster.addresses["node-b"]})
     b = cluster.daemon("node-b", peers={"node-a": cluster.addresses["node-a"]})
     wait_for(lambda: connected(a, "node-b") and connected(b, "node-a"), text="a and b connected")
@@ -157,6 +167,9 @@ def test_an_agent_load_pulls_from_a_peer_into_its_arena_slots(cluster: Cluster) 
         result = reader.load(addresses, out)
         assert not result.missing
         assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(out, tensors))
+    with b.client() as client:
+        s = client.stats()
+        assert s.peer_lane_pulls >= 1 and s.peer_lane_fallbacks == 0
 
 
 def lookup_digests(d: DaemonProcess, addresses: list[BlockAddress]) -> int:
@@ -164,7 +177,10 @@ def lookup_digests(d: DaemonProcess, addresses: list[BlockAddress]) -> int:
         return c.lookup([x.digest for x in addresses]).peer
 
 
-def test_a_peer_killed_mid_pull_is_a_miss_within_the_deadline_and_used_again_after_it_restarts(cluster: Cluster) -> None:
+@LANES
+def test_a_peer_killed_mid_pull_is_a_miss_within_the_deadline_and_used_again_after_it_restarts(
+        cluster: Cluster, lane: str) -> None:
+    cluster.lane = lane
     a = cluster.daemon("node-a")
     b = cluster.daemon("node-b", "kv.mirror_pulls=false")
     c = cluster.daemon("node-c")

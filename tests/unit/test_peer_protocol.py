@@ -327,13 +327,29 @@ def test_error_messages_are_cut_not_refused(message: str, kept: str) -> None:
 
 # -- early data and the type sets ----------------------------------------------------------------
 
-@pytest.mark.parametrize("type_", [0x01, 0x02, 0x10, 0x11, 0x12, 0x81, 0x82, 0x83, 0xFF, 0x03, 0x5A])
+@pytest.mark.parametrize("type_", [0x01, 0x02, 0x03, 0x10, 0x11, 0x12, 0x20, 0x81, 0x82, 0x83, 0x84, 0xFF, 0x5A])
 def test_only_pull_and_exists_are_taken_as_early_data(type_: int) -> None:
     assert p.allowed_as_early_data(type_) is (type_ in (0x01, 0x02))
 
 
 def test_type_sets() -> None:
-    assert p.REQUESTS == {0x01, 0x02, 0x10, 0x11, 0x12}
-    assert p.EVENTS == p.STATE_CHANGING == {0x10, 0x11, 0x12}
+    assert p.REQUESTS == {0x01, 0x02, 0x03, 0x10, 0x11, 0x12}
+    assert p.EVENTS == {0x10, 0x11, 0x12}
+    assert p.STATE_CHANGING == {0x03, 0x10, 0x11, 0x12}
     assert p.EARLY_DATA_TYPES == {0x01, 0x02} == p.REQUESTS - p.STATE_CHANGING
-    assert set(p.MESSAGES) - p.REQUESTS == {0x81, 0x82, 0x83, 0xFF}
+    assert set(p.MESSAGES) - p.REQUESTS == {0x20, 0x81, 0x82, 0x83, 0x84, 0xFF}
+
+
+def test_lane_messages_byte_for_byte() -> None:
+    """docs/peer-protocol.md, "The bulk lane": LaneOpen, LaneKey and Seal frames."""
+    assert p.encode(p.LaneOpen(), 7).hex() == "00000000" "01" "03" "0000" "07000000"
+    key_id, key = bytes(range(16)), bytes(range(32, 64))
+    frame = p.encode(p.LaneKey(key_id, key), 7)
+    assert frame[:12].hex() == "30000000" "01" "84" "0000" "07000000" and frame[12:] == key_id + key
+    assert p.decode(p.Frame(0x84, 7, frame[12:])) == p.LaneKey(key_id, key)
+    seal = p.encode(p.Seal(b"\xab" * 32), 0)
+    assert seal[:12].hex() == "20000000" "01" "20" "0000" "00000000" and seal[12:] == b"\xab" * 32
+    with pytest.raises(p.ProtocolError):
+        p.decode(p.Frame(0x20, 0, b"\xab" * 31))
+    with pytest.raises(ValueError):
+        p.encode(p.LaneKey(b"short", key))
