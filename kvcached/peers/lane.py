@@ -40,7 +40,7 @@ from cryptography import x509
 
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
-from kvcached.peers.quic import REQUEST_BODY, PeerGone, PeerHandler, PullAnswers, PullSink
+from kvcached.peers.session import REQUEST_BODY, PeerGone, PeerHandler, PullAnswers, PullSink, RequestIds, take_request
 from kvcached.peers.tls import PeerAuth, PeerRefused
 
 __all__ = ["LANE_ALPN", "LANE_MODES", "LaneClient", "LaneConnection", "LaneCounters", "LaneServer",
@@ -56,6 +56,7 @@ STALL_S = 30.0                 # an answer whose send buffer has not drained thi
 IDLE_S = 300.0                 # a server closes a lane that sent no request this long
 STRIPE_MIN = 8                 # entries per stripe at least: smaller pulls go on one connection
 MAX_QUEUED_REQUESTS = 4        # a server stops reading a lane with this many requests unanswered
+_LANE_REQUESTS = frozenset({p.Pull.TYPE})   # a lane carries pulls; the rest goes over QUIC
 
 
 def _context(auth: PeerAuth, server: bool) -> ssl.SSLContext:
@@ -394,14 +395,11 @@ class LaneServer:
 
     async def _request(self, peer: str, conn: LaneConnection, frame: p.Frame) -> None:
         try:
-            message = p.decode(frame)
+            message = take_request(frame, carries=_LANE_REQUESTS, where="a lane")
         except p.ProtocolError as exc:
             conn.write_frame(p.encode(p.Error(exc.code, str(exc)), frame.request_id))
             return
-        if not isinstance(message, p.Pull):
-            conn.write_frame(p.encode(p.Error(p.ErrorCode.UNEXPECTED,
-                                              f"a lane carries pulls, not {type(message).__name__}"), frame.request_id))
-            return
+        assert isinstance(message, p.Pull)
         answers = await self.handler.pull(peer, message)
         self.counters.served_pulls += 1
         pending = iter(answers)
@@ -458,7 +456,7 @@ class LaneClient:
         self.mode, self.keep, self.stripes, self.connect_timeout_s = mode, keep, max(stripes, 1), connect_timeout_s
         self._context = client_context(auth) if mode == "tls" else None
         self._idle: list[tuple[LaneConnection, bytes]] = []      # (connection, key id it proved)
-        self._next_id = 1
+        self._ids = RequestIds()
         self.refused = 0           # servers that did not prove the key, frames whose seal failed
 
     async def _connect(self, key: tuple[bytes, bytes] | None) -> LaneConnection:
@@ -557,15 +555,10 @@ class LaneClient:
                 conn.abandon()         # given up or failed: nothing more reaches the slots
 
     async def _pull_on(self, conn: LaneConnection, addresses: Sequence[tuple[bytes, int]], sink: PullSink) -> None:
-        request_id = self._next_id
-        self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
-        answers = PullAnswers(self.peer, conn.decoder, sink)
+        request_id = self._ids.next()
+        answers = PullAnswers(self.peer, conn.decoder, sink, request_id=request_id, expected=len(addresses))
 
         def on_event(item: p.Event) -> None:
-            if getattr(item, "request_id", request_id) != request_id:
-                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer}: an answer to another request")
-            if answers.answered >= len(addresses):
-                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer} sent more than the answer")
             message = answers.take(item)
             if message is not None:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer a Pull")
@@ -573,7 +566,7 @@ class LaneClient:
         conn.on_event = on_event
         conn.write_frame(p.encode(p.Pull(addresses, self.max_payload), request_id))
         try:
-            await conn.wait(lambda: answers.answered >= len(addresses))
+            await conn.wait(lambda: answers.complete)
         except PeerGone:
             raise PeerGone(f"{self.peer} closed the lane with {len(addresses) - answers.answered} of "
                            f"{len(addresses)} entries unanswered") from None

@@ -15,7 +15,6 @@ and Exists are acted on (protocol.EARLY_DATA_TYPES); anything else is answered E
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import logging
 from dataclasses import dataclass
@@ -28,46 +27,22 @@ from aioquic.tls import SessionTicket
 
 from kvcached.peers import protocol as p
 from kvcached.peers.lane_mac import LaneKeys
+from kvcached.peers.session import REQUEST_BODY, PeerGone, PeerHandler, PullAnswers, PullSink, RequestIds, take_request
 from kvcached.peers.tls import PeerAuth, PeerRefused, ServerTickets
 
-__all__ = ["PeerHandler", "PeerServerProtocol", "PeerClientProtocol", "PullSink", "PeerGone", "REFUSED"]
+__all__ = ["PeerServerProtocol", "PeerClientProtocol", "REFUSED", "REQUEST_BODY", "PeerGone", "PeerHandler",
+           "PullAnswers", "PullSink"]
 
 log = logging.getLogger("kvcached.peers")
 
 REFUSED = 0x101          # application close code: mutual TLS failed (the reason phrase says why)
-REQUEST_BODY = 4 << 20  # a request body is at most a full batch of addresses
 SEND_QUEUE_BYTES = 8 << 20   # per connection: answer bytes handed to aioquic and not yet sent
 SEND_STALL_S = 30.0          # an answer whose queue has not moved this long is given up (stream reset)
 STALLED = 0x102              # stream reset code: the peer stopped reading an answer
 
 
-class PeerGone(Exception):
-    """The connection ended (or never came up) before the answer was complete."""
-
-
 def _close(quic: QuicConnection, reason: str) -> None:
     quic.close(error_code=REFUSED, reason_phrase=reason[:200])
-
-
-class PeerHandler(abc.ABC):
-    """What a server does with a verified peer's requests (the peer tier implements it)."""
-
-    @abc.abstractmethod
-    async def pull(self, peer: str, request: p.Pull) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
-        """Per address in order: a Block head, its payload and a release callback (called once
-        the payload is queued), or a Miss."""
-
-    @abc.abstractmethod
-    def exists(self, peer: str, request: p.Exists) -> int:
-        """How long a prefix of the chain this daemon holds."""
-
-    @abc.abstractmethod
-    def event(self, peer: str, message: p.Announce | p.Drop | p.Snapshot, request_id: int) -> None:
-        """An announcement or snapshot part from ``peer``."""
-
-    @abc.abstractmethod
-    def connected(self, peer: str) -> None:
-        """``peer`` dialled in and proved who it is."""
 
 
 class PeerServerProtocol(QuicConnectionProtocol):
@@ -217,12 +192,8 @@ class PeerServerProtocol(QuicConnectionProtocol):
             self._decoders.pop(sid, None)
 
     def _request(self, peer: str, sid: int, frame: p.Frame) -> None:
-        if not self.verified and not p.allowed_as_early_data(frame.type):
-            self._error(sid, frame.request_id, p.ErrorCode.EARLY_DATA,
-                        "not taken as 0-RTT early data: send it again once the handshake is complete")
-            return
         try:
-            message = p.decode(frame)
+            message = take_request(frame, early=not self.verified)
         except p.ProtocolError as exc:
             self._error(sid, frame.request_id, exc.code, str(exc))
             return
@@ -244,9 +215,6 @@ class PeerServerProtocol(QuicConnectionProtocol):
             else:
                 key_id, key = self.lane_keys.grant(peer, self)
                 self._send(sid, p.encode(p.LaneKey(key_id, key), frame.request_id), end=True)
-        else:
-            self._error(sid, frame.request_id, p.ErrorCode.UNEXPECTED,
-                        f"{type(message).__name__} is an answer, not a request")
 
     async def _serve_pull(self, peer: str, sid: int, request_id: int, request: p.Pull) -> None:
         """Answer a Pull in order. Payloads are copied into aioquic only as the send queue has
@@ -302,66 +270,6 @@ class PeerServerProtocol(QuicConnectionProtocol):
         self._transmit_soon()
 
 
-class PullSink(abc.ABC):
-    """Where a pull's answers go, entry by entry (the store: slots in the arena)."""
-
-    @abc.abstractmethod
-    def slot(self, block: p.Block) -> memoryview | None:
-        """A writable buffer of exactly ``block.payload_length`` bytes for this block, or None
-        to skip its payload (no room, not asked for)."""
-
-    @abc.abstractmethod
-    def arrived(self, block: p.Block) -> None:
-        """The payload of ``block`` is all in the buffer :meth:`slot` gave."""
-
-    @abc.abstractmethod
-    def missed(self, miss: p.Miss) -> None:
-        """The peer does not send this one."""
-
-
-class PullAnswers:
-    """The answers to one request as its decoder hands them out, whatever carries them (a QUIC
-    stream, a lane): a Block's payload goes into the buffer its sink gives and the sink hears
-    when it is all in; a Miss goes to the sink; an Error answer raises ProtocolError. No I/O."""
-
-    def __init__(self, peer: str, decoder: p.FrameDecoder, sink: PullSink | None) -> None:
-        self.peer, self.decoder, self.sink = peer, decoder, sink
-        self.block: p.Block | None = None
-        self.skipping = False
-        self.answered = 0            # entries answered (Blocks whole, Misses)
-
-    def take(self, item: p.Event) -> p.Message | None:
-        """Handle one decoded event; an answer that is neither a Block nor a Miss (an
-        ExistsResult) is returned for the caller to take."""
-        sink = self.sink
-        if isinstance(item, p.BlockHeader):
-            if sink is None:
-                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block answers only a Pull")
-            view = sink.slot(item.block)
-            self.block, self.skipping = item.block, view is None
-            if view is not None:
-                self.decoder.receive_into(view)
-        elif isinstance(item, p.BlockEnd):
-            block, self.block = self.block, None
-            self.answered += 1
-            if block is not None and not self.skipping and sink is not None:
-                sink.arrived(block)
-        elif isinstance(item, p.PayloadChunk):
-            pass                       # a payload the sink skipped
-        else:
-            message = p.decode(item)
-            if isinstance(message, p.Error):
-                code = p.ErrorCode(message.code) if message.code in p.ErrorCode._value2member_map_ else p.ErrorCode.INTERNAL
-                raise p.ProtocolError(code, f"{self.peer}: {message.message}")
-            if not isinstance(message, p.Miss):
-                return message
-            if sink is None:
-                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Miss answers only a Pull")
-            self.answered += 1
-            sink.missed(message)
-        return None
-
-
 @dataclass
 class _Request:
     sid: int
@@ -384,7 +292,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
         self.early = False            # resuming with a session ticket: Pull and Exists may go as 0-RTT data
         self.refused: str | None = None
         self._requests: dict[int, _Request] = {}
-        self._next_id = 1
+        self._ids = RequestIds()
         self._events_stream: int | None = None
         self._lane_key: tuple[bytes, bytes] | None = None
 
@@ -457,11 +365,13 @@ class PeerClientProtocol(QuicConnectionProtocol):
     def _start(self, message: p.Message, sink: PullSink | None = None) -> _Request:
         if not self.verified and not p.allowed_as_early_data(message.TYPE):
             raise RuntimeError(f"{type(message).__name__} may not be sent before the handshake completes")
-        request_id = self._next_id
-        self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
+        request_id = self._ids.next()
         sid = self._quic.get_next_available_stream_id()
         data = p.encode(message, request_id)
-        request = _Request(sid, PullAnswers(self.peer, p.FrameDecoder(max_payload=self.max_payload), sink),
+        expected = len(message.addresses) if isinstance(message, p.Pull) else None
+        answers = PullAnswers(self.peer, p.FrameDecoder(max_payload=self.max_payload), sink, request_id=request_id,
+                              expected=expected)
+        request = _Request(sid, answers,
                            asyncio.get_running_loop().create_future(), early=not self.verified,
                            data=data if not self.verified else b"")
         self._requests[sid] = request

@@ -35,8 +35,9 @@ from kvcached.peers.directory import PeerDirectory, PeerHealth, wire_key
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.lane import LANE_MODES, LaneClient, LaneServer
 from kvcached.peers.lane_mac import LaneKeys, MacRefused
-from kvcached.peers.quic import PeerClientProtocol, PeerGone, PeerHandler, PeerServerProtocol, PullSink
+from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
 from kvcached.peers.server import GuardedQuicServer
+from kvcached.peers.session import PeerGone, PeerHandler, PullSink
 from kvcached.peers.store_link import serve_pull
 from kvcached.peers.tls import TICKET_LIFETIME_S, PeerAuth, PeerRefused, QuicOptions, ServerTickets
 from kvcached_agent.address import BlockAddress

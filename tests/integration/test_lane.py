@@ -16,7 +16,7 @@ from kvcached.certs import make_cluster
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
 from kvcached.peers.lane import LaneClient, LaneConnection, client_context
-from kvcached.peers.quic import PullSink
+from kvcached.peers.session import PullSink
 from kvcached.peers.tls import PeerAuth, PeerRefused
 from tests.certificates import expired_certificate
 from tests.integration.test_peer_tier import (

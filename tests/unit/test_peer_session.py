@@ -1,0 +1,95 @@
+"""The peer session's rules shared by QUIC and the bulk lane (kvcached.peers.session), no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached.peers import protocol as p
+from kvcached.peers.session import PullAnswers, PullSink, RequestIds, take_request
+
+DIGEST = bytes(range(32))
+
+
+def frame_of(message: p.Message, request_id: int = 7) -> p.Frame:
+    decoder = p.FrameDecoder()
+    decoder.feed(p.encode(message, request_id))
+    item = next(decoder)
+    assert isinstance(item, p.Frame)
+    return item
+
+
+@pytest.mark.parametrize(("message", "early", "carries", "code"), [
+    (p.Pull([(DIGEST, 0)]), True, p.REQUESTS, None),                   # idempotent: taken as early data
+    (p.LaneOpen(), True, p.REQUESTS, p.ErrorCode.EARLY_DATA),           # changes state: not as early data
+    (p.Announce([(DIGEST, 0)]), True, p.REQUESTS, p.ErrorCode.EARLY_DATA),
+    (p.LaneOpen(), False, p.REQUESTS, None),
+    (p.Miss(DIGEST, 0, 1), False, p.REQUESTS, p.ErrorCode.UNEXPECTED),  # an answer sent as a request
+    (p.Exists(0, [DIGEST]), False, frozenset({p.Pull.TYPE}), p.ErrorCode.UNEXPECTED),   # not carried here
+])
+def test_take_request(message: p.Message, early: bool, carries: frozenset[int], code: p.ErrorCode | None) -> None:
+    frame = frame_of(message)
+    if code is None:
+        assert take_request(frame, early=early, carries=carries) == message
+    else:
+        with pytest.raises(p.ProtocolError) as err:
+            take_request(frame, early=early, carries=carries, where="a lane")
+        assert err.value.code == code and err.value.request_id == 7 and not err.value.fatal
+
+
+def test_take_request_refuses_a_body_that_does_not_parse() -> None:
+    with pytest.raises(p.ProtocolError) as err:
+        take_request(p.Frame(p.Pull.TYPE, 3, b"\x01"))
+    assert err.value.code == p.ErrorCode.MALFORMED and err.value.request_id == 3
+
+
+def test_request_ids_count_from_1_and_skip_0_when_they_wrap() -> None:
+    ids = RequestIds()
+    assert [ids.next(), ids.next()] == [1, 2]
+    ids._next = 0xFFFFFFFF
+    assert [ids.next(), ids.next()] == [0xFFFFFFFF, 1]
+
+
+class Buffers(PullSink):
+    def __init__(self) -> None:
+        self.got: dict[bytes, bytearray] = {}
+        self.misses: list[p.Miss] = []
+
+    def slot(self, block: p.Block) -> memoryview:
+        self.got[block.digest] = bytearray(block.payload_length)
+        return memoryview(self.got[block.digest])
+
+    def arrived(self, block: p.Block) -> None:
+        assert block.verify(self.got[block.digest])
+
+    def missed(self, miss: p.Miss) -> None:
+        self.misses.append(miss)
+
+
+def answers_to(data: bytes, request_id: int = 5, expected: int = 2) -> tuple[PullAnswers, Buffers]:
+    decoder, sink = p.FrameDecoder(), Buffers()
+    answers = PullAnswers("node-a", decoder, sink, request_id=request_id, expected=expected)
+    decoder.feed(data)
+    for item in decoder:
+        answers.take(item)
+    return answers, sink
+
+
+def test_pull_answers_take_blocks_and_misses_until_complete() -> None:
+    payload = b"kv" * 100
+    data = p.encode(p.Block.of(DIGEST, 0, "m", payload), 5) + payload + p.encode(p.Miss(DIGEST, 1, 1), 5)
+    answers, sink = answers_to(data)
+    assert answers.complete and bytes(sink.got[DIGEST]) == payload and len(sink.misses) == 1
+
+
+@pytest.mark.parametrize("case", ["another request", "more than the answer"])
+def test_pull_answers_refuse_what_does_not_answer_this_pull(case: str) -> None:
+    miss = p.encode(p.Miss(DIGEST, 0, 1), 5)
+    data = p.encode(p.Miss(DIGEST, 0, 1), 6) if case == "another request" else miss * 3
+    with pytest.raises(p.ProtocolError, match=case):
+        answers_to(data)
+
+
+def test_an_error_about_the_whole_stream_is_taken_as_the_answer() -> None:
+    with pytest.raises(p.ProtocolError, match="bad header") as err:
+        answers_to(p.encode(p.Error(p.ErrorCode.MALFORMED, "bad header"), 0))
+    assert err.value.code == p.ErrorCode.MALFORMED
