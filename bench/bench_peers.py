@@ -1219,9 +1219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvcached peer-tier benchmark (figures with same-run baselines)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="smoke test (about a minute): fewer blocks and rounds")
-    parser.add_argument("--lane", choices=("quic", "tls"), default="quic",
+    parser.add_argument("--lane", choices=("quic", "tls", "mac"), default="quic",
                         help="what the daemons and in-process tiers pull over: quic (default: what the figures "
-                             "describe) or the TLS lane ([quic] lane)")
+                             "describe) or a bulk lane ([quic] lane; bench_lane.py compares them)")
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--certs", help=argparse.SUPPRESS)

@@ -187,6 +187,8 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         yield CounterMetricFamily("kvcached_lane_bad_seals", "mac lanes ended by this server for a frame whose seal "
                                   "was missing or did not match (changed, replayed, out of order)",
                                   value=stats["lane_bad_seals"])
+        yield CounterMetricFamily("kvcached_lane_stalled", "Lane answers given up because the puller read nothing "
+                                  "for 30 s (its pinned blocks released, the lane closed)", value=stats["lane_stalled"])
 
 
 def start_metrics(listen: str, store: Store) -> Any:

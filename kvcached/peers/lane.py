@@ -99,6 +99,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         self.opener: m.Opener | None = None
         self.transport: asyncio.Transport | None = None
         self.error: BaseException | None = None
+        self.stalled = False                  # a write waited STALL_S for the peer to read
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))
         self._into_payload = False
         self._raw = bytearray()
@@ -243,23 +244,28 @@ class LaneConnection(asyncio.BufferedProtocol):
         """Bytes the transport holds, not yet taken by the kernel."""
         return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
-    async def flushed(self, timeout: float = STALL_S) -> None:
+    async def flushed(self) -> None:
         """Until the transport holds nothing (the kernel took every byte written)."""
         if self.buffered and self.transport is not None and not self.gone:
             self.transport.set_write_buffer_limits(high=0, low=0)      # pauses writing: resumed at empty
             try:
-                await self.drain(timeout)
+                await self.drain()
             finally:
                 if not self.transport.is_closing():
                     self.transport.set_write_buffer_limits(high=WRITE_HIGH, low=0)
         if self.closed.done():
             raise self.failure()
 
-    async def drain(self, timeout: float = STALL_S) -> None:
-        """Until the transport is under its high-water mark again."""
+    async def drain(self) -> None:
+        """Until the transport is under its high-water mark again; asyncio.TimeoutError when it
+        has not moved for STALL_S (the peer stopped reading)."""
         writable = self._writable
         if writable is not None and not writable.done():
-            await asyncio.wait_for(asyncio.shield(writable), timeout)
+            try:
+                await asyncio.wait_for(asyncio.shield(writable), STALL_S)
+            except asyncio.TimeoutError:
+                self.stalled = True
+                raise
         if self.closed.done():
             raise self.failure()
 
@@ -274,6 +280,7 @@ def _peer_certificate(transport: asyncio.BaseTransport | None) -> x509.Certifica
 class LaneCounters:
     refused: int = 0           # lane connections refused (certificate, name, TLS, mac handshake)
     bad_seals: int = 0         # mac lanes ended for a frame whose seal was missing or wrong
+    stalled: int = 0           # answers given up: the client stopped reading for STALL_S
     served_pulls: int = 0      # pulls answered over lanes
 
 
@@ -381,8 +388,11 @@ class LaneServer:
                 await self._request(peer, conn, frame)
         except p.ProtocolError:
             pass                           # the connection's error: answered below
-        except (ConnectionError, ssl.SSLError, OSError, asyncio.TimeoutError, PeerGone):
-            pass                           # gone, idle, or not reading its answers (STALL_S)
+        except asyncio.TimeoutError:
+            if conn.stalled:
+                self.counters.stalled += 1     # not reading its answers (STALL_S); idle lanes end quietly
+        except (ConnectionError, ssl.SSLError, OSError, PeerGone):
+            pass                           # gone
         finally:
             if isinstance(conn.error, m.MacRefused):
                 self.counters.bad_seals += 1

@@ -440,7 +440,8 @@ class PeerTier(PeerHandler):
                 "quic_refused": dict(server.table.refused),
                 **({"lane_refused": self.lane_server.counters.refused + sum(
                     link.lane.refused for link in self.links.values() if link.lane is not None),
-                    "lane_bad_seals": self.lane_server.counters.bad_seals}
+                    "lane_bad_seals": self.lane_server.counters.bad_seals,
+                    "lane_stalled": self.lane_server.counters.stalled}
                    if self.lane_server is not None else {})}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from pathlib import Path
 from typing import Any, Callable
@@ -13,12 +14,15 @@ from typing import Any, Callable
 import pytest
 
 from kvcached.certs import make_cluster
+from kvcached.peers import lane as lane_module
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
 from kvcached.peers.lane import LaneClient, LaneConnection, client_context
 from kvcached.peers.session import PullSink
 from kvcached.peers.tls import PeerAuth, PeerRefused
+from kvcached.store import PutItem
 from tests.certificates import expired_certificate
+from tests.integration import test_peer_tier as peer_tier_module
 from tests.integration.test_peer_tier import (
     SIZE,
     A,
@@ -37,7 +41,7 @@ from tests.integration.test_peer_tier import (
     test_put_announced_then_pulled,
     until,
 )
-from tests.unit.conftest import payload
+from tests.unit.conftest import address, payload
 
 # The peer tier's tests that hold whatever carries the pulls, run again here over the lane.
 __all__ = ["test_checksum_mismatch_falls_back_to_another_holder",
@@ -498,4 +502,42 @@ def test_a_mac_key_comes_over_quic_and_dies_with_the_session(tmp_path: Path, mod
             assert b.t.counters.lane_pulls == pulls + 1 and b.t.counters.lane_fallbacks == 0
             client = b.t.links[A].client
             assert client is not None and (await client.lane_key())[0] != first[0]
+    asyncio.run(body())
+
+
+def test_a_mac_lane_that_stops_reading_is_given_up_and_unpins(tmp_path: Path, mode: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verified client asks for 7 MiB and reads nothing: the server, whose transport still
+    holds payload bytes (views of pinned slots) past what the kernel buffers, gives up after
+    STALL_S, closes the lane, counts it and releases every pin."""
+    mac_only(mode)
+    monkeypatch.setattr(lane_module, "STALL_S", 0.5)
+    monkeypatch.setattr(peer_tier_module, "SLAB", 1 << 20)       # 1 MiB blocks, a 16 MiB arena
+
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            a = c[A]
+            big = [PutItem(address(1000 + i), payload(1000 + i, (1 << 20) - 64), model="m") for i in range(7)]
+            await a.store.put(big)
+            assert a.store.max_pinned_bytes >= 7 << 20
+            server, keys = a.t.lane_server, a.t.lane_keys
+            assert server is not None and keys is not None
+            handshake = m.ClientHandshake(*keys.grant(B, object()))
+            loop = asyncio.get_running_loop()
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a tiny window: the bytes stay with A
+                sock.setblocking(False)
+                await loop.sock_connect(sock, c.addr(A))
+                await loop.sock_sendall(sock, handshake.hello)
+                challenge = b""
+                while len(challenge) < m.CHALLENGE.size:
+                    challenge += await asyncio.wait_for(loop.sock_recv(sock, m.CHALLENGE.size - len(challenge)), 5)
+                proof, secrets = handshake.challenge(challenge)
+                pull = p.encode(p.Pull([(it.address.digest, it.address.layer) for it in big], 1 << 20), 1)
+                await loop.sock_sendall(sock, proof + m.Sealer(secrets.connection_key, m.CLIENT_TO_SERVER).seal(pull)
+                                        + pull)
+                await until(lambda: a.store.pinned_bytes > 0, "A to pin what it sends")
+                await until(lambda: server.counters.stalled == 1, "A to give the answer up")
+                await until(lambda: a.store.pinned_bytes == 0, "A to release every pin")
+            assert a.t.server_stats()["lane_stalled"] == 1
     asyncio.run(body())
