@@ -14,9 +14,11 @@ lane``; docs/peers.md says what each protects against):
 
 The bytes on a lane are the peer protocol's frames (kvcached.peers.protocol): the client sends
 one Pull, the server answers every entry in order with a Block (head, then payload) or a Miss,
-or the whole request with an Error. One pull is in flight per connection; a client stripes a
-large pull over several connections, keeps a few open for the next pulls, and closes one whose
-pull it gives up (a deadline, a hedge that lost), which is the lane's STOP_SENDING.
+or the whole request with an Error. One pull is in flight per connection; a client may stripe a
+large pull over several connections (``[quic] lane_stripes``; on the 2-core machines here one
+connection measured fastest: bench_lane's "4 stripes" rows), keeps a few open for the next
+pulls, and closes one whose pull it gives up (a deadline, a hedge that lost), which is the
+lane's STOP_SENDING.
 
 Receive side: :class:`LaneConnection` is a buffered protocol. While a Block's payload is coming,
 the buffer it hands the event loop is the arena slot the store reserved for it (the decoder's
@@ -459,7 +461,7 @@ class LaneClient:
     session granted; connections opened with another key are closed."""
 
     def __init__(self, auth: PeerAuth, peer: str, address: tuple[str, int], max_payload: int, *,
-                 mode: str = "tls", keep: int = 4, stripes: int = 4, connect_timeout_s: float = 5.0) -> None:
+                 mode: str = "tls", keep: int = 4, stripes: int = 1, connect_timeout_s: float = 5.0) -> None:
         if mode not in LANE_MODES:
             raise ValueError(f"lane mode {mode!r}: one of {', '.join(LANE_MODES)}")
         self.auth, self.peer, self.address, self.max_payload = auth, peer, address, max_payload

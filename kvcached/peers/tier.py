@@ -70,7 +70,7 @@ class PeerSettings:
     limits: HandshakeLimits = HandshakeLimits()
     lane: str = "tls"                          # pulls over a lane (kvcached.peers.lane): "tls" or "mac"; "quic": none
     lane_retry_s: float = 30.0                 # a lane that could not be had is tried again after this
-    lane_stripes: int = 4                      # connections one large pull is split over
+    lane_stripes: int = 1                      # connections one large pull is split over (1: none)
 
 
 @dataclass
@@ -584,9 +584,9 @@ class _Sink(PullSink):
         return reserved[1][:block.payload_length]
 
     def arrived(self, block: p.Block) -> None:
-        # Checked on the event loop. A worker thread (BLAKE3 releases the GIL) measured slower on
-        # the 2-core machines here: 58 ms against 34 ms per 64 x 1 MiB lane pull, the thread
-        # taking CPU from the peer's sending process and the loop's reads.
+        # Checked on the event loop. A worker thread (BLAKE3 releases the GIL) was tried and
+        # measured slower on the 2-core machines here: it takes CPU from the peer's sending
+        # process and the loop's reads (bench/README.md, bench_lane).
         key = wire_key(block.digest, block.layer)
         handle, view = self.open.pop(key)
         fetch, counters = self.fetch, self.fetch.tier.counters

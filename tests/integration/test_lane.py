@@ -541,3 +541,22 @@ def test_a_mac_lane_that_stops_reading_is_given_up_and_unpins(tmp_path: Path, mo
                 await until(lambda: a.store.pinned_bytes == 0, "A to release every pin")
             assert a.t.server_stats()["lane_stalled"] == 1
     asyncio.run(body())
+
+
+def test_a_striped_pull_goes_over_several_connections_bit_exact(tmp_path: Path, mode: str) -> None:
+    """lane_stripes 4: a pull of 32 blocks is split in 4 Pulls of 8 on 4 connections at once; all
+    arrive whole, and the 4 connections are kept for the next pulls."""
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            await c[A].store.put(items(range(32)))
+            lane, key = lane_client(c, B, A, mode, stripes=4), grant(c, A, B, mode)
+            wanted = [(it.address.digest, it.address.layer) for it in items(range(32))]
+            sink = Collect()
+            await lane.pull(wanted, sink, key)
+            assert sorted(sink.arrived_) == sorted(w[0] for w in wanted) and not sink.missed_
+            assert all(bytes(sink.buffers[w[0]]) == payload(n, SIZE) for n, w in enumerate(wanted))
+            assert len(lane._idle) == 4
+            server = c[A].t.lane_server
+            assert server is not None and server.counters.served_pulls == 4
+            await lane.close()
+    asyncio.run(body())
