@@ -58,6 +58,7 @@ STALL_S = 30.0                 # an answer whose send buffer has not drained thi
 IDLE_S = 300.0                 # a server closes a lane that sent no request this long
 STRIPE_MIN = 8                 # entries per stripe at least: smaller pulls go on one connection
 MAX_QUEUED_REQUESTS = 4        # a server stops reading a lane with this many requests unanswered
+RAW_HIGH = 64 << 10            # bytes gathered before framing starts (the handshake) past which reading pauses
 _LANE_REQUESTS = frozenset({p.Pull.TYPE})   # a lane carries pulls; the rest goes over QUIC
 
 
@@ -128,6 +129,8 @@ class LaneConnection(asyncio.BufferedProtocol):
                 self.decoder.payload_written(nbytes)
             elif not self.framed:
                 self._raw += self._scratch[:nbytes]
+                if len(self._raw) >= RAW_HIGH and self.transport is not None:
+                    self.transport.pause_reading()     # nobody reads past the handshake yet
                 self._notify()
                 return
             else:
@@ -214,12 +217,18 @@ class LaneConnection(asyncio.BufferedProtocol):
         await self.wait(lambda: len(self._raw) >= n)
         data = bytes(self._raw[:n])
         del self._raw[:n]
+        self._resume_raw()
         return data
+
+    def _resume_raw(self) -> None:
+        if len(self._raw) < RAW_HIGH and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def start_framing(self) -> None:
         """From now on bytes are frames (what came after the handshake is decoded first)."""
         self.framed = True
         rest, self._raw = bytes(self._raw), bytearray()
+        self._resume_raw()
         if rest:
             try:
                 self.decoder.feed(rest)
@@ -381,7 +390,9 @@ class LaneServer:
             conn.on_event = on_event
             conn.start_framing()
             while True:
-                await asyncio.wait_for(conn.wait(lambda: bool(requests)), IDLE_S)
+                if not requests:
+                    async with asyncio.timeout(IDLE_S):       # no task per request, unlike wait_for
+                        await conn.wait(lambda: bool(requests))
                 frame = requests.popleft()
                 if not conn.gone:
                     conn.transport.resume_reading()
