@@ -377,8 +377,9 @@ class PeerTier(PeerHandler):
         (``abort`` gives one back). Returns what arrived verified, within the deadline."""
         fetch = _Fetch(self, {wire_key(a.digest, a.layer): a for a in addresses}, reserve, abort)
         try:
-            await asyncio.wait_for(fetch.run(), self.settings.pull_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.settings.pull_timeout_s):   # in this task: no task, no loop turn
+                await fetch.run()
+        except TimeoutError:
             pass
         finally:
             fetch.close()
@@ -493,8 +494,12 @@ class _Fetch:
             plan = self._plan(self.wanted)
             if not plan:
                 return
-            await asyncio.gather(*(self._hedged(name, keys[i:i + PULL_BATCH])
-                                   for name, keys in plan.items() for i in range(0, len(keys), PULL_BATCH)))
+            pulls = [(name, keys[i:i + PULL_BATCH]) for name, keys in plan.items()
+                     for i in range(0, len(keys), PULL_BATCH)]
+            if len(pulls) == 1:            # the common case: awaited here, a loop turn sooner
+                await self._hedged(*pulls[0])
+            else:
+                await asyncio.gather(*(self._hedged(name, keys) for name, keys in pulls))
 
     async def _hedged(self, name: str, keys: list[bytes]) -> None:
         first = asyncio.ensure_future(self._attempt(name, keys))
