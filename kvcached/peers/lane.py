@@ -53,7 +53,8 @@ log = logging.getLogger("kvcached.peers")
 LANE_ALPN = "kvcached-lane/1"
 LANE_MODES = ("tls", "mac")
 SCRATCH_BYTES = 4 << 10        # one read outside payloads: heads, Misses, requests (payload bytes read here are copied)
-WRITE_HIGH = 4 << 20           # a tls server's send buffer above this waits for the kernel
+WRITE_HIGH = 4 << 20           # a server's send buffer above this waits for the kernel
+WRITE_BATCH = 1 << 20          # a server hands answers to the transport in batches of about this
 STALL_S = 30.0                 # an answer whose send buffer has not drained this long is given up
 IDLE_S = 300.0                 # a server closes a lane that sent no request this long
 STRIPE_MIN = 8                 # entries per stripe at least: smaller pulls go on one connection
@@ -237,18 +238,14 @@ class LaneConnection(asyncio.BufferedProtocol):
             except Exception as exc:
                 self.fail(exc)
 
-    def write_frame(self, frame: bytes, payload: memoryview | None = None) -> int:
-        """Write one frame, sealed first where the lane is ``mac``, and a Block's payload after
-        it: one write (one system call where the kernel takes it all), the payload not copied.
-        Returns the bytes handed to the transport."""
+    def sealed(self, frame: bytes) -> bytes:
+        """``frame`` as it goes on this lane: after its Seal where the lane is ``mac``."""
+        return self.sealer.seal(frame) + frame if self.sealer is not None else frame
+
+    def write_frame(self, frame: bytes) -> None:
+        """Write one frame (sealed where the lane is ``mac``)."""
         assert self.transport is not None
-        if self.sealer is not None:
-            frame = self.sealer.seal(frame) + frame
-        if payload is None:
-            self.transport.write(frame)
-            return len(frame)
-        self.transport.writelines([frame, payload])
-        return len(frame) + len(payload)
+        self.transport.write(self.sealed(frame))
 
     @property
     def buffered(self) -> int:
@@ -426,29 +423,43 @@ class LaneServer:
         answers = await self.handler.pull(peer, message)
         self.counters.served_pulls += 1
         pending = iter(answers)
-        # Payloads the transport may still hold a reference to (``mac``: plain TCP transports
-        # keep what the kernel did not take as views, not copies), released in order once the
-        # bytes up to their end have left it. ``tls`` encrypts on write: released at once.
+        # Answers go out in batches of about WRITE_BATCH bytes, one writelines (one writev where
+        # the kernel takes it) each. Payloads the transport may still hold a reference to
+        # (``mac``: plain TCP transports keep what the kernel did not take as views, not
+        # copies) are released in order once the bytes up to their end have left it; ``tls``
+        # encrypts on write, so its payloads are released once their batch is written.
         held: deque[tuple[int, Callable[[], None]]] = deque()
-        written = 0
+        batch: list[bytes | memoryview] = []
+        batched = written = 0
         holds = conn.sealer is not None
+
+        async def flush() -> None:
+            nonlocal batched, written
+            assert conn.transport is not None
+            conn.transport.writelines(batch)
+            batch.clear()
+            written, batched = written + batched, 0
+            if not holds:
+                _release_sent(held, written)
+            await conn.drain()                   # above the high-water mark: wait for the kernel
+            _release_sent(held, written - conn.buffered)
+
         try:
             for answer in pending:
                 if isinstance(answer, p.Miss):
-                    written += conn.write_frame(p.encode(answer, frame.request_id))
+                    data = conn.sealed(p.encode(answer, frame.request_id))
+                    batch.append(data)
+                    batched += len(data)
                     continue
                 head, payload, release = answer
-                try:
-                    written += conn.write_frame(p.encode(head, frame.request_id), payload)
-                except BaseException:
-                    release()
-                    raise
-                if holds:
-                    held.append((written, release))
-                else:
-                    release()
-                await conn.drain()               # above the high-water mark: wait for the kernel
-                _release_sent(held, written - conn.buffered)
+                data = conn.sealed(p.encode(head, frame.request_id))
+                batch += (data, payload)
+                batched += len(data) + len(payload)
+                held.append((written + batched, release))
+                if batched >= WRITE_BATCH:
+                    await flush()
+            if batch:
+                await flush()
             while held:
                 await conn.flushed()
                 _release_sent(held, written - conn.buffered)
