@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import ssl
 import time
 from pathlib import Path
@@ -31,15 +30,15 @@ from kvcached_agent.address import BlockAddress
 from tests.certificates import expired_certificate
 
 from .conftest import DaemonProcess, run_cli, wait_for
+from .test_peer_tier import free_port
 
 NODES = ("node-a", "node-b", "node-c")
 KIB = 1 << 10
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port number free for UDP (QUIC) and TCP (the bulk lane listens on the same number)."""
+    return free_port()
 
 
 
