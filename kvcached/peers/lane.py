@@ -125,21 +125,15 @@ class LaneConnection(asyncio.BufferedProtocol):
         return target if target else self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        try:
-            if self._into_payload:
-                self.decoder.payload_written(nbytes)
-            elif not self.framed:
-                self._raw += self._scratch[:nbytes]
-                if len(self._raw) >= RAW_HIGH and self.transport is not None:
-                    self.transport.pause_reading()     # nobody reads past the handshake yet
-                self._notify()
-                return
-            else:
-                self.decoder.feed(bytes(self._scratch[:nbytes]))
-            self._pump()
+        if self._into_payload:
+            self._take(lambda: self.decoder.payload_written(nbytes))
+        elif self.framed:
+            self._take(lambda: self.decoder.feed(bytes(self._scratch[:nbytes])))
+        else:
+            self._raw += self._scratch[:nbytes]
+            if len(self._raw) >= RAW_HIGH and self.transport is not None:
+                self.transport.pause_reading()     # nobody reads past the handshake yet
             self._notify()
-        except Exception as exc:           # a protocol error, a bad seal, a sink that failed
-            self.fail(exc)
 
     def eof_received(self) -> bool | None:
         return None                        # close
@@ -163,11 +157,17 @@ class LaneConnection(asyncio.BufferedProtocol):
 
     # -- for the client and server --
 
-    def _pump(self) -> None:
-        for item in self.decoder:
-            if self.opener is not None and self.opener.take(item):
-                continue                   # a seal, kept for the frame it precedes
-            self.on_event(item)
+    def _take(self, give: Callable[[], None]) -> None:
+        """Give the decoder new input (``give``), then hand out every event it makes whole."""
+        try:
+            give()
+            for item in self.decoder:
+                if self.opener is not None and self.opener.take(item):
+                    continue               # a seal, kept for the frame it precedes
+                self.on_event(item)
+            self._notify()
+        except Exception as exc:           # a protocol error, a bad seal, a sink that failed
+            self.fail(exc)
 
     def _unexpected(self, item: p.Event) -> None:
         raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(item).__name__} when no answer was due")
@@ -231,12 +231,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         rest, self._raw = bytes(self._raw), bytearray()
         self._resume_raw()
         if rest:
-            try:
-                self.decoder.feed(rest)
-                self._pump()
-                self._notify()
-            except Exception as exc:
-                self.fail(exc)
+            self._take(lambda: self.decoder.feed(rest))
 
     def sealed(self, frame: bytes) -> bytes:
         """``frame`` as it goes on this lane: after its Seal where the lane is ``mac``."""

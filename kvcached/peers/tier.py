@@ -590,8 +590,8 @@ class _Sink(PullSink):
 
     def arrived(self, block: p.Block) -> None:
         # Checked on the event loop. A worker thread (BLAKE3 releases the GIL) was tried and
-        # measured slower on the 2-core machines here: it takes CPU from the peer's sending
-        # process and the loop's reads (bench/README.md, bench_lane).
+        # dropped: in an ad-hoc timing on the 2-core machines here it was slower, taking CPU
+        # from the peer's sending process and the loop's reads (no benchmark measures it).
         key = wire_key(block.digest, block.layer)
         handle, view = self.open.pop(key)
         fetch, counters = self.fetch, self.fetch.tier.counters

@@ -18,7 +18,7 @@ from kvcached.peers import lane as lane_module
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
 from kvcached.peers.lane import LaneClient, LaneConnection, client_context
-from kvcached.peers.session import PullSink
+from kvcached.peers.session import PeerGone, PullSink
 from kvcached.peers.tls import PeerAuth, PeerRefused
 from kvcached.store import PutItem
 from tests.certificates import expired_certificate
@@ -559,4 +559,35 @@ def test_a_striped_pull_goes_over_several_connections_bit_exact(tmp_path: Path, 
             server = c[A].t.lane_server
             assert server is not None and server.counters.served_pulls == 4
             await lane.close()
+    asyncio.run(body())
+
+
+def test_a_lane_of_the_other_mode_cannot_be_had_and_a_tls_daemon_grants_no_key(tmp_path: Path, mode: str) -> None:
+    """Both ends must run the same mode. A client of the other mode gets an error the peer tier
+    falls back to QUIC on (tls against mac: the server reads the TLS hello as a bad mac hello,
+    refuses and counts it; mac against tls: the TLS server drops the bytes). A tls daemon asked
+    for a mac key over QUIC answers Error UNAVAILABLE. The server serves on afterwards."""
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            await c[A].store.put(items(range(1)))
+            wanted = [(items(range(1))[0].address.digest, 0)]
+            server = c[A].t.lane_server
+            assert server is not None
+            other = "mac" if mode == "tls" else "tls"
+            wrong = lane_client(c, B, A, other)
+            key = (b"\x01" * 16, b"\x02" * 32) if other == "mac" else None
+            with pytest.raises((OSError, ssl.SSLError, PeerRefused, PeerGone)):
+                await wrong.pull(wanted, Collect(), key)
+            if mode == "mac":
+                await until(lambda: server.counters.refused == 1, "A to refuse the TLS hello")
+            else:
+                await c.connected()
+                client = c[B].t.links[A].client
+                assert client is not None
+                with pytest.raises(p.ProtocolError, match="no mac lane") as err:
+                    await client.lane_key()
+                assert err.value.code == p.ErrorCode.UNAVAILABLE
+            sink = Collect()
+            await lane_client(c, B, A, mode).pull(wanted, sink, grant(c, A, B, mode))
+            assert sink.arrived_ == [wanted[0][0]]
     asyncio.run(body())
