@@ -18,6 +18,12 @@ datagrams, and one pulling from the mac daemon with its pulls striped over 4 lan
   code) read by a blocking client in this process (``recv_into`` a preallocated buffer). TLS 1.3
   with the same certificates, both sides verified; a request is a count and 32-byte digests, the
   answer the payloads back to back (``sendall``). No checksum is computed on either side;
+- the floor of doing what the lane must: the bare TCP pair with each payload's BLAKE3 computed
+  and compared on arrival ("bare TCP pair + BLAKE3"), and a uvloop pair ("uvloop pair +
+  BLAKE3": this file's server as one uvloop event loop, a buffered protocol on the benchmark's
+  loop reading into a preallocated buffer and checking BLAKE3 as each payload completes; no
+  kvcached code). The first says what the checksum costs, the second what an asyncio process on
+  each end costs on top; the lane's own overhead is its ratio to them;
 - redis-py GET: redis-server on TCP 127.0.0.1 holding the same blocks, one GET per block (skipped,
   with a note, where redis-server or redis-py is missing; ``make system-deps`` installs it).
 
@@ -29,7 +35,8 @@ datagrams, and one pulling from the mac daemon with its pulls striped over 4 lan
    the mac lane with each pull striped over 4 connections against the same lane on one
    (``[quic] lane_stripes``; no target: it says which default fits this machine).
 2. One 64 KiB block on a warm connection, p50: each lane's ``PeerTier.fetch`` against a bare TCP
-   round trip of the same bytes. Target (issue 23): <= 2x.
+   round trip of the same bytes. Target (issue 23): <= 2x. Also the uvloop pair's round trip
+   against the same, and the mac lane against the uvloop pair.
 
 Notes after the table: for a 2,048-token prompt of Llama-3-8B (its KV bytes computed from the
 model's published shape), the pull time at this run's 1 MiB rate of each lane, against the
@@ -54,7 +61,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+import blake3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,6 +73,7 @@ from bench_core import KiB, MiB, Proc, Row, progress, start_redis, tune_client_m
 from bench_peers import BATCH, MAX_MESSAGE, Clients, LoopThread, digest_of, free_port, payload_of  # noqa: E402
 
 SIZES = (64 * KiB, 1 * MiB)
+SCRATCH = 4 << 10
 _COUNT = struct.Struct("<I")
 
 
@@ -106,11 +116,45 @@ def bare_server_main(args: argparse.Namespace) -> int:
                 for i in range(0, len(digests), 32):
                     sock.sendall(blocks[bytes(digests[i:i + 32])])
 
+    if args.uvloop:
+        listener.close()
+        return _uvloop_server(args.port, blocks, Path(args.ready))
     Path(args.ready).write_text("ready")
     while True:
         conn, _ = listener.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _uvloop_server(port: int, blocks: dict[bytes, bytes], ready: Path) -> int:
+    """The same answers from one uvloop event loop: a protocol that writes the payloads of each
+    whole request (the floor of an asyncio server, next to the daemon's)."""
+    import asyncio
+
+    import uvloop
+
+    class Serve(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport: Any = transport
+            self.pending = bytearray()
+
+        def data_received(self, data: bytes) -> None:
+            self.pending += data
+            while len(self.pending) >= _COUNT.size:
+                end = _COUNT.size + 32 * _COUNT.unpack_from(self.pending)[0]
+                if len(self.pending) < end:
+                    return
+                digests = bytes(self.pending[_COUNT.size:end])
+                del self.pending[:end]
+                self.transport.writelines([blocks[digests[i:i + 32]] for i in range(0, len(digests), 32)])
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Serve, "127.0.0.1", port)
+        ready.write_text("ready")
+        await server.serve_forever()
+
+    uvloop.run(main())
+    return 0
 
 
 class BareClient:
@@ -120,23 +164,86 @@ class BareClient:
         self.sock = _ctx(certs, "node-b", server=False).wrap_socket(sock, server_hostname="node-a") if tls else sock
         self.buffer = bytearray(BATCH * max(SIZES))
 
-    def batch(self, digests: Sequence[bytes], size: int) -> float:
+    def batch(self, digests: Sequence[bytes], size: int, checksums: dict[bytes, bytes] | None = None) -> float:
+        """Seconds to get ``digests``' payloads; with ``checksums``, each payload's BLAKE3 is
+        computed and compared on arrival, as the lane does."""
         view = memoryview(self.buffer)[:size * len(digests)]
         t0 = time.perf_counter()
         self.sock.sendall(_COUNT.pack(len(digests)) + b"".join(digests))
-        _recv_exact(self.sock, view)
+        if checksums is None:
+            _recv_exact(self.sock, view)
+        else:
+            for i, digest in enumerate(digests):
+                block = view[i * size:(i + 1) * size]
+                _recv_exact(self.sock, block)
+                if blake3.blake3(block).digest() != checksums[digest]:
+                    raise RuntimeError("bare TCP pair: a payload failed its checksum")
         return time.perf_counter() - t0
 
     def close(self) -> None:
         self.sock.close()
 
 
-def start_bare(stack: contextlib.ExitStack, tmp: Path, certs: Path, blocks: dict[int, int], tls: bool) -> int:
+class UvloopClient:
+    """The uvloop side of the asyncio floor: a buffered protocol on the benchmark's loop reading
+    each answer into a preallocated buffer and checking each payload's BLAKE3 on arrival."""
+
+    def __init__(self, checksums: dict[bytes, bytes]) -> None:
+        self.checksums = checksums
+        self.buffer = memoryview(bytearray(BATCH * max(SIZES)))
+        self.scratch = memoryview(bytearray(SCRATCH))
+        self.transport: Any = None
+        self.want = self.got = self.size = 0
+        self.digests: Sequence[bytes] = ()
+        self.done: Any = None
+
+    async def open(self, port: int) -> None:
+        import asyncio
+
+        client = self
+
+        class Read(asyncio.BufferedProtocol):
+            def get_buffer(self, sizehint: int) -> memoryview:
+                return client.buffer[client.got:client.want] if client.got < client.want else client.scratch
+
+            def buffer_updated(self, nbytes: int) -> None:
+                client.arrived(nbytes)
+
+        self.transport, _ = await asyncio.get_running_loop().create_connection(Read, "127.0.0.1", port)
+
+    def arrived(self, nbytes: int) -> None:
+        start, self.got = self.got, self.got + nbytes
+        for i in range(start // self.size, self.got // self.size):          # blocks completed by this read
+            block = self.buffer[i * self.size:(i + 1) * self.size]
+            if blake3.blake3(block).digest() != self.checksums[self.digests[i]] and not self.done.done():
+                self.done.set_exception(RuntimeError("uvloop pair: a payload failed its checksum"))
+        if self.got >= self.want and self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    async def batch(self, digests: Sequence[bytes], size: int) -> float:
+        import asyncio
+
+        self.digests, self.size, self.got, self.want = digests, size, 0, size * len(digests)
+        self.done = asyncio.get_running_loop().create_future()
+        t0 = time.perf_counter()
+        self.transport.write(_COUNT.pack(len(digests)) + b"".join(digests))
+        await self.done
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def start_bare(stack: contextlib.ExitStack, tmp: Path, certs: Path, blocks: dict[int, int], kind: str) -> int:
+    """A bare server subprocess of ``kind``: "tls" or "tcp" (threads, blocking sockets) or
+    "uvloop" (one event loop); returns its port."""
     port = free_port(socket.SOCK_STREAM)
-    ready = tmp / f"bare-{'tls' if tls else 'tcp'}.ready"
+    ready = tmp / f"bare-{kind}.ready"
     argv = [sys.executable, str(Path(__file__).resolve()), "--bare-server", "--port", str(port), "--certs",
-            str(certs), "--blocks", json.dumps(blocks), "--ready", str(ready)] + (["--tls"] if tls else [])
-    proc = Proc("bare-" + ("tls" if tls else "tcp"), argv, cwd=tmp, log=tmp / f"bare-{'tls' if tls else 'tcp'}.log")
+            str(certs), "--blocks", json.dumps(blocks), "--ready", str(ready)]
+    argv += {"tls": ["--tls"], "uvloop": ["--uvloop"]}.get(kind, [])
+    proc = Proc(f"bare-{kind}", argv, cwd=tmp, log=tmp / f"bare-{kind}.log")
     stack.callback(proc.stop)
     deadline = time.monotonic() + 60
     while not ready.exists():
@@ -232,9 +339,14 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
         for clients in tiers.values():
             clients.announce([d for size in blocks for d in digests[size]])
         progress("starting the bare servers and redis-server")
-        bare = {tls: BareClient(start_bare(stack, tmp, certs, blocks, tls), certs, tls) for tls in (True, False)}
+        bare = {tls: BareClient(start_bare(stack, tmp, certs, blocks, "tls" if tls else "tcp"), certs, tls)
+                for tls in (True, False)}
         for client in bare.values():
             stack.callback(client.close)
+        checksums = {d: blake3.blake3(v).digest() for size in blocks for d, v in zip(digests[size], payloads[size])}
+        floor = UvloopClient(checksums)
+        lt.call(floor.open(start_bare(stack, tmp, certs, blocks, "uvloop")), 30)
+        stack.callback(lambda: lt.loop.call_soon_threadsafe(floor.close))
         redis = start_redis(stack, tmp, ram_gib, tcp_port=free_port(socket.SOCK_STREAM))
         if redis is not None:
             for size in blocks:
@@ -265,6 +377,8 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
                 "lane mac, 4 stripes": lambda b, s=size: lt.call(tiers["mac x4"].tier_batch(b, s)),
                 "bare TLS pair": lambda b, s=size: bare[True].batch(b, s),
                 "bare TCP pair": lambda b, s=size: bare[False].batch(b, s),
+                "bare TCP pair + BLAKE3": lambda b, s=size: bare[False].batch(b, s, checksums),
+                "uvloop pair + BLAKE3": lambda b, s=size: lt.call(floor.batch(b, s)),
                 "QUIC 16000": lambda b, s=size: lt.call(tiers["quic"].tier_batch(b, s))}
             if redis is not None:
                 sides["redis-py GET"] = lambda b, s=size: redis_batch(b, s)
@@ -285,6 +399,10 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
             if redis is not None:
                 row("lane tls", "redis-py GET")
                 row("lane mac", "redis-py GET")
+            row("lane mac", "bare TCP pair + BLAKE3")
+            row("lane mac", "uvloop pair + BLAKE3")
+            row("bare TCP pair + BLAKE3", "bare TCP pair")
+            row("uvloop pair + BLAKE3", "bare TCP pair")
             row("QUIC 16000", "bare TCP pair")
             row("lane mac, 4 stripes", "lane mac")
             if size >= MiB:
@@ -301,12 +419,15 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
             notes.append(f"{mode}: {counters.lane_pulls} pulls over the lane, {counters.lane_fallbacks} fell back to QUIC")
         progress(f"latency: {calls} single 64 KiB pulls per side")
         one = [digest_of(64 * KiB, 0)]
-        samples: dict[str, list[float]] = {"lane tls": [], "lane mac": [], "QUIC 16000": [], "bare TCP": []}
+        samples: dict[str, list[float]] = {"lane tls": [], "lane mac": [], "QUIC 16000": [], "bare TCP": [],
+                                           "uvloop pair + BLAKE3": []}
         order = list(samples)
         for i in range(calls):
             for side in order if i % 2 == 0 else reversed(order):
                 if side == "bare TCP":
                     samples[side].append(bare[False].batch(one, 64 * KiB))
+                elif side.startswith("uvloop"):
+                    samples[side].append(lt.call(floor.batch(one, 64 * KiB)))
                 else:
                     samples[side].append(lt.call(tiers[side.split()[-1] if side.startswith("lane") else "quic"]
                                                  .tier_batch(one, 64 * KiB)))
@@ -314,6 +435,10 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
         for side in ("lane tls", "lane mac"):
             rows.append(Row(2, f"{side}, 1x 64 KiB p50", "us", p50[side], "bare TCP round trip", p50["bare TCP"], False,
                             "<= 2x", p50[side] / p50["bare TCP"] <= 2.0, {"calls": calls}))
+        rows.append(Row(2, "uvloop pair + BLAKE3, 1x 64 KiB p50", "us", p50["uvloop pair + BLAKE3"],
+                        "bare TCP round trip", p50["bare TCP"], False, details={"calls": calls}))
+        rows.append(Row(2, "lane mac, 1x 64 KiB p50", "us", p50["lane mac"], "uvloop pair + BLAKE3",
+                        p50["uvloop pair + BLAKE3"], False, details={"calls": calls}))
         rows.append(Row(2, "QUIC 16000, 1x 64 KiB p50", "us", p50["QUIC 16000"], "bare TCP round trip", p50["bare TCP"],
                         False, details={"calls": calls}))
     return rows, notes
@@ -329,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--uvloop", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--certs", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", help=argparse.SUPPRESS)

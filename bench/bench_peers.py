@@ -197,9 +197,20 @@ def wire(digest: bytes) -> bytes:
 
 
 def free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1 of ``kind``; a UDP one is also free for TCP (a daemon's lane
+    listens on its QUIC port's number)."""
+    while True:
+        with socket.socket(socket.AF_INET, kind) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if kind != socket.SOCK_DGRAM:
+                return port
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+                try:
+                    t.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
 
 
 def quic_config(certs: Path, me: str, datagram: int, *, client: bool) -> Any:

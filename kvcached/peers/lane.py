@@ -13,12 +13,12 @@ lane``; docs/peers.md says what each protects against):
   confidentiality.
 
 The bytes on a lane are the peer protocol's frames (kvcached.peers.protocol): the client sends
-one Pull, the server answers every entry in order with a Block (head, then payload) or a Miss,
-or the whole request with an Error. One pull is in flight per connection; a client may stripe a
-large pull over several connections (``[quic] lane_stripes``; on the 2-core machines here one
-connection measured fastest: bench_lane's "4 stripes" rows), keeps a few open for the next
-pulls, and closes one whose pull it gives up (a deadline, a hedge that lost), which is the
-lane's STOP_SENDING.
+one Pull, the server answers every entry in order with a Miss or a block, each run of blocks as
+one Blocks frame (their heads) and then their payloads back to back (one frame to decode and,
+on ``mac``, one seal to check per run, not per block), or the whole request with an Error.
+One pull is in flight per connection; a client may stripe a large pull over several
+connections (``[quic] lane_stripes``), keeps a few open for the next pulls, and closes one
+whose pull it gives up (a deadline, a hedge that lost), which is the lane's STOP_SENDING.
 
 Receive side: :class:`LaneConnection` is a buffered protocol. While a Block's payload is coming,
 the buffer it hands the event loop is the arena slot the store reserved for it (the decoder's
@@ -417,9 +417,9 @@ class LaneServer:
         assert isinstance(message, p.Pull)
         answers = await self.handler.pull(peer, message)
         self.counters.served_pulls += 1
-        pending = iter(answers)
-        # Answers go out in batches of about WRITE_BATCH bytes, one writelines (one writev where
-        # the kernel takes it) each. Payloads the transport may still hold a reference to
+        pieces = _answer_pieces(answers, frame.request_id, conn.sealed)
+        # The pieces go out in batches of about WRITE_BATCH bytes, one writelines (one writev
+        # where the kernel takes it) each. Payloads the transport may still hold a reference to
         # (``mac``: plain TCP transports keep what the kernel did not take as views, not
         # copies) are released in order once the bytes up to their end have left it; ``tls``
         # encrypts on write, so its payloads are released once their batch is written.
@@ -427,6 +427,7 @@ class LaneServer:
         batch: list[bytes | memoryview] = []
         batched = written = 0
         holds = conn.sealer is not None
+        sent = 0                                 # pieces handed to a batch
 
         async def flush() -> None:
             nonlocal batched, written
@@ -440,17 +441,12 @@ class LaneServer:
             _release_sent(held, written - conn.buffered)
 
         try:
-            for answer in pending:
-                if isinstance(answer, p.Miss):
-                    data = conn.sealed(p.encode(answer, frame.request_id))
-                    batch.append(data)
-                    batched += len(data)
-                    continue
-                head, payload, release = answer
-                data = conn.sealed(p.encode(head, frame.request_id))
-                batch += (data, payload)
-                batched += len(data) + len(payload)
-                held.append((written + batched, release))
+            for data, release in pieces:
+                sent += 1
+                batch.append(data)
+                batched += len(data)
+                if release is not None:
+                    held.append((written + batched, release))
                 if batched >= WRITE_BATCH:
                     await flush()
             if batch:
@@ -461,9 +457,39 @@ class LaneServer:
         finally:
             for _, release in held:              # the connection failed with these still queued
                 release()
-            for rest in pending:                 # not sent (the client went away): unpin
-                if not isinstance(rest, p.Miss):
-                    rest[2]()
+            for _, release in pieces[sent:]:     # not sent (the client went away): unpin
+                if release is not None:
+                    release()
+
+
+BLOCKS_RUN = 256               # heads in one Blocks frame at most (its body stays far under MAX_BODY)
+
+
+def _answer_pieces(answers: Sequence[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss],
+                   request_id: int, sealed: Callable[[bytes], bytes]
+                   ) -> list[tuple[bytes | memoryview, Callable[[], None] | None]]:
+    """A Pull's answers as the bytes that go on the lane, in order: each run of blocks served as
+    one Blocks frame (``sealed``: after its Seal on a ``mac`` lane) and then their payloads,
+    each with the release that unpins it; each Miss as its own frame."""
+    pieces: list[tuple[bytes | memoryview, Callable[[], None] | None]] = []
+    run: list[tuple[p.Block, memoryview, Callable[[], None]]] = []
+
+    def end_run() -> None:
+        if run:
+            pieces.append((sealed(p.encode(p.Blocks([head for head, _, _ in run]), request_id)), None))
+            pieces.extend((payload, release) for _, payload, release in run)
+            run.clear()
+
+    for answer in answers:
+        if isinstance(answer, tuple):
+            run.append(answer)
+            if len(run) >= BLOCKS_RUN:
+                end_run()
+        else:
+            end_run()
+            pieces.append((sealed(p.encode(answer, request_id)), None))
+    end_run()
+    return pieces
 
 
 def _release_sent(held: deque[tuple[int, Callable[[], None]]], sent: int) -> None:

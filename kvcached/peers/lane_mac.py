@@ -178,10 +178,13 @@ class ServerHandshake:
         return peer, secrets
 
 
-def _frame_bytes(item: p.Frame | p.BlockHeader) -> bytes:
-    """A frame's header and body as its sender wrote them (the header is canonical)."""
+def _frame_bytes(item: p.Frame | p.BlockHeader | p.BlocksHeader) -> bytes:
+    """A frame's header and body as its sender wrote them (the header is canonical, and a Block
+    head the decoder took encodes back to the bytes it came from)."""
     if isinstance(item, p.BlockHeader):
         return p.encode(item.block, item.request_id)
+    if isinstance(item, p.BlocksHeader):
+        return p.HEADER.pack(len(item.body), p.VERSION, p.Blocks.TYPE, 0, item.request_id) + item.body
     return p.HEADER.pack(len(item.body), p.VERSION, item.type, 0, item.request_id) + item.body
 
 
@@ -222,7 +225,7 @@ class Opener:
             assert isinstance(seal, p.Seal)
             self._tag = seal.tag
             return True
-        if isinstance(item, (p.Frame, p.BlockHeader)):
+        if isinstance(item, (p.Frame, p.BlockHeader, p.BlocksHeader)):
             tag, self._tag = self._tag, None
             if tag is None:
                 raise MacRefused("a frame without a seal")

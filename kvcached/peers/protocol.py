@@ -37,8 +37,8 @@ from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
 __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "MAX_PAYLOAD", "ErrorCode", "MissReason",
     "ProtocolError", "FrameDecoder", "encode", "decode", "Message", "Event",
-    "Frame", "BlockHeader", "PayloadChunk", "BlockEnd",
-    "Pull", "Exists", "LaneOpen", "Announce", "Drop", "Snapshot", "Block", "Miss", "ExistsResult", "LaneKey",
+    "Frame", "BlockHeader", "BlocksHeader", "PayloadChunk", "BlockEnd",
+    "Pull", "Exists", "LaneOpen", "Announce", "Drop", "Snapshot", "Block", "Blocks", "Miss", "ExistsResult", "LaneKey",
     "Seal", "Error",
     "REQUESTS", "EVENTS", "EARLY_DATA_TYPES", "STATE_CHANGING", "allowed_as_early_data",
 ]
@@ -336,6 +336,32 @@ class Miss:
 
 
 @dataclass(frozen=True, slots=True)
+class Blocks:
+    """The heads of several pulled blocks in one frame (consecutive answers of one Pull); their
+    payloads follow the frame's body back to back, in the order of the heads, each exactly its
+    head's ``payload_length`` bytes. What a Block frame is for one block, for a run of them: a
+    sender answering many hits at once sends (and a ``mac`` lane seals) one frame, not one per
+    block. :func:`encode` gives the heads only; the sender writes the payloads after them."""
+
+    TYPE: ClassVar[int] = 0x85
+    heads: Sequence[Block]
+
+    def encode_body(self) -> bytes:
+        if not self.heads:
+            raise ValueError("Blocks: at least one head")
+        return _count(len(self.heads), "Blocks") + b"".join(head.encode_body() for head in self.heads)
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Blocks":
+        (n,) = r.unpack(_U32)
+        if n == 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "Blocks: no heads")
+        if n > MAX_BATCH:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"Blocks: {n} heads, over the limit of {MAX_BATCH}")
+        return cls(tuple(Block.decode_body(r) for _ in range(n)))
+
+
+@dataclass(frozen=True, slots=True)
 class ExistsResult:
     """Answer to Exists: how many blocks from the start of the chain the sender holds."""
 
@@ -409,7 +435,8 @@ class Error:
 
 _BLOCK_HEAD_MAX = Block._FIXED.size + 2 + MAX_TEXT
 
-Message = Union[Pull, Exists, LaneOpen, Announce, Drop, Snapshot, Block, Miss, ExistsResult, LaneKey, Seal, Error]
+Message = Union[Pull, Exists, LaneOpen, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, LaneKey, Seal,
+                Error]
 
 class _Decodable(Protocol):
     """A message class as the decoder sees it: its type byte and how its body is read."""
@@ -421,7 +448,7 @@ class _Decodable(Protocol):
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
-    Pull, Exists, LaneOpen, Announce, Drop, Snapshot, Block, Miss, ExistsResult, LaneKey, Seal, Error)}
+    Pull, Exists, LaneOpen, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, LaneKey, Seal, Error)}
 #: What one daemon sends another unasked; the rest are answers (and Seal, which is neither).
 REQUESTS = frozenset({Pull.TYPE, Exists.TYPE, LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
 #: Requests that get no answer (unless an Error).
@@ -471,6 +498,17 @@ class BlockHeader:
 
 
 @dataclass(frozen=True, slots=True)
+class BlocksHeader:
+    """A Blocks frame's heads are in; the payloads of ``blocks`` come next, in order, each ending
+    with a :class:`BlockEnd`: as PayloadChunk events, or into the buffers given to
+    :meth:`FrameDecoder.receive_train`."""
+
+    request_id: int
+    blocks: tuple[Block, ...]
+    body: bytes = b""                 # the frame's body as it came (a mac lane's seal covers it)
+
+
+@dataclass(frozen=True, slots=True)
 class PayloadChunk:
     """The next bytes of the current block's payload: a read-only view of what was fed (no copy)."""
 
@@ -485,7 +523,7 @@ class BlockEnd:
     request_id: int
 
 
-Event = Union[Frame, BlockHeader, PayloadChunk, BlockEnd]
+Event = Union[Frame, BlockHeader, BlocksHeader, PayloadChunk, BlockEnd]
 
 
 def decode(frame: Frame) -> Message:
@@ -532,6 +570,9 @@ class FrameDecoder:
         self._remaining = 0
         self._sink: memoryview | None = None
         self._filled = 0
+        self._train: deque[int] = deque()             # payload lengths of a Blocks frame's blocks after the current
+        self._views: deque[memoryview | None] = deque()   # their receive_train buffers
+        self._train_fresh = False                     # a BlocksHeader went out; receive_train may come
         self._broken: ProtocolError | None = None
 
     # -- input --
@@ -565,10 +606,27 @@ class FrameDecoder:
         bytes already fed are written at once; the next ones as they are fed."""
         if not self._in_payload or self._sink is not None:
             raise RuntimeError("receive_into: no block payload is coming, or it already has a buffer")
-        view = memoryview(buffer).cast("B")
-        if view.readonly or len(view) != self._remaining:
-            raise ValueError(f"receive_into: needs a writable buffer of {self._remaining} bytes, "
-                             f"got {len(view)} bytes{' (read-only)' if view.readonly else ''}")
+        self._train_fresh = False
+        self._attach(_writable(buffer, self._remaining, "receive_into"))
+
+    def receive_train(self, buffers: Sequence[bytearray | memoryview | None]) -> None:
+        """After a :class:`BlocksHeader`, before anything else: the buffers its payloads go
+        into, one per block in order, each writable and exactly that payload's length, or None
+        for a payload to skip (it comes as PayloadChunk events). As :meth:`receive_into`, for a
+        run of blocks."""
+        if not self._train_fresh or self._sink is not None:
+            raise RuntimeError("receive_train: only right after a BlocksHeader")
+        if len(buffers) != 1 + len(self._train):
+            raise ValueError(f"receive_train: {len(buffers)} buffers for {1 + len(self._train)} blocks")
+        lengths = [self._remaining, *self._train]
+        views = [None if b is None else _writable(b, n, "receive_train") for b, n in zip(buffers, lengths)]
+        self._train_fresh = False
+        self._views = deque(views[1:])
+        if views[0] is not None:
+            self._attach(views[0])
+
+    def _attach(self, view: memoryview) -> None:
+        """Write the current payload into ``view`` (checked: writable, payload_remaining bytes)."""
         self._sink, self._filled = view, 0
         while self._pending and self._remaining:
             chunk = self._pending.popleft()
@@ -648,6 +706,8 @@ class FrameDecoder:
         else:
             return None
         self._frame = None
+        if type_ == Blocks.TYPE:
+            return self._blocks_header(body, request_id)
         if type_ != Block.TYPE:
             return Frame(type_, request_id, body)
         reader = _Reader(body, "Block")
@@ -662,10 +722,35 @@ class FrameDecoder:
         self._request_id, self._remaining, self._in_payload = request_id, block.payload_length, True
         return BlockHeader(request_id, block)
 
+    def _blocks_header(self, body: bytes, request_id: int) -> BlocksHeader:
+        reader = _Reader(body, "Blocks")
+        try:
+            heads = Blocks.decode_body(reader).heads
+            reader.end()
+        except ProtocolError as err:     # the payloads' lengths are not known: the framing is lost
+            self._fail(err.code, str(err), request_id)
+        for head in heads:
+            if head.payload_length > self.max_payload:
+                self._fail(ErrorCode.TOO_LARGE, f"Blocks: a payload of {head.payload_length} bytes is over the "
+                           f"limit of {self.max_payload}", request_id)
+        self._request_id, self._remaining, self._in_payload = request_id, heads[0].payload_length, True
+        self._train = deque(head.payload_length for head in heads[1:])
+        self._views.clear()
+        self._train_fresh = True
+        return BlocksHeader(request_id, tuple(heads), body)
+
     def _payload_event(self) -> PayloadChunk | BlockEnd | None:
         if not self._remaining:
-            self._in_payload, self._sink = False, None
+            self._sink, self._train_fresh = None, False
+            if self._train:                       # the next payload of a Blocks frame
+                self._remaining = self._train.popleft()
+                view = self._views.popleft() if self._views else None
+                if view is not None:
+                    self._attach(view)
+            else:
+                self._in_payload = False
             return BlockEnd(self._request_id)
+        self._train_fresh = False
         if self._sink is not None or not self._pending:
             return None
         chunk = self._pending.popleft()
@@ -696,4 +781,14 @@ class FrameDecoder:
         self._pending_bytes = 0
         self._head = bytearray()
         self._sink = None
+        self._train.clear()
+        self._views.clear()
         raise problem
+
+
+def _writable(buffer: bytearray | memoryview, length: int, what: str) -> memoryview:
+    view = memoryview(buffer).cast("B")
+    if view.readonly or len(view) != length:
+        raise ValueError(f"{what}: needs a writable buffer of {length} bytes, "
+                         f"got {len(view)} bytes{' (read-only)' if view.readonly else ''}")
+    return view

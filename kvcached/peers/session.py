@@ -11,6 +11,7 @@ Misses and Errors, nothing past the last entry). No sockets, no clock.
 from __future__ import annotations
 
 import abc
+from collections import deque
 from typing import Callable
 
 from kvcached.peers import protocol as p
@@ -75,8 +76,7 @@ class PullAnswers:
                  request_id: int | None = None, expected: int | None = None) -> None:
         self.peer, self.decoder, self.sink = peer, decoder, sink
         self.request_id, self.expected = request_id, expected
-        self.block: p.Block | None = None
-        self.skipping = False
+        self.blocks: deque[tuple[p.Block, bool]] = deque()   # heads whose payload is coming: (head, skipped)
         self.answered = 0            # entries answered (Blocks whole, Misses)
 
     @property
@@ -93,18 +93,27 @@ class PullAnswers:
         if self.complete:
             raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer} sent more than the answer")
         sink = self.sink
-        if isinstance(item, p.BlockHeader):
+        if isinstance(item, p.BlockEnd):
+            block, skipped = self.blocks.popleft()
+            self.answered += 1
+            if not skipped and sink is not None:
+                sink.arrived(block)
+        elif isinstance(item, p.BlockHeader):
             if sink is None:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block answers only a Pull")
             view = sink.slot(item.block)
-            self.block, self.skipping = item.block, view is None
+            self.blocks.append((item.block, view is None))
             if view is not None:
                 self.decoder.receive_into(view)
-        elif isinstance(item, p.BlockEnd):
-            block, self.block = self.block, None
-            self.answered += 1
-            if block is not None and not self.skipping and sink is not None:
-                sink.arrived(block)
+        elif isinstance(item, p.BlocksHeader):
+            if sink is None:
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "Blocks answer only a Pull")
+            if self.expected is not None and self.answered + len(item.blocks) > self.expected:
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer} sent more than the answer")
+            views = [sink.slot(block) for block in item.blocks]
+            self.blocks.extend((block, view is None) for block, view in zip(item.blocks, views))
+            if any(view is not None for view in views):
+                self.decoder.receive_train(views)
         elif isinstance(item, p.PayloadChunk):
             pass                       # a payload the sink skipped
         else:

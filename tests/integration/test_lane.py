@@ -416,7 +416,7 @@ def test_a_mac_lane_refuses_frames_without_a_valid_seal(tmp_path: Path, mode: st
 
 
 def test_a_mac_lane_client_refuses_changed_and_replayed_answers(tmp_path: Path, mode: str) -> None:
-    """Between client and server: a changed byte in a Block head fails its seal; a payload byte
+    """Between client and server: a changed byte in a block's head fails its seal; a payload byte
     changed fails the checksum and is never taken; an answer replayed from an earlier connection
     fails its seal. The client counts each refusal and the pull raises (the tier falls back)."""
     mac_only(mode)
@@ -428,8 +428,8 @@ def test_a_mac_lane_client_refuses_changed_and_replayed_answers(tmp_path: Path, 
             key = grant(c, A, B, mode)
             after_handshake = m.CHALLENGE.size
             seal_frame = p.HEADER.size + m.TAG_BYTES
-            head_at = after_handshake + seal_frame + p.HEADER.size   # first byte of the first Block's body
-            payload_at = head_at + p.Block._FIXED.size + 2 + len("m")  # the head's body: fixed part, model text
+            head_at = after_handshake + seal_frame + p.HEADER.size + 4   # the first head in the Blocks frame's body
+            payload_at = head_at + 2 * (p.Block._FIXED.size + 2 + len("m"))  # after both heads: fixed part, model text
 
             def flip(at: int) -> Callable[[int, int, bytes], bytes]:
                 def tamper(index: int, offset: int, data: bytes) -> bytes:

@@ -79,6 +79,8 @@ def test_worked_example_of_the_spec() -> None:
     head = ("53000000 01 81 0000 01000000" + D1.hex() + "03000000" "00100000 00000000" + checksum
             + "0500 6c6c616d61")
     assert p.encode(p.Block.of(D1, 3, "llama", bytes(4096)), 1) == bytes.fromhex(head)
+    run = "57000000 01 85 0000 01000000" "01000000" + head[len("53000000 01 81 0000 01000000"):]
+    assert p.encode(p.Blocks([p.Block.of(D1, 3, "llama", bytes(4096))]), 1) == bytes.fromhex(run)
 
 
 # -- round trips ---------------------------------------------------------------------------------
@@ -90,6 +92,7 @@ def test_worked_example_of_the_spec() -> None:
     BLOCK, p.Block(D2, 0, "", p.MAX_PAYLOAD, bytes(32)), p.Block(D1, 1, "é" * 512, 1, bytes(32)),
     p.Miss(D1, 2, p.MissReason.TOO_LARGE), p.ExistsResult(0), p.ExistsResult(0xFFFFFFFF),
     p.Error(p.ErrorCode.INTERNAL, ""), p.Error(1, "ünïcode"),
+    p.Blocks((BLOCK,)), p.Blocks((BLOCK, p.Block(D1, 1, "é" * 512, 1, bytes(32)))),
 ])
 def test_every_message_round_trips(message: p.Message) -> None:
     frame = p.encode(message, 42)
@@ -99,6 +102,9 @@ def test_every_message_round_trips(message: p.Message) -> None:
     event = decoder.next_event()
     if isinstance(message, p.Block):
         assert event == p.BlockHeader(42, message) and decoder.payload_remaining == message.payload_length
+    elif isinstance(message, p.Blocks):
+        assert event == p.BlocksHeader(42, tuple(message.heads), frame[12:])
+        assert decoder.payload_remaining == message.heads[0].payload_length
     else:
         assert event == p.Frame(message.TYPE, 42, frame[12:])
         assert decoder.next_event() is None and decoder.buffered == 0
@@ -337,7 +343,7 @@ def test_type_sets() -> None:
     assert p.EVENTS == {0x10, 0x11, 0x12}
     assert p.STATE_CHANGING == {0x03, 0x10, 0x11, 0x12}
     assert p.EARLY_DATA_TYPES == {0x01, 0x02} == p.REQUESTS - p.STATE_CHANGING
-    assert set(p.MESSAGES) - p.REQUESTS == {0x20, 0x81, 0x82, 0x83, 0x84, 0xFF}
+    assert set(p.MESSAGES) - p.REQUESTS == {0x20, 0x81, 0x82, 0x83, 0x84, 0x85, 0xFF}
 
 
 def test_lane_messages_byte_for_byte() -> None:
@@ -353,3 +359,82 @@ def test_lane_messages_byte_for_byte() -> None:
         p.decode(p.Frame(0x20, 0, b"\xab" * 31))
     with pytest.raises(ValueError):
         p.encode(p.LaneKey(b"short", key))
+
+
+# -- Blocks: a run of heads, then their payloads back to back -------------------------------------
+
+PAYLOAD2 = bytes(range(255, -1, -1)) * 2        # 512 bytes
+BLOCK2 = p.Block.of(D2, 0xFFFFFFFF, "", PAYLOAD2)
+
+
+def test_blocks_byte_for_byte() -> None:
+    """docs/peer-protocol.md, Blocks: a u32 count, then each head as a Block frame's body."""
+    frame = p.encode(p.Blocks([BLOCK, BLOCK2]), 9)
+    body = struct.pack("<I", 2) + BLOCK.encode_body() + BLOCK2.encode_body()
+    assert frame == header(len(body), 0x85, 9) + body
+    assert frame[:16].hex() == f"{len(body):02x}000000" "01" "85" "0000" "09000000" "02000000"
+    assert len(body) == 4 + (78 + len("llama")) + 78
+    assert p.decode(p.Frame(0x85, 9, body)) == p.Blocks((BLOCK, BLOCK2))
+    with pytest.raises(ValueError):
+        p.encode(p.Blocks([]))
+
+
+def test_blocks_train_into_buffers_split_at_every_position() -> None:
+    stream = p.encode(p.Blocks([BLOCK, BLOCK2]), 9) + PAYLOAD + PAYLOAD2 + p.encode(p.ExistsResult(1), 10)
+    for cut in range(len(stream) + 1):
+        decoder = p.FrameDecoder()
+        first, second = bytearray(len(PAYLOAD)), bytearray(len(PAYLOAD2))
+        events: list[p.Event] = []
+        for piece in (stream[:cut], stream[cut:]):
+            decoder.feed(piece)
+            for event in decoder:
+                events.append(event)
+                if isinstance(event, p.BlocksHeader):
+                    decoder.receive_train([first, second])
+        assert [type(e) for e in events] == [p.BlocksHeader, p.BlockEnd, p.BlockEnd, p.Frame], cut
+        assert events[0] == p.BlocksHeader(9, (BLOCK, BLOCK2), stream[12:12 + len(events[0].body)])
+        assert first == PAYLOAD and second == PAYLOAD2 and events[1] == events[2] == p.BlockEnd(9)
+        assert decoder.buffered == 0 and decoder.payload_remaining == 0
+
+
+def test_blocks_train_with_a_payload_skipped_and_through_payload_target() -> None:
+    decoder = p.FrameDecoder()
+    decoder.feed(p.encode(p.Blocks([BLOCK, BLOCK2, BLOCK]), 9) + PAYLOAD[:10])
+    head = decoder.next_event()
+    assert isinstance(head, p.BlocksHeader)
+    last = bytearray(len(PAYLOAD))
+    decoder.receive_train([None, bytearray(len(PAYLOAD2)), last])
+    events = [decoder.next_event()]
+    decoder.feed(PAYLOAD[10:] + PAYLOAD2)
+    events += list(decoder)
+    assert normalized(events) == [("payload", 9, PAYLOAD), p.BlockEnd(9), p.BlockEnd(9)]
+    target = decoder.payload_target()                 # the third payload goes straight into ``last``
+    assert len(target) == len(PAYLOAD)
+    target[:] = PAYLOAD
+    decoder.payload_written(len(PAYLOAD))
+    assert list(decoder) == [p.BlockEnd(9)] and last == PAYLOAD
+
+
+def test_blocks_refusals() -> None:
+    decoder = p.FrameDecoder()
+    decoder.feed(p.encode(p.Blocks([BLOCK, BLOCK2]), 9))
+    with pytest.raises(RuntimeError):
+        decoder.receive_train([None, None])           # no BlocksHeader out yet
+    decoder.next_event()
+    with pytest.raises(ValueError):
+        decoder.receive_train([bytearray(len(PAYLOAD))])                      # one buffer for two blocks
+    with pytest.raises(ValueError):
+        decoder.receive_train([bytearray(len(PAYLOAD)), bytearray(1)])       # the wrong length
+    with pytest.raises(ValueError):
+        decoder.receive_train([bytes(len(PAYLOAD)), None])                   # read-only
+    decoder.receive_train([None, None])
+    with pytest.raises(RuntimeError):
+        decoder.receive_train([None, None])           # only once
+    small = p.FrameDecoder(max_payload=len(PAYLOAD) - 1)
+    small.feed(p.encode(p.Blocks([BLOCK2, BLOCK]), 9))
+    assert fatal(small).code == p.ErrorCode.TOO_LARGE
+    for count in (0, p.MAX_BATCH + 1, 3):             # none, too many, more than the body holds
+        body = struct.pack("<I", count) + BLOCK.encode_body()
+        broken = p.FrameDecoder()
+        broken.feed(header(len(body), 0x85, 9) + body)
+        assert fatal(broken).code == (p.ErrorCode.TOO_LARGE if count > p.MAX_BATCH else p.ErrorCode.MALFORMED)

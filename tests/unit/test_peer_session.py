@@ -81,11 +81,24 @@ def test_pull_answers_take_blocks_and_misses_until_complete() -> None:
     assert answers.complete and bytes(sink.got[DIGEST]) == payload and len(sink.misses) == 1
 
 
-@pytest.mark.parametrize("case", ["another request", "more than the answer"])
+def test_pull_answers_take_a_run_of_blocks_into_their_slots() -> None:
+    other = bytes(range(1, 33))
+    first, second = b"kv" * 100, b"vk" * 50
+    heads = [p.Block.of(DIGEST, 0, "m", first), p.Block.of(other, 0, "m", second)]
+    data = p.encode(p.Miss(DIGEST, 1, 1), 5) + p.encode(p.Blocks(heads), 5) + first + second
+    answers, sink = answers_to(data, expected=3)
+    assert answers.complete and bytes(sink.got[DIGEST]) == first and bytes(sink.got[other]) == second
+    assert len(sink.misses) == 1
+
+
+@pytest.mark.parametrize("case", ["another request", "more than the answer", "more than the answer, in a run"])
 def test_pull_answers_refuse_what_does_not_answer_this_pull(case: str) -> None:
     miss = p.encode(p.Miss(DIGEST, 0, 1), 5)
-    data = p.encode(p.Miss(DIGEST, 0, 1), 6) if case == "another request" else miss * 3
-    with pytest.raises(p.ProtocolError, match=case):
+    payload = b"kv" * 10
+    run = p.encode(p.Blocks([p.Block.of(DIGEST, 0, "m", payload)] * 3), 5) + payload * 3
+    data = {"another request": p.encode(p.Miss(DIGEST, 0, 1), 6), "more than the answer": miss * 3,
+            "more than the answer, in a run": run}[case]
+    with pytest.raises(p.ProtocolError, match=case.split(",")[0]):
         answers_to(data)
 
 
