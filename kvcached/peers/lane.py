@@ -36,7 +36,7 @@ import logging
 import ssl
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from cryptography import x509
 
@@ -126,9 +126,9 @@ class LaneConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._into_payload:
-            self._take(lambda: self.decoder.payload_written(nbytes))
+            self._take(self.decoder.payload_written, nbytes)
         elif self.framed:
-            self._take(lambda: self.decoder.feed(bytes(self._scratch[:nbytes])))
+            self._take(self.decoder.feed, bytes(self._scratch[:nbytes]))
         else:
             self._raw += self._scratch[:nbytes]
             if len(self._raw) >= RAW_HIGH and self.transport is not None:
@@ -157,12 +157,13 @@ class LaneConnection(asyncio.BufferedProtocol):
 
     # -- for the client and server --
 
-    def _take(self, give: Callable[[], None]) -> None:
-        """Give the decoder new input (``give``), then hand out every event it makes whole."""
+    def _take(self, give: Callable[[Any], None], data: Any) -> None:
+        """Give the decoder new input (``give(data)``), then hand out every event it makes whole."""
         try:
-            give()
-            for item in self.decoder:
-                if self.opener is not None and self.opener.take(item):
+            give(data)
+            decoder, opener = self.decoder, self.opener
+            while (item := decoder.next_event()) is not None:
+                if opener is not None and opener.take(item):
                     continue               # a seal, kept for the frame it precedes
                 self.on_event(item)
             self._notify()
@@ -231,7 +232,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         rest, self._raw = bytes(self._raw), bytearray()
         self._resume_raw()
         if rest:
-            self._take(lambda: self.decoder.feed(rest))
+            self._take(self.decoder.feed, rest)
 
     def sealed(self, frame: bytes) -> bytes:
         """``frame`` as it goes on this lane: after its Seal where the lane is ``mac``."""
@@ -415,54 +416,80 @@ class LaneServer:
             conn.write_frame(p.encode(p.Error(exc.code, str(exc)), frame.request_id))
             return
         assert isinstance(message, p.Pull)
-        answers = await self.handler.pull(peer, message)
         self.counters.served_pulls += 1
-        pieces = _answer_pieces(answers, frame.request_id, conn.sealed)
-        # The pieces go out in batches of about WRITE_BATCH bytes, one writelines (one writev
-        # where the kernel takes it) each. Payloads the transport may still hold a reference to
-        # (``mac``: plain TCP transports keep what the kernel did not take as views, not
-        # copies) are released in order once the bytes up to their end have left it; ``tls``
-        # encrypts on write, so its payloads are released once their batch is written.
-        held: deque[tuple[int, Callable[[], None]]] = deque()
-        batch: list[bytes | memoryview] = []
-        batched = written = 0
-        holds = conn.sealer is not None
-        sent = 0                                 # pieces handed to a batch
-
-        async def flush() -> None:
-            nonlocal batched, written
-            assert conn.transport is not None
-            conn.transport.writelines(batch)
-            batch.clear()
-            written, batched = written + batched, 0
-            if not holds:
-                _release_sent(held, written)
-            await conn.drain()                   # above the high-water mark: wait for the kernel
-            _release_sent(held, written - conn.buffered)
-
+        # Pinned and sent a part at a time: the first payloads are on their way (the puller
+        # reading and checking them) while the next part is pinned.
+        sender = _Sender(conn)
         try:
-            for data, release in pieces:
-                sent += 1
-                batch.append(data)
-                batched += len(data)
-                if release is not None:
-                    held.append((written + batched, release))
-                if batched >= WRITE_BATCH:
-                    await flush()
-            if batch:
-                await flush()
-            while held:
-                await conn.flushed()
-                _release_sent(held, written - conn.buffered)
+            rows = message.addresses
+            for at in range(0, len(rows), SERVE_PART):
+                answers = await self.handler.pull(peer, p.Pull(rows[at:at + SERVE_PART], message.max_payload))
+                await sender.send(_answer_pieces(answers, frame.request_id, conn.sealed))
+            await sender.finish()
         finally:
-            for _, release in held:              # the connection failed with these still queued
+            sender.close()
+
+
+class _Sender:
+    """Writes a pull's answers to a lane in batches of about WRITE_BATCH bytes, one writelines
+    (one writev where the kernel takes it) each. Payloads the transport may still hold a
+    reference to (``mac``: plain TCP transports keep what the kernel did not take as views, not
+    copies) are released in order once the bytes up to their end have left it; ``tls``
+    encrypts on write, so its payloads are released once their batch is written."""
+
+    def __init__(self, conn: LaneConnection) -> None:
+        self.conn = conn
+        self.holds = conn.sealer is not None
+        self.held: deque[tuple[int, Callable[[], None]]] = deque()   # (end offset, release), in order
+        self.batch: list[bytes | memoryview] = []
+        self.batched = self.written = 0
+        self.unsent: list[tuple[bytes | memoryview, Callable[[], None] | None]] = []
+
+    async def send(self, pieces: list[tuple[bytes | memoryview, Callable[[], None] | None]]) -> None:
+        """Hand ``pieces`` to the transport (the last batch too: the next part is pinned while
+        these go out)."""
+        self.unsent = pieces
+        for i, (data, release) in enumerate(pieces):
+            self.unsent = pieces[i + 1:]
+            self.batch.append(data)
+            self.batched += len(data)
+            if release is not None:
+                self.held.append((self.written + self.batched, release))
+            if self.batched >= WRITE_BATCH:
+                await self._flush()
+        if self.batch:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        conn = self.conn
+        assert conn.transport is not None
+        conn.transport.writelines(self.batch)
+        self.batch.clear()
+        self.written, self.batched = self.written + self.batched, 0
+        if not self.holds:
+            _release_sent(self.held, self.written)
+        await conn.drain()                       # above the high-water mark: wait for the kernel
+        _release_sent(self.held, self.written - conn.buffered)
+
+    async def finish(self) -> None:
+        """Until every payload held has left the transport, each released as it does."""
+        while self.held:
+            await self.conn.flushed()
+            _release_sent(self.held, self.written - self.conn.buffered)
+
+    def close(self) -> None:
+        """Release what is still pinned: queued when the connection failed, or never sent."""
+        for _, queued in self.held:
+            queued()
+        self.held.clear()
+        for _, release in self.unsent:
+            if release is not None:
                 release()
-            for _, release in pieces[sent:]:     # not sent (the client went away): unpin
-                if release is not None:
-                    release()
+        self.unsent = []
 
 
 BLOCKS_RUN = 256               # heads in one Blocks frame at most (its body stays far under MAX_BODY)
+SERVE_PART = 16                # entries of a Pull pinned at a time: sent before the next are pinned
 
 
 def _answer_pieces(answers: Sequence[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss],

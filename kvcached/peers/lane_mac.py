@@ -215,6 +215,8 @@ class Opener:
         self._tag: bytes | None = None
 
     def take(self, item: p.Event) -> bool:
+        if type(item) is p.BlockEnd or type(item) is p.PayloadChunk:
+            return False                   # payload bytes: bound through their sealed head
         if isinstance(item, p.Frame) and item.type == p.Seal.TYPE:
             if self._tag is not None:
                 raise MacRefused("two seals in a row")
