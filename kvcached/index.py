@@ -213,6 +213,12 @@ class BlockIndex:
         return [None if raw is None or len(raw) < RECORD.size else raw[CHECKSUM_AT:CHECKSUM_AT + 32]
                 for raw in self._raw_many(keys)]
 
+    def models(self, keys: list[bytes]) -> list[str | None]:
+        """The model names of ``keys`` (None where absent), read straight from the stored bytes:
+        serving a peer's pull needs nothing else from the record (the checksum came with the pin)."""
+        return [raw[RECORD.size:].decode() if raw is not None and len(raw) >= RECORD.size
+                and raw[0] == SCHEMA_VERSION else None for raw in self._raw_many(keys)]
+
     def tiers_of(self, keys: list[bytes]) -> list[Tier]:
         """The tier set of each of ``keys`` (NONE where absent), from the raw bytes."""
         return [Tier(raw[TIERS_AT]) if raw is not None and len(raw) >= RECORD.size else Tier.NONE

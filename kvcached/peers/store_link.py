@@ -39,8 +39,7 @@ async def serve_pull(store: "Store", rows: Sequence[tuple[bytes, int]], max_payl
     results = iter(await store.pin(valid, allow_partial=True, peers=False)) if valid else iter(())
     out: list[Pinned | Miss | None] = [next(results) if address is not None else None for address in addresses]
     pinned = [r for r in out if isinstance(r, Pinned)]
-    records = {r.digest + r.layer.to_bytes(4, "little"): r
-               for r in store.index.get_many([x.block.key for x in pinned]) if r is not None}
+    models = iter(store.index.models([x.block.key for x in pinned]))     # in the order of ``pinned``
     answers: list[Answer] = []
     for (digest, layer), result in zip(rows, out):
         if not isinstance(result, Pinned):
@@ -49,15 +48,15 @@ async def serve_pull(store: "Store", rows: Sequence[tuple[bytes, int]], max_payl
                 reason = p.MissReason.DAMAGED
             answers.append(p.Miss(digest, layer, reason))
             continue
-        record = records.get(digest + layer.to_bytes(4, "little"))
-        if result.block.length > max_payload or record is None:
+        model = next(models)
+        if result.block.length > max_payload or model is None:
             store.unpin(result)
-            answers.append(p.Miss(digest, layer, p.MissReason.TOO_LARGE if record else p.MissReason.NOT_FOUND))
+            answers.append(p.Miss(digest, layer, p.MissReason.NOT_FOUND if model is None else p.MissReason.TOO_LARGE))
             continue
         view = store.ram.view(result.block)
         counters.served += 1
         counters.served_bytes += result.block.length
-        answers.append((p.Block(digest, layer, record.model, result.block.length, result.checksum), view,
+        answers.append((p.Block(digest, layer, model, result.block.length, result.checksum), view,
                         _releaser(store, result, view)))
     return answers
 
