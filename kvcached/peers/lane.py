@@ -110,6 +110,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[None] = loop.create_future()
         self._wake: asyncio.Future[None] | None = None
+        self._until: Callable[[], bool] = bool      # what the waiting task waits for (see wait)
         self._writable: asyncio.Future[None] | None = None
 
     # -- asyncio.BufferedProtocol --
@@ -174,8 +175,12 @@ class LaneConnection(asyncio.BufferedProtocol):
         raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(item).__name__} when no answer was due")
 
     def _notify(self) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+        """Wake the waiting task if what it waits for now holds, or the connection failed: not
+        on every read (a pull's task would step once per block for nothing)."""
+        wake = self._wake
+        if wake is not None and not wake.done() and (
+                self._until() or self.error is not None or self.closed.done()):
+            wake.set_result(None)
 
     def fail(self, exc: BaseException) -> None:
         """Stop taking input, with ``exc`` as the connection's error (the first one is kept): no
@@ -211,6 +216,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         while not condition():
             if self.error is not None or self.closed.done():
                 raise self.failure()
+            self._until = condition
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
 

@@ -474,7 +474,7 @@ class _Fetch:
         self.got: dict[bytes, tuple[BlockAddress, Any, p.Block]] = {}
         self.tried: dict[bytes, set[str]] = {k: set() for k in wanted}
         self.sinks: list[_Sink] = []
-        self.losers: set[asyncio.Future[None]] = set()   # hedged attempts cancelled because the other won
+        self.losers: set[asyncio.Future[None]] = set()   # attempts (tasks) cancelled because another won
 
     def _plan(self, keys: Iterable[bytes]) -> dict[str, list[bytes]]:
         """Each key not in yet to the first usable holder not asked yet."""
@@ -502,16 +502,42 @@ class _Fetch:
                 await asyncio.gather(*(self._hedged(name, keys) for name, keys in pulls))
 
     async def _hedged(self, name: str, keys: list[bytes]) -> None:
-        first = asyncio.ensure_future(self._attempt(name, keys))
-        done, _ = await asyncio.wait({first}, timeout=self.tier.settings.hedge_s)
-        if done:
-            return
-        second = self._plan(k for k in keys if k not in self.got)
-        attempts = {first}
-        for other, rest in second.items():
-            self.tier.counters.hedged += 1
-            attempts.add(asyncio.ensure_future(self._attempt(other, rest)))
-        pending = set(attempts)
+        """Pull ``keys`` from ``name`` in this task (no task of its own: none to start, none to
+        wait on, a loop turn or two less per fetch). If that has not brought them all within
+        ``hedge_s``, the keys still missing are asked of their next holders too, in tasks; the
+        first to bring every key wins and the others are stopped (their streams closed). The
+        attempt in this task is stopped by cancelling this task once, marked as a lost race:
+        the cancel is taken back here, so a deadline's cancel still ends the fetch."""
+        task = asyncio.current_task()
+        assert task is not None
+        hedges: set[asyncio.Future[None]] = set()
+        state = {"first running": True, "won": False}
+
+        def settled(_: asyncio.Future[None]) -> None:
+            if state["first running"] and not state["won"] and all(k in self.got for k in keys):
+                state["won"] = True            # a hedge brought them all: stop the first attempt
+                self.losers.add(task)
+                task.cancel()
+
+        def hedge() -> None:
+            for other, rest in self._plan(k for k in keys if k not in self.got).items():
+                self.tier.counters.hedged += 1
+                attempt = asyncio.ensure_future(self._attempt(other, rest))
+                attempt.add_done_callback(settled)
+                hedges.add(attempt)
+
+        timer = asyncio.get_running_loop().call_later(self.tier.settings.hedge_s, hedge)
+        try:
+            await self._attempt(name, keys)
+        except asyncio.CancelledError:
+            if not state["won"]:
+                raise                          # the deadline: the fetch ends
+            task.uncancel()
+        finally:
+            state["first running"] = False
+            timer.cancel()
+            self.losers.discard(task)
+        pending = {h for h in hedges if not h.done()}
         try:
             while pending and not all(k in self.got for k in keys):
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

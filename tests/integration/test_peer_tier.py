@@ -359,6 +359,12 @@ def test_hedged_pull_does_not_wait_for_the_slow_peer(tmp_path: Path) -> None:
             start = time.monotonic()
             await get_exact(b, range(n))
             assert time.monotonic() - start < 0.6, "the fetch waited for A although C sent every block"
+            # A's attempt ran in the fetch's own task and was stopped by cancelling it once: the
+            # cancel was taken back (no CancelledError left pending), and it is no failure of A.
+            assert asyncio.current_task().cancelling() == 0          # type: ignore[union-attr]
+            assert b.t.counters.failed == 0 and b.t.counters.hedged >= 1
+            await asyncio.sleep(0.05)                                # a later await is not cancelled
+            await get_exact(b, range(n))
     asyncio.run(body())
 
 
