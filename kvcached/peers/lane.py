@@ -430,7 +430,14 @@ class LaneServer:
             rows = message.addresses
             for at in range(0, len(rows), SERVE_PART):
                 answers = await self.handler.pull(peer, p.Pull(rows[at:at + SERVE_PART], message.max_payload))
-                await sender.send(_answer_pieces(answers, frame.request_id, conn.sealed))
+                try:
+                    pieces = _answer_pieces(answers, frame.request_id, conn.sealed)
+                except BaseException:            # a head that cannot be encoded: unpin the part, end the lane
+                    for answer in answers:
+                        if not isinstance(answer, p.Miss):
+                            answer[2]()
+                    raise
+                await sender.send(pieces)
             await sender.finish()
         finally:
             sender.close()
