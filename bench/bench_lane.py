@@ -18,8 +18,8 @@ datagrams, and one pulling from the mac daemon with its pulls striped over 4 lan
   code) read by a blocking client in this process (``recv_into`` a preallocated buffer). TLS 1.3
   with the same certificates, both sides verified; a request is a count and 32-byte digests, the
   answer the payloads back to back (``sendall``). No checksum is computed on either side;
-- the floor of doing what the lane must: the bare TCP pair with each payload's BLAKE3 computed
-  and compared on arrival ("bare TCP pair + BLAKE3"), and a uvloop pair ("uvloop pair +
+- the floor of doing what the lane must: the bare pairs with each payload's BLAKE3 computed
+  and compared on arrival ("bare TLS pair + BLAKE3", "bare TCP pair + BLAKE3"), and a uvloop pair ("uvloop pair +
   BLAKE3": this file's server as one uvloop event loop, a buffered protocol on the benchmark's
   loop reading into a preallocated buffer and checking BLAKE3 as each payload completes; no
   kvcached code). The first says what the checksum costs, the second what an asyncio process on
@@ -376,6 +376,7 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
                 "lane mac": lambda b, s=size: lt.call(tiers["mac"].tier_batch(b, s)),
                 "lane mac, 4 stripes": lambda b, s=size: lt.call(tiers["mac x4"].tier_batch(b, s)),
                 "bare TLS pair": lambda b, s=size: bare[True].batch(b, s),
+                "bare TLS pair + BLAKE3": lambda b, s=size: bare[True].batch(b, s, checksums),
                 "bare TCP pair": lambda b, s=size: bare[False].batch(b, s),
                 "bare TCP pair + BLAKE3": lambda b, s=size: bare[False].batch(b, s, checksums),
                 "uvloop pair + BLAKE3": lambda b, s=size: lt.call(floor.batch(b, s)),
@@ -399,6 +400,8 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
             if redis is not None:
                 row("lane tls", "redis-py GET")
                 row("lane mac", "redis-py GET")
+            row("lane tls", "bare TLS pair + BLAKE3")
+            row("bare TLS pair + BLAKE3", "bare TLS pair")
             row("lane mac", "bare TCP pair + BLAKE3")
             row("lane mac", "uvloop pair + BLAKE3")
             row("bare TCP pair + BLAKE3", "bare TCP pair")
