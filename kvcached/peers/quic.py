@@ -16,7 +16,9 @@ and Exists are acted on (protocol.EARLY_DATA_TYPES); anything else is answered E
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -27,7 +29,7 @@ from aioquic.tls import SessionTicket
 
 from kvcached.peers import protocol as p
 from kvcached.peers.lane_mac import LaneKeys
-from kvcached.peers.session import REQUEST_BODY, PeerGone, PeerHandler, PullAnswers, PullSink, RequestIds, take_request
+from kvcached.peers.session import REQUEST_BODY, PeerGone, PeerHandler, PullAnswers, PullSink, RequestIds, SendRoom, take_request
 from kvcached.peers.tls import PeerAuth, PeerRefused, ServerTickets
 
 __all__ = ["PeerServerProtocol", "PeerClientProtocol", "REFUSED", "REQUEST_BODY", "PeerGone", "PeerHandler",
@@ -58,9 +60,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
         self._issued: SessionTicket | None = None
         self._decoders: dict[int, p.FrameDecoder] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.send_queue_bytes = SEND_QUEUE_BYTES
-        self.stall_s = SEND_STALL_S
-        self.peak_queued = 0                   # the most answer bytes ever queued and not yet sent
+        self.room = SendRoom(SEND_QUEUE_BYTES, SEND_STALL_S, time.monotonic)
         self.stalled = 0                       # answers given up because the peer stopped reading
         self._written: dict[int, int] = {}     # stream being answered -> bytes handed to aioquic
         self._room = asyncio.Event()           # set when queued bytes may have gone down
@@ -120,30 +120,33 @@ class PeerServerProtocol(QuicConnectionProtocol):
         return sum(written - (streams[sid].sender.highest_offset if sid in streams else written)
                    for sid, written in self._written.items())
 
+    @property
+    def peak_queued(self) -> int:
+        """The most answer bytes ever queued and not yet sent on this connection."""
+        return self.room.peak
+
     async def _wait_for_room(self, sid: int, need: int) -> bool:
-        """Wait until ``need`` more bytes fit in the send queue (or it is empty: a block larger
-        than the whole queue still goes, alone). False if the answer is to stop: the connection
-        ended, the peer sent STOP_SENDING, or the queue did not move for SEND_STALL_S (the
-        stream is then reset, so a peer that stops reading cannot keep blocks pinned)."""
+        """Wait until ``need`` more bytes fit in the send queue (session.SendRoom decides).
+        False if the answer is to stop: the connection ended, the peer sent STOP_SENDING, or
+        the queue did not go down for SEND_STALL_S (the stream is then reset, so a peer that
+        stops reading cannot keep blocks pinned)."""
+        room = self.room
         while not (self._gone or sid in self._stopped):
-            queued = self._queued()
-            if queued == 0 or queued + need <= self.send_queue_bytes:
-                self.peak_queued = max(self.peak_queued, queued + need)
+            if room.fits(self._queued(), need):
                 return True
             self.transmit()              # send what the queue holds before waiting for it to go out
-            if self._queued() < queued:
+            if room.moved(self._queued()):
                 continue
+            if room.stalled():
+                log.warning("peer stopped reading an answer; giving it up",
+                            extra={"fields": {"peer": self.peer, "stream": sid, "queued": self._queued()}})
+                self.stalled += 1
+                self._quic.reset_stream(sid, STALLED)
+                self.transmit()
+                return False
             self._room.clear()
-            try:
-                await asyncio.wait_for(self._room.wait(), self.stall_s)
-            except asyncio.TimeoutError:
-                if self._queued() >= queued:
-                    log.warning("peer stopped reading an answer; giving it up",
-                                extra={"fields": {"peer": self.peer, "stream": sid, "queued": queued}})
-                    self.stalled += 1
-                    self._quic.reset_stream(sid, STALLED)
-                    self.transmit()
-                    return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._room.wait(), room.wait_s())
         return False
 
     def _handshake(self, event: events.HandshakeCompleted) -> None:

@@ -5,7 +5,9 @@ A pull travels over a QUIC stream (kvcached.peers.quic) or a bulk-lane connectio
 requests (:func:`take_request`: early-data gating, the types a transport carries), how a client
 numbers its requests (:class:`RequestIds`), and how a client takes a pull's answers
 (:class:`PullAnswers`: request ids checked, Blocks into the slots its :class:`PullSink` gives,
-Misses and Errors, nothing past the last entry). No sockets, no clock.
+Misses and Errors, nothing past the last entry), and how much a server's answers may queue
+unsent and when a peer that reads nothing is given up (:class:`SendRoom`, the clock passed in).
+No sockets; the only clock is the one a SendRoom is given.
 """
 
 from __future__ import annotations
@@ -130,6 +132,47 @@ class PullAnswers:
         return None
 
 
+
+
+class SendRoom:
+    """A connection's send queue as a policy, no I/O: how many answer bytes may wait unsent
+    (``limit``: a piece goes when it fits, or alone when nothing waits, so a block larger than
+    the whole queue still goes), and when a peer that takes nothing is given up (the queue has
+    not gone down for ``stall_s`` by ``clock``), so it cannot keep blocks pinned. The carrier
+    says how many bytes wait (:meth:`fits`, :meth:`moved`) and does the waiting."""
+
+    def __init__(self, limit: int, stall_s: float, clock: Callable[[], float]) -> None:
+        self.limit, self.stall_s, self.clock = limit, stall_s, clock
+        self.peak = 0                  # the most bytes ever queued and not yet sent
+        self._queued = 0
+        self._moved_at = clock()
+
+    def fits(self, queued: int, need: int) -> bool:
+        """Whether ``need`` more bytes may be queued now that ``queued`` wait (if so, the
+        carrier queues them at once)."""
+        self.moved(queued)
+        if queued and queued + need > self.limit:
+            return False
+        self.peak = max(self.peak, queued + need)
+        self._queued = queued + need
+        return True
+
+    def moved(self, queued: int) -> bool:
+        """Note that ``queued`` bytes wait now; whether that is fewer than before (the peer took
+        some): the stall clock starts again then, and whenever nothing waits."""
+        went_down = queued < self._queued
+        if went_down or not queued:
+            self._moved_at = self.clock()
+        self._queued = queued
+        return went_down
+
+    def stalled(self) -> bool:
+        """Bytes wait and none has gone for ``stall_s``."""
+        return self._queued > 0 and self.clock() - self._moved_at >= self.stall_s
+
+    def wait_s(self) -> float:
+        """How long the carrier may wait for the queue to go down before asking :meth:`stalled`."""
+        return max(0.0, self.stall_s - (self.clock() - self._moved_at))
 
 
 class RequestIds:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcached.peers import protocol as p
-from kvcached.peers.session import PullAnswers, PullSink, RequestIds, take_request
+from kvcached.peers.session import PullAnswers, PullSink, RequestIds, SendRoom, take_request
 
 DIGEST = bytes(range(32))
 
@@ -106,3 +106,36 @@ def test_an_error_about_the_whole_stream_is_taken_as_the_answer() -> None:
     with pytest.raises(p.ProtocolError, match="bad header") as err:
         answers_to(p.encode(p.Error(p.ErrorCode.MALFORMED, "bad header"), 0))
     assert err.value.code == p.ErrorCode.MALFORMED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_send_room_lets_a_piece_go_when_it_fits_or_nothing_waits() -> None:
+    room = SendRoom(100, 30.0, Clock())
+    assert room.fits(0, 500) and room.peak == 500      # larger than the whole queue, but nothing waits: it goes
+    assert not room.fits(500, 1)
+    assert room.fits(40, 60) and not room.fits(100, 1) and room.peak == 500
+
+
+def test_send_room_gives_up_a_queue_that_did_not_go_down_for_stall_s() -> None:
+    clock = Clock()
+    room = SendRoom(100, 30.0, clock)
+    assert room.fits(0, 80) and not room.fits(80, 40)
+    clock.now += 20
+    assert not room.moved(80) and not room.stalled() and room.wait_s() == 10.0
+    clock.now += 10
+    assert room.stalled() and room.wait_s() == 0.0
+    assert room.moved(79) and not room.stalled() and room.wait_s() == 30.0     # the peer took a byte
+    clock.now += 29
+    room.moved(90)                                    # queued more (another answer): no progress
+    clock.now += 1
+    assert room.stalled()
+    room.moved(0)                                     # all gone: nothing waits, nothing is stalled
+    clock.now += 60
+    assert not room.stalled()
