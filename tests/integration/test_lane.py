@@ -199,9 +199,11 @@ def test_a_lane_pull_answers_blocks_and_misses_in_order(tmp_path: Path, mode: st
     asyncio.run(body())
 
 
-def test_a_lane_cut_mid_payload_leaves_no_block_and_quic_brings_it(tmp_path: Path) -> None:
-    """The lane breaks in the middle of a payload: the half-written slot is given back, never
-    visible, and the pull is made again over QUIC."""
+@pytest.mark.parametrize("run", [False, True], ids=["block", "run of blocks"])
+def test_a_lane_cut_mid_payload_leaves_no_block_and_quic_brings_it(tmp_path: Path, run: bool) -> None:
+    """The lane breaks in the middle of a payload (of a lone Block, or the second of a Blocks
+    run whose first payload came whole): the half-written slot and those reserved after it are
+    given back, never visible, and what is missing is pulled again over QUIC."""
     async def body() -> None:
         async with cluster(tmp_path, (A, B)) as c:
             a, b, n = c[A], c[B], 8
@@ -214,9 +216,15 @@ def test_a_lane_cut_mid_payload_leaves_no_block_and_quic_brings_it(tmp_path: Pat
                 message = p.decode(frame)
                 assert isinstance(message, p.Pull)
                 answers = await server.handler.pull(peer, message)
-                head, view, _ = answers[0]                    # type: ignore[misc]
-                conn.write_frame(p.encode(head, frame.request_id))
                 assert conn.transport is not None
+                if run:
+                    heads = [answer[0] for answer in answers]              # type: ignore[index]
+                    conn.write_frame(p.encode(p.Blocks(heads), frame.request_id))
+                    conn.transport.write(bytes(answers[0][1]))            # type: ignore[index]
+                    view = answers[1][1]                                   # type: ignore[index]
+                else:
+                    head, view, _ = answers[0]                    # type: ignore[misc]
+                    conn.write_frame(p.encode(head, frame.request_id))
                 conn.transport.write(bytes(view[:len(view) // 2]))
                 await asyncio.sleep(0.05)
                 for answer in answers:
@@ -227,6 +235,7 @@ def test_a_lane_cut_mid_payload_leaves_no_block_and_quic_brings_it(tmp_path: Pat
             await get_exact(b, range(n))                      # over QUIC, after the lane broke
             assert b.t.counters.lane_fallbacks == 1 and b.t.counters.corrupt == 0
             assert b.t.counters.pulled == n and b.t.counters.lane_pulls == 0
+            assert b.store.pinned_bytes == 0 and a.store.pinned_bytes == 0
     asyncio.run(body())
 
 

@@ -91,6 +91,25 @@ def test_pull_answers_take_a_run_of_blocks_into_their_slots() -> None:
     assert len(sink.misses) == 1
 
 
+def test_a_run_with_a_payload_the_sink_skips_still_lands_the_others() -> None:
+    """A sink may refuse a slot (no room, asked already): that payload is read past and dropped,
+    the blocks after it in the same run still land whole."""
+    other = bytes(range(1, 33))
+    first, again, second = b"kv" * 100, b"xx" * 100, b"vk" * 50
+    heads = [p.Block.of(DIGEST, 0, "m", first), p.Block.of(DIGEST, 0, "m", again), p.Block.of(other, 0, "m", second)]
+
+    class Once(Buffers):
+        def slot(self, block: p.Block) -> memoryview | None:      # type: ignore[override]
+            return None if block.digest in self.got else super().slot(block)
+
+    decoder, sink = p.FrameDecoder(), Once()
+    answers = PullAnswers("node-a", decoder, sink, request_id=5, expected=3)
+    decoder.feed(p.encode(p.Blocks(heads), 5) + first + again + second)
+    for item in decoder:
+        answers.take(item)
+    assert answers.complete and bytes(sink.got[DIGEST]) == first and bytes(sink.got[other]) == second
+
+
 @pytest.mark.parametrize("case", ["another request", "more than the answer", "more than the answer, in a run"])
 def test_pull_answers_refuse_what_does_not_answer_this_pull(case: str) -> None:
     miss = p.encode(p.Miss(DIGEST, 0, 1), 5)
