@@ -98,7 +98,7 @@ class PeerLink:
     health: PeerHealth
     client: PeerClientProtocol | None = None
     ticket: SessionTicket | None = None
-    ticket_at: float = 0.0
+    ticket_at: float = 0.0                     # when the ticket came, by the tier's clock
     pending: dict[bytes, bool] = field(default_factory=dict)   # wire key -> held (announce) or not (drop)
     snapshotting: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -260,7 +260,7 @@ class PeerTier(PeerHandler):
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
             family, _, _, _, addr = infos[0]
             config = self.auth.configuration(self.settings.options, server_name=link.name)
-            early = link.ticket is not None and time.time() - link.ticket_at < TICKET_LIFETIME_S
+            early = link.ticket is not None and self.clock() - link.ticket_at < TICKET_LIFETIME_S
             if early:
                 config.session_ticket, link.ticket = link.ticket, None       # single use
             quic = QuicConnection(configuration=config, session_ticket_handler=functools.partial(self._ticket, link))
@@ -295,7 +295,7 @@ class PeerTier(PeerHandler):
                                                                          "retry_s": self.settings.lane_retry_s}})
 
     def _ticket(self, link: PeerLink, ticket: SessionTicket) -> None:
-        link.ticket, link.ticket_at = ticket, time.time()
+        link.ticket, link.ticket_at = ticket, self.clock()
 
     async def _watch(self, link: PeerLink, client: PeerClientProtocol) -> None:
         """Once the handshake of ``client`` completes: send the snapshot, then announcements;
