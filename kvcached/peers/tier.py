@@ -528,21 +528,24 @@ class _Fetch:
 
         timer = asyncio.get_running_loop().call_later(self.tier.settings.hedge_s, hedge)
         try:
-            await self._attempt(name, keys)
-        except asyncio.CancelledError:
-            if not state["won"]:
-                raise                          # the deadline: the fetch ends
-            task.uncancel()
-        finally:
-            state["first running"] = False
-            timer.cancel()
-            self.losers.discard(task)
-        pending = {h for h in hedges if not h.done()}
-        try:
+            try:
+                await self._attempt(name, keys)
+            except asyncio.CancelledError:
+                if not state["won"]:
+                    raise                      # the deadline: the fetch ends (the hedges too, below)
+                task.uncancel()
+            finally:
+                state["first running"] = False
+                timer.cancel()
+                self.losers.discard(task)
+            pending = {h for h in hedges if not h.done()}
             while pending and not all(k in self.got for k in keys):
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for attempt in pending:            # lost the race (or the deadline passed): stop its stream
+            # Hedges still running lost the race, or the deadline passed: stop their streams, and
+            # wait until they have, so nothing is written into a slot once the fetch gave it back.
+            pending = {h for h in hedges if not h.done()}
+            for attempt in pending:
                 if all(k in self.got for k in keys):
                     self.losers.add(attempt)
                 attempt.cancel()

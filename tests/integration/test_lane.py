@@ -32,6 +32,7 @@ from tests.integration.test_peer_tier import (
     cluster,
     get_exact,
     items,
+    test_a_deadline_with_a_hedge_in_flight_stops_every_attempt_before_the_fetch_returns,
     test_checksum_mismatch_falls_back_to_another_holder,
     test_dead_holder_misses_within_deadline_goes_down_and_comes_back,
     test_delete_drops_and_snapshot_replaces,
@@ -44,7 +45,8 @@ from tests.integration.test_peer_tier import (
 from tests.unit.conftest import address, payload
 
 # The peer tier's tests that hold whatever carries the pulls, run again here over the lane.
-__all__ = ["test_checksum_mismatch_falls_back_to_another_holder",
+__all__ = ["test_a_deadline_with_a_hedge_in_flight_stops_every_attempt_before_the_fetch_returns",
+           "test_checksum_mismatch_falls_back_to_another_holder",
            "test_dead_holder_misses_within_deadline_goes_down_and_comes_back",
            "test_delete_drops_and_snapshot_replaces", "test_hedged_pull_asks_the_next_holder",
            "test_hedged_pull_does_not_wait_for_the_slow_peer", "test_peer_metrics_count_pulls_and_show_peers_up",

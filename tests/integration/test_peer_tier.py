@@ -368,6 +368,28 @@ def test_hedged_pull_does_not_wait_for_the_slow_peer(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
+def test_a_deadline_with_a_hedge_in_flight_stops_every_attempt_before_the_fetch_returns(tmp_path: Path) -> None:
+    """Both holders too slow: the fetch's deadline passes with the first attempt (in the fetch's
+    own task) and a hedge (a task of its own) both running. Both are stopped before the fetch
+    returns, so no attempt is left that could write into a slot the fetch gave back."""
+    async def body() -> None:
+        async with cluster(tmp_path, hedge_s=0.05, pull_timeout_s=0.4) as c:
+            b, n = c[B], 4
+            for name in (A, C):
+                await c[name].store.put(items(range(n)))
+            await until(lambda: b.t.directory.count(A) == n and b.t.directory.count(C) == n, "announcements")
+            slow_serving(c[A], 1.5)
+            slow_serving(c[C], 1.5)
+            start = time.monotonic()
+            found, misses = await b.store.get(addrs(range(n)), allow_partial=True)
+            assert time.monotonic() - start < 1.2 and found == [] and len(misses) == n
+            assert b.t.counters.hedged >= 1
+            attempts = [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == "_Fetch._attempt"]
+            assert attempts == [], attempts
+            assert b.store.pinned_bytes == 0
+    asyncio.run(body())
+
+
 # ---------------------------------------------------------------------------------------------
 # resumption and 0-RTT
 
