@@ -456,14 +456,15 @@ class _Sender:
         self.held: deque[tuple[int, Callable[[], None]]] = deque()   # (end offset, release), in order
         self.batch: list[bytes | memoryview] = []
         self.batched = self.written = 0
-        self.unsent: list[tuple[bytes | memoryview, Callable[[], None] | None]] = []
+        self.pieces: list[tuple[bytes | memoryview, Callable[[], None] | None]] = []   # the part being sent
+        self.taken = 0                          # of them, handed to a batch
 
     async def send(self, pieces: list[tuple[bytes | memoryview, Callable[[], None] | None]]) -> None:
         """Hand ``pieces`` to the transport (the last batch too: the next part is pinned while
         these go out)."""
-        self.unsent = pieces
-        for i, (data, release) in enumerate(pieces):
-            self.unsent = pieces[i + 1:]
+        self.pieces, self.taken = pieces, 0
+        for data, release in pieces:
+            self.taken += 1
             self.batch.append(data)
             self.batched += len(data)
             if release is not None:
@@ -495,10 +496,10 @@ class _Sender:
         for _, queued in self.held:
             queued()
         self.held.clear()
-        for _, release in self.unsent:
+        for _, release in self.pieces[self.taken:]:
             if release is not None:
                 release()
-        self.unsent = []
+        self.pieces, self.taken = [], 0
 
 
 BLOCKS_RUN = 256               # heads in one Blocks frame at most (its body stays far under MAX_BODY)

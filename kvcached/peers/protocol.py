@@ -545,18 +545,20 @@ def decode(frame: Frame) -> Message:
 class FrameDecoder:
     """Cuts one ordered byte stream into events. Feed it what arrives; take the events that are whole.
 
-    Frames other than Block come whole (:class:`Frame`; :func:`decode` them). A Block comes as
-    :class:`BlockHeader`, then its payload, then :class:`BlockEnd`. The payload is never
+    Frames other than Block and Blocks come whole (:class:`Frame`; :func:`decode` them). A Block
+    comes as :class:`BlockHeader`, then its payload, then :class:`BlockEnd`; a Blocks frame as
+    :class:`BlocksHeader`, then each payload followed by a BlockEnd. A payload is never
     gathered: by default it comes as :class:`PayloadChunk` views of the fed bytes; after
-    :meth:`receive_into` it is written straight into the caller's buffer (an arena slot), and a
-    transport that reads from a socket can ``recv_into(payload_target())`` and report
-    :meth:`payload_written`, so the bytes go from the kernel to the slot once.
+    :meth:`receive_into` (:meth:`receive_train` for a Blocks frame's payloads) it is written
+    straight into the caller's buffer (an arena slot), and a transport that reads from a socket
+    can ``recv_into(payload_target())`` and report :meth:`payload_written`, so the bytes go from
+    the kernel to the slot once.
 
     Fed ``bytes`` are kept by reference until used; a mutable buffer is copied (or written into
     the receive_into buffer at once), so the caller may reuse it. A bad header or Block head
     raises a fatal ProtocolError (nothing after it can be trusted); the decoder then refuses
-    further input. Lengths are checked as soon as the header (or Block head) is in, before any
-    byte of what they announce is buffered."""
+    further input. Lengths are checked as soon as the header (or Block head, or Blocks heads) is
+    in, before any byte of what they announce is buffered."""
 
     def __init__(self, max_body: int = MAX_BODY, max_payload: int = MAX_PAYLOAD) -> None:
         self.max_body = max_body
