@@ -374,7 +374,7 @@ class LaneServer:
 
         def on_event(item: p.Event) -> None:
             if not isinstance(item, p.Frame):
-                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block frame sent as a request", fatal=True)
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block or Blocks frame sent as a request", fatal=True)
             requests.append(item)
             if len(requests) >= MAX_QUEUED_REQUESTS and conn.transport is not None:
                 conn.transport.pause_reading()
@@ -502,16 +502,16 @@ class _Sender:
         self.pieces, self.taken = [], 0
 
 
-BLOCKS_RUN = 256               # heads in one Blocks frame at most (its body stays far under MAX_BODY)
 SERVE_PART = 16                # entries of a Pull pinned at a time: sent before the next are pinned
 
 
 def _answer_pieces(answers: Sequence[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss],
                    request_id: int, sealed: Callable[[bytes], bytes]
                    ) -> list[tuple[bytes | memoryview, Callable[[], None] | None]]:
-    """A Pull's answers as the bytes that go on the lane, in order: each run of blocks served as
-    one Blocks frame (``sealed``: after its Seal on a ``mac`` lane) and then their payloads,
-    each with the release that unpins it; each Miss as its own frame."""
+    """A part of a Pull's answers (SERVE_PART entries at most, so a Blocks frame's body stays
+    small) as the bytes that go on the lane, in order: each run of blocks served as one Blocks
+    frame (``sealed``: after its Seal on a ``mac`` lane) and then their payloads, each with the
+    release that unpins it; each Miss as its own frame."""
     pieces: list[tuple[bytes | memoryview, Callable[[], None] | None]] = []
     run: list[tuple[p.Block, memoryview, Callable[[], None]]] = []
 
@@ -524,8 +524,6 @@ def _answer_pieces(answers: Sequence[tuple[p.Block, memoryview, Callable[[], Non
     for answer in answers:
         if isinstance(answer, tuple):
             run.append(answer)
-            if len(run) >= BLOCKS_RUN:
-                end_run()
         else:
             end_run()
             pieces.append((sealed(p.encode(answer, request_id)), None))

@@ -505,7 +505,7 @@ class BlocksHeader:
 
     request_id: int
     blocks: tuple[Block, ...]
-    body: bytes = b""                 # the frame's body as it came (a mac lane's seal covers it)
+    body: bytes                       # the frame's body as it came (a mac lane's seal covers it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -184,8 +184,8 @@ class PeerServerProtocol(QuicConnectionProtocol):
             for item in decoder:
                 if isinstance(item, p.Frame):
                     self._request(peer, sid, item)
-                else:          # a Block is an answer, never a request
-                    raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block frame sent as a request", fatal=True,
+                else:          # a Block or Blocks frame is an answer, never a request
+                    raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block or Blocks frame sent as a request", fatal=True,
                                           request_id=getattr(item, "request_id", 0))
         except p.ProtocolError as exc:
             self._error(sid, exc.request_id or 0, exc.code, str(exc), end=True)

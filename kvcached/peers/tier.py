@@ -511,11 +511,13 @@ class _Fetch:
         task = asyncio.current_task()
         assert task is not None
         hedges: set[asyncio.Future[None]] = set()
-        state = {"first running": True, "won": False}
+        first_running = True
+        won = False                            # a hedge brought every key while the first attempt ran
 
         def settled(_: asyncio.Future[None]) -> None:
-            if state["first running"] and not state["won"] and all(k in self.got for k in keys):
-                state["won"] = True            # a hedge brought them all: stop the first attempt
+            nonlocal won
+            if first_running and not won and all(k in self.got for k in keys):
+                won = True                     # stop the first attempt
                 self.losers.add(task)
                 task.cancel()
 
@@ -531,11 +533,11 @@ class _Fetch:
             try:
                 await self._attempt(name, keys)
             except asyncio.CancelledError:
-                if not state["won"]:
+                if not won:
                     raise                      # the deadline: the fetch ends (the hedges too, below)
                 task.uncancel()
             finally:
-                state["first running"] = False
+                first_running = False
                 timer.cancel()
                 self.losers.discard(task)
             pending = {h for h in hedges if not h.done()}

@@ -243,8 +243,9 @@ def test_a_lane_cut_mid_payload_leaves_no_block_and_quic_brings_it(tmp_path: Pat
 
 def test_bad_frames_on_a_lane_are_answered_with_errors_and_lose_nothing(tmp_path: Path, mode: str) -> None:
     """A verified peer that sends a request that is not a Pull, a body that does not parse, then
-    a header over the limit: an Error answers each (the last one ends the lane), and the same
-    server goes on serving pulls."""
+    a header over the limit: an Error answers each (the last one ends the lane). On a second
+    lane, a Blocks frame sent as a request: an Error, and that lane ends too. The same server
+    goes on serving pulls."""
     tls_only(mode)
 
     async def body() -> None:
@@ -254,7 +255,7 @@ def test_bad_frames_on_a_lane_are_answered_with_errors_and_lose_nothing(tmp_path
             lane = LaneClient(PeerAuth.from_files(str(c.files.ca), str(cert), str(key), [A]), A, c.addr(A), 1 << 20)
             reader, writer = await asyncio.open_connection(*c.addr(A), ssl=client_context(lane.auth), server_hostname=A)
 
-            async def answer() -> p.Error:
+            async def answer(reader: asyncio.StreamReader = reader) -> p.Error:
                 decoder = p.FrameDecoder()
                 while True:
                     data = await asyncio.wait_for(reader.read(1 << 16), 5)
@@ -272,6 +273,12 @@ def test_bad_frames_on_a_lane_are_answered_with_errors_and_lose_nothing(tmp_path
             writer.write(p.HEADER.pack(64 << 20, p.VERSION, p.Pull.TYPE, 0, 5))
             assert (await answer()).code == p.ErrorCode.TOO_LARGE
             assert await asyncio.wait_for(reader.read(1 << 16), 5) == b"", "a lost framing ends the lane"
+            writer.close()
+            reader, writer = await asyncio.open_connection(*c.addr(A), ssl=client_context(lane.auth), server_hostname=A)
+            writer.write(p.encode(p.Blocks([p.Block.of(bytes(32), 0, "m", b"x")]), 6) + b"x")   # an answer, as a request
+            error = await answer(reader)
+            assert error.code == p.ErrorCode.UNEXPECTED and "Blocks" in error.message
+            assert await asyncio.wait_for(reader.read(1 << 16), 5) == b""
             writer.close()
             sink = Collect()
             wanted = [(it.address.digest, it.address.layer) for it in items(range(2))]

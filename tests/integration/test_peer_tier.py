@@ -333,13 +333,18 @@ def slow_serving(node: Node, delay: float) -> None:
     node.t.serve_pull = slow                           # type: ignore[method-assign]
 
 
+async def held_by_a_and_c(c: Cluster, n: int) -> None:
+    """Blocks 0..n-1 put on A and C, and B told of both holders."""
+    for name in (A, C):
+        await c[name].store.put(items(range(n)))
+    await until(lambda: c[B].t.directory.count(A) == n and c[B].t.directory.count(C) == n, "announcements")
+
+
 def test_hedged_pull_asks_the_next_holder(tmp_path: Path) -> None:
     async def body() -> None:
         async with cluster(tmp_path, hedge_s=0.05, pull_timeout_s=3.0) as c:
             b, n = c[B], 4
-            for name in (A, C):
-                await c[name].store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n and b.t.directory.count(C) == n, "announcements")
+            await held_by_a_and_c(c, n)
             slow_serving(c[A], 0.6)                   # A is B's first choice (configuration order)
             start = time.monotonic()
             await get_exact(b, range(n))
@@ -352,9 +357,7 @@ def test_hedged_pull_does_not_wait_for_the_slow_peer(tmp_path: Path) -> None:
     async def body() -> None:
         async with cluster(tmp_path, hedge_s=0.05, pull_timeout_s=3.0) as c:
             b, n = c[B], 4
-            for name in (A, C):
-                await c[name].store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n and b.t.directory.count(C) == n, "announcements")
+            await held_by_a_and_c(c, n)
             slow_serving(c[A], 1.2)
             start = time.monotonic()
             await get_exact(b, range(n))
@@ -375,9 +378,7 @@ def test_a_deadline_with_a_hedge_in_flight_stops_every_attempt_before_the_fetch_
     async def body() -> None:
         async with cluster(tmp_path, hedge_s=0.05, pull_timeout_s=0.4) as c:
             b, n = c[B], 4
-            for name in (A, C):
-                await c[name].store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n and b.t.directory.count(C) == n, "announcements")
+            await held_by_a_and_c(c, n)
             slow_serving(c[A], 1.5)
             slow_serving(c[C], 1.5)
             start = time.monotonic()
