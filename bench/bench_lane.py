@@ -22,7 +22,8 @@ datagrams, and one pulling from the mac daemon with its pulls striped over 4 lan
   and compared on arrival ("bare TLS pair + BLAKE3", "bare TCP pair + BLAKE3"), and a uvloop pair ("uvloop pair +
   BLAKE3": this file's server as one uvloop event loop, a buffered protocol on the benchmark's
   loop reading into a preallocated buffer and checking BLAKE3 as each payload completes; no
-  kvcached code). The first says what the checksum costs, the second what an asyncio process on
+  kvcached code), plain and over asyncio's TLS ("uvloop TLS pair + BLAKE3": memory BIOs, as the
+  tls lane). The first says what the checksum costs, the second what an asyncio process on
   each end costs on top; the lane's own overhead is its ratio to them;
 - redis-py GET: redis-server on TCP 127.0.0.1 holding the same blocks, one GET per block (skipped,
   with a note, where redis-server or redis-py is missing; ``make system-deps`` installs it).
@@ -118,7 +119,7 @@ def bare_server_main(args: argparse.Namespace) -> int:
 
     if args.uvloop:
         listener.close()
-        return _uvloop_server(args.port, blocks, Path(args.ready))
+        return _uvloop_server(args.port, blocks, Path(args.ready), ctx)
     Path(args.ready).write_text("ready")
     while True:
         conn, _ = listener.accept()
@@ -126,9 +127,10 @@ def bare_server_main(args: argparse.Namespace) -> int:
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
 
-def _uvloop_server(port: int, blocks: dict[bytes, bytes], ready: Path) -> int:
+def _uvloop_server(port: int, blocks: dict[bytes, bytes], ready: Path, ctx: ssl.SSLContext | None) -> int:
     """The same answers from one uvloop event loop: a protocol that writes the payloads of each
-    whole request (the floor of an asyncio server, next to the daemon's)."""
+    whole request (the floor of an asyncio server, next to the daemon's); over TLS with ``ctx``
+    (asyncio's TLS: memory BIOs, as the lane's)."""
     import asyncio
 
     import uvloop
@@ -149,7 +151,7 @@ def _uvloop_server(port: int, blocks: dict[bytes, bytes], ready: Path) -> int:
                 self.transport.writelines([blocks[digests[i:i + 32]] for i in range(0, len(digests), 32)])
 
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Serve, "127.0.0.1", port)
+        server = await asyncio.get_running_loop().create_server(Serve, "127.0.0.1", port, ssl=ctx)
         ready.write_text("ready")
         await server.serve_forever()
 
@@ -197,7 +199,8 @@ class UvloopClient:
         self.digests: Sequence[bytes] = ()
         self.done: Any = None
 
-    async def open(self, port: int) -> None:
+    async def open(self, port: int, certs: Path | None = None) -> None:
+        """Connect to a uvloop bare server on ``port``; over TLS with ``certs``."""
         import asyncio
 
         client = self
@@ -209,7 +212,9 @@ class UvloopClient:
             def buffer_updated(self, nbytes: int) -> None:
                 client.arrived(nbytes)
 
-        self.transport, _ = await asyncio.get_running_loop().create_connection(Read, "127.0.0.1", port)
+        ctx = _ctx(certs, "node-b", server=False) if certs is not None else None
+        self.transport, _ = await asyncio.get_running_loop().create_connection(
+            Read, "127.0.0.1", port, ssl=ctx, server_hostname="node-a" if ctx is not None else None)
 
     def arrived(self, nbytes: int) -> None:
         start, self.got = self.got, self.got + nbytes
@@ -237,12 +242,12 @@ class UvloopClient:
 
 def start_bare(stack: contextlib.ExitStack, tmp: Path, certs: Path, blocks: dict[int, int], kind: str) -> int:
     """A bare server subprocess of ``kind``: "tls" or "tcp" (threads, blocking sockets) or
-    "uvloop" (one event loop); returns its port."""
+    "uvloop" or "uvloop-tls" (one event loop); returns its port."""
     port = free_port(socket.SOCK_STREAM)
     ready = tmp / f"bare-{kind}.ready"
     argv = [sys.executable, str(Path(__file__).resolve()), "--bare-server", "--port", str(port), "--certs",
             str(certs), "--blocks", json.dumps(blocks), "--ready", str(ready)]
-    argv += {"tls": ["--tls"], "uvloop": ["--uvloop"]}.get(kind, [])
+    argv += {"tls": ["--tls"], "uvloop": ["--uvloop"], "uvloop-tls": ["--uvloop", "--tls"]}.get(kind, [])
     proc = Proc(f"bare-{kind}", argv, cwd=tmp, log=tmp / f"bare-{kind}.log")
     stack.callback(proc.stop)
     deadline = time.monotonic() + 60
@@ -344,9 +349,11 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
         for client in bare.values():
             stack.callback(client.close)
         checksums = {d: blake3.blake3(v).digest() for size in blocks for d, v in zip(digests[size], payloads[size])}
-        floor = UvloopClient(checksums)
+        floor, tls_floor = UvloopClient(checksums), UvloopClient(checksums)
         lt.call(floor.open(start_bare(stack, tmp, certs, blocks, "uvloop")), 30)
-        stack.callback(lambda: lt.loop.call_soon_threadsafe(floor.close))
+        lt.call(tls_floor.open(start_bare(stack, tmp, certs, blocks, "uvloop-tls"), certs), 30)
+        for f in (floor, tls_floor):
+            stack.callback(lambda f=f: lt.loop.call_soon_threadsafe(f.close))
         redis = start_redis(stack, tmp, ram_gib, tcp_port=free_port(socket.SOCK_STREAM))
         if redis is not None:
             for size in blocks:
@@ -380,6 +387,7 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
                 "bare TCP pair": lambda b, s=size: bare[False].batch(b, s),
                 "bare TCP pair + BLAKE3": lambda b, s=size: bare[False].batch(b, s, checksums),
                 "uvloop pair + BLAKE3": lambda b, s=size: lt.call(floor.batch(b, s)),
+                "uvloop TLS pair + BLAKE3": lambda b, s=size: lt.call(tls_floor.batch(b, s)),
                 "QUIC 16000": lambda b, s=size: lt.call(tiers["quic"].tier_batch(b, s))}
             if redis is not None:
                 sides["redis-py GET"] = lambda b, s=size: redis_batch(b, s)
@@ -401,7 +409,9 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
                 row("lane tls", "redis-py GET")
                 row("lane mac", "redis-py GET")
             row("lane tls", "bare TLS pair + BLAKE3")
+            row("lane tls", "uvloop TLS pair + BLAKE3")
             row("bare TLS pair + BLAKE3", "bare TLS pair")
+            row("uvloop TLS pair + BLAKE3", "bare TLS pair")
             row("lane mac", "bare TCP pair + BLAKE3")
             row("lane mac", "uvloop pair + BLAKE3")
             row("bare TCP pair + BLAKE3", "bare TCP pair")
