@@ -110,6 +110,7 @@ system-deps:
 	command -v fio >/dev/null || missing="$$missing fio"; \
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
+	command -v etcd >/dev/null || missing="$$missing etcd-server"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
 		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \

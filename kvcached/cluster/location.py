@@ -1,0 +1,247 @@
+"""Where blocks are, kept by their home nodes (sans-I/O; the clock is passed in).
+
+Three parts, one per role a daemon plays for a block:
+
+- :class:`HomeRecords`, the home's side: for the buckets this daemon is a home of
+  (:mod:`kvcached.cluster.placement`), which members hold which block. Filled by the holders'
+  announcements (gained, dropped, and a full listing when a holder (re)connects), emptied of a
+  member the moment its lease ends (:meth:`HomeRecords.forget`), and of the buckets it is no
+  longer a home of once the move's grace is over.
+- :class:`Publisher`, the holder's side: the blocks this daemon gained and dropped, batched per
+  home; after the homes of some buckets changed, its blocks in them, for their new homes.
+- :class:`LookupPlan`, the asker's side: which home to ask for which key, one request per home.
+
+Keys are wire keys (``digest | u32 layer``, :func:`kvcached.peers.directory.wire_key`), the
+bytes the peer protocol carries: no hashing on receipt. A record costs one dict entry (the key
+and a small int, or a tuple of ints where several members hold the block; members are interned
+as ints).
+
+During a move (a member joined or left), a lookup of a moved bucket asks both its first usable
+new home and its first usable old home, for ``grace_s`` after the change: the old home still has
+the records until the holders have re-published to the new one (one announcement round, plus a
+connection), and asking both costs one more request only for the moved buckets. Why not a
+grace period alone: for a join, the new home is empty until the holders re-publish, and a
+lookup in that window would miss blocks that are there.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from kvcached.cluster.placement import Move, Placement
+
+__all__ = ["HomeRecords", "Publisher", "LookupPlan", "MOVE_GRACE_S"]
+
+MOVE_GRACE_S = 10.0          # a moved bucket is asked of its old home too, this long after the move
+
+
+class HomeRecords:
+    """The location records a home keeps (see the module). ``bucket_of(key)`` says a wire
+    key's bucket (:meth:`Placement.bucket_of_key`), used to drop what this home no longer homes."""
+
+    def __init__(self, bucket_of: Callable[[bytes], int]) -> None:
+        self.bucket_of = bucket_of
+        self._records: dict[bytes, int | tuple[int, ...]] = {}
+        self._ids: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._next = 0
+        self._listing: dict[str, tuple[int, int, set[bytes]]] = {}   # holder -> (listing id, next part, keys)
+        self.forgotten = 0          # records dropped because their holder left
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def _id(self, name: str) -> int:
+        ident = self._ids.get(name)
+        if ident is None:
+            ident = self._ids[name] = self._next
+            self._names[ident] = name
+            self._next += 1
+        return ident
+
+    # -- what holders say --
+
+    def gained(self, holder: str, keys: Iterable[bytes]) -> None:
+        ident, records = self._id(holder), self._records
+        for key in keys:
+            have = records.get(key)
+            if have is None:
+                records[key] = ident
+            elif isinstance(have, int):
+                if have != ident:
+                    records[key] = (have, ident)
+            elif ident not in have:
+                records[key] = have + (ident,)
+
+    def dropped(self, holder: str, keys: Iterable[bytes]) -> None:
+        ident = self._ids.get(holder)
+        if ident is None:
+            return
+        for key in keys:
+            self._without(key, ident)
+
+    def listing(self, holder: str, listing_id: int, part: int, last: bool, keys: Sequence[bytes]) -> bool:
+        """One part of a holder's full listing of its blocks homed here. When the last part is
+        in, it replaces all that was recorded of that holder (the parts before stay unused till
+        then). Parts must come in order under one listing id; returns False (and abandons the
+        listing) for a part out of order."""
+        if part == 0:
+            self._listing[holder] = (listing_id, 0, set())
+        current = self._listing.get(holder)
+        if current is None or current[0] != listing_id or current[1] != part:
+            self._listing.pop(holder, None)
+            return False
+        current[2].update(keys)
+        if not last:
+            self._listing[holder] = (listing_id, part + 1, current[2])
+            return True
+        del self._listing[holder]
+        listed = current[2]
+        ident = self._id(holder)
+        stale = [key for key, have in self._records.items()
+                 if key not in listed and (have == ident if isinstance(have, int) else ident in have)]
+        for key in stale:
+            self._without(key, ident)
+        self.gained(holder, listed)
+        return True
+
+    def forget(self, holder: str) -> int:
+        """Drop every record of ``holder`` (its lease ended); returns how many keys it held."""
+        ident = self._ids.pop(holder, None)
+        self._listing.pop(holder, None)
+        if ident is None:
+            return 0
+        del self._names[ident]
+        mine = [key for key, have in self._records.items() if (have == ident if isinstance(have, int) else ident in have)]
+        for key in mine:
+            self._without(key, ident)
+        self.forgotten += len(mine)
+        return len(mine)
+
+    def keep_buckets(self, homed: Callable[[int], bool]) -> int:
+        """Drop the records of every bucket ``homed`` says this home no longer homes; returns how many."""
+        gone = [key for key in self._records if not homed(self.bucket_of(key))]
+        for key in gone:
+            del self._records[key]
+        return len(gone)
+
+    def _without(self, key: bytes, ident: int) -> None:
+        have = self._records.get(key)
+        if have is None:
+            return
+        if isinstance(have, int):
+            if have == ident:
+                del self._records[key]
+            return
+        rest = tuple(i for i in have if i != ident)
+        if len(rest) == len(have):
+            return
+        self._records[key] = rest[0] if len(rest) == 1 else rest
+
+    # -- what askers want --
+
+    def holders(self, key: bytes) -> tuple[str, ...]:
+        have = self._records.get(key)
+        if have is None:
+            return ()
+        names = self._names
+        return (names[have],) if isinstance(have, int) else tuple(names[i] for i in have)
+
+    def locate(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
+        return [self.holders(key) for key in keys]
+
+    def keys_of(self, holder: str) -> list[bytes]:
+        """Every key recorded for ``holder`` (tests, Stats)."""
+        ident = self._ids.get(holder)
+        if ident is None:
+            return []
+        return [key for key, have in self._records.items() if (have == ident if isinstance(have, int) else ident in have)]
+
+
+@dataclass
+class Publisher:
+    """What this daemon (``me``) tells the homes of its blocks (see the module).
+
+    :meth:`changed` takes what the index gained and dropped (wire key -> held); :meth:`take`
+    hands out, per home, what is due to it. After a membership change, :meth:`moved` queues this
+    daemon's blocks of each moved bucket for the homes that bucket gained."""
+
+    me: str
+    placement: Placement
+    pending: dict[str, dict[bytes, bool]] = field(default_factory=lambda: defaultdict(dict))
+
+    def changed(self, changes: dict[bytes, bool]) -> None:
+        homes_of, bucket_of, pending = self.placement.homes_of, self.placement.bucket_of_key, self.pending
+        for key, held in changes.items():
+            for home in homes_of(bucket_of(key)):
+                pending[home][key] = held
+
+    def moved(self, moves: Sequence[Move], held: Iterable[bytes]) -> int:
+        """Queue this daemon's blocks (``held``, its wire keys) of the moved buckets for their
+        new homes; returns how many announcements that made."""
+        gained_homes = {m.bucket: [h for h in m.new if h not in m.old] for m in moves}
+        gained_homes = {b: homes for b, homes in gained_homes.items() if homes}
+        if not gained_homes:
+            return 0
+        count, bucket_of, pending = 0, self.placement.bucket_of_key, self.pending
+        for key in held:
+            for home in gained_homes.get(bucket_of(key), ()):
+                pending[home][key] = True
+                count += 1
+        return count
+
+    def forget_home(self, home: str) -> None:
+        """``home`` left: nothing more is due to it."""
+        self.pending.pop(home, None)
+
+    def take(self, home: str) -> dict[bytes, bool]:
+        return self.pending.pop(home, {})
+
+    def due(self) -> list[str]:
+        return [home for home, keys in self.pending.items() if keys]
+
+
+@dataclass
+class LookupPlan:
+    """Which home to ask for which key (see the module). ``usable(name)`` says whether a member
+    may be asked now (alive, not backed off); ``recent`` holds, per bucket moved less than
+    ``grace_s`` ago, its old homes and when it moved."""
+
+    placement: Placement
+    grace_s: float = MOVE_GRACE_S
+    recent: dict[int, tuple[tuple[str, ...], float]] = field(default_factory=dict)
+
+    def moved(self, moves: Sequence[Move], now: float) -> None:
+        for move in moves:
+            old = self.recent.get(move.bucket)
+            # a bucket moved twice within the grace keeps its older homes too
+            homes = tuple(dict.fromkeys(move.old + (old[0] if old else ())))
+            self.recent[move.bucket] = (homes, now)
+
+    def expire(self, now: float) -> list[int]:
+        """Forget the moves older than the grace; returns their buckets (a home drops the
+        records of those it no longer homes then)."""
+        gone = [b for b, (_, at) in self.recent.items() if now - at >= self.grace_s]
+        for bucket in gone:
+            del self.recent[bucket]
+        return gone
+
+    def plan(self, keys: Sequence[bytes], usable: Callable[[str], bool], now: float) -> dict[str, list[bytes]]:
+        """Per home, the keys to ask it for: each key of the first usable home of its bucket,
+        and, for a bucket moved within the grace, of its first usable old home as well. A key
+        no usable home serves is in no list (a miss: nobody can say where it is)."""
+        asks: dict[str, list[bytes]] = defaultdict(list)
+        homes_of, bucket_of, recent = self.placement.homes_of, self.placement.bucket_of_key, self.recent
+        for key in keys:
+            bucket = bucket_of(key)
+            first = next((h for h in homes_of(bucket) if usable(h)), None)
+            if first is not None:
+                asks[first].append(key)
+            moved = recent.get(bucket)
+            if moved is not None and now - moved[1] < self.grace_s:
+                old = next((h for h in moved[0] if h != first and usable(h)), None)
+                if old is not None:
+                    asks[old].append(key)
+        return dict(asks)

@@ -1,0 +1,187 @@
+"""Cluster membership against a real etcd (kvcached.cluster.etcd): register, watch, leave, die,
+etcd away and back, refused registrations, mutual TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+
+import pytest
+
+from kvcached.certs import make_cluster
+from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
+from kvcached.cluster.member import Member, member_key
+from kvcached.cluster.view import Change, MembershipView
+from tests.etcd_server import EtcdServer, etcd_binary
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (make system-deps)")]
+
+LEASE_S = 2
+PREFIX = "/kvcached-test"
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    yield server
+    server.stop()
+
+
+async def until(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> float:
+    """Seconds until ``cond()`` holds; fails the test with ``what`` after ``timeout``."""
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+class Node:
+    """One daemon's membership, as the daemon keeps it, with every change it was told of."""
+
+    def __init__(self, endpoint: str, name: str, **tls: bytes) -> None:
+        self.changes: list[Change] = []
+        self.membership = EtcdMembership(EtcdSettings((endpoint,), prefix=PREFIX, lease_s=LEASE_S, **tls),
+                                         Member(name, "127.0.0.1", 7400, 7400, 1 << 30, "test"),
+                                         MembershipView(PREFIX), self.changes.append)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return self.membership.view.names
+
+
+Start = Callable[[str], Awaitable[Node]]
+
+
+@contextlib.asynccontextmanager
+async def cluster(etcd: EtcdServer) -> AsyncIterator[Start]:
+    """Start nodes on ``etcd`` as the test asks; each is stopped (lease revoked) at the end."""
+    started: list[Node] = []
+
+    async def start(name: str) -> Node:
+        node = Node(etcd.endpoint, name)
+        assert await node.membership.start(wait_s=10)
+        started.append(node)
+        return node
+
+    try:
+        yield start
+    finally:
+        for node in started:
+            await node.membership.stop()
+
+
+def run(body: Callable[[Start], Awaitable[None]], etcd: EtcdServer) -> None:
+    async def main() -> None:
+        async with cluster(etcd) as start:
+            await body(start)
+
+    asyncio.run(main())
+
+
+def test_daemons_register_and_see_each_other_join_and_leave(etcd: EtcdServer) -> None:
+    async def body(nodes: Start) -> None:
+        a = await nodes("node-a")
+        b = await nodes("node-b")
+        await until(lambda: a.names == {"node-a", "node-b"}, "a to see b join")
+        assert b.names == {"node-a", "node-b"}
+        assert a.membership.view.members["node-b"] == b.membership.me
+        started = time.monotonic()
+        await b.membership.stop()                                   # a clean leave: the lease is revoked
+        await until(lambda: a.names == {"node-a"}, "a to see b leave", timeout=LEASE_S)
+        assert time.monotonic() - started < 1.0                     # at once, not a lease later
+        assert [m.name for c in a.changes for m in c.left] == ["node-b"]
+
+    run(body, etcd)
+
+
+def test_a_dead_daemon_is_out_of_every_view_within_the_lease(etcd: EtcdServer) -> None:
+    async def body(nodes: Start) -> None:
+        a, b = await nodes("node-a"), await nodes("node-b")
+        c = await nodes("node-c")
+        await until(lambda: a.names == b.names == {"node-a", "node-b", "node-c"}, "all to see all")
+        for task in c.membership._tasks:        # c dies: no refresh, no revoke, its client simply gone
+            task.cancel()
+        await c.membership._client.close()
+        c.membership._client = None
+        died = time.monotonic()
+        await until(lambda: "node-c" not in a.names and "node-c" not in b.names, "c out of every view",
+                    timeout=LEASE_S + 1)
+        assert time.monotonic() - died <= LEASE_S + 1
+
+    run(body, etcd)
+
+
+def test_etcd_away_keeps_the_last_membership_and_recovers(etcd: EtcdServer) -> None:
+    async def body(nodes: Start) -> None:
+        a, b = await nodes("node-a"), await nodes("node-b")
+        await until(lambda: a.names == {"node-a", "node-b"}, "a to see b")
+        etcd.kill()
+        await until(lambda: not a.membership.reachable, "a to notice etcd is away", timeout=LEASE_S * 3)
+        await asyncio.sleep(LEASE_S * 1.5)                          # past the lease: nobody is dropped meanwhile
+        assert a.names == b.names == {"node-a", "node-b"}
+        etcd.start()
+        await until(lambda: a.membership.reachable and b.membership.reachable, "etcd reachable again", timeout=15)
+        c = await nodes("node-c")                                   # membership works again: a sees a newcomer
+        await until(lambda: a.names == b.names == {"node-a", "node-b", "node-c"}, "a and b to see c", timeout=15)
+        assert c.names == {"node-a", "node-b", "node-c"}
+
+    run(body, etcd)
+
+
+def test_a_lost_lease_is_registered_again(etcd: EtcdServer) -> None:
+    async def body(nodes: Start) -> None:
+        a, b = await nodes("node-a"), await nodes("node-b")
+        await until(lambda: a.names == {"node-a", "node-b"}, "a to see b")
+        await a.membership._client.lease.revoke(b.membership.lease_id)     # as if etcd had expired it
+        await until(lambda: b.membership.counters.lease_losses == 1, "b to notice", timeout=LEASE_S * 2)
+        await until(lambda: "node-b" in a.names and b.membership.counters.registrations == 2, "b back", timeout=LEASE_S * 2)
+
+    run(body, etcd)
+
+
+def test_a_registration_that_cannot_be_used_is_refused_and_counted(etcd: EtcdServer) -> None:
+    async def body(nodes: Start) -> None:
+        a = await nodes("node-a")
+        client = a.membership._client
+        await client.kv.put(member_key(PREFIX, "impostor"), Member("node-z", "h", 1, 1).encode())   # names another
+        await client.kv.put(member_key(PREFIX, "garbage"), b"{not json")
+        await until(lambda: a.membership.view.refused == 2, "both refused")
+        assert a.names == {"node-a"}
+        assert "names 'node-z'" in a.membership.view.refusals[member_key(PREFIX, "impostor")]
+
+    run(body, etcd)
+
+
+def test_membership_over_mutual_tls(tmp_path: Path) -> None:
+    asyncio.run(_mutual_tls(tmp_path))
+
+
+async def _mutual_tls(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    make_cluster(certs, ["etcd", "node-a", "node-b"], extra_names={"etcd": ["127.0.0.1"]})
+    server = EtcdServer(tmp_path / "etcd-tls", tls=(certs / "ca.pem", certs / "etcd.pem", certs / "etcd-key.pem"))
+    server.start()
+    try:
+        ca = (certs / "ca.pem").read_bytes()
+        a = Node(server.endpoint, "node-a", ca=ca, cert=(certs / "node-a.pem").read_bytes(),
+                 key=(certs / "node-a-key.pem").read_bytes())
+        assert await a.membership.start(wait_s=10)
+        try:
+            assert a.names == {"node-a"}
+            # no client certificate: etcd refuses, nothing is registered, the daemon says why
+            b = Node(server.endpoint, "node-b", ca=ca)
+            assert not await b.membership.start(wait_s=2)
+            assert not b.membership.reachable and b.membership.counters.errors
+            await b.membership.stop()
+            assert a.names == {"node-a"}
+        finally:
+            await a.membership.stop()
+    finally:
+        server.stop()

@@ -1,0 +1,243 @@
+"""The cluster's sans-I/O logic: registrations, the membership view, placement and location."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcached.cluster.location import HomeRecords, LookupPlan, Publisher
+from kvcached.cluster.member import Member, MemberError, member_key, name_of_key
+from kvcached.cluster.placement import Placement, member_seed, score
+from kvcached.cluster.view import MembershipView
+
+PREFIX = "/kvcached"
+
+
+def key(i: int, layer: int = 0) -> bytes:
+    return i.to_bytes(32, "little") + layer.to_bytes(4, "little")
+
+
+def reference_homes(bucket: int, names: list[str], replicas: int) -> tuple[str, ...]:
+    """Rendezvous by definition: every member's score, highest first (a tie: lower seed)."""
+    return tuple(sorted(names, key=lambda n: (-score(bucket, member_seed(n)), member_seed(n)))[:replicas])
+
+
+# -- registrations ------------------------------------------------------------------------------
+
+def test_a_registration_round_trips_and_is_checked_against_its_key() -> None:
+    m = Member("node-a", "10.0.0.5", 7400, 7401, 1 << 36, "0.1.0")
+    assert Member.decode("node-a", m.encode()) == m
+    assert name_of_key(PREFIX, member_key(PREFIX, "node-a")) == "node-a"
+    with pytest.raises(MemberError, match="names 'node-a'"):
+        Member.decode("node-b", m.encode())
+
+
+@pytest.mark.parametrize("value, why", [
+    (b"not json", "not JSON"),
+    (b"[1]", "not a JSON object"),
+    (b'{"v": 2, "name": "n"}', "format 2"),
+    (b'{"v": 1, "name": "n", "host": "", "quic_port": 1, "lane_port": 1}', "host"),
+    (b'{"v": 1, "name": "n", "host": "h", "quic_port": 0, "lane_port": 1}', "quic_port"),
+    (b'{"v": 1, "name": "n", "host": "h", "quic_port": 1, "lane_port": true}', "lane_port"),
+    (b'{"v": 1, "name": "n", "host": "h", "quic_port": 1, "lane_port": 2, "capacity_bytes": -1}', "capacity"),
+    (b"x" * 5000, "over"),
+])
+def test_a_bad_registration_is_refused_with_its_reason(value: bytes, why: str) -> None:
+    with pytest.raises(MemberError, match=why):
+        Member.decode("n", value)
+
+
+def test_member_names_and_keys_are_checked() -> None:
+    with pytest.raises(MemberError):
+        member_key(PREFIX, "a/b")
+    with pytest.raises(MemberError):
+        name_of_key(PREFIX, "/other/members/a")
+
+
+# -- the membership view ------------------------------------------------------------------------
+
+def test_the_view_follows_joins_updates_and_departures_in_revision_order() -> None:
+    view = MembershipView(PREFIX)
+    a, b = Member("a", "h1", 1, 1), Member("b", "h2", 2, 2)
+    change = view.reset([(member_key(PREFIX, "a"), a.encode())], revision=5)
+    assert [m.name for m in change.joined] == ["a"] and view.revision == 5
+    assert not view.put(member_key(PREFIX, "b"), b.encode(), revision=5)       # not newer: seen already
+    assert [m.name for m in view.put(member_key(PREFIX, "b"), b.encode(), revision=6).joined] == ["b"]
+    moved = Member("b", "h3", 2, 2)
+    assert view.put(member_key(PREFIX, "b"), moved.encode(), revision=7).updated == [moved]
+    assert [m.name for m in view.delete(member_key(PREFIX, "a"), revision=8).left] == ["a"]
+    assert view.names == {"b"}
+    # a listing after the watch broke: whoever is not in it left
+    change = view.reset([], revision=20)
+    assert [m.name for m in change.left] == ["b"] and not view.members
+
+
+def test_the_view_refuses_bad_registrations_and_uses_nothing_of_them() -> None:
+    view = MembershipView(PREFIX)
+    view.reset([(member_key(PREFIX, "a"), Member("a", "h", 1, 1).encode())], revision=1)
+    # a registration under a's key naming someone else: a is no longer used
+    change = view.put(member_key(PREFIX, "a"), Member("z", "h", 1, 1).encode(), revision=2)
+    assert [m.name for m in change.left] == ["a"] and not view.members
+    assert view.refused == 1 and "names 'z'" in view.refusals[member_key(PREFIX, "a")]
+    view.put(PREFIX + "/members/", b"{}", revision=3)             # not a member key at all
+    assert view.refused == 2 and not view.members
+
+
+# -- placement ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("members, replicas", [(1, 2), (2, 2), (5, 2), (7, 3), (40, 3)])
+def test_placement_is_rendezvous_hashing_and_independent_of_join_order(members: int, replicas: int) -> None:
+    names = [f"node-{i}" for i in range(members)]
+    p, q = Placement(replicas, bits=9), Placement(replicas, bits=9)
+    p.set_members(names)
+    for name in reversed(names):            # one at a time, the other way round
+        q.join(name)
+    for bucket in range(p.buckets):
+        assert p.homes_of(bucket) == q.homes_of(bucket) == reference_homes(bucket, names, replicas)
+
+
+def test_a_leave_moves_only_the_buckets_the_member_homed_and_a_join_only_those_it_takes() -> None:
+    names = [f"node-{i}" for i in range(12)]
+    p = Placement(2, bits=10)
+    p.set_members(names)
+    had = set(p.buckets_of("node-3").tolist())
+    moves = p.leave("node-3")
+    assert {m.bucket for m in moves} == had
+    assert all("node-3" in m.old and "node-3" not in m.new for m in moves)
+    names.remove("node-3")
+    assert all(p.homes_of(b) == reference_homes(b, names, 2) for b in range(p.buckets))
+    moves = p.join("node-new")
+    assert moves and {m.bucket for m in moves} == set(p.buckets_of("node-new").tolist())
+    assert all("node-new" in m.new for m in moves)
+
+
+def test_placement_spreads_buckets_evenly() -> None:
+    p = Placement(2, bits=16)
+    names = [f"n{i}" for i in range(100)]
+    p.set_members(names)
+    counts = [p.buckets_of(n).size for n in names]
+    mean = p.buckets * 2 / 100
+    assert sum(counts) == p.buckets * 2
+    assert max(counts) < 1.25 * mean and min(counts) > 0.75 * mean
+
+
+def test_placement_refuses_bad_settings() -> None:
+    with pytest.raises(ValueError):
+        Placement(0)
+    with pytest.raises(ValueError):
+        Placement(2, bits=30)
+
+
+# -- location --------------------------------------------------------------------------------------
+
+def test_home_records_keep_holders_per_block_and_forget_a_member_that_left() -> None:
+    home = HomeRecords(lambda k: 0)
+    home.gained("a", [key(1), key(2)])
+    home.gained("b", [key(2), key(3)])
+    home.gained("b", [key(2)])                      # twice is once
+    assert home.locate([key(1), key(2), key(3), key(4)]) == [("a",), ("a", "b"), ("b",), ()]
+    home.dropped("a", [key(2)])
+    assert home.holders(key(2)) == ("b",)
+    assert home.forget("b") == 2 and home.forgotten == 2
+    assert home.locate([key(2), key(3)]) == [(), ()] and len(home) == 1
+    home.dropped("nobody", [key(1)])                # an unknown holder changes nothing
+    assert home.holders(key(1)) == ("a",)
+
+
+def test_a_listing_replaces_what_was_known_of_its_holder_once_complete() -> None:
+    home = HomeRecords(lambda k: 0)
+    home.gained("a", [key(1), key(2)])
+    home.gained("b", [key(1)])
+    assert home.listing("a", 7, 0, False, [key(2)])
+    assert home.holders(key(1)) == ("a", "b")       # parts before the last are not used yet
+    assert home.listing("a", 7, 1, True, [key(5)])
+    assert sorted(home.keys_of("a")) == [key(2), key(5)]
+    assert home.holders(key(1)) == ("b",)
+    # a part out of order abandons the listing
+    assert home.listing("a", 8, 0, False, [key(9)])
+    assert not home.listing("a", 8, 2, True, [key(9)])
+    assert home.holders(key(9)) == ()
+
+
+def test_a_home_drops_the_records_of_buckets_it_no_longer_homes() -> None:
+    home = HomeRecords(lambda k: k[0] % 2)
+    home.gained("a", [key(1), key(2), key(3)])
+    assert home.keep_buckets(lambda bucket: bucket == 1) == 1
+    assert home.holders(key(2)) == () and home.holders(key(1)) == ("a",)
+
+
+def test_the_publisher_batches_per_home_and_republishes_moved_buckets() -> None:
+    p = Placement(2, bits=8)
+    p.set_members(["a", "b", "c", "d"])
+    pub = Publisher("a", p)
+    keys = [key(i) for i in range(200)]
+    pub.changed({k: True for k in keys})
+    pub.changed({keys[0]: False})
+    sent = {home: pub.take(home) for home in list(pub.due())}
+    for k in keys:
+        homes = p.homes_of(p.bucket_of_key(k))
+        assert all(k in sent[h] for h in homes) and sum(k in batch for batch in sent.values()) == len(homes)
+    assert all(batch[keys[0]] is False for h, batch in sent.items() if keys[0] in batch)
+    assert not pub.due()
+    moves = p.join("e")
+    queued = pub.moved(moves, keys)
+    assert queued == sum(1 for k in keys if "e" in p.homes_of(p.bucket_of_key(k)))
+    assert set(pub.due()) == ({"e"} if queued else set())
+
+
+def test_a_lookup_plan_asks_one_home_per_key_and_the_old_home_during_a_move() -> None:
+    p = Placement(2, bits=8)
+    p.set_members(["a", "b", "c"])
+    plan = LookupPlan(p, grace_s=10)
+    keys = [key(i) for i in range(100)]
+    asks = plan.plan(keys, lambda name: True, now=0)
+    assert sum(map(len, asks.values())) == len(keys)
+    for home, ks in asks.items():
+        assert all(p.homes_of(p.bucket_of_key(k))[0] == home for k in ks)
+    down = plan.plan(keys, lambda name: name != "a", now=0)         # a down: its keys go to the next home
+    assert "a" not in down and sum(map(len, down.values())) == len(keys)
+    moves = p.join("d")
+    plan.moved(moves, now=100)
+    old_homes = {m.bucket: m.old for m in moves}
+    during = plan.plan(keys, lambda name: True, now=105)
+    for k in keys:
+        bucket = p.bucket_of_key(k)
+        first = p.homes_of(bucket)[0]
+        expected = {first} | ({next(h for h in old_homes[bucket] if h != first)} if bucket in old_homes else set())
+        assert {home for home, ks in during.items() if k in ks} == expected
+    assert any(len(ks) for home, ks in during.items() if home != "d")
+    assert plan.expire(now=111) and not plan.recent
+    assert sum(map(len, plan.plan(keys, lambda name: True, now=111).values())) == len(keys)
+
+
+def test_location_end_to_end_over_many_members_in_memory() -> None:
+    """Holders publish to homes, askers plan and ask, a holder leaves, the homes forget it."""
+    rng = random.Random(5)
+    names = [f"n{i}" for i in range(20)]
+    p = Placement(2, bits=10)
+    p.set_members(names)
+    homes = {n: HomeRecords(p.bucket_of_key) for n in names}
+    held = {n: {key(rng.randrange(1000)) for _ in range(50)} for n in names}
+    for n in names:
+        pub = Publisher(n, p)
+        pub.changed({k: True for k in held[n]})
+        for home in pub.due():
+            batch = pub.take(home)
+            homes[home].gained(n, [k for k, v in batch.items() if v])
+    plan = LookupPlan(p)
+    wanted = [key(i) for i in range(1000)]
+    found: dict[bytes, set[str]] = {}
+    for home, ks in plan.plan(wanted, lambda name: True, now=0).items():
+        for k, holders in zip(ks, homes[home].locate(ks)):
+            found.setdefault(k, set()).update(holders)
+    truth: dict[bytes, set[str]] = {}
+    for n, ks in held.items():
+        for k in ks:
+            truth.setdefault(k, set()).add(n)
+    assert {k: v for k, v in found.items() if v} == truth
+    for records in homes.values():
+        records.forget("n7")
+    assert all("n7" not in records.holders(k) for records in homes.values() for k in held["n7"])
+    total = sum(len(r) for r in homes.values())
+    assert total == sum(len(p.homes_of(p.bucket_of_key(k))) for k in truth if truth[k] - {"n7"})
