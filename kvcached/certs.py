@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["CertError", "ClusterFiles", "create_ca", "issue_node", "verify_node", "make_cluster"]
+__all__ = ["CertError", "ClusterFiles", "create_ca", "issue_node", "verify_node", "make_cluster", "certificate_names"]
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca-key.pem"
@@ -144,6 +144,16 @@ def issue_node(directory: Path, name: str, extra_names: Sequence[str] = (), days
     _write_new(key_path, _key_pem(key), 0o600)
     _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return cert_path, key_path
+
+
+def certificate_names(cert_path: str | Path) -> list[str]:
+    """The DNS names a PEM certificate carries (its subjectAltName); [] if it cannot be read."""
+    try:
+        cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return []
+    return list(sans.get_values_for_type(x509.DNSName))
 
 
 def verify_node(ca_pem: bytes, cert_pem: bytes, name: str, at: datetime.datetime | None = None) -> None:

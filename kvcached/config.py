@@ -242,13 +242,17 @@ def _peers(v: list[Any]) -> None:
         if peer["name"] in names:
             raise ValueError(f"peer name {peer['name']!r} appears twice")
         names.add(peer["name"])
-        address = peer["address"]
-        if not isinstance(address, str) or not address:
-            raise ValueError(f"entry {i}: address must be HOST:PORT, got {address!r}")
-        try:
-            _host_port_or_empty(address)
-        except ValueError as exc:
-            raise ValueError(f"entry {i}: {exc}") from None
+        _host_port_entry(i, peer["address"])
+
+
+def _host_port_entry(i: int, address: object) -> None:
+    """Entry ``i`` of a list of HOST:PORT addresses."""
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"entry {i}: address must be HOST:PORT, got {address!r}")
+    try:
+        _host_port_or_empty(address)
+    except ValueError as exc:
+        raise ValueError(f"entry {i}: {exc}") from None
 
 
 def _datagram_size(v: int) -> None:
@@ -267,9 +271,13 @@ def _pull_timeout(v: float) -> None:
 
 
 def _count_1_to(most: int) -> Callable[[int], None]:
+    return _count_in(1, most)
+
+
+def _count_in(least: int, most: int) -> Callable[[int], None]:
     def check(v: int) -> None:
-        if not 1 <= v <= most:
-            raise ValueError(f"must be between 1 and {most}, got {v}")
+        if not least <= v <= most:
+            raise ValueError(f"must be between {least} and {most}, got {v}")
 
     return check
 
@@ -435,6 +443,40 @@ class QuicSection:
                                           (int, float))
 
 
+def _endpoints(v: list[Any]) -> None:
+    for i, endpoint in enumerate(v):
+        _host_port_entry(i, endpoint)
+
+
+def _member_name(v: str) -> None:
+    if v and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$", v):
+        raise ValueError(f"must be a certificate name (letters, digits, '.', '_', '-'), got {v!r}")
+
+
+def _prefix(v: str) -> None:
+    if not v.startswith("/") or len(v) > 200 or any(c in v for c in " \n\t"):
+        raise ValueError(f"must be an etcd key prefix starting with '/', without spaces, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    etcd: list[str] = _key("etcd endpoints HOST:PORT of the cluster's membership; [] (the default): no cluster, "
+                           "the static quic.peers list.", [], _endpoints)
+    name: str = _key("This daemon's member name: the name its certificate (quic.cert) carries. Required with etcd.",
+                     "", _member_name)
+    advertise: str = _key("Host (name or address) the other daemons dial this one at; \"\": quic.listen's host, "
+                          "which must then not be a wildcard.", "")
+    prefix: str = _key("etcd key prefix of the cluster (several clusters may share one etcd).", "/kvcached", _prefix)
+    lease_s: int = _key("Lease of this daemon's registration, seconds: a daemon that dies is out of every view "
+                        "this long after (2..300).", 10, _count_in(2, 300), int)
+    replicas: int = _key("Home nodes that keep the location of each block (1..8).", 2, _count_1_to(8), int)
+    placement_bits: int = _key("2**bits placement buckets (8..24): more balance the location records better "
+                               "and cost 12 bytes of table each.", 18, _count_in(8, 24), int)
+    etcd_ca: str = _key("PEM CA that signs etcd's certificate: etcd over TLS. \"\": plaintext etcd.", "")
+    etcd_cert: str = _key("PEM client certificate for etcd (with etcd_key: mutual TLS).", "")
+    etcd_key: str = _key("PEM private key of etcd_cert.", "")
+
+
 @dataclass(frozen=True)
 class LogSection:
     level: str = _key("Log level: debug, info, warning or error.", "info", _one_of("debug", "info", "warning", "error"))
@@ -447,6 +489,7 @@ SECTIONS: dict[str, type] = {
     "agent": AgentSection,
     "metrics": MetricsSection,
     "quic": QuicSection,
+    "cluster": ClusterSection,
     "log": LogSection,
 }
 
@@ -458,6 +501,7 @@ class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     quic: QuicSection = field(default_factory=QuicSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
     log: LogSection = field(default_factory=LogSection)
 
     @property
@@ -616,12 +660,35 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
                 raise ConfigError(f"quic.{name}", f"no such file: {value}")
             if not os.access(value, os.R_OK):
                 raise ConfigError(f"quic.{name}", f"not readable: {value}")
+    _check_cluster(config)
     if quic.backoff_max_s < quic.backoff_s:
         raise ConfigError("quic.backoff_max_s", f"{quic.backoff_max_s:g} is less than quic.backoff_s = {quic.backoff_s:g}")
     _check_grpc_security(config)
     unix_paths = [os.path.abspath(a.unix_path) for a in config.listeners if a.unix_path]
     if config.agent.socket and os.path.abspath(config.agent.socket) in unix_paths:
         raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")
+
+
+def _check_cluster(config: Config) -> None:
+    c, quic = config.cluster, config.quic
+    if not c.etcd:
+        return
+    if quic.peers:
+        raise ConfigError("cluster.etcd", "set either quic.peers (a static list of peers) or cluster.etcd, not both")
+    if not quic.listen:
+        raise ConfigError("quic.listen", "required when cluster.etcd is set: the other daemons dial this one there")
+    if not c.name:
+        raise ConfigError("cluster.name", "required when cluster.etcd is set: the name quic.cert carries")
+    host = parse_listen(quic.listen).host or ""
+    if not c.advertise and host.strip("[]") in ("0.0.0.0", "::", ""):
+        raise ConfigError("cluster.advertise", f"required when quic.listen ({quic.listen}) is a wildcard address")
+    if (c.etcd_cert or c.etcd_key) and not (c.etcd_ca and c.etcd_cert and c.etcd_key):
+        raise ConfigError("cluster.etcd_ca" if not c.etcd_ca else "cluster.etcd_cert" if not c.etcd_cert
+                          else "cluster.etcd_key", "etcd_ca, etcd_cert and etcd_key go together (mutual TLS to etcd)")
+    for name in ("etcd_ca", "etcd_cert", "etcd_key"):
+        value = getattr(c, name)
+        if value and not (os.path.isfile(value) and os.access(value, os.R_OK)):
+            raise ConfigError(f"cluster.{name}", f"no such readable file: {value}")
 
 
 def _check_grpc_security(config: Config) -> None:

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import grpc
@@ -38,6 +39,10 @@ from kvcached.api.access import ReadOnly
 from kvcached.api.admin_service import AdminService
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_service import KvCacheService
+from kvcached.certs import certificate_names
+from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
+from kvcached.cluster.member import Member
+from kvcached.cluster.view import Change, MembershipView
 from kvcached.config import RELOADABLE, Config, ConfigError, ListenAddress, changed_keys, parse_listen, with_reloaded
 from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, set_daemon_umask
 from kvcached.index import BlockIndex, IndexError_
@@ -87,6 +92,7 @@ class Daemon:
         self.read_only_server: grpc.aio.Server | None = None
         self.agents: AgentServer | None = None
         self.peers: PeerTier | None = None
+        self.membership: EtcdMembership | None = None
         self.health: Any = None
         self._metrics_server: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -180,7 +186,10 @@ class Daemon:
     async def _start_peers(self) -> None:
         """The peer tier: the QUIC server, and a link to each configured peer (docs/peers.md)."""
         assert self.store is not None and self.index is not None
-        q = self.config.quic
+        q, c = self.config.quic, self.config.cluster
+        if c.etcd and c.name not in certificate_names(q.cert):
+            raise StartupError(f"cluster.name: {c.name!r} is not a name quic.cert carries "
+                               f"({', '.join(certificate_names(q.cert)) or 'none'}): peers would refuse it")
         try:
             auth = PeerAuth.from_files(q.ca, q.cert, q.key, [peer["name"] for peer in q.peers])
             auth.configuration(QuicOptions())          # loads the certificate and key: fail here, not at a pull
@@ -203,7 +212,8 @@ class Daemon:
             lane_stripes=q.lane_stripes,
             backoff_s=q.backoff_s, backoff_max_s=q.backoff_max_s, max_payload=self.config.max_block_bytes,
             limits=HandshakeLimits(q.retry, q.max_handshakes, q.max_handshakes_per_source, q.max_connections,
-                                   q.handshake_timeout_s, q.stateless_replies_per_s))
+                                   q.handshake_timeout_s, q.stateless_replies_per_s),
+            member=c.name if c.etcd else None, replicas=c.replicas, placement_bits=c.placement_bits)
         self.peers = PeerTier(self.store, auth, settings)
         try:
             await self.peers.start()
@@ -213,6 +223,31 @@ class Daemon:
         self.index.presence = self.peers.presence
         log.info("peer tier listening", extra=fields(listen=q.listen or None, peers=len(q.peers),
                                                      mirror_pulls=self.config.kv.mirror_pulls))
+        if c.etcd:
+            await self._join_cluster(listen.host if listen is not None and listen.host else "")
+
+    async def _join_cluster(self, listen_host: str) -> None:
+        """Register in etcd and follow the membership ([cluster], docs/cluster.md): the peer
+        tier dials the members and shares the homes of blocks with them."""
+        peers, c = self.peers, self.config.cluster
+        assert peers is not None and peers.address is not None, "a cluster needs quic.listen (config checks it)"
+        port = peers.address[1]
+        me = Member(c.name, c.advertise or listen_host.strip("[]"), port, port,
+                    self.config.ram_bytes + int(self.config.kv.ssd_gib * (1 << 30)), __version__)
+        view = MembershipView(c.prefix)
+
+        def changed(_: Change) -> None:
+            peers.apply_membership({name: (m.host, m.quic_port) for name, m in view.members.items()})
+
+        try:
+            tls = [Path(f).read_bytes() if f else None for f in (c.etcd_ca, c.etcd_cert, c.etcd_key)]
+        except OSError as exc:
+            raise StartupError(f"cluster.etcd_ca/etcd_cert/etcd_key: {exc}") from None
+        self.membership = EtcdMembership(EtcdSettings(tuple(c.etcd), c.prefix, c.lease_s, *tls), me, view, changed)
+        peers.membership = self.membership
+        joined = await self.membership.start(wait_s=min(5.0, c.lease_s))
+        log.info("cluster joined" if joined else "cluster: etcd not reached yet, serving alone until it is",
+                 extra=fields(name=c.name, etcd=",".join(c.etcd), members=len(view.members), lease_s=c.lease_s))
 
     def _prepare_state_dirs(self) -> None:
         """Create the index and SSD directories (0700, missing parents too) or check the ones
@@ -575,6 +610,8 @@ class Daemon:
                 await self._step("grpc", server.stop(self.config.grpc.grace_s))
         if self.agents is not None:
             await self._step("agent socket", self.agents.stop())
+        if self.membership is not None:         # leave the cluster first: the others stop asking at once
+            await self._step("cluster membership", self.membership.stop())
         if self.peers is not None:
             await self._step("peer tier", self.peers.stop())
         self._winding_down.set()

@@ -159,6 +159,34 @@ def _peer_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                            ("lane_fallbacks", "peer_lane_fallbacks",
                             "Pulls that went over QUIC because the lane could not be had or broke")):
         yield CounterMetricFamily(f"kvcached_{name}", doc, value=stats[key])
+    cluster = stats.get("cluster")
+    if cluster is not None:
+        yield from _cluster_metrics(cluster)
+
+
+def _cluster_metrics(c: dict[str, Any]) -> Iterator[Metric]:
+    """A daemon in a cluster ([cluster] etcd): membership and block location (docs/cluster.md)."""
+    yield GaugeMetricFamily("kvcached_cluster_etcd_reachable", "1 while etcd answers; 0: serving with the last "
+                            "membership", value=1 if c.get("etcd_reachable") else 0)
+    yield GaugeMetricFamily("kvcached_cluster_members", "Live members of the cluster as this daemon sees them",
+                            value=len(c.get("members", [])))
+    yield GaugeMetricFamily("kvcached_cluster_home_records", "Block location records this daemon keeps as a home",
+                            value=c["home_records"])
+    locates = CounterMetricFamily("kvcached_cluster_locates", "Locate requests sent to home nodes, by outcome",
+                                  labels=["outcome"])
+    locates.add_metric(["ok"], c["locates"] - c["locate_failures"])
+    locates.add_metric(["failed"], c["locate_failures"])
+    yield locates
+    for name, key, doc in (("cluster_served_locates", "served_locates", "Locate requests answered as a home"),
+                           ("cluster_republished", "republished", "Block announcements made because a bucket "
+                            "gained a home node (membership changes)"),
+                           ("cluster_forgotten_records", "forgotten", "Location records dropped because their "
+                            "holder left the cluster"),
+                           ("cluster_lease_losses", "etcd_lease_losses", "Times this daemon's etcd lease ended "
+                            "under it (registered again at once)"),
+                           ("cluster_registrations_refused", "registrations_refused", "Member registrations in "
+                            "etcd that could not be used (bad value, a name that is not its key's)")):
+        yield CounterMetricFamily(f"kvcached_{name}", doc, value=c.get(key, 0))
 
 
 def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:

@@ -106,9 +106,15 @@ class AgentSession:
         except KvError as exc:
             return p.Error(error_code(exc), str(exc))
 
-    async def handle_waiting(self, message: p.Allocate | p.Commit | p.Load) -> p.Message:
+    async def handle_waiting(self, message: p.Allocate | p.Commit | p.Load | p.Lookup) -> p.Message:
         """The answer to an Allocate (it may wait for write-back back-pressure), a Commit or a
-        Load (they may wait for checksums, the SSD, promotions)."""
+        Load (they may wait for checksums, the SSD, promotions), or, in a cluster, a Lookup (it
+        asks the home nodes where remote blocks are first)."""
+        if isinstance(message, p.Lookup):
+            await self.store.locate(message.digests, message.layer)
+            answer = self.handle(message)
+            assert answer is not None
+            return answer
         try:
             if isinstance(message, p.Allocate):
                 await self.store.throttle_writes()

@@ -114,6 +114,15 @@ def _peer_stats(store: Store) -> dict[str, Any]:
     s = store.peers.stats()
     peers = [pb.PeerStats(name=name, up=p["up"], connected=p["connected"], blocks=p["blocks"],
                           last_error=p["last_error"]) for name, p in s.pop("peers").items()]
+    cluster = s.pop("cluster", None)
+    if cluster is not None:
+        s["cluster"] = pb.ClusterStats(
+            etcd_reachable=cluster.get("etcd_reachable", False), members=cluster.get("members", []),
+            revision=cluster.get("revision", 0), registrations_refused=cluster.get("registrations_refused", 0),
+            lease_losses=cluster.get("etcd_lease_losses", 0), home_records=cluster["home_records"],
+            locates=cluster["locates"], locate_failures=cluster["locate_failures"],
+            served_locates=cluster["served_locates"], republished=cluster["republished"],
+            forgotten=cluster["forgotten"], last_error=cluster.get("etcd_last_error", ""))
     return {"peers": peers, **s}
 
 
@@ -210,6 +219,8 @@ async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, s
     answers for any chain, so a slice's run adds to the chain's while the chain's run reached
     the slice (:class:`_Run`). ``gpu`` is the longest run of any one agent, not of a per-block
     test (:class:`_AgentRun`)."""
+    if store.asks_homes:                   # a cluster: where remote blocks are is asked of their homes first
+        await store.locate(digests, layer)
     if len(digests) <= size:
         return store.lookup(digests, layer)
     ram, longest, ssd, peer = _Run(), _Run(), _Run(), _Run()

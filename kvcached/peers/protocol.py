@@ -38,7 +38,8 @@ __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "MAX_PAYLOAD", "ErrorCode", "MissReason",
     "ProtocolError", "FrameDecoder", "encode", "decode", "Message", "Event",
     "Frame", "BlockHeader", "BlocksHeader", "PayloadChunk", "BlockEnd",
-    "Pull", "Exists", "LaneOpen", "Announce", "Drop", "Snapshot", "Block", "Blocks", "Miss", "ExistsResult", "LaneKey",
+    "Pull", "Exists", "LaneOpen", "Locate", "Announce", "Drop", "Snapshot", "Block", "Blocks", "Miss", "ExistsResult",
+    "Located", "LaneKey", "MAX_HOLDERS", "MAX_NAMES",
     "Seal", "Error",
     "REQUESTS", "EVENTS", "EARLY_DATA_TYPES", "STATE_CHANGING", "allowed_as_early_data",
 ]
@@ -49,6 +50,8 @@ MAX_BODY = 4 << 20          # bytes after the header (a Block's payload not coun
 MAX_BATCH = 65536           # entries in one frame: a full batch of addresses is 2.25 MiB
 MAX_TEXT = 1024             # bytes of one text field (UTF-8)
 MAX_PAYLOAD = 1 << 30       # the protocol's ceiling on one payload; a daemon sets its own, lower
+MAX_HOLDERS = 64            # holders of one block in a Located answer (a home names at most these)
+MAX_NAMES = 4096            # member names in one Located frame
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -227,6 +230,23 @@ class LaneOpen:
 
 
 @dataclass(frozen=True, slots=True)
+class Locate:
+    """Who holds these blocks: asked of a block's home node (kvcached.cluster.location), which
+    answers Located, entry for entry. Idempotent. The receiver answers from the location records
+    it keeps as a home; a block it keeps no record of has no holders in the answer."""
+
+    TYPE: ClassVar[int] = 0x04
+    addresses: Sequence[tuple[bytes, int]]
+
+    def encode_body(self) -> bytes:
+        return _addresses(self.addresses, "Locate")
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Locate":
+        return cls(r.entries(_ADDRESS))
+
+
+@dataclass(frozen=True, slots=True)
 class _Addresses:
     addresses: Sequence[tuple[bytes, int]]
 
@@ -377,6 +397,67 @@ class ExistsResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Located:
+    """Answer to Locate: per address asked, in order, the members that hold it (names, by
+    index into one table of names: ``u16 count | (u8 length | UTF-8) x count``, then
+    ``u32 entries | (u8 holders | u16 name index x holders) x entries``). At most
+    MAX_HOLDERS holders an entry and MAX_NAMES names a frame."""
+
+    TYPE: ClassVar[int] = 0x86
+    holders: Sequence[Sequence[str]]
+    _U8: ClassVar[struct.Struct] = struct.Struct("<B")
+
+    def encode_body(self) -> bytes:
+        index: dict[str, int] = {}
+        rows = []
+        for entry in self.holders:
+            if len(entry) > MAX_HOLDERS:
+                raise ValueError(f"Located: {len(entry)} holders of one block, over {MAX_HOLDERS}")
+            rows.append([index.setdefault(name, len(index)) for name in entry])
+        if len(index) > MAX_NAMES:
+            raise ValueError(f"Located: {len(index)} names, over {MAX_NAMES} (split the batch)")
+        names = []
+        for name in index:
+            raw = name.encode("utf-8")
+            if not 0 < len(raw) <= 255:
+                raise ValueError(f"Located: a name of {len(raw)} bytes (1..255)")
+            names.append(self._U8.pack(len(raw)) + raw)
+        return (_U16.pack(len(index)) + b"".join(names) + _count(len(rows), "Located")
+                + b"".join(self._U8.pack(len(row)) + struct.pack(f"<{len(row)}H", *row) for row in rows))
+
+    @classmethod
+    def decode_body(cls, r: _Reader) -> "Located":
+        (count,) = r.unpack(_U16)
+        if count > MAX_NAMES:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"Located: {count} names, over {MAX_NAMES}")
+        names = []
+        for _ in range(count):
+            (n,) = r.unpack(cls._U8)
+            raw = r.body[r.pos:r.pos + n]
+            if n == 0 or len(raw) != n:
+                raise ProtocolError(ErrorCode.MALFORMED, "Located: a name is empty or cut short")
+            r.pos += n
+            try:
+                names.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ProtocolError(ErrorCode.MALFORMED, "Located: a name is not UTF-8") from None
+        (entries,) = r.unpack(_U32)
+        if entries > MAX_BATCH:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"Located: {entries} entries, over the limit of {MAX_BATCH}")
+        holders: list[tuple[str, ...]] = []
+        for _ in range(entries):
+            (k,) = r.unpack(cls._U8)
+            if k > MAX_HOLDERS:
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"Located: {k} holders of one block, over {MAX_HOLDERS}")
+            ids = r.unpack(struct.Struct(f"<{k}H")) if k else ()
+            if any(i >= count for i in ids):
+                raise ProtocolError(ErrorCode.MALFORMED, f"Located: a name index past the {count} names")
+            holders.append(tuple(names[i] for i in ids))
+        r.end()
+        return cls(holders)
+
+
+@dataclass(frozen=True, slots=True)
 class LaneKey:
     """Answer to LaneOpen: a key id (named in a lane's hello) and the 32-byte key itself."""
 
@@ -435,8 +516,8 @@ class Error:
 
 _BLOCK_HEAD_MAX = Block._FIXED.size + 2 + MAX_TEXT
 
-Message = Union[Pull, Exists, LaneOpen, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, LaneKey, Seal,
-                Error]
+Message = Union[Pull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located,
+                LaneKey, Seal, Error]
 
 class _Decodable(Protocol):
     """A message class as the decoder sees it: its type byte and how its body is read."""
@@ -448,15 +529,16 @@ class _Decodable(Protocol):
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
-    Pull, Exists, LaneOpen, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, LaneKey, Seal, Error)}
+    Pull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located, LaneKey, Seal,
+    Error)}
 #: What one daemon sends another unasked; the rest are answers (and Seal, which is neither).
-REQUESTS = frozenset({Pull.TYPE, Exists.TYPE, LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+REQUESTS = frozenset({Pull.TYPE, Exists.TYPE, LaneOpen.TYPE, Locate.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
 #: Requests that get no answer (unless an Error).
 EVENTS = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
 #: Requests that may arrive as 0-RTT early data. Early data can be replayed by anyone who
 #: recorded it (RFC 8446 section 8, RFC 9001 section 9.2), so only requests that change
 #: nothing (idempotent: a replay costs bytes, not correctness) are taken from it.
-EARLY_DATA_TYPES = frozenset({Pull.TYPE, Exists.TYPE})
+EARLY_DATA_TYPES = frozenset({Pull.TYPE, Exists.TYPE, Locate.TYPE})
 #: Requests that change state at the receiver (what it believes the sender holds, the lane keys
 #: it granted): never taken as early data.
 STATE_CHANGING = frozenset({LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})

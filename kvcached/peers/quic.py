@@ -210,6 +210,13 @@ class PeerServerProtocol(QuicConnectionProtocol):
             except Exception as exc:     # a bad layer, an index error: this request fails, not the connection
                 answer = p.Error(p.ErrorCode.INVALID_ARGUMENT, str(exc))
             self._send(sid, p.encode(answer, frame.request_id), end=True)
+        elif isinstance(message, p.Locate):
+            try:
+                answer = self.handler.answer_locate(peer, message)
+            except Exception as exc:
+                log.exception("answering a Locate failed", extra={"fields": {"peer": peer}})
+                answer = p.Error(p.ErrorCode.INTERNAL, f"answering the Locate failed: {exc}")
+            self._send(sid, p.encode(answer, frame.request_id), end=True)
         elif isinstance(message, (p.Announce, p.Drop, p.Snapshot)):
             self.handler.event(peer, message, frame.request_id)
         elif isinstance(message, p.LaneOpen):
@@ -389,6 +396,19 @@ class PeerClientProtocol(QuicConnectionProtocol):
         finally:
             self._abandon(request)
 
+    async def locate(self, addresses: Sequence[tuple[bytes, int]]) -> list[tuple[str, ...]]:
+        """Ask this peer, a home of these blocks, who holds them: per address, in order, the
+        members its records name. PeerGone or ProtocolError as for a pull."""
+        request = self._start(p.Locate(addresses))
+        try:
+            located: p.Located = await request.done
+        finally:
+            self._abandon(request)
+        if len(located.holders) != len(addresses):
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"Located answers {len(located.holders)} of "
+                                  f"{len(addresses)} addresses")
+        return [tuple(h) for h in located.holders]
+
     async def lane_key(self) -> tuple[bytes, bytes]:
         """A key for ``mac`` lanes to this peer (kvcached.peers.lane_mac), granted over this
         session and valid while it lasts; asked for once, then kept. ProtocolError if the peer
@@ -462,7 +482,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
         if isinstance(message, p.ExistsResult):
             if not request.done.done():
                 request.done.set_result(message.count)
-        elif isinstance(message, p.LaneKey):
+        elif isinstance(message, (p.LaneKey, p.Located)):
             if not request.done.done():
                 request.done.set_result(message)
         elif message is not None:

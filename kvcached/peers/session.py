@@ -39,6 +39,11 @@ class PeerHandler(abc.ABC):
     def exists(self, peer: str, request: p.Exists) -> int:
         """How long a prefix of the chain this daemon holds."""
 
+    def answer_locate(self, peer: str, request: p.Locate) -> p.Located:
+        """Who holds each address asked, from the location records this daemon keeps as a home
+        (kvcached.cluster.location); a daemon that keeps none answers no holders."""
+        return p.Located([() for _ in request.addresses])
+
     @abc.abstractmethod
     def event(self, peer: str, message: p.Announce | p.Drop | p.Snapshot, request_id: int) -> None:
         """An announcement or snapshot part from ``peer``."""

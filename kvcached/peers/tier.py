@@ -33,6 +33,7 @@ from kvcached.index import PresenceFeed
 from kvcached.peers import protocol as p
 from kvcached.peers.directory import PeerDirectory, PeerHealth, wire_key
 from kvcached.peers.handshakes import HandshakeLimits
+from kvcached.peers.homes import HomeLocator
 from kvcached.peers.lane import LANE_MODES, LaneClient, LaneServer
 from kvcached.peers.lane_mac import LaneKeys, MacRefused
 from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
@@ -71,6 +72,9 @@ class PeerSettings:
     lane: str = "tls"                          # pulls over a lane (kvcached.peers.lane): "tls" or "mac"; "quic": none
     lane_retry_s: float = 30.0                 # a lane that could not be had is tried again after this
     lane_stripes: int = 1                      # connections one large pull is split over (1: none)
+    member: str | None = None                  # in a cluster ([cluster] etcd): this daemon's member name
+    replicas: int = 2                          # in a cluster: home nodes of each block
+    placement_bits: int = 18                   # in a cluster: 2**bits placement buckets
 
 
 @dataclass
@@ -105,6 +109,7 @@ class PeerLink:
     transport: Any = None
     lane: LaneClient | None = None
     lane_retry_at: float = 0.0                 # the lane failed: QUIC until then
+    task: "asyncio.Task[None] | None" = None   # the dial loop (cancelled when the member leaves)
 
 
 class PeerTier(PeerHandler):
@@ -115,6 +120,12 @@ class PeerTier(PeerHandler):
         self.links = {name: PeerLink(name, addr, PeerHealth(name, s.fail_limit, s.backoff_s, s.backoff_max_s))
                       for name, addr in s.peers.items()}
         self.directory = PeerDirectory(list(self.links))
+        #: In a cluster: where blocks are, kept by their home nodes (None: the static [quic] peers,
+        #: each announcing everything to every other, kept in ``directory``).
+        self.homes = HomeLocator(self, s.member, s.replicas, s.placement_bits) if s.member else None
+        #: In a cluster: what keeps the membership (kvcached.cluster.etcd.EtcdMembership, set by
+        #: the daemon), for Stats.
+        self.membership: Any = None
         self.tickets = ServerTickets(time.time)
         self.counters = PeerCounters()
         self.serving = 0
@@ -148,8 +159,17 @@ class PeerTier(PeerHandler):
                     self._server.close()
                     raise
         self._spawn(self._announcer())
+        if self.homes is not None:
+            self._spawn(self._own_listing())
         for link in self.links.values():
-            self._spawn(self._dial(link))
+            link.task = self._spawn(self._dial(link))
+
+    async def _own_listing(self) -> None:
+        """In a cluster: this daemon's blocks it is a home of, into its own records."""
+        assert self.homes is not None
+        loop = asyncio.get_running_loop()
+        keys = await loop.run_in_executor(None, self.store.index.present_wire_keys)
+        self.homes.own_listing(keys)
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -174,14 +194,55 @@ class PeerTier(PeerHandler):
                 await link.lane.close()
         await asyncio.sleep(0)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- membership (a cluster) --
+
+    def apply_membership(self, members: dict[str, tuple[str, int]]) -> None:
+        """The cluster's live members are now ``members`` (name -> QUIC address; this daemon's
+        own entry is left out): links to those gone are closed, links to those new dialled, a
+        member registered at a new address dialled there; only members may connect here; the
+        placement follows, and the homes of moved buckets hear of this daemon's blocks."""
+        assert self.homes is not None, "apply_membership is for a cluster ([cluster] etcd)"
+        me = self.homes.me
+        wanted = {name: addr for name, addr in members.items() if name != me}
+        left = [name for name, link in self.links.items() if wanted.get(name) != link.address]
+        for name in left:
+            self._close_link(self.links.pop(name))
+        for name, address in wanted.items():
+            if name not in self.links:
+                s = self.settings
+                link = self.links[name] = PeerLink(name, address,
+                                                   PeerHealth(name, s.fail_limit, s.backoff_s, s.backoff_max_s))
+                link.task = self._spawn(self._dial(link))
+        self.auth.peer_names = frozenset(wanted)
+        gone = [name for name in left if name not in wanted]
+        moves = self.homes.members_changed(set(wanted), gone)
+        if moves:
+            self._spawn(self.homes.republish(moves))
+
+    def _close_link(self, link: PeerLink) -> None:
+        if link.task is not None:
+            link.task.cancel()
+        if link.client is not None:
+            link.client.forget_pings()
+            link.client.close()
+        if link.transport is not None:
+            link.transport.close()
+        if link.lane is not None:
+            self._spawn(link.lane.close())
 
     # -- links: dialling, resumption, announcements --
 
     def usable_mask(self) -> int:
+        """The directory's mask of the usable peers (static peers; 0 in a cluster, which keeps
+        no directory: :meth:`holders_of` asks each link)."""
+        if self.homes is not None:
+            return 0
         now = self.clock()
         return self.directory.mask(name for name, link in self.links.items() if link.health.usable(now))
 
@@ -317,11 +378,15 @@ class PeerTier(PeerHandler):
             self._dial_failed(link, PeerGone(f"refused: {client.refused}"))    # backs off like any failure
 
     async def _snapshot(self, link: PeerLink, client: PeerClientProtocol) -> None:
+        """Send ``link``'s peer the listing of this daemon's blocks: all of them (static peers),
+        or those it is a home of (a cluster)."""
         link.snapshotting = True
         link.pending.clear()          # changes from now on are sent after the listing
         try:
             loop = asyncio.get_running_loop()
             keys = await loop.run_in_executor(None, self.store.index.present_wire_keys)
+            if self.homes is not None:
+                keys = await loop.run_in_executor(None, self.homes.listing_for, link, keys)
             self._listing = (self._listing + 1) & 0xFFFFFFFF or 1
             parts = [keys[i:i + SNAPSHOT_PART] for i in range(0, len(keys), SNAPSHOT_PART)] or [[]]
             for i, part in enumerate(parts):
@@ -340,6 +405,10 @@ class PeerTier(PeerHandler):
         and no longer holds) into each live peer's pending announcements; peers not connected
         now get a snapshot when they are."""
         changes = self.presence.take()
+        if self.homes is not None:       # a cluster: to the homes of these blocks only
+            if changes:
+                self.homes.changed(dict(changes))     # the last change of each key wins
+            return
         live = [link for link in self.links.values() if link.client is not None and link.client.verified]
         for link in live:
             link.pending.update(changes)
@@ -348,6 +417,8 @@ class PeerTier(PeerHandler):
         while True:
             await asyncio.sleep(ANNOUNCE_S)
             self._take_changes()
+            if self.homes is not None:
+                self.homes.expire()
             for link in self.links.values():
                 client = link.client
                 if link.snapshotting or not link.pending or client is None or not client.verified:
@@ -361,15 +432,44 @@ class PeerTier(PeerHandler):
 
     # -- the store's side: lookup and fetch --
 
+    @property
+    def asks_homes(self) -> bool:
+        """Whether where blocks are must be asked of their homes (a cluster: :meth:`locate`
+        before a Lookup counts peers) rather than known here already (static peers)."""
+        return self.homes is not None
+
+    async def locate(self, digests: Sequence[bytes], layer: int) -> None:
+        """In a cluster: ask the homes where these blocks are, so :meth:`held` can say (within
+        the pull deadline; what is not answered by then counts as held by no peer)."""
+        if self.homes is not None:
+            try:
+                async with asyncio.timeout(self.settings.pull_timeout_s):
+                    await self.homes.locate([wire_key(d, layer) for d in digests])
+            except TimeoutError:
+                pass
+
     def held(self, digests: Sequence[bytes], layer: int) -> list[bool]:
-        """Per digest, whether a usable peer holds it (Lookup's peer column)."""
-        if not len(self.directory):
+        """Per digest, whether a usable peer holds it (Lookup's peer column; in a cluster, as
+        the homes said within LOCATION_TTL_S)."""
+        if self.homes is None and not len(self.directory):
             return [False] * len(digests)
-        usable, directory = self.usable_mask(), self.directory
-        return [bool(directory.holders(wire_key(d, layer), usable)) for d in digests]
+        usable = self.usable_mask()
+        return [bool(self.holders_of(wire_key(d, layer), usable)) for d in digests]
 
     def holds(self, address: BlockAddress, usable: int) -> bool:
-        return bool(self.directory.holders(wire_key(address.digest, address.layer), usable))
+        """Whether a fetch of ``address`` may find it: a usable peer holds it (static), or the
+        homes said so or were not asked yet (a cluster: the fetch asks them)."""
+        key = wire_key(address.digest, address.layer)
+        if self.homes is not None and self.homes.known(key) is None:
+            return bool(self.links)
+        return bool(self.holders_of(key, usable))
+
+    def holders_of(self, key: bytes, usable: int) -> list[str]:
+        """The usable peers that hold ``key``, in the order to ask them."""
+        if self.homes is None:
+            return self.directory.holders(key, usable)
+        now, links = self.clock(), self.links
+        return [name for name in self.homes.known(key) or () if name in links and links[name].health.usable(now)]
 
     async def fetch(self, addresses: Sequence[BlockAddress], reserve: Reserve,
                     abort: Callable[[Any], None]) -> list[tuple[BlockAddress, Any, p.Block]]:
@@ -378,6 +478,8 @@ class PeerTier(PeerHandler):
         fetch = _Fetch(self, {wire_key(a.digest, a.layer): a for a in addresses}, reserve, abort)
         try:
             async with asyncio.timeout(self.settings.pull_timeout_s):   # in this task: no task, no loop turn
+                if self.homes is not None:
+                    await self.homes.locate(list(fetch.wanted))
                 await fetch.run()
         except TimeoutError:
             pass
@@ -392,8 +494,12 @@ class PeerTier(PeerHandler):
         log.info("peer dialled in", extra={"fields": {"peer": peer}})
 
     def event(self, peer: str, message: p.Announce | p.Drop | p.Snapshot, request_id: int) -> None:
-        if peer not in self.links:       # verified, yet not a configured peer: cannot happen (one list makes both)
+        if peer not in self.links:       # verified, yet not a member now (it left since it connected)
             log.warning("announcement from a peer not configured here ignored", extra={"fields": {"peer": peer}})
+            return
+        if self.homes is not None:
+            if not self.homes.event(peer, message, request_id):
+                log.warning("listing part out of order dropped", extra={"fields": {"peer": peer}})
             return
         keys = [wire_key(d, layer) for d, layer in message.addresses]
         if isinstance(message, p.Announce):
@@ -402,6 +508,11 @@ class PeerTier(PeerHandler):
             self.directory.drop(peer, keys)
         elif not self.directory.snapshot(peer, request_id, message.part, message.last, keys):
             log.warning("snapshot part out of order dropped", extra={"fields": {"peer": peer, "part": message.part}})
+
+    def answer_locate(self, peer: str, request: p.Locate) -> p.Located:
+        if self.homes is None:
+            return super().answer_locate(peer, request)
+        return self.homes.answer(request)
 
     def exists(self, peer: str, request: p.Exists) -> int:
         return self.store.local_prefix(request.digests, request.layer)
@@ -426,9 +537,12 @@ class PeerTier(PeerHandler):
         now = self.clock()
         return {"peers": {name: {"up": link.health.usable(now), "state": link.health.state.value,
                                  "connected": bool(link.client and link.client.verified),
-                                 "blocks": self.directory.count(name), "last_error": link.health.last_error}
+                                 "blocks": self.directory.count(name) if self.homes is None else 0,
+                                 "last_error": link.health.last_error}
                           for name, link in self.links.items()},
-                **{f"peer_{k}": v for k, v in vars(self.counters).items()}}
+                **{f"peer_{k}": v for k, v in vars(self.counters).items()},
+                **({"cluster": {**self.homes.stats(), **(self.membership.stats() if self.membership else {})}}
+                   if self.homes is not None else {})}
 
     def server_stats(self) -> dict[str, Any]:
         """The QUIC server's connection state and what its bounds refused (handshakes.py);
@@ -483,7 +597,7 @@ class _Fetch:
         for key in keys:
             if key in self.got:
                 continue
-            for name in self.tier.directory.holders(key, usable):
+            for name in self.tier.holders_of(key, usable):
                 if name not in self.tried[key]:
                     plan.setdefault(name, []).append(key)
                     break
@@ -556,9 +670,11 @@ class _Fetch:
 
     async def _attempt(self, name: str, keys: list[bytes]) -> None:
         tier = self.tier
-        link = tier.links[name]
         for key in keys:
             self.tried[key].add(name)
+        link = tier.links.get(name)
+        if link is None:                       # the member left since the plan was made
+            return
         sink = _Sink(self, name, set(keys))
         self.sinks.append(sink)
         try:

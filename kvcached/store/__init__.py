@@ -262,6 +262,15 @@ class Store:
     def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> LookupResult:
         return self.reader.lookup(digests, layer, agent)
 
+    async def locate(self, digests: Sequence[bytes], layer: int) -> None:
+        """Before a Lookup, in a cluster: ask where remote blocks are (ReadPath.locate)."""
+        await self.reader.locate(digests, layer)
+
+    @property
+    def asks_homes(self) -> bool:
+        """Whether a Lookup should be preceded by :meth:`locate` (a cluster)."""
+        return self.pulls.peers is not None and self.pulls.peers.asks_homes
+
     def stored_bytes(self, addresses: Sequence[BlockAddress]) -> int:
         return self.reader.stored_bytes(addresses)
 

@@ -275,6 +275,22 @@ class ReadPath(Room):
 
     # -- lookup -------------------------------------------------------------------------------
 
+    async def locate(self, digests: Sequence[bytes], layer: int) -> None:
+        """In a cluster, before a Lookup: ask the home nodes where the blocks of a chain that
+        RAM does not hold whole are, so the Lookup's peer column can count them (one round trip
+        per home, within the pull deadline). With static peers, or no peers, nothing to do."""
+        peers = self.pulls.peers
+        if peers is None or not peers.asks_homes or not digests:
+            return
+        if set(map(len, digests)) != {DIGEST_BYTES}:
+            return                                  # the Lookup itself says what is wrong
+        try:
+            keys = [index_key(d, layer) for d in digests]
+        except ValueError:
+            return                                  # a bad layer: the Lookup itself says what is wrong
+        if self.ram.resident_prefix(keys) < len(digests):
+            await peers.locate(digests, layer)
+
     def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> LookupResult:
         """Longest prefixes of a chain, each counted from the first digest: per tier what that
         tier holds (a block in RAM and on SSD counts for both), ``longest`` where each block is

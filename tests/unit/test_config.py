@@ -497,3 +497,44 @@ def test_bad_grpc_security_keys(overrides: list[str], key: str, problem: str) ->
 def test_agent_mode_bits() -> None:
     assert load_config(None, ['agent.mode="0600"']).agent.mode_bits == 0o600
     assert load_config(None, ['agent.mode="640"']).agent.mode_bits == 0o640
+
+
+# -- [cluster] ------------------------------------------------------------------------------------
+
+def _quic(tmp_path: Path, listen: str = "127.0.0.1:7500") -> list[str]:
+    pem = tmp_path / "x.pem"
+    pem.write_text("x")
+    return [f'quic.listen="{listen}"', f'quic.ca="{pem}"', f'quic.cert="{pem}"', f'quic.key="{pem}"']
+
+
+def test_a_cluster_member_loads(tmp_path: Path) -> None:
+    c = load(*_quic(tmp_path), 'cluster.etcd=["10.0.0.9:2379", "10.0.0.10:2379"]', 'cluster.name="node-a"').cluster
+    assert c.etcd == ["10.0.0.9:2379", "10.0.0.10:2379"] and c.name == "node-a"
+    assert (c.lease_s, c.replicas, c.placement_bits, c.prefix) == (10, 2, 18, "/kvcached")
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (['cluster.etcd=["e:2379"]'], "quic.listen", ("required when cluster.etcd is set",)),
+    (['cluster.etcd=["e:2379"]', "QUIC"], "cluster.name", ("required",)),
+    (['cluster.etcd=["e:2379"]', 'cluster.name="a"', 'quic.peers=[{name="b", address="h:1"}]', "QUIC"],
+     "cluster.etcd", ("either quic.peers", "not both")),
+    (['cluster.etcd=["e:2379"]', 'cluster.name="a"', "WILDCARD"], "cluster.advertise", ("wildcard",)),
+    (['cluster.etcd=["e:2379"]', 'cluster.name="a"', 'cluster.etcd_cert="/etc/hosts"', "QUIC"], "cluster.etcd_ca",
+     ("go together",)),
+    (['cluster.etcd=["e:2379"]', 'cluster.name="a"', 'cluster.etcd_ca="/nope.pem"', "QUIC"], "cluster.etcd_ca",
+     ("no such readable file",)),
+    (['cluster.etcd=["unix:/x"]'], "cluster.etcd", ("entry 0", "not a Unix socket")),
+    (['cluster.etcd=[7]'], "cluster.etcd", ("entry 0", "HOST:PORT")),
+    (['cluster.name="a/b"'], "cluster.name", ("certificate name",)),
+    (['cluster.prefix="kvcached"'], "cluster.prefix", ("starting with '/'",)),
+    (["cluster.lease_s=1"], "cluster.lease_s", ("between 2 and 300",)),
+    (["cluster.replicas=9"], "cluster.replicas", ("between 1 and 8",)),
+    (["cluster.placement_bits=30"], "cluster.placement_bits", ("between 8 and 24",)),
+])
+def test_bad_cluster_settings(tmp_path: Path, overrides: list[str], key: str, words: tuple[str, ...]) -> None:
+    expanded: list[str] = []
+    for item in overrides:
+        expanded += _quic(tmp_path) if item == "QUIC" else _quic(tmp_path, "0.0.0.0:7500") if item == "WILDCARD" else [item]
+    if key == "quic.listen":
+        expanded += ['cluster.name="a"']
+    assert_error(config_error(*expanded), key, *words)

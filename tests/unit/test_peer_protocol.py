@@ -339,11 +339,50 @@ def test_only_pull_and_exists_are_taken_as_early_data(type_: int) -> None:
 
 
 def test_type_sets() -> None:
-    assert p.REQUESTS == {0x01, 0x02, 0x03, 0x10, 0x11, 0x12}
+    assert p.REQUESTS == {0x01, 0x02, 0x03, 0x04, 0x10, 0x11, 0x12}
     assert p.EVENTS == {0x10, 0x11, 0x12}
     assert p.STATE_CHANGING == {0x03, 0x10, 0x11, 0x12}
-    assert p.EARLY_DATA_TYPES == {0x01, 0x02} == p.REQUESTS - p.STATE_CHANGING
-    assert set(p.MESSAGES) - p.REQUESTS == {0x20, 0x81, 0x82, 0x83, 0x84, 0x85, 0xFF}
+    assert p.EARLY_DATA_TYPES == {0x01, 0x02, 0x04} == p.REQUESTS - p.STATE_CHANGING
+    assert set(p.MESSAGES) - p.REQUESTS == {0x20, 0x81, 0x82, 0x83, 0x84, 0x85, 0x86, 0xFF}
+
+
+def test_locate_and_located_byte_for_byte() -> None:
+    """docs/peer-protocol.md, "Locate and Located": the test vector there."""
+    digest = bytes(range(32))
+    assert p.encode(p.Locate([(digest, 2)]), 9).hex() == (
+        "28000000" "01" "04" "0000" "09000000" "01000000" + digest.hex() + "02000000")
+    frame = p.encode(p.Located([("node-a", "node-b"), (), ("node-b",)]), 9)
+    assert frame.hex() == ("1d000000" "01" "86" "0000" "09000000"
+                           "0200" "06" + b"node-a".hex() + "06" + b"node-b".hex()
+                           + "03000000" "02" "0000" "0100" "00" "01" "0100")
+    decoder = p.FrameDecoder()
+    decoder.feed(frame)
+    event = decoder.next_event()
+    assert isinstance(event, p.Frame) and p.decode(event) == p.Located([("node-a", "node-b"), (), ("node-b",)])
+
+
+@pytest.mark.parametrize("body, code", [
+    (b"\x01\x00\x01a\x01\x00\x00\x00\x01\x05\x00", p.ErrorCode.MALFORMED),          # a name index past the table
+    (b"\x01\x00\x00", p.ErrorCode.MALFORMED),                                          # an empty name
+    (b"\x01\x00\x01\xff\x00\x00\x00\x00", p.ErrorCode.MALFORMED),                       # a name that is not UTF-8
+    (b"\x00\x00\x01\x00\x00\x00\x41", p.ErrorCode.TOO_LARGE),                            # 65 holders of one block
+    (b"\x01\x10", p.ErrorCode.TOO_LARGE),                                              # 4,097 names
+    (b"\x00\x00\x00\x00\x00\x00\x00", p.ErrorCode.MALFORMED),                            # a byte left over
+])
+def test_a_bad_located_is_refused(body: bytes, code: p.ErrorCode) -> None:
+    frame = p.Frame(p.Located.TYPE, 1, body)
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode(frame)
+    assert info.value.code == code
+
+
+def test_located_refuses_to_encode_past_its_limits() -> None:
+    with pytest.raises(ValueError, match="holders"):
+        p.Located([tuple(f"n{i}" for i in range(p.MAX_HOLDERS + 1))]).encode_body()
+    with pytest.raises(ValueError, match="names"):
+        p.Located([(f"n{i}",) for i in range(p.MAX_NAMES + 1)]).encode_body()
+    with pytest.raises(ValueError, match="1..255"):
+        p.Located([("x" * 256,)]).encode_body()
 
 
 def test_lane_messages_byte_for_byte() -> None:

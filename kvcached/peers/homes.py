@@ -1,0 +1,214 @@
+"""Block location in a cluster, for the peer tier: the I/O side of kvcached.cluster.location.
+
+In a cluster (``[cluster] etcd`` set) no daemon keeps every other daemon's block list. Each
+block has ``replicas`` home nodes (kvcached.cluster.placement); :class:`HomeLocator` plays the
+three roles of a daemon for the peer tier (kvcached.peers.tier.PeerTier):
+
+- as a holder, it routes what the index gained and dropped to the homes of those blocks, as
+  the same Announce and Drop frames a static cluster sends every peer, and on each (re)connection
+  to a home sends it a full listing (Snapshot) of this daemon's blocks homed there;
+- as a home, it keeps the records the holders send (:class:`HomeRecords`) and answers Locate;
+- as an asker, it asks the homes of the blocks no local tier holds (one Locate per home, all at
+  once) and keeps the answers for LOCATION_TTL_S, which Lookup's peer column and the fetch read.
+
+On a membership change, the records of a holder that left are dropped at once; buckets that
+moved are asked of their old homes too for the grace (LookupPlan), and this daemon's blocks in
+the buckets that gained a home are announced to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from kvcached.cluster.location import HomeRecords, LookupPlan, Publisher
+from kvcached.cluster.placement import Move, Placement
+from kvcached.peers import protocol as p
+from kvcached.peers.directory import wire_key
+
+if TYPE_CHECKING:
+    from kvcached.peers.tier import PeerLink, PeerTier
+
+__all__ = ["HomeLocator", "LocatorCounters", "LOCATION_TTL_S"]
+
+log = logging.getLogger("kvcached.peers")
+
+LOCATION_TTL_S = 2.0         # an answer from the homes is used this long (a Lookup, then the Get after it)
+CACHE_MAX = 1 << 20          # locations kept at most (the oldest go first)
+
+
+@dataclass
+class LocatorCounters:
+    locates: int = 0             # Locate requests sent to homes
+    located: int = 0             # keys asked of homes
+    locate_failures: int = 0     # Locate requests that failed (timeout, connection, error answer)
+    served_locates: int = 0      # Locate requests answered as a home
+    republished: int = 0         # announcements made because a bucket gained a home
+    forgotten: int = 0           # records dropped because their holder left
+
+
+class HomeLocator:
+    """See the module. ``me`` is this daemon's member name."""
+
+    def __init__(self, tier: "PeerTier", me: str, replicas: int, bits: int) -> None:
+        self.tier, self.me = tier, me
+        self.placement = Placement(replicas, bits)
+        self.placement.set_members({me})
+        self.records = HomeRecords(self.placement.bucket_of_key)
+        self.publisher = Publisher(me, self.placement)
+        self.plan = LookupPlan(self.placement)
+        self.counters = LocatorCounters()
+        self._cache: OrderedDict[bytes, tuple[tuple[str, ...], float]] = OrderedDict()
+
+    # -- membership --
+
+    def members_changed(self, names: Iterable[str], left: Sequence[str]) -> list[Move]:
+        """The members are now ``names`` (this daemon among them), ``left`` having left: their
+        records go at once; returns the buckets that moved (for :meth:`republish`)."""
+        for name in left:
+            self.counters.forgotten += self.records.forget(name)
+            self.publisher.forget_home(name)
+        moves = self.placement.set_members(set(names) | {self.me})
+        self.plan.moved(moves, self.tier.clock())
+        return moves
+
+    async def republish(self, moves: Sequence[Move]) -> None:
+        """Announce this daemon's blocks of the buckets that gained a home to that home (and
+        record them here where the home gained is this daemon)."""
+        if not any(set(m.new) - set(m.old) for m in moves):
+            return
+        keys = await asyncio.get_running_loop().run_in_executor(None, self.tier.store.index.present_wire_keys)
+        self.counters.republished += self.publisher.moved(moves, keys)
+        self.distribute()
+
+    def expire(self) -> None:
+        """After a move's grace: drop the records of buckets this daemon no longer homes."""
+        if self.plan.expire(self.tier.clock()):
+            placement, me = self.placement, self.me
+            self.records.keep_buckets(lambda bucket: me in placement.homes_of(bucket))
+
+    # -- as a holder --
+
+    def changed(self, changes: dict[bytes, bool]) -> None:
+        """What the index gained (True) and dropped (False), to the homes of those blocks."""
+        self.publisher.changed(changes)
+        self.distribute()
+
+    def distribute(self) -> None:
+        """Move what is due to each home into its link's pending announcements (sent by the
+        tier's announcer); what is due to this daemon goes into its own records; what is due
+        to a home not connected now is dropped: the listing sent on connection covers it."""
+        links = self.tier.links
+        for home in self.publisher.due():
+            batch = self.publisher.take(home)
+            if home == self.me:
+                self.records.gained(home, [k for k, held in batch.items() if held])
+                self.records.dropped(home, [k for k, held in batch.items() if not held])
+                continue
+            link = links.get(home)
+            if link is not None and link.client is not None and link.client.verified and not link.snapshotting:
+                link.pending.update(batch)
+
+    def listing_for(self, link: "PeerLink", keys: Sequence[bytes]) -> list[bytes]:
+        """Of this daemon's blocks (``keys``), those ``link``'s daemon is a home of."""
+        homes_of, bucket_of, name = self.placement.homes_of, self.placement.bucket_of_key, link.name
+        return [key for key in keys if name in homes_of(bucket_of(key))]
+
+    def own_listing(self, keys: Sequence[bytes]) -> None:
+        """This daemon's own blocks homed here, as its own records (at start, after a listing)."""
+        homes_of, bucket_of, me = self.placement.homes_of, self.placement.bucket_of_key, self.me
+        self.records.listing(me, 0, 0, True, [key for key in keys if me in homes_of(bucket_of(key))])
+
+    # -- as a home --
+
+    def event(self, peer: str, message: p.Announce | p.Drop | p.Snapshot, request_id: int) -> bool:
+        """A holder's announcement or listing part; False for a listing part out of order."""
+        keys = [wire_key(d, layer) for d, layer in message.addresses]
+        if isinstance(message, p.Announce):
+            self.records.gained(peer, keys)
+        elif isinstance(message, p.Drop):
+            self.records.dropped(peer, keys)
+        else:
+            return self.records.listing(peer, request_id, message.part, message.last, keys)
+        return True
+
+    def answer(self, request: p.Locate) -> p.Located:
+        self.counters.served_locates += 1
+        live = self.tier.links
+        return p.Located([tuple(h for h in self.records.holders(wire_key(d, layer))
+                                if h in live or h == self.me)[:p.MAX_HOLDERS] for d, layer in request.addresses])
+
+    # -- as an asker --
+
+    def known(self, key: bytes) -> tuple[str, ...] | None:
+        """The holders the homes named for ``key`` (this daemon left out), or None where none
+        was asked within LOCATION_TTL_S."""
+        entry = self._cache.get(key)
+        if entry is None or self.tier.clock() - entry[1] > LOCATION_TTL_S:
+            return None
+        return entry[0]
+
+    async def locate(self, keys: Sequence[bytes]) -> None:
+        """Ask the homes of ``keys`` not known now who holds them (one Locate per home, all at
+        once; a home that fails is replaced by the next for its keys, once), and keep the
+        answers. Bounded by the caller's deadline; keys no home answered stay unknown."""
+        wanted = [k for k in dict.fromkeys(keys) if self.known(k) is None]
+        failed: set[str] = set()
+        for _ in range(2):
+            if not wanted:
+                return
+            asks = self.plan.plan(wanted, lambda name: name not in failed and self._usable(name), self.tier.clock())
+            found: dict[bytes, set[str]] = {}
+            answered: set[bytes] = set()
+            results = await asyncio.gather(*(self._ask(home, ks) for home, ks in asks.items()), return_exceptions=True)
+            for (home, ks), result in zip(asks.items(), results):
+                if isinstance(result, BaseException):
+                    failed.add(home)
+                    continue
+                answered.update(ks)
+                for key, holders in zip(ks, result):
+                    found.setdefault(key, set()).update(holders)
+            now = self.tier.clock()
+            for key in answered:
+                self._remember(key, tuple(sorted(found.get(key, set()) - {self.me})), now)
+            wanted = [k for k in wanted if k not in answered]
+            if not failed:
+                return
+
+    async def _ask(self, home: str, keys: list[bytes]) -> list[tuple[str, ...]]:
+        if home == self.me:
+            return self.records.locate(keys)
+        tier = self.tier
+        link = tier.links[home]
+        self.counters.locates += 1
+        self.counters.located += len(keys)
+        try:
+            client = await tier._client(link, tier.clock() + tier.settings.pull_timeout_s)
+            answer = await client.locate([(k[:32], int.from_bytes(k[32:36], "little")) for k in keys])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.counters.locate_failures += 1
+            tier._dial_failed(link, exc)
+            raise
+        link.health.succeeded()
+        return answer
+
+    def _usable(self, name: str) -> bool:
+        if name == self.me:
+            return True
+        link = self.tier.links.get(name)
+        return link is not None and link.health.usable(self.tier.clock())
+
+    def _remember(self, key: bytes, holders: tuple[str, ...], now: float) -> None:
+        cache = self._cache
+        cache[key] = (holders, now)
+        cache.move_to_end(key)
+        while len(cache) > CACHE_MAX:
+            cache.popitem(last=False)
+
+    def stats(self) -> dict[str, Any]:
+        return {"home_records": len(self.records), "location_cache": len(self._cache), **vars(self.counters)}
