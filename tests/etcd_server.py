@@ -26,11 +26,12 @@ def _free_tcp_port() -> int:
 
 @dataclass
 class EtcdServer:
-    """One etcd member on 127.0.0.1. With ``tls`` (ca, cert, key PEM paths), clients must show
+    """One etcd member on ``host`` (default 127.0.0.1). With ``tls`` (ca, cert, key PEM paths), clients must show
     a certificate signed by ``ca`` (mutual TLS)."""
 
     data: Path
     tls: tuple[Path, Path, Path] | None = None
+    host: str = "127.0.0.1"                    # where clients reach it (peers: always 127.0.0.1)
     port: int = 0
     peer_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
@@ -41,15 +42,15 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 20.0) -> None:
         binary = etcd_binary()
         assert binary, "etcd not installed (make system-deps installs etcd-server)"
         scheme = "https" if self.tls else "http"
         argv = [binary, "--name", "test", "--data-dir", str(self.data),
-                "--listen-client-urls", f"{scheme}://127.0.0.1:{self.port}",
-                "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.port}",
+                "--listen-client-urls", f"{scheme}://{self.host}:{self.port}",
+                "--advertise-client-urls", f"{scheme}://{self.host}:{self.port}",
                 "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
                 "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
@@ -65,7 +66,7 @@ class EtcdServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.tail()}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.create_connection((self.host, self.port), timeout=0.2):
                     break
             except OSError:
                 if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ Failure rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -198,20 +199,21 @@ class EtcdMembership:
 
     async def _watch(self, prefix: str, end: bytes) -> None:
         """Take watch events until the watch must be opened anew (then the caller lists again)."""
-        async for response in self._client.watch.watch(prefix, end, start_revision=self.view.revision + 1,
-                                                       progress_notify=True):
-            if response.compact_revision or response.canceled:
-                log.info("etcd watch reopened", extra={"fields": {"compacted": response.compact_revision}})
-                return
-            self._ok()
-            for event in response.events:
-                self.counters.events += 1
-                kv = event.kv
-                name = kv.key.decode(errors="replace")
-                if event.type == event.DELETE:
-                    self._apply(self.view.delete(name, kv.mod_revision))
-                else:
-                    self._apply(self.view.put(name, kv.value, kv.mod_revision))
+        watch = self._client.watch.watch(prefix, end, start_revision=self.view.revision + 1, progress_notify=True)
+        async with contextlib.aclosing(watch):            # its stream is closed when this returns
+            async for response in watch:
+                if response.compact_revision or response.canceled:
+                    log.info("etcd watch reopened", extra={"fields": {"compacted": response.compact_revision}})
+                    return
+                self._ok()
+                for event in response.events:
+                    self.counters.events += 1
+                    kv = event.kv
+                    name = kv.key.decode(errors="replace")
+                    if event.type == event.DELETE:
+                        self._apply(self.view.delete(name, kv.mod_revision))
+                    else:
+                        self._apply(self.view.put(name, kv.value, kv.mod_revision))
 
     def _apply(self, change: Change) -> None:
         if change:

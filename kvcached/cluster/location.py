@@ -32,9 +32,10 @@ from typing import Callable, Iterable, Sequence
 
 from kvcached.cluster.placement import Move, Placement
 
-__all__ = ["HomeRecords", "Publisher", "LookupPlan", "MOVE_GRACE_S"]
+__all__ = ["HomeRecords", "Publisher", "LookupPlan", "MOVE_GRACE_S", "MAX_HOLDERS"]
 
 MOVE_GRACE_S = 10.0          # a moved bucket is asked of its old home too, this long after the move
+MAX_HOLDERS = 64             # holders kept per block (the peer protocol's Located names at most as many)
 
 
 class HomeRecords:
@@ -64,6 +65,9 @@ class HomeRecords:
     # -- what holders say --
 
     def gained(self, holder: str, keys: Iterable[bytes]) -> None:
+        """``holder`` holds ``keys``. A block already recorded with MAX_HOLDERS holders keeps
+        those: more would not help a puller (a Located answer names at most that many), and a
+        block every member holds would otherwise cost a record of N ids and O(N) per gain."""
         ident, records = self._id(holder), self._records
         for key in keys:
             have = records.get(key)
@@ -72,7 +76,7 @@ class HomeRecords:
             elif isinstance(have, int):
                 if have != ident:
                     records[key] = (have, ident)
-            elif ident not in have:
+            elif len(have) < MAX_HOLDERS and ident not in have:
                 records[key] = have + (ident,)
 
     def dropped(self, holder: str, keys: Iterable[bytes]) -> None:
@@ -228,20 +232,28 @@ class LookupPlan:
             del self.recent[bucket]
         return gone
 
-    def plan(self, keys: Sequence[bytes], usable: Callable[[str], bool], now: float) -> dict[str, list[bytes]]:
+    def plan(self, keys: Sequence[bytes], usable: Callable[[str], bool], now: float,
+             asked: dict[bytes, set[str]] | None = None) -> dict[str, list[bytes]]:
         """Per home, the keys to ask it for: each key of the first usable home of its bucket,
-        and, for a bucket moved within the grace, of its first usable old home as well. A key
-        no usable home serves is in no list (a miss: nobody can say where it is)."""
+        and, for a bucket moved within the grace, of its first usable old home as well. With
+        ``asked`` (key -> homes asked for it already: a retry, a hedge), those homes are passed
+        over for that key, and the homes chosen now are added to it. A key no usable home is
+        left for is in no list (a miss: nobody can say where it is)."""
         asks: dict[str, list[bytes]] = defaultdict(list)
         homes_of, bucket_of, recent = self.placement.homes_of, self.placement.bucket_of_key, self.recent
+        none: set[str] = set()
         for key in keys:
+            skip = asked.setdefault(key, set()) if asked is not None else none
             bucket = bucket_of(key)
-            first = next((h for h in homes_of(bucket) if usable(h)), None)
+            first = next((h for h in homes_of(bucket) if h not in skip and usable(h)), None)
             if first is not None:
                 asks[first].append(key)
             moved = recent.get(bucket)
+            old = None
             if moved is not None and now - moved[1] < self.grace_s:
-                old = next((h for h in moved[0] if h != first and usable(h)), None)
+                old = next((h for h in moved[0] if h != first and h not in skip and usable(h)), None)
                 if old is not None:
                     asks[old].append(key)
+            if asked is not None:
+                skip.update(h for h in (first, old) if h is not None)
         return dict(asks)

@@ -152,31 +152,61 @@ class HomeLocator:
         return entry[0]
 
     async def locate(self, keys: Sequence[bytes]) -> None:
-        """Ask the homes of ``keys`` not known now who holds them (one Locate per home, all at
-        once; a home that fails is replaced by the next for its keys, once), and keep the
-        answers. Bounded by the caller's deadline; keys no home answered stay unknown."""
+        """Ask the homes of ``keys`` not known now who holds them, and keep the answers: one
+        Locate per home, all at once. A key is settled by the first answer that names a holder,
+        or once every home asked for it has answered (a moved bucket's old and new homes both).
+        A home that fails, or has not answered after ``hedge_s``, is replaced by the next home
+        of its keys not settled yet (as a pull is hedged). Bounded by the caller's deadline: keys
+        no home answered stay unknown."""
         wanted = [k for k in dict.fromkeys(keys) if self.known(k) is None]
-        failed: set[str] = set()
-        for _ in range(2):
-            if not wanted:
-                return
-            asks = self.plan.plan(wanted, lambda name: name not in failed and self._usable(name), self.tier.clock())
-            found: dict[bytes, set[str]] = {}
-            answered: set[bytes] = set()
-            results = await asyncio.gather(*(self._ask(home, ks) for home, ks in asks.items()), return_exceptions=True)
-            for (home, ks), result in zip(asks.items(), results):
-                if isinstance(result, BaseException):
-                    failed.add(home)
+        if not wanted:
+            return
+        asked: dict[bytes, set[str]] = {}                    # key -> homes asked for it in this locate
+        outstanding = dict.fromkeys(wanted, 0)               # key -> asks in flight for it
+        found: dict[bytes, set[str]] = {}
+        answered: set[bytes] = set()
+        tasks: dict[asyncio.Future[list[tuple[str, ...]]], tuple[str, list[bytes]]] = {}
+
+        def settled(key: bytes) -> bool:
+            return bool(found.get(key)) or (key in answered and not outstanding[key])
+
+        def ask(ks: list[bytes]) -> None:
+            for home, home_keys in self.plan.plan(ks, self._usable, self.tier.clock(), asked).items():
+                for key in home_keys:
+                    outstanding[key] += 1
+                tasks[asyncio.ensure_future(self._ask(home, home_keys))] = (home, home_keys)
+
+        ask(wanted)
+        hedge_at = asyncio.get_running_loop().time() + self.tier.settings.hedge_s
+        try:
+            while tasks and not all(settled(k) for k in wanted):
+                wait_s = hedge_at - asyncio.get_running_loop().time()
+                done, _ = await asyncio.wait(tasks, timeout=wait_s if wait_s > 0 else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:                                   # slow homes: their keys go to the next homes too
+                    hedge_at = float("inf")
+                    ask([k for k in wanted if not settled(k)])
                     continue
-                answered.update(ks)
-                for key, holders in zip(ks, result):
-                    found.setdefault(key, set()).update(holders)
+                retry: list[bytes] = []
+                for task in done:
+                    home, home_keys = tasks.pop(task)
+                    for key in home_keys:
+                        outstanding[key] -= 1
+                    if task.exception() is not None:
+                        retry += [k for k in home_keys if not settled(k)]
+                        continue
+                    answered.update(home_keys)
+                    for key, holders in zip(home_keys, task.result()):
+                        found.setdefault(key, set()).update(holders)
+                if retry:
+                    ask(retry)
+        finally:
+            for task in tasks:
+                task.cancel()
             now = self.tier.clock()
-            for key in answered:
-                self._remember(key, tuple(sorted(found.get(key, set()) - {self.me})), now)
-            wanted = [k for k in wanted if k not in answered]
-            if not failed:
-                return
+            for key in wanted:
+                if key in answered:
+                    self._remember(key, tuple(sorted(found.get(key, set()) - {self.me})), now)
 
     async def _ask(self, home: str, keys: list[bytes]) -> list[tuple[str, ...]]:
         if home == self.me:

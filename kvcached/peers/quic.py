@@ -79,7 +79,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
 
     def _fetch_ticket(self, label: bytes) -> SessionTicket | None:
         entry = self.tickets.take(label)
-        if entry is None:
+        if entry is None or entry[1] not in self.auth.peer_names:   # a peer no longer listed: a full handshake
             return None
         self.peer = entry[1]
         # A resumed handshake carries no certificate: aioquic would wait for one it never asked

@@ -84,6 +84,15 @@ class GuardedQuicServer(QuicServer):
     def handshaking(self) -> int:
         return self.table.handshaking
 
+    def close_peer(self, name: str) -> int:
+        """Close every connection the verified peer ``name`` holds here (it left the cluster:
+        what it sent over them is forgotten, and it must connect anew, and be let in, to be
+        heard again). Returns how many were closed."""
+        mine = [p for p in set(self._protocols.values()) if getattr(p, "peer", None) == name]
+        for protocol in mine:
+            protocol.close()
+        return len(mine)
+
     # -- datagrams --
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:

@@ -221,6 +221,9 @@ class PeerTier(PeerHandler):
                 link.task = self._spawn(self._dial(link))
         self.auth.peer_names = frozenset(wanted)
         gone = [name for name in left if name not in wanted]
+        for name in left:                # what it sent is forgotten below: it must connect anew to be heard
+            if self._server_protocol is not None:
+                self._server_protocol.close_peer(name)
         moves = self.homes.members_changed(set(wanted), gone)
         if moves:
             self._spawn(self.homes.republish(moves))

@@ -40,6 +40,7 @@ class DaemonProcess:
     overrides: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    prefix: list[str] = field(default_factory=list)     # e.g. ["ip", "netns", "exec", NAME]: where it runs
 
     @property
     def socket(self) -> Path:
@@ -68,7 +69,8 @@ class DaemonProcess:
     def start(self, wait: bool = True) -> "DaemonProcess":
         self.log_path = self.state / f"daemon-{int(time.time() * 1000)}.log"
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(KVCACHED + ["serve", *self.args()], cwd=self.state, stdout=log, stderr=log)
+        self.proc = subprocess.Popen(self.prefix + KVCACHED + ["serve", *self.args()], cwd=self.state, stdout=log,
+                                     stderr=log)
         log.close()
         if wait:
             self.wait_ready()

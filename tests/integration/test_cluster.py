@@ -23,8 +23,10 @@ from kvcached.peers.directory import wire_key
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent.address import BlockAddress
 from tests.etcd_server import EtcdServer, etcd_binary
+from tests.netns import Hosts, netns_usable
 
 from .conftest import DaemonProcess, run_cli, wait_for
+from .test_operations import free_tcp_port, scrape
 from .test_peer_tier import free_port
 
 pytestmark = [pytest.mark.integration,
@@ -97,6 +99,12 @@ def peer_count(d: DaemonProcess, data: dict[BlockAddress, bytes]) -> int:
         return c.lookup([a.digest for a in data]).peer
 
 
+def longest(d: DaemonProcess, data: dict[BlockAddress, bytes]) -> int:
+    """How much of ``data`` (as one chain) a Get on ``d`` can return: held here or by a peer."""
+    with d.client() as c:
+        return c.lookup([a.digest for a in data]).longest
+
+
 def get_all(d: DaemonProcess, data: dict[BlockAddress, bytes]) -> dict[BlockAddress, bytes]:
     """What a Get of ``data``'s addresses returns (allow_partial: the blocks that came)."""
     with d.client() as c:
@@ -118,7 +126,10 @@ def start_all(cluster: Cluster, names: tuple[str, ...] = NODES) -> list[DaemonPr
 
 
 def test_six_daemons_find_and_fetch_each_others_blocks_bit_exact(cluster: Cluster) -> None:
-    daemons = start_all(cluster)
+    metrics_port = free_tcp_port()
+    daemons = [cluster.daemon(name, *([f'metrics.listen="127.0.0.1:{metrics_port}"'] if name == "node-c" else []))
+               for name in NODES]
+    wait_for(lambda: converged(daemons, set(NODES)), timeout=20, text="every daemon sees every member")
     a, b, c = daemons[:3]
     on_a, on_b = blocks(40, "a"), blocks(40, "b")
     with a.client() as client:
@@ -137,6 +148,10 @@ def test_six_daemons_find_and_fetch_each_others_blocks_bit_exact(cluster: Cluste
     assert all(records[n] < len(placed) for n in NODES), records
     served = sum(stats(d).cluster.served_locates for d in daemons)
     assert served > 0
+    samples = scrape(metrics_port)                        # promtool checks the page
+    assert samples["kvcached_cluster_members"] == 6 and samples["kvcached_cluster_etcd_reachable"] == 1
+    assert samples['kvcached_cluster_locates_total{outcome="ok"}'] >= 1
+    assert samples["kvcached_cluster_home_records"] == stats(c).cluster.home_records
 
 
 def test_a_killed_daemon_leaves_every_view_within_the_lease_and_its_blocks_stop_being_offered(cluster: Cluster) -> None:
@@ -231,3 +246,118 @@ def test_a_daemon_whose_certificate_does_not_carry_its_name_refuses_to_start(clu
     d.start(wait=False)
     assert d.proc is not None and d.proc.wait(20) != 0
     assert "cluster.name" in d.log() and "node-a" in d.log()
+
+
+@pytest.mark.skipif(not netns_usable(), reason="network namespaces need root and the ip tool")
+def test_a_partition_serves_what_each_side_reaches_and_converges_after_healing(tmp_path: Path) -> None:
+    """Hosts h1 (a, b, c) and h2 (d, e, f) in their own network namespaces, etcd beside the bridge.
+    h2 is cut from h1 and from etcd: h1 drops h2's daemons within the lease and serves its own
+    blocks; h2 keeps its last view, serves only what it can reach; after healing, every view
+    is whole again and every block is found and fetched bit-exact everywhere."""
+    hosts = Hosts()
+    try:
+        h1, h2 = hosts.add("h1"), hosts.add("h2")
+        result = run_cli(["certs", "--dir", str(tmp_path / "certs"), *NODES])
+        assert result.returncode == 0, result.stderr
+        etcd = EtcdServer(tmp_path / "etcd", host=hosts.gateway)
+        etcd.start()
+        cluster = Cluster.__new__(Cluster)
+        cluster.root, cluster.certs, cluster.etcd, cluster.daemons = tmp_path, tmp_path / "certs", etcd, {}
+        try:
+            placed = {"node-a": h1, "node-b": h1, "node-c": h1, "node-d": h2, "node-e": h2, "node-f": h2}
+            daemons = {}
+            for name, ns in placed.items():
+                d = cluster.daemon(name, start=False)
+                d.overrides[0] = f'quic.listen="{hosts.hosts[ns]}:{7400 + NODES.index(name)}"'
+                d.prefix = hosts.exec(ns)
+                daemons[name] = d.start()
+            everyone = list(daemons.values())
+            wait_for(lambda: converged(everyone, set(NODES)), timeout=30, text="every daemon sees every member")
+            on_a, on_d = blocks(30, "part-a"), blocks(30, "part-d")
+            with daemons["node-a"].client() as client:
+                client.put(list(on_a.items()), model="llama")
+            with daemons["node-d"].client() as client:
+                client.put(list(on_d.items()), model="llama")
+            b, e = daemons["node-b"], daemons["node-e"]
+            wait_for(lambda: peer_count(b, on_d) == 30 and peer_count(e, on_a) == 30, timeout=15, text="all found")
+
+            hosts.cut(h2, hosts.hosts[h1])
+            hosts.cut(h2, hosts.gateway)
+            side1 = [daemons[n] for n in ("node-a", "node-b", "node-c")]
+            wait_for(lambda: converged(side1, {"node-a", "node-b", "node-c"}), timeout=LEASE_S + 4,
+                     text="h1 drops h2's daemons")
+            wait_for(lambda: peer_count(b, on_a) == 30, timeout=5, text="a's blocks rehomed on h1")
+            assert get_all(b, on_a) == on_a                                        # h1 serves its own
+            assert peer_count(b, on_d) == 0 and get_all(b, on_d) == {}             # and offers nothing of h2's
+            got = get_all(e, {**on_a, **on_d})                                    # h2: what it can reach, all exact
+            assert all(on_d[a] == v for a, v in got.items()) and not set(got) & set(on_a)
+            assert members(e) == set(NODES)                                        # etcd away: the last view kept
+
+            hosts.heal()
+            wait_for(lambda: converged(everyone, set(NODES)), timeout=30, text="views converge after healing")
+            for d in everyone:            # some hold some blocks themselves now (mirrored pulls): in some tier
+                try:
+                    wait_for(lambda d=d: longest(d, on_a) == 30 and longest(d, on_d) == 30, timeout=15,
+                             text=f"{d.state.name} finds every block after healing")
+                except AssertionError:
+                    import sys
+                    pl = homes(list(on_a) + list(on_d), set(NODES))
+                    with d.client() as c:
+                        for name, data in (("a", on_a), ("d", on_d)):
+                            for x in data:
+                                r = c.lookup([x.digest])
+                                if not r.longest:
+                                    print("MISS", name, x.digest.hex()[:8], pl[x], file=sys.stderr)
+                    for name, dd in daemons.items():
+                        print(name, stats(dd).cluster, file=sys.stderr)
+                    raise
+            assert get_all(b, on_d) == on_d and get_all(e, on_a) == on_a
+        finally:
+            cluster.stop()
+    finally:
+        hosts.close()
+
+
+def test_an_agent_load_pulls_blocks_found_through_their_homes(cluster: Cluster) -> None:
+    import torch
+
+    from kvcached_agent import Agent
+
+    a, b, c = start_all(cluster, NODES[:3])
+    layer_bytes = 32 * KIB
+    tokens = list(range(16 * 8))
+    shape = dict(model="m", dtype="float16", block_tokens=16, num_layers=1, layer_block_bytes=layer_bytes)
+    with Agent.connect(str(a.state / "agent.sock"), agent_id="writer", **shape) as writer:   # type: ignore[arg-type]
+        addresses = writer.addresses(writer.hash_tokens(tokens))
+        tensors = [torch.randint(-1000, 1000, (layer_bytes // 2,), dtype=torch.int16).view(torch.float16)
+                   for _ in addresses]
+        assert not writer.save(addresses, tensors).skipped
+    with Agent.connect(str(c.state / "agent.sock"), agent_id="reader", **shape) as reader:   # type: ignore[arg-type]
+        wait_for(lambda: reader.lookup([x.digest for x in addresses]).peer == len(addresses), timeout=10,
+                 text="the agent's Lookup counts a's blocks (c asked their homes)")
+        out = [torch.zeros_like(t) for t in tensors]
+        result = reader.load(addresses, out)
+        assert not result.missing
+        assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(out, tensors))
+
+
+def test_a_stalled_holder_and_home_are_hedged_around(cluster: Cluster) -> None:
+    """Blocks held by a and b; a stops answering (SIGSTOP): c's Lookup and Get go to the next
+    home and the next holder after the hedge delay, well within the pull deadline."""
+    a, b, c = start_all(cluster, NODES[:3])
+    shared = blocks(24, "hedge")
+    for d in (a, b):
+        with d.client() as client:
+            client.put(list(shared.items()), model="llama")
+    wait_for(lambda: peer_count(c, shared) == 24, timeout=10, text="c finds the blocks")
+    time.sleep(2.5)                                         # the location cache (2 s) forgets: c asks again below
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert peer_count(c, shared) == 24                  # the homes a is one of: hedged to the others
+        got = get_all(c, shared)
+        took = time.monotonic() - started
+        assert got == shared and took < 1.5, took           # pull_timeout_s is 2: nothing waited for a
+    finally:
+        a.proc.send_signal(signal.SIGCONT)

@@ -90,7 +90,7 @@ def test_daemons_register_and_see_each_other_join_and_leave(etcd: EtcdServer) ->
         a = await nodes("node-a")
         b = await nodes("node-b")
         await until(lambda: a.names == {"node-a", "node-b"}, "a to see b join")
-        assert b.names == {"node-a", "node-b"}
+        await until(lambda: b.names == {"node-a", "node-b"}, "b to see a and itself")
         assert a.membership.view.members["node-b"] == b.membership.me
         started = time.monotonic()
         await b.membership.stop()                                   # a clean leave: the lease is revoked
@@ -121,7 +121,7 @@ def test_a_dead_daemon_is_out_of_every_view_within_the_lease(etcd: EtcdServer) -
 def test_etcd_away_keeps_the_last_membership_and_recovers(etcd: EtcdServer) -> None:
     async def body(nodes: Start) -> None:
         a, b = await nodes("node-a"), await nodes("node-b")
-        await until(lambda: a.names == {"node-a", "node-b"}, "a to see b")
+        await until(lambda: a.names == b.names == {"node-a", "node-b"}, "a and b to see both")
         etcd.kill()
         await until(lambda: not a.membership.reachable, "a to notice etcd is away", timeout=LEASE_S * 3)
         await asyncio.sleep(LEASE_S * 1.5)                          # past the lease: nobody is dropped meanwhile
@@ -130,7 +130,7 @@ def test_etcd_away_keeps_the_last_membership_and_recovers(etcd: EtcdServer) -> N
         await until(lambda: a.membership.reachable and b.membership.reachable, "etcd reachable again", timeout=15)
         c = await nodes("node-c")                                   # membership works again: a sees a newcomer
         await until(lambda: a.names == b.names == {"node-a", "node-b", "node-c"}, "a and b to see c", timeout=15)
-        assert c.names == {"node-a", "node-b", "node-c"}
+        await until(lambda: c.names == {"node-a", "node-b", "node-c"}, "c to see all")
 
     run(body, etcd)
 
@@ -174,7 +174,7 @@ async def _mutual_tls(tmp_path: Path) -> None:
                  key=(certs / "node-a-key.pem").read_bytes())
         assert await a.membership.start(wait_s=10)
         try:
-            assert a.names == {"node-a"}
+            await until(lambda: a.names == {"node-a"}, "a to see itself registered")
             # no client certificate: etcd refuses, nothing is registered, the daemon says why
             b = Node(server.endpoint, "node-b", ca=ca)
             assert not await b.membership.start(wait_s=2)

@@ -241,3 +241,29 @@ def test_location_end_to_end_over_many_members_in_memory() -> None:
     assert all("n7" not in records.holders(k) for records in homes.values() for k in held["n7"])
     total = sum(len(r) for r in homes.values())
     assert total == sum(len(p.homes_of(p.bucket_of_key(k))) for k in truth if truth[k] - {"n7"})
+
+
+def test_a_retry_asks_each_key_of_the_homes_not_asked_for_it_yet() -> None:
+    p = Placement(2, bits=8)
+    p.set_members(["a", "b", "c"])
+    plan = LookupPlan(p)
+    keys = [key(i) for i in range(60)]
+    asked: dict[bytes, set[str]] = {}
+    first = plan.plan(keys, lambda n: True, now=0, asked=asked)
+    assert all(asked[k] == {p.homes_of(p.bucket_of_key(k))[0]} for k in keys)
+    second = plan.plan(keys, lambda n: True, now=0, asked=asked)        # the hedge: each key's second home
+    for home, ks in second.items():
+        assert all(p.homes_of(p.bucket_of_key(k))[1] == home for k in ks)
+    assert sum(map(len, second.values())) == len(keys) and sum(map(len, first.values())) == len(keys)
+    assert plan.plan(keys, lambda n: True, now=0, asked=asked) == {}     # both homes asked: none left
+
+
+def test_a_record_keeps_at_most_max_holders() -> None:
+    from kvcached.cluster.location import MAX_HOLDERS
+    from kvcached.peers import protocol as p
+
+    assert MAX_HOLDERS == p.MAX_HOLDERS               # what a home keeps is what one Located may name
+    home = HomeRecords(lambda k: 0)
+    for i in range(MAX_HOLDERS + 10):
+        home.gained(f"n{i}", [key(1)])
+    assert len(home.holders(key(1))) == MAX_HOLDERS
