@@ -26,7 +26,7 @@ lookup in that window would miss blocks that are there.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -216,6 +216,7 @@ class LookupPlan:
     placement: Placement
     grace_s: float = MOVE_GRACE_S
     recent: dict[int, tuple[tuple[str, ...], float]] = field(default_factory=dict)
+    _order: deque[tuple[float, list[int]]] = field(default_factory=deque)   # (when, buckets), oldest first
 
     def moved(self, moves: Sequence[Move], now: float) -> None:
         for move in moves:
@@ -223,13 +224,21 @@ class LookupPlan:
             # a bucket moved twice within the grace keeps its older homes too
             homes = tuple(dict.fromkeys(move.old + (old[0] if old else ())))
             self.recent[move.bucket] = (homes, now)
+        if moves:
+            self._order.append((now, [m.bucket for m in moves]))
 
     def expire(self, now: float) -> list[int]:
         """Forget the moves older than the grace; returns their buckets (a home drops the
-        records of those it no longer homes then)."""
-        gone = [b for b, (_, at) in self.recent.items() if now - at >= self.grace_s]
-        for bucket in gone:
-            del self.recent[bucket]
+        records of those it no longer homes then). Costs nothing while no move is due (it is
+        called every announcement round)."""
+        gone: list[int] = []
+        while self._order and now - self._order[0][0] >= self.grace_s:
+            at, buckets = self._order.popleft()
+            for bucket in buckets:
+                entry = self.recent.get(bucket)
+                if entry is not None and entry[1] == at:      # not moved again since
+                    del self.recent[bucket]
+                    gone.append(bucket)
         return gone
 
     def plan(self, keys: Sequence[bytes], usable: Callable[[str], bool], now: float,

@@ -109,8 +109,8 @@ class HomeLocator:
                 self.records.dropped(home, [k for k, held in batch.items() if not held])
                 continue
             link = links.get(home)
-            if link is not None and link.client is not None and link.client.verified and not link.snapshotting:
-                link.pending.update(batch)
+            if link is not None and link.client is not None and link.client.verified:
+                link.pending.update(batch)     # during a listing too: sent after it (it may predate them)
 
     def listing_for(self, link: "PeerLink", keys: Sequence[bytes]) -> list[bytes]:
         """Of this daemon's blocks (``keys``), those ``link``'s daemon is a home of."""
@@ -177,16 +177,21 @@ class HomeLocator:
                 tasks[asyncio.ensure_future(self._ask(home, home_keys))] = (home, home_keys)
 
         ask(wanted)
-        hedge_at = asyncio.get_running_loop().time() + self.tier.settings.hedge_s
+        loop = asyncio.get_running_loop()
+        hedge_at: float | None = loop.time() + self.tier.settings.hedge_s
         try:
             while tasks and not all(settled(k) for k in wanted):
-                wait_s = hedge_at - asyncio.get_running_loop().time()
-                done, _ = await asyncio.wait(tasks, timeout=wait_s if wait_s > 0 else None,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if not done:                                   # slow homes: their keys go to the next homes too
-                    hedge_at = float("inf")
-                    ask([k for k in wanted if not settled(k)])
-                    continue
+                if hedge_at is not None:
+                    wait_s = hedge_at - loop.time()
+                    done: set[asyncio.Future[list[tuple[str, ...]]]] = set()
+                    if wait_s > 0:
+                        done, _ = await asyncio.wait(tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                    if not done:                               # slow homes: their keys go to the next homes too
+                        hedge_at = None
+                        ask([k for k in wanted if not settled(k)])
+                        continue
+                else:
+                    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 retry: list[bytes] = []
                 for task in done:
                     home, home_keys = tasks.pop(task)

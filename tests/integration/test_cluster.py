@@ -3,8 +3,11 @@
 Six daemons register in one etcd ([cluster] etcd), learn each other from it, and keep where
 blocks are at the blocks' home nodes only. Blocks put on some are found (Lookup's peer column)
 and fetched bit-exact (Get) on the others; a daemon killed leaves every view within the lease
-and its blocks stop being offered; a home lost is rebuilt from the holders; etcd away keeps the
-daemons serving with the last membership and adds nobody until it is back.
+and its blocks stop being offered, one that stops leaves at once and is found again after it
+restarts; a home lost is rebuilt from the holders; etcd away keeps the daemons serving with the
+last membership and adds nobody until it is back; a partition between network namespaces serves
+what each side reaches and converges after healing; agents load through the homes, and a stalled
+holder and home are hedged around.
 """
 
 from __future__ import annotations
@@ -361,3 +364,23 @@ def test_a_stalled_holder_and_home_are_hedged_around(cluster: Cluster) -> None:
         assert got == shared and took < 1.5, took           # pull_timeout_s is 2: nothing waited for a
     finally:
         a.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_daemon_that_stops_leaves_at_once_and_is_found_again_after_it_restarts(cluster: Cluster) -> None:
+    daemons = start_all(cluster, NODES[:4])
+    a, b, c, d = daemons
+    on_b = blocks(16, "restart")
+    with b.client() as client:
+        client.put(list(on_b.items()), model="llama")
+    wait_for(lambda: peer_count(c, on_b) == 16, timeout=10, text="c finds b's blocks")
+    stopped = time.monotonic()
+    assert b.stop() == 0                                            # SIGTERM: the lease is revoked on the way out
+    wait_for(lambda: converged([a, c, d], {"node-a", "node-c", "node-d"}), timeout=LEASE_S, text="b gone at once")
+    assert time.monotonic() - stopped < LEASE_S                     # not a lease later: it said goodbye
+    assert peer_count(c, on_b) == 0
+    b.start()                                                       # same name, same state (RAM only: blocks gone)
+    wait_for(lambda: converged(daemons, set(NODES[:4])), timeout=10, text="b back in every view")
+    with b.client() as client:
+        client.put(list(on_b.items()), model="llama")
+    wait_for(lambda: peer_count(c, on_b) == 16 and peer_count(a, on_b) == 16, timeout=10, text="b's blocks found again")
+    assert get_all(d, on_b) == on_b

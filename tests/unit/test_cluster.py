@@ -267,3 +267,19 @@ def test_a_record_keeps_at_most_max_holders() -> None:
     for i in range(MAX_HOLDERS + 10):
         home.gained(f"n{i}", [key(1)])
     assert len(home.holders(key(1))) == MAX_HOLDERS
+
+
+def test_a_bucket_moved_again_within_the_grace_is_asked_of_all_its_old_homes_until_the_last_move_expires() -> None:
+    p = Placement(1, bits=4)
+    p.set_members(["a"])
+    plan = LookupPlan(p, grace_s=10)
+    first = p.join("b")
+    plan.moved(first, now=0)
+    second = p.join("c")
+    plan.moved(second, now=5)
+    twice = {m.bucket for m in first} & {m.bucket for m in second}
+    for bucket in twice:
+        assert set(plan.recent[bucket][0]) >= {"a", "b"}
+    gone = plan.expire(now=10)                     # the first move's buckets, except those moved again
+    assert set(gone) == {m.bucket for m in first} - twice
+    assert set(plan.expire(now=15)) == {m.bucket for m in second} and not plan.recent
