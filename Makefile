@@ -128,6 +128,7 @@ bench: install engines-venv e2e-venv system-deps
 	$(PY) bench/bench_peers.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_lane.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_cluster.py $(filter --quick,$(BENCH_ARGS))
+	$(PY) bench/bench_cluster_daemons.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_metrics.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_policies.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_hostile.py $(filter --quick,$(BENCH_ARGS))

@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 import blake3
 
 __all__ = [
+    "index_key_of_wire",
     "CROSS_LAYER",
     "DIGEST_BYTES",
     "MAX_LAYER",
@@ -133,6 +134,17 @@ def index_key(digest: bytes, layer: int) -> bytes:
         raise ValueError(f"layer must be in 0..{CROSS_LAYER}, got {layer}")
     hasher = _KEY_HASHER.copy()
     hasher.update(digest + _U32.pack(layer))
+    return hasher.digest()
+
+
+def index_key_of_wire(wire: bytes) -> bytes:
+    """The index key of a block from its 36-byte wire address (``digest | u32 layer``,
+    little-endian, as the peer protocol writes it): the same bytes :func:`index_key` hashes,
+    so no split and repack (the cluster's placement hashes one per block it places)."""
+    if len(wire) != DIGEST_BYTES + 4:
+        raise ValueError(f"a wire address is {DIGEST_BYTES + 4} bytes, got {len(wire)}")
+    hasher = _KEY_HASHER.copy()
+    hasher.update(wire)
     return hasher.digest()
 
 

@@ -30,7 +30,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from kvcached.cluster.placement import Move, Placement
+import numpy as np
+
+from kvcached.cluster.placement import Moves, Placement
 
 __all__ = ["HomeRecords", "Publisher", "LookupPlan", "MOVE_GRACE_S", "MAX_HOLDERS"]
 
@@ -182,19 +184,39 @@ class Publisher:
             for home in homes_of(bucket_of(key)):
                 pending[home][key] = held
 
-    def moved(self, moves: Sequence[Move], held: Iterable[bytes]) -> int:
+    def moved(self, moves: Moves, held: Iterable[bytes]) -> int:
         """Queue this daemon's blocks (``held``, its wire keys) of the moved buckets for their
         new homes; returns how many announcements that made."""
-        gained_homes = {m.bucket: [h for h in m.new if h not in m.old] for m in moves}
-        gained_homes = {b: homes for b, homes in gained_homes.items() if homes}
-        if not gained_homes:
-            return 0
-        count, bucket_of, pending = 0, self.placement.bucket_of_key, self.pending
+        due = self.announcements_for(moves, held)
+        for home, keys in due.items():
+            self.pending[home].update(dict.fromkeys(keys, True))
+        return sum(map(len, due.values()))
+
+    def announcements_for(self, moves: Moves, held: Iterable[bytes]) -> dict[str, list[bytes]]:
+        """Per new home, this daemon's blocks of the buckets that gained it. Reads only
+        ``moves`` and the placement's bucket function, so a worker thread may run it (a daemon
+        holds a million blocks: a BLAKE3 hash each)."""
+        if not len(moves):
+            return {}
+        gains = moves.gains()
+        rows = gains.any(axis=1)
+        if not rows.any():
+            return {}
+        gained = np.zeros(self.placement.buckets, dtype=bool)
+        gained[moves.buckets[rows]] = True
+        bucket_of = self.placement.bucket_of_key
+        homes: dict[int, list[str]] = {}
+        due: dict[str, list[bytes]] = defaultdict(list)
         for key in held:
-            for home in gained_homes.get(bucket_of(key), ()):
-                pending[home][key] = True
-                count += 1
-        return count
+            bucket = bucket_of(key)
+            if gained[bucket]:
+                names = homes.get(bucket)
+                if names is None:
+                    i = moves.position(bucket)
+                    names = homes[bucket] = moves.gained_homes(i, gains) if i is not None else []
+                for home in names:
+                    due[home].append(key)
+        return dict(due)
 
     def forget_home(self, home: str) -> None:
         """``home`` left: nothing more is due to it."""
@@ -210,35 +232,41 @@ class Publisher:
 @dataclass
 class LookupPlan:
     """Which home to ask for which key (see the module). ``usable(name)`` says whether a member
-    may be asked now (alive, not backed off); ``recent`` holds, per bucket moved less than
-    ``grace_s`` ago, its old homes and when it moved."""
+    may be asked now (alive, not backed off); the moves of the last ``grace_s`` say which
+    buckets are also asked of their old homes."""
 
     placement: Placement
     grace_s: float = MOVE_GRACE_S
-    recent: dict[int, tuple[tuple[str, ...], float]] = field(default_factory=dict)
-    _order: deque[tuple[float, list[int]]] = field(default_factory=deque)   # (when, buckets), oldest first
+    _batches: deque[tuple[float, Moves]] = field(default_factory=deque)   # (when, moves), oldest first
 
-    def moved(self, moves: Sequence[Move], now: float) -> None:
-        for move in moves:
-            old = self.recent.get(move.bucket)
-            # a bucket moved twice within the grace keeps its older homes too
-            homes = tuple(dict.fromkeys(move.old + (old[0] if old else ())))
-            self.recent[move.bucket] = (homes, now)
-        if moves:
-            self._order.append((now, [m.bucket for m in moves]))
+    def moved(self, moves: Moves, now: float) -> None:
+        if len(moves):
+            self._batches.append((now, moves))
 
-    def expire(self, now: float) -> list[int]:
-        """Forget the moves older than the grace; returns their buckets (a home drops the
-        records of those it no longer homes then). Costs nothing while no move is due (it is
-        called every announcement round)."""
-        gone: list[int] = []
-        while self._order and now - self._order[0][0] >= self.grace_s:
-            at, buckets = self._order.popleft()
-            for bucket in buckets:
-                entry = self.recent.get(bucket)
-                if entry is not None and entry[1] == at:      # not moved again since
-                    del self.recent[bucket]
-                    gone.append(bucket)
+    @property
+    def moving(self) -> int:
+        """Buckets moved within the grace (counted once per move)."""
+        return sum(len(moves) for _, moves in self._batches)
+
+    def old_homes(self, bucket: int, now: float) -> tuple[str, ...]:
+        """The homes ``bucket`` had before the moves of the last ``grace_s``, the latest move's
+        first; () if it did not move."""
+        out: dict[str, None] = {}
+        for at, moves in reversed(self._batches):
+            if now - at >= self.grace_s:
+                break
+            i = moves.position(bucket)
+            if i is not None:
+                out.update(dict.fromkeys(moves.old_homes(i)))
+        return tuple(out)
+
+    def expire(self, now: float) -> int:
+        """Forget the moves older than the grace; returns how many buckets that was (a home
+        then drops the records of those it no longer homes). Costs nothing while no move is
+        due (it is called every announcement round)."""
+        gone = 0
+        while self._batches and now - self._batches[0][0] >= self.grace_s:
+            gone += len(self._batches.popleft()[1])
         return gone
 
     def plan(self, keys: Sequence[bytes], usable: Callable[[str], bool], now: float,
@@ -249,7 +277,7 @@ class LookupPlan:
         over for that key, and the homes chosen now are added to it. A key no usable home is
         left for is in no list (a miss: nobody can say where it is)."""
         asks: dict[str, list[bytes]] = defaultdict(list)
-        homes_of, bucket_of, recent = self.placement.homes_of, self.placement.bucket_of_key, self.recent
+        homes_of, bucket_of, moving = self.placement.homes_of, self.placement.bucket_of_key, bool(self._batches)
         none: set[str] = set()
         for key in keys:
             skip = asked.setdefault(key, set()) if asked is not None else none
@@ -257,10 +285,9 @@ class LookupPlan:
             first = next((h for h in homes_of(bucket) if h not in skip and usable(h)), None)
             if first is not None:
                 asks[first].append(key)
-            moved = recent.get(bucket)
             old = None
-            if moved is not None and now - moved[1] < self.grace_s:
-                old = next((h for h in moved[0] if h != first and h not in skip and usable(h)), None)
+            if moving:
+                old = next((h for h in self.old_homes(bucket, now) if h != first and h not in skip and usable(h)), None)
                 if old is not None:
                     asks[old].append(key)
             if asked is not None:

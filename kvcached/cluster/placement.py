@@ -22,18 +22,19 @@ tie goes to the lower seed, so it is still the same on every node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence, overload
 
 import blake3
 import numpy as np
 
-from kvcached_agent.address import index_key
+from kvcached_agent.address import index_key, index_key_of_wire
 
-__all__ = ["Placement", "Move", "member_seed", "score", "bucket_of_index_key", "MAX_BITS"]
+__all__ = ["Placement", "Move", "Moves", "member_seed", "score", "bucket_of_index_key", "MAX_BITS"]
 
 MAX_BITS = 24
 REBUILD_JOINS = 16           # more members joining at once than this: the table is computed afresh
 CHUNK_SCORES = 1 << 22       # scores computed at once in a rebuild (32 MiB of uint64)
+ROWS_KEPT = 1 << 16          # buckets whose homes are kept as names between changes
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MASK = (1 << 64) - 1
@@ -76,6 +77,56 @@ class Move:
     new: tuple[str, ...]
 
 
+class Moves(Sequence[Move]):
+    """The buckets whose homes changed in one membership change. Kept as arrays, not Move
+    objects: a start moves every bucket (262,144 at 18 bits), and building a Move for each took
+    a daemon's event loop a second. Indexing or iterating still gives Moves (tests, the
+    simulation); the daemon's paths use :meth:`position`, :meth:`old_homes` and :meth:`gains`.
+    ``old_ids``/``new_ids`` are the homes' seeds (0 for an empty place): how members compare."""
+
+    def __init__(self, buckets: np.ndarray, old: np.ndarray, new: np.ndarray, old_names: list[str | None],
+                 new_names: list[str | None], old_ids: np.ndarray, new_ids: np.ndarray) -> None:
+        self.buckets, self.old, self.new = buckets, old, new            # sorted buckets; (k, r) slots
+        self._old_names, self._new_names = old_names, new_names
+        self.old_ids, self.new_ids = old_ids, new_ids
+
+    def __len__(self) -> int:
+        return int(self.buckets.size)
+
+    @overload
+    def __getitem__(self, i: int) -> Move: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Move]: ...
+
+    def __getitem__(self, i: int | slice) -> Move | list[Move]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return Move(int(self.buckets[i]), self.old_homes(i), self.new_homes(i))
+
+    def position(self, bucket: int) -> int | None:
+        """Where ``bucket`` is in these moves, or None if it did not move."""
+        i = int(np.searchsorted(self.buckets, bucket))
+        return i if i < self.buckets.size and self.buckets[i] == bucket else None
+
+    def old_homes(self, i: int) -> tuple[str, ...]:
+        names = self._old_names
+        return tuple(names[s] for s in self.old[i].tolist() if s >= 0)
+
+    def new_homes(self, i: int) -> tuple[str, ...]:
+        names = self._new_names
+        return tuple(names[s] for s in self.new[i].tolist() if s >= 0)
+
+    def gains(self) -> np.ndarray:
+        """(k, replicas) bool: which of each moved bucket's new homes were not among its old ones."""
+        fresh = (self.new_ids[:, :, None] != self.old_ids[:, None, :]).all(axis=2)
+        return fresh & (self.new >= 0)
+
+    def gained_homes(self, i: int, gains: np.ndarray) -> list[str]:
+        """The homes bucket ``i`` gained (``gains`` from :meth:`gains`)."""
+        names = self._new_names
+        return [names[s] for s, g in zip(self.new[i].tolist(), gains[i].tolist()) if g]
+
+
 class Placement:
     """The homes of every bucket for one set of members, kept up to date as members join and
     leave (:meth:`join`, :meth:`leave`, :meth:`set_members`, each returning the buckets that
@@ -96,6 +147,8 @@ class Placement:
         # per bucket, its homes (slots) and their scores, best first; -1 / 0 where fewer members
         self._homes = np.full((self.buckets, replicas), -1, dtype=np.int32)
         self._score = np.zeros((self.buckets, replicas), dtype=np.uint64)
+        self._mask = self.buckets - 1
+        self._rows: dict[int, tuple[str, ...]] = {}      # bucket -> its homes as names, until the next change
 
     # -- what it says --
 
@@ -109,12 +162,18 @@ class Placement:
 
     def bucket_of_key(self, key: bytes) -> int:
         """The bucket of a 36-byte wire key (``digest | u32 layer``, little-endian)."""
-        return bucket_of_index_key(index_key(key[:32], int.from_bytes(key[32:36], "little")), self.bits)
+        return int.from_bytes(index_key_of_wire(key)[:4], "little") & self._mask
 
     def homes_of(self, bucket: int) -> tuple[str, ...]:
-        """The bucket's homes, best first (empty while there are no members)."""
-        names = self._names
-        return tuple(names[i] for i in self._homes[bucket].tolist() if i >= 0)
+        """The bucket's homes, best first (empty while there are no members). Kept per bucket
+        asked until the members change (a lookup asks the same buckets again)."""
+        homes = self._rows.get(bucket)
+        if homes is None:
+            names = self._names
+            homes = tuple(names[i] for i in self._homes[bucket].tolist() if i >= 0)
+            if len(self._rows) < ROWS_KEPT:
+                self._rows[bucket] = homes
+        return homes
 
     def homes(self, digest: bytes, layer: int) -> tuple[str, ...]:
         return self.homes_of(self.bucket(digest, layer))
@@ -128,38 +187,35 @@ class Placement:
 
     # -- changes --
 
-    def set_members(self, names: Iterable[str]) -> list[Move]:
+    def set_members(self, names: Iterable[str]) -> Moves:
         """Make the members ``names``: the ones gone leave, the new ones join. Returns every
-        bucket whose homes changed, once, with its homes before and after."""
+        bucket whose homes changed, with its homes before and after (as arrays: see Moves)."""
         wanted = set(names)
-        before, names_before = self._homes.copy(), list(self._names)
-        changed: set[int] = set()
+        self._rows = {}
+        before, seeds_before, names_before = self._homes.copy(), self._seed_array.copy(), list(self._names)
         for name in sorted(self._slots.keys() - wanted):
-            changed.update(self._leave(name))
+            self._leave(name)
         joining = sorted(wanted - self._slots.keys())
         if len(joining) > REBUILD_JOINS:             # many at once (a start): one pass over every bucket
             for name in joining:
                 self._take_slot(name, member_seed(name))
             self._recompute(np.arange(self.buckets))
-            changed.update(range(self.buckets))
         else:
             for name in joining:
-                changed.update(self._join(name))
-        moves = []
-        for bucket in sorted(changed):
-            old = before[bucket].tolist()
-            if old != self._homes[bucket].tolist():
-                moves.append(Move(bucket, tuple(names_before[i] for i in old if i >= 0),
-                                  self.homes_of(bucket)))
-        return moves
+                self._join(name)
+        # compare members by seed, not slot: a slot freed by a leave may be taken by a join
+        old_ids, new_ids = seeds_before[before], self._seed_array[self._homes]      # slot -1: the sentinel 0
+        rows = np.nonzero((old_ids != new_ids).any(axis=1))[0]
+        return Moves(rows, before[rows], self._homes[rows], names_before, list(self._names),
+                     old_ids[rows], new_ids[rows])
 
-    def join(self, name: str) -> list[Move]:
+    def join(self, name: str) -> Moves:
         return self.set_members(self.members | {name})
 
-    def leave(self, name: str) -> list[Move]:
+    def leave(self, name: str) -> Moves:
         return self.set_members(self.members - {name})
 
-    def _join(self, name: str) -> list[int]:
+    def _join(self, name: str) -> None:
         seed = member_seed(name)
         slot = self._take_slot(name, seed)
         s = _scores(self._keys, seed)
@@ -170,15 +226,13 @@ class Placement:
             homes = np.concatenate([self._homes[rows], np.full((rows.size, 1), slot, dtype=np.int32)], axis=1)
             scores = np.concatenate([self._score[rows], s[rows, None]], axis=1)
             self._homes[rows], self._score[rows] = self._best(homes, scores)
-        return rows.tolist()
 
-    def _leave(self, name: str) -> list[int]:
+    def _leave(self, name: str) -> None:
         slot = self._slots.pop(name)
         self._names[slot] = None
         rows = np.nonzero((self._homes == slot).any(axis=1))[0]
         if rows.size:
             self._recompute(rows)
-        return rows.tolist()
 
     def _recompute(self, rows: np.ndarray) -> None:
         """Those buckets' homes from every member, from scratch (in chunks of rows: a chunk's

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvcached.cluster.location import HomeRecords, LookupPlan, Publisher
-from kvcached.cluster.placement import Move, Placement
+from kvcached.cluster.placement import Moves, Placement
 from kvcached.peers import protocol as p
 from kvcached.peers.directory import wire_key
 
@@ -65,7 +65,7 @@ class HomeLocator:
 
     # -- membership --
 
-    def members_changed(self, names: Iterable[str], left: Sequence[str]) -> list[Move]:
+    def members_changed(self, names: Iterable[str], left: Sequence[str]) -> Moves:
         """The members are now ``names`` (this daemon among them), ``left`` having left: their
         records go at once; returns the buckets that moved (for :meth:`republish`)."""
         for name in left:
@@ -75,13 +75,18 @@ class HomeLocator:
         self.plan.moved(moves, self.tier.clock())
         return moves
 
-    async def republish(self, moves: Sequence[Move]) -> None:
+    async def republish(self, moves: Moves) -> None:
         """Announce this daemon's blocks of the buckets that gained a home to that home (and
-        record them here where the home gained is this daemon)."""
-        if not any(set(m.new) - set(m.old) for m in moves):
+        record them here where the home gained is this daemon). The index is read, and each
+        block's bucket found, in a worker thread: the event loop only queues the result."""
+        if not moves.gains().any():
             return
-        keys = await asyncio.get_running_loop().run_in_executor(None, self.tier.store.index.present_wire_keys)
-        self.counters.republished += self.publisher.moved(moves, keys)
+        loop = asyncio.get_running_loop()
+        keys = await loop.run_in_executor(None, self.tier.store.index.present_wire_keys)
+        due = await loop.run_in_executor(None, self.publisher.announcements_for, moves, keys)
+        for home, home_keys in due.items():
+            self.publisher.pending[home].update(dict.fromkeys(home_keys, True))
+            self.counters.republished += len(home_keys)
         self.distribute()
 
     def expire(self) -> None:
@@ -220,9 +225,12 @@ class HomeLocator:
         link = tier.links[home]
         self.counters.locates += 1
         self.counters.located += len(keys)
+        addresses = [(k[:32], int.from_bytes(k[32:36], "little")) for k in keys]
         try:
             client = await tier._client(link, tier.clock() + tier.settings.pull_timeout_s)
-            answer = await client.locate([(k[:32], int.from_bytes(k[32:36], "little")) for k in keys])
+            answer = await tier._over_lane(link, client, lambda lane, key: lane.locate(addresses, key))
+            if answer is None:                 # no lane (quic mode, or it failed a while ago): over QUIC
+                answer = await client.locate(addresses)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -1,10 +1,12 @@
 """The bulk lane: pull payloads over TCP beside QUIC, in ``tls`` or ``mac`` mode.
 
 QUIC (kvcached.peers.quic) stays the control connection: mutual TLS, 0-RTT, announcements,
-Exists. A pull's payloads are bytes in bulk, and aioquic's pure-Python packet handling is most
-of a pull's time (bench_peers figure 3), so pulls go over a lane when the peer offers one: TCP
-connections to the same port number as the peer's QUIC port, in one of two modes (``[quic]
-lane``; docs/peers.md says what each protects against):
+Exists. A lane carries Pulls, and a cluster's Locates (a TCP round trip costs a home and its
+asker a third of what aioquic's does: bench_cluster_daemons). A pull's payloads are bytes in
+bulk, and aioquic's pure-Python packet handling is most of a pull's time (bench_peers figure
+3), so pulls go over a lane when the peer offers one: TCP connections to the same port number
+as the peer's QUIC port, in one of two modes (``[quic] lane``; docs/peers.md says what each
+protects against):
 
 - ``tls``: TLS 1.3 with the cluster certificates, both sides checking chain, dates and name
   exactly as the QUIC side does (:class:`~kvcached.peers.tls.PeerAuth`);
@@ -60,7 +62,7 @@ IDLE_S = 300.0                 # a server closes a lane that sent no request thi
 STRIPE_MIN = 8                 # entries per stripe at least: smaller pulls go on one connection
 MAX_QUEUED_REQUESTS = 4        # a server stops reading a lane with this many requests unanswered
 RAW_HIGH = 64 << 10            # bytes gathered before framing starts (the handshake) past which reading pauses
-_LANE_REQUESTS = frozenset({p.Pull.TYPE})   # a lane carries pulls; the rest goes over QUIC
+_LANE_REQUESTS = frozenset({p.Pull.TYPE, p.Locate.TYPE})   # a lane carries pulls and Locates; the rest goes over QUIC
 
 
 def _context(auth: PeerAuth, server: bool) -> ssl.SSLContext:
@@ -421,6 +423,9 @@ class LaneServer:
         except p.ProtocolError as exc:
             conn.write_frame(p.encode(p.Error(exc.code, str(exc)), frame.request_id))
             return
+        if isinstance(message, p.Locate):
+            conn.write_frame(p.encode(self.handler.answer_locate(peer, message), frame.request_id))
+            return
         assert isinstance(message, p.Pull)
         self.counters.served_pulls += 1
         # Pinned and sent a part at a time: the first payloads are on their way (the puller
@@ -623,17 +628,7 @@ class LaneClient:
 
     async def _pull_one(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
                         key: tuple[bytes, bytes] | None) -> None:
-        key_id = key[0] if key is not None else b""
-        conn: LaneConnection | None = None
-        while self._idle:
-            candidate, proved = self._idle.pop()
-            if candidate.gone or proved != key_id:
-                candidate.abandon()    # closed by the server meanwhile (idle), or an older session's key
-            else:
-                conn = candidate
-                break
-        if conn is None:
-            conn = await self._connect(key)
+        conn = await self._take(key)
         done = False
         try:
             await self._pull_on(conn, addresses, sink)
@@ -642,11 +637,60 @@ class LaneClient:
             self.refused += 1
             raise
         finally:
-            if done and not conn.gone and len(self._idle) < self.keep:
-                conn.on_event = conn._unexpected
-                self._idle.append((conn, key_id))
+            self._give_back(conn, key, done)
+
+    async def locate(self, addresses: Sequence[tuple[bytes, int]],
+                     key: tuple[bytes, bytes] | None = None) -> list[tuple[str, ...]]:
+        """As :meth:`PeerClientProtocol.locate`, over the lane (a home's answer costs a TCP round
+        trip, not aioquic's packet handling); the same failures as :meth:`pull`."""
+        conn = await self._take(key)
+        done = False
+        try:
+            holders = await self._locate_on(conn, addresses)
+            done = True
+            return holders
+        except m.MacRefused:
+            self.refused += 1
+            raise
+        finally:
+            self._give_back(conn, key, done)
+
+    async def _take(self, key: tuple[bytes, bytes] | None) -> LaneConnection:
+        """An idle connection proved with ``key``'s id, or a new one."""
+        key_id = key[0] if key is not None else b""
+        while self._idle:
+            candidate, proved = self._idle.pop()
+            if candidate.gone or proved != key_id:
+                candidate.abandon()    # closed by the server meanwhile (idle), or an older session's key
             else:
-                conn.abandon()         # given up or failed: nothing more reaches the slots
+                return candidate
+        return await self._connect(key)
+
+    def _give_back(self, conn: LaneConnection, key: tuple[bytes, bytes] | None, done: bool) -> None:
+        if done and not conn.gone and len(self._idle) < self.keep:
+            conn.on_event = conn._unexpected
+            self._idle.append((conn, key[0] if key is not None else b""))
+        else:
+            conn.abandon()             # given up or failed: nothing more reaches the slots
+
+    async def _locate_on(self, conn: LaneConnection, addresses: Sequence[tuple[bytes, int]]) -> list[tuple[str, ...]]:
+        request_id = self._ids.next()
+        answers = PullAnswers(self.peer, conn.decoder, None, request_id=request_id)
+        got: list[p.Located] = []
+
+        def on_event(item: p.Event) -> None:
+            message = answers.take(item)
+            if not isinstance(message, p.Located) or got:
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer a Locate")
+            got.append(message)
+
+        conn.on_event = on_event
+        conn.write_frame(p.encode(p.Locate(addresses), request_id))
+        await conn.wait(lambda: bool(got))
+        if len(got[0].holders) != len(addresses):
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"Located answers {len(got[0].holders)} of "
+                                  f"{len(addresses)} addresses")
+        return [tuple(h) for h in got[0].holders]
 
     async def _pull_on(self, conn: LaneConnection, addresses: Sequence[tuple[bytes, int]], sink: PullSink) -> None:
         request_id = self._ids.next()

@@ -23,7 +23,7 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
@@ -55,6 +55,9 @@ REDIAL_S = 1.0              # a peer that is up but not connected is dialled aga
 SERVE_MAX_PULLS = 64         # pulls served at once; more are answered Miss(OVERLOADED)
 
 Reserve = Callable[[BlockAddress, int], "tuple[Any, memoryview] | None"]
+T = TypeVar("T")
+#: What makes a lane unusable for a request (the request then goes over QUIC).
+LANE_FAILURES = (OSError, ssl.SSLError, PeerRefused, PeerGone, asyncio.TimeoutError, p.ProtocolError, MacRefused)
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class PeerCounters:
     served: int = 0            # blocks sent to peers
     served_bytes: int = 0
     lane_pulls: int = 0        # pulls made over a lane
-    lane_fallbacks: int = 0    # pulls that went over QUIC because the lane could not be had or broke
+    lane_fallbacks: int = 0    # pulls and Locates that went over QUIC because the lane could not be had or broke
 
 
 @dataclass
@@ -225,7 +228,7 @@ class PeerTier(PeerHandler):
             if self._server_protocol is not None:
                 self._server_protocol.close_peer(name)
         moves = self.homes.members_changed(set(wanted), gone)
-        if moves:
+        if len(moves):
             self._spawn(self.homes.republish(moves))
 
     def _close_link(self, link: PeerLink) -> None:
@@ -351,6 +354,20 @@ class PeerTier(PeerHandler):
             link.lane = LaneClient(self.auth, link.name, link.address, self.settings.max_payload,
                                    mode=self.settings.lane, stripes=self.settings.lane_stripes)
         return link.lane
+
+    async def _over_lane(self, link: PeerLink, client: PeerClientProtocol,
+                         request: Callable[[LaneClient, tuple[bytes, bytes] | None], Awaitable[T]]) -> T | None:
+        """``request(lane, key)`` over ``link``'s lane; None where there is no lane, or it could
+        not be had or broke (then counted and left alone for a while: the caller goes over QUIC)."""
+        lane = self._lane(link, client)
+        if lane is None:
+            return None
+        try:
+            key = await client.lane_key() if lane.mode == "mac" else None
+            return await request(lane, key)
+        except LANE_FAILURES as exc:
+            self._lane_failed(link, exc)
+            return None
 
     def _lane_failed(self, link: PeerLink, exc: BaseException) -> None:
         self.counters.lane_fallbacks += 1
@@ -689,8 +706,7 @@ class _Fetch:
                     await lane.pull([_split(k) for k in keys], sink, lane_key)
                     tier.counters.lane_pulls += 1
                     keys = []
-                except (OSError, ssl.SSLError, PeerRefused, PeerGone, asyncio.TimeoutError, p.ProtocolError,
-                        MacRefused) as exc:
+                except LANE_FAILURES as exc:
                     tier._lane_failed(link, exc)
                     sink.close()                # slots of payloads cut short go back
                     keys = [k for k in keys if k not in self.got]

@@ -384,3 +384,20 @@ def test_a_daemon_that_stops_leaves_at_once_and_is_found_again_after_it_restarts
         client.put(list(on_b.items()), model="llama")
     wait_for(lambda: peer_count(c, on_b) == 16 and peer_count(a, on_b) == 16, timeout=10, text="b's blocks found again")
     assert get_all(d, on_b) == on_b
+
+
+@pytest.mark.parametrize("lane", ["mac", "quic"])
+def test_locates_and_pulls_over_each_lane_mode(cluster: Cluster, lane: str) -> None:
+    """Locates go over the bulk lane where there is one (tls, the default, runs in every test
+    above), with keyed seals on a mac lane; over QUIC with lane = "quic"."""
+    daemons = [cluster.daemon(name, f'quic.lane="{lane}"') for name in NODES[:3]]
+    wait_for(lambda: converged(daemons, set(NODES[:3])), timeout=20, text="every daemon sees every member")
+    a, b, c = daemons
+    on_a = blocks(24, f"lane-{lane}")
+    with a.client() as client:
+        client.put(list(on_a.items()), model="llama")
+    wait_for(lambda: peer_count(c, on_a) == 24, timeout=10, text="c finds a's blocks")
+    assert get_all(c, on_a) == on_a
+    s = stats(c)
+    assert s.cluster.locates >= 1 and s.cluster.locate_failures == 0 and s.peer_lane_fallbacks == 0
+    assert (s.peer_lane_pulls >= 1) == (lane != "quic")

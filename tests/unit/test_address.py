@@ -514,3 +514,13 @@ def test_block_tokens_checked_with_root_or_parent(block_tokens) -> None:
 def test_block_address_rejects_wrong_types(digest, layer) -> None:
     with pytest.raises(ValueError):
         BlockAddress(digest, layer)
+
+
+def test_the_index_key_of_a_wire_address_is_the_index_key() -> None:
+    from kvcached_agent.address import index_key, index_key_of_wire
+
+    digest = bytes(range(32))
+    for layer in (0, 7, 0xFFFFFFFF):
+        assert index_key_of_wire(digest + layer.to_bytes(4, "little")) == index_key(digest, layer)
+    with pytest.raises(ValueError, match="36 bytes"):
+        index_key_of_wire(digest)

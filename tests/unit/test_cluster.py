@@ -207,7 +207,7 @@ def test_a_lookup_plan_asks_one_home_per_key_and_the_old_home_during_a_move() ->
         expected = {first} | ({next(h for h in old_homes[bucket] if h != first)} if bucket in old_homes else set())
         assert {home for home, ks in during.items() if k in ks} == expected
     assert any(len(ks) for home, ks in during.items() if home != "d")
-    assert plan.expire(now=111) and not plan.recent
+    assert plan.expire(now=111) and not plan.moving
     assert sum(map(len, plan.plan(keys, lambda name: True, now=111).values())) == len(keys)
 
 
@@ -278,8 +278,12 @@ def test_a_bucket_moved_again_within_the_grace_is_asked_of_all_its_old_homes_unt
     second = p.join("c")
     plan.moved(second, now=5)
     twice = {m.bucket for m in first} & {m.bucket for m in second}
+    assert twice
     for bucket in twice:
-        assert set(plan.recent[bucket][0]) >= {"a", "b"}
-    gone = plan.expire(now=10)                     # the first move's buckets, except those moved again
-    assert set(gone) == {m.bucket for m in first} - twice
-    assert set(plan.expire(now=15)) == {m.bucket for m in second} and not plan.recent
+        assert set(plan.old_homes(bucket, now=6)) == {"a", "b"}          # the latest move's old home first
+        assert plan.old_homes(bucket, now=6)[0] == "b"
+    assert plan.expire(now=10) == len(first)                             # the first move is over
+    for bucket in twice:
+        assert plan.old_homes(bucket, now=10) == ("b",)
+    assert plan.expire(now=15) == len(second) and not plan.moving
+    assert all(plan.old_homes(m.bucket, now=15) == () for m in second)
