@@ -76,7 +76,7 @@ from typing import Any, Callable, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_core import KiB, Proc, Row, percentile, proc_times, progress, start_kvcached  # noqa: E402
+from bench_core import KiB, Proc, Row, percentile, print_fitted, proc_times, progress, start_kvcached  # noqa: E402
 from bench_peers import free_port  # noqa: E402
 
 NODES = ("node-a", "node-b", "node-c", "node-d")
@@ -497,20 +497,8 @@ def fmt(value: float, unit: str) -> str:
 
 
 def print_figures(rows: list[Row], header: str) -> None:
-    heads = ["case", "kvcached", "baseline", "", "ratio", "target", "verdict"]
-    cells = [[r.case, fmt(r.kvcached, r.unit), r.baseline_name, fmt(r.baseline, r.unit), f"{r.ratio:.2f}x",
-              r.target or "-", r.verdict] for r in rows]
-    widths = [max(len(x) for x in col) + 2 for col in zip(heads, *cells)]
-    print(header)
-    for fig in sorted({r.figure for r in rows}):
-        print()
-        print(TITLES[fig])
-        print("  " + "".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip())
-        for r, line in zip(rows, cells):
-            if r.figure == fig:
-                print("  " + "".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-    print()
-    print("ratio = kvcached / baseline; p50 and p99 over every call of a side (the sides alternate call by call).")
+    print_fitted(rows, header, TITLES, fmt,
+                 ["ratio = kvcached / baseline; p50 and p99 over every call of a side (the sides alternate call by call)."])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

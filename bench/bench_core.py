@@ -714,6 +714,27 @@ def fmt(value: float, unit: str) -> str:
     return f"{value:.0f} {unit}"
 
 
+def print_fitted(rows: list[Row], header: str, titles: dict[int, str], fmt: Callable[[float, str], str],
+                 footer: Sequence[str] = ()) -> None:
+    """:func:`print_table`'s layout with columns as wide as their longest cell; ``fmt(value,
+    unit)`` writes a value, ``footer`` lines go after the figures."""
+    heads = ["case", "kvcached", "baseline", "", "ratio", "target", "verdict"]
+    cells = [[r.case, fmt(r.kvcached, r.unit), r.baseline_name, fmt(r.baseline, r.unit), f"{r.ratio:.2f}x",
+              r.target or "-", r.verdict] for r in rows]
+    widths = [max(len(x) for x in col) + 2 for col in zip(heads, *cells)]
+    print(header)
+    for fig in sorted({r.figure for r in rows}):
+        print()
+        print(titles[fig])
+        print("  " + "".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip())
+        for r, line in zip(rows, cells):
+            if r.figure == fig:
+                print("  " + "".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+    print()
+    for line in footer:
+        print(line)
+
+
 def print_table(rows: list[Row], header: str, titles: dict[int, str] | None = None) -> None:
     print(header)
     for fig in sorted({r.figure for r in rows}):

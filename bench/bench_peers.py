@@ -135,6 +135,7 @@ from bench_core import (  # noqa: E402
     Row,
     fmt,
     percentile,
+    print_fitted,
     proc_times,
     progress,
     size_name,
@@ -1157,23 +1158,11 @@ TITLES = {
 
 def print_figures(rows: list[Row], header: str) -> None:
     """bench_core.print_table's layout, with columns as wide as their longest cell."""
-    heads = ["case", "kvcached", "baseline", "", "ratio", "target", "verdict"]
-    cells = [[r.case, fmt(r.kvcached, r.unit), r.baseline_name, fmt(r.baseline, r.unit), f"{r.ratio:.2f}x",
-              r.target or "-", r.verdict] for r in rows]
-    widths = [max(len(x) for x in col) + 2 for col in zip(heads, *cells)]
-    print(header)
-    for fig in sorted({r.figure for r in rows}):
-        print()
-        print(TITLES[fig])
-        print("  " + "".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip())
-        for r, line in zip(rows, cells):
-            if r.figure == fig:
-                print("  " + "".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-    print()
-    print("ratio = kvcached / baseline (throughput: higher is better; latency: lower is better).")
-    print("Throughput: each side's median round; ratio = median over rounds of the two sides' ratio in that round.")
-    print("Latency p50 ratio = median over rounds of the p50 ratio within a round; p99 ratio = p99 of all calls over "
-          "the baseline's.")
+    print_fitted(rows, header, TITLES, fmt, [
+        "ratio = kvcached / baseline (throughput: higher is better; latency: lower is better).",
+        "Throughput: each side's median round; ratio = median over rounds of the two sides' ratio in that round.",
+        "Latency p50 ratio = median over rounds of the p50 ratio within a round; p99 ratio = p99 of all calls over "
+        "the baseline's."])
 
 
 def run(s: Settings) -> tuple[list[Row], list[str], dict[str, Any], dict[int, dict[str, Any]]]:
