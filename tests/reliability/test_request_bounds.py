@@ -72,6 +72,8 @@ def payload(n: int, size: int = BLOCK) -> bytes:
 class HeldByPeers:
     """The peer tier as Store.lookup asks it (``held``): a usable peer holds these digests."""
 
+    asks_homes = False          # static peers: what they hold is known here (no home to ask first)
+
     def __init__(self, digests: set[bytes]) -> None:
         self.digests = digests
 
