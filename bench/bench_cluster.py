@@ -937,7 +937,7 @@ class Simulation:
             truly = {nodes[i].name for i in self.truth[key]}
             for home in homes_of(bucket):
                 checked += len(truly)
-                missing += len(truly - set(self.by_name[home].records.holders(key)))
+                missing += len(truly - set(self.by_name[home].records.holders(key, limit=None)))
         return missing, checked
 
     def expire(self, now: float) -> None:

@@ -26,6 +26,7 @@ lookup in that window would miss blocks that are there.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -37,7 +38,14 @@ from kvcached.cluster.placement import Moves, Placement
 __all__ = ["HomeRecords", "Publisher", "LookupPlan", "MOVE_GRACE_S", "MAX_HOLDERS"]
 
 MOVE_GRACE_S = 10.0          # a moved bucket is asked of its old home too, this long after the move
-MAX_HOLDERS = 64             # holders kept per block (the peer protocol's Located names at most as many)
+MAX_HOLDERS = 64             # holders a Located answer names per block (the peer protocol's limit)
+TUPLE_MAX = 8                # a record of more holders is a set
+
+Holders = int | tuple[int, ...] | set[int]
+
+
+def _has(have: Holders, ident: int) -> bool:
+    return have == ident if isinstance(have, int) else ident in have
 
 
 class HomeRecords:
@@ -46,7 +54,7 @@ class HomeRecords:
 
     def __init__(self, bucket_of: Callable[[bytes], int]) -> None:
         self.bucket_of = bucket_of
-        self._records: dict[bytes, int | tuple[int, ...]] = {}
+        self._records: dict[bytes, Holders] = {}
         self._ids: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._next = 0
@@ -67,9 +75,9 @@ class HomeRecords:
     # -- what holders say --
 
     def gained(self, holder: str, keys: Iterable[bytes]) -> None:
-        """``holder`` holds ``keys``. A block already recorded with MAX_HOLDERS holders keeps
-        those: more would not help a puller (a Located answer names at most that many), and a
-        block every member holds would otherwise cost a record of N ids and O(N) per gain."""
+        """``holder`` holds ``keys``. A record is a small int (one holder), a tuple (a few), or,
+        past TUPLE_MAX holders, a set: a block every member holds costs O(1) per gain and drop,
+        not a copy of N ids (an answer names at most MAX_HOLDERS of them)."""
         ident, records = self._id(holder), self._records
         for key in keys:
             have = records.get(key)
@@ -78,8 +86,11 @@ class HomeRecords:
             elif isinstance(have, int):
                 if have != ident:
                     records[key] = (have, ident)
-            elif len(have) < MAX_HOLDERS and ident not in have:
-                records[key] = have + (ident,)
+            elif isinstance(have, tuple):
+                if ident not in have:
+                    records[key] = have + (ident,) if len(have) < TUPLE_MAX else {*have, ident}
+            else:
+                have.add(ident)
 
     def dropped(self, holder: str, keys: Iterable[bytes]) -> None:
         ident = self._ids.get(holder)
@@ -106,8 +117,7 @@ class HomeRecords:
         del self._listing[holder]
         listed = current[2]
         ident = self._id(holder)
-        stale = [key for key, have in self._records.items()
-                 if key not in listed and (have == ident if isinstance(have, int) else ident in have)]
+        stale = [key for key, have in self._records.items() if key not in listed and _has(have, ident)]
         for key in stale:
             self._without(key, ident)
         self.gained(holder, listed)
@@ -120,7 +130,7 @@ class HomeRecords:
         if ident is None:
             return 0
         del self._names[ident]
-        mine = [key for key, have in self._records.items() if (have == ident if isinstance(have, int) else ident in have)]
+        mine = [key for key, have in self._records.items() if _has(have, ident)]
         for key in mine:
             self._without(key, ident)
         self.forgotten += len(mine)
@@ -141,19 +151,28 @@ class HomeRecords:
             if have == ident:
                 del self._records[key]
             return
+        if isinstance(have, set):
+            have.discard(ident)
+            if len(have) > TUPLE_MAX // 2:
+                return
         rest = tuple(i for i in have if i != ident)
-        if len(rest) == len(have):
-            return
-        self._records[key] = rest[0] if len(rest) == 1 else rest
+        if not rest:
+            del self._records[key]
+        else:
+            self._records[key] = rest[0] if len(rest) == 1 else rest
 
     # -- what askers want --
 
-    def holders(self, key: bytes) -> tuple[str, ...]:
+    def holders(self, key: bytes, limit: int | None = MAX_HOLDERS) -> tuple[str, ...]:
+        """The members that hold ``key``: at most ``limit`` of them (what one answer names;
+        None: all, for checks)."""
         have = self._records.get(key)
         if have is None:
             return ()
         names = self._names
-        return (names[have],) if isinstance(have, int) else tuple(names[i] for i in have)
+        if isinstance(have, int):
+            return (names[have],)
+        return tuple(names[i] for i in itertools.islice(have, limit))
 
     def locate(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
         return [self.holders(key) for key in keys]
@@ -163,7 +182,7 @@ class HomeRecords:
         ident = self._ids.get(holder)
         if ident is None:
             return []
-        return [key for key, have in self._records.items() if (have == ident if isinstance(have, int) else ident in have)]
+        return [key for key, have in self._records.items() if _has(have, ident)]
 
 
 @dataclass

@@ -258,15 +258,28 @@ def test_a_retry_asks_each_key_of_the_homes_not_asked_for_it_yet() -> None:
     assert plan.plan(keys, lambda n: True, now=0, asked=asked) == {}     # both homes asked: none left
 
 
-def test_a_record_keeps_at_most_max_holders() -> None:
+def test_a_block_many_hold_keeps_every_holder_and_names_at_most_max_holders() -> None:
     from kvcached.cluster.location import MAX_HOLDERS
     from kvcached.peers import protocol as p
 
-    assert MAX_HOLDERS == p.MAX_HOLDERS               # what a home keeps is what one Located may name
+    assert MAX_HOLDERS == p.MAX_HOLDERS               # what a home names is what one Located may
     home = HomeRecords(lambda k: 0)
-    for i in range(MAX_HOLDERS + 10):
-        home.gained(f"n{i}", [key(1)])
+    names = [f"n{i}" for i in range(MAX_HOLDERS + 10)]
+    for name in names:
+        home.gained(name, [key(1)])
     assert len(home.holders(key(1))) == MAX_HOLDERS
+    for name in names[:MAX_HOLDERS]:                  # the first 64 drop it: the other 10 are still named
+        home.dropped(name, [key(1)])
+    assert sorted(home.holders(key(1))) == sorted(names[MAX_HOLDERS:])
+    for name in names[MAX_HOLDERS:-1]:
+        home.dropped(name, [key(1)])
+    assert home.holders(key(1)) == (names[-1],)
+    home.dropped(names[-1], [key(1)])
+    assert home.holders(key(1)) == () and len(home) == 0
+    home.gained("x", [key(2)])
+    for i in range(20):
+        home.gained(f"m{i}", [key(2)])
+    assert home.forget("x") == 1 and "x" not in home.holders(key(2)) and len(home.holders(key(2))) == 20
 
 
 def test_a_bucket_moved_again_within_the_grace_is_asked_of_all_its_old_homes_until_the_last_move_expires() -> None:
