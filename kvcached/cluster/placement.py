@@ -27,9 +27,9 @@ from typing import Iterable, Sequence, overload
 import blake3
 import numpy as np
 
-from kvcached_agent.address import index_key, index_key_of_wire
+from kvcached_agent.address import index_key_of_wire
 
-__all__ = ["Placement", "Move", "Moves", "member_seed", "score", "bucket_of_index_key", "MAX_BITS"]
+__all__ = ["Placement", "Move", "Moves", "member_seed", "score", "MAX_BITS"]
 
 MAX_BITS = 24
 REBUILD_JOINS = 16           # more members joining at once than this: the table is computed afresh
@@ -61,11 +61,6 @@ def _scores(buckets: np.ndarray, seed: int | np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
     return z ^ (z >> np.uint64(31))
-
-
-def bucket_of_index_key(key: bytes, bits: int) -> int:
-    """The bucket of a 32-byte index key: its first 4 bytes, little-endian, top ``bits`` dropped."""
-    return int.from_bytes(key[:4], "little") & ((1 << bits) - 1)
 
 
 @dataclass(frozen=True)
@@ -156,10 +151,6 @@ class Placement:
     def members(self) -> frozenset[str]:
         return frozenset(self._slots)
 
-    def bucket(self, address_digest: bytes, layer: int) -> int:
-        """The bucket of a block, from its address (its index key's first bytes)."""
-        return bucket_of_index_key(index_key(address_digest, layer), self.bits)
-
     def bucket_of_key(self, key: bytes) -> int:
         """The bucket of a 36-byte wire key (``digest | u32 layer``, little-endian)."""
         return int.from_bytes(index_key_of_wire(key)[:4], "little") & self._mask
@@ -174,9 +165,6 @@ class Placement:
             if len(self._rows) < ROWS_KEPT:
                 self._rows[bucket] = homes
         return homes
-
-    def homes(self, digest: bytes, layer: int) -> tuple[str, ...]:
-        return self.homes_of(self.bucket(digest, layer))
 
     def buckets_of(self, member: str) -> np.ndarray:
         """The buckets ``member`` is a home of (for measuring balance)."""
