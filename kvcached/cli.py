@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     _config_args(p)
     p.add_argument("--print-config", action="store_true", help="print the effective configuration as JSON and exit")
+    p.add_argument("--takeover", action="store_true",
+                   help="take over from the daemon running on this configuration: its RAM tier and listening "
+                        "sockets, with no gap for clients (docs/operations.md)")
+
+    p = sub.add_parser("upgrade", help="replace the running daemon with the code installed now, keeping its RAM "
+                                       "tier and sockets (docs/operations.md)")
+    _config_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = sub.add_parser("stat", help="daemon counters and tier occupancy")
     _client_args(p)
@@ -115,7 +123,27 @@ def _serve(args: argparse.Namespace) -> int:
     from kvcached.logs import setup_logging
 
     setup_logging(config.log.level, config.log.format)
-    return serve(config, reload=lambda: _load(args))
+    argv = [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]]
+    return serve(config, reload=lambda: _load(args), takeover=args.takeover, argv=argv)
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    """Ask the running daemon to start its successor and hand over; print how it went."""
+    from kvcached.handover import HandoverBroken, handover_path, request_upgrade
+
+    config = _load(args)
+    try:
+        answer = request_upgrade(handover_path(config.kv.index_dir))
+    except HandoverBroken as exc:
+        return _die(1, f"upgrade: {exc}")
+    if args.json:
+        print(json.dumps(answer))
+    elif answer.get("op") == "upgraded" and answer.get("ok"):
+        print(f"upgraded: pid {answer['pid']} serves now (handover {answer['elapsed_s']:.3f} s, "
+              f"{answer['total_s']:.3f} s with its start)")
+    else:
+        print(f"upgrade failed: {answer.get('reason', answer)}", file=sys.stderr)
+    return 0 if answer.get("op") == "upgraded" and answer.get("ok") else 1
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -226,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "upgrade":
+            return _upgrade(args)
         if args.command == "certs":
             return _certs(args)
         if args.command == "sim":

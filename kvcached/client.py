@@ -6,8 +6,10 @@ Every payload fetched is checked against its BLAKE3 checksum before it is return
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import grpc
 
@@ -38,14 +40,44 @@ class Fetched:
     checksum: bytes
 
 
+# gRPC's retry policy for every KvCache and Admin call (all are safe to repeat: a Put of a block
+# present is a no-op). When a daemon hands over to its successor (docs/operations.md) its gRPC
+# server stops: a call that reached its connection just as it went away ends UNAVAILABLE
+# (GOAWAY) or CANCELLED (the server's shutdown), although the successor already listens; tried
+# again, it reaches the successor. Calls the client itself cancels are never retried.
+RETRY_POLICY = json.dumps({"methodConfig": [{
+    "name": [{"service": "kvcached.v1.KvCache"}, {"service": "kvcached.v1.Admin"}],
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.02s", "maxBackoff": "0.5s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]}}]})
+
+
+class _RetryServerCancelled(grpc.UnaryUnaryClientInterceptor):
+    """Tries a unary call again when the server cancelled it: gRPC cancels the calls that reached a
+    server but no handler yet when it stops (grpc/grpc#41785; a daemon handing over, see
+    RETRY_POLICY), and its retry policy does not take those again. Such a call was never
+    executed; a call this client cancels itself ends otherwise (an exception, a deadline)."""
+
+    ATTEMPTS = 3
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        for attempt in range(self.ATTEMPTS):
+            outcome = continuation(details, request)
+            if attempt == self.ATTEMPTS - 1 or outcome.code() != grpc.StatusCode.CANCELLED:
+                return outcome
+            time.sleep(0.02 * (attempt + 1))
+        return outcome
+
+
 class KvCacheClient:
-    """Blocking client. ``target`` uses gRPC syntax: ``unix:PATH`` or ``HOST:PORT``."""
+    """Blocking client. ``target`` uses gRPC syntax: ``unix:PATH`` or ``HOST:PORT``. Calls are
+    retried as :data:`RETRY_POLICY` says (unary calls the server cancelled too)."""
 
     def __init__(self, target: str, *, max_message_mib: int = 64, timeout: float | None = 60.0) -> None:
         limit = max_message_mib << 20
         self.channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
-        self.stub = pb_grpc.KvCacheStub(self.channel)
+            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+            ("grpc.enable_retries", 1), ("grpc.service_config", RETRY_POLICY)])
+        self.stub = pb_grpc.KvCacheStub(grpc.intercept_channel(self.channel, _RetryServerCancelled()))
         self.timeout = timeout
 
     def __enter__(self) -> "KvCacheClient":

@@ -25,6 +25,8 @@ import concurrent.futures
 import logging
 import os
 import signal
+import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -35,7 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvcached import __version__, policy_state
-from kvcached.api.access import ReadOnly
+from kvcached.api.access import Gate, ReadOnly
 from kvcached.api.admin_service import AdminService
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_service import KvCacheService
@@ -45,6 +47,18 @@ from kvcached.cluster.member import Member
 from kvcached.cluster.view import Change, MembershipView
 from kvcached.config import RELOADABLE, Config, ConfigError, ListenAddress, changed_keys, parse_listen, with_reloaded
 from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, set_daemon_umask
+from kvcached.handover import (
+    HandoverBroken,
+    HandoverServer,
+    Takeover,
+    handover_path,
+    send_files,
+    send_released,
+    tcp_migrate_req,
+    wait_gone,
+    wait_listening,
+    wait_serving,
+)
 from kvcached.index import BlockIndex, IndexError_
 from kvcached.logs import fields, set_level
 from kvcached.metrics import start_metrics
@@ -55,12 +69,14 @@ from kvcached.policies import make_eviction_policy, make_keyed_policy
 from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.policies.write import make_write_policy
-from kvcached.process import StartupError, claim_unix_socket, group_id, tune_malloc
+from kvcached.process import StartupError, check_tcp_port_free, claim_unix_socket, group_id, tune_malloc
 from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.store import Store
-from kvcached.systemd import Notifier
+from kvcached.store.adoption import RamAdoption
+from kvcached.systemd import Notifier, listen_fds
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
+from kvcached.tiers.slot_directory import SlotDirectory, SlotEntry
 from kvcached.tiers.ssd import SsdTier
 from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
 
@@ -76,11 +92,18 @@ EVICT_PERIOD_S = 1.0
 PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get the loop back
 INDEX_PROGRESS_GRACE_S = 60.0  # each index reconcile progress line asks systemd for this much more start time
 INDEX_CHECK_S = 1.0        # how often an unwritable index is asked to recover (it backs off by itself)
+ARENA_FD_NAME, SLOTS_FD_NAME = "kvcached-arena", "kvcached-slots"   # in systemd's fd store and a handover
+HANDOVER_SETTLE_S = 0.05   # after the successor listens: what reached this daemon's queues just before is accepted
+UPGRADE_TIMEOUT_S = 300.0
 SSD_DIR_LEVELS = 3         # directories under kv.ssd_dir: blocks/ and quarantine/, blocks/xx/, blocks/xx/y/
 
 
 class Daemon:
-    def __init__(self, config: Config, reload: Callable[[], Config] | None = None) -> None:
+    def __init__(self, config: Config, reload: Callable[[], Config] | None = None, *, takeover: bool = False,
+                 argv: list[str] | None = None) -> None:
+        """``takeover``: start by taking over from the daemon running on this configuration
+        (kvcached.handover); ``argv``: this process's command line, which an upgrade runs again
+        with ``--takeover`` (None: upgrades are refused)."""
         self.config = config
         self._load_config = reload
         self.started_at = time.time()
@@ -96,7 +119,7 @@ class Daemon:
         self.health: Any = None
         self._metrics_server: Any = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._own_sockets: list[str] = []   # Unix sockets this process bound (and removes)
+        self._own_sockets: list[tuple[str, int]] = []   # Unix sockets this process bound (path, inode): removed if still ours
         self._scanner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-scan")
         self._stopping = threading.Event()
         self._stop = asyncio.Event()
@@ -105,6 +128,22 @@ class Daemon:
         self.index_reconcile: dict[str, Any] = {}        # the boot reconcile's counts (Admin ReconcileStatus)
         self.ssd_reconcile_summary: dict[str, Any] = {}
         self._saving: asyncio.Future[int] | None = None   # a policy save in its worker thread
+        self.slot_directory: SlotDirectory | None = None
+        self.adoption: RamAdoption | None = None          # the previous process's RAM tier, being taken up
+        self.ram_adoption_summary: dict[str, Any] = {}
+        self._inherited_fds: dict[str, int] = {}          # passed by an upgrade's predecessor
+        self._trusted_arena = False                       # a clean handover: its directory is true as passed
+        self._takeover = takeover
+        self._argv = argv
+        self._gate: Gate | None = None                    # gRPC calls held until the successor serves
+        self._kv_services: list[KvCacheService] = []
+        self._grpc_ports: dict[str, int] = {}             # TCP listener (as configured) -> port in use
+        self._handover: HandoverServer | None = None
+        self._handing_over = False                        # a successor takes the RAM tier: no write-back at stop
+        self._handed_over = False                         # the successor owns the sockets now
+        self._wound_down = False
+        self._handover_done: asyncio.Future[dict[str, Any]] | None = None
+        self._exit_code = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -115,16 +154,28 @@ class Daemon:
         grpc_gid = group_id(cfg.grpc.socket_group, "grpc.socket_group")   # before any listener: fail early
         # Sockets first: a directory shared with the state (var/ of the default configuration)
         # is then created searchable for the sockets' clients; the state under it stays 0700.
-        if cfg.agent.socket:
-            claim_unix_socket(cfg.agent.socket, cfg.agent.mode_bits, agent_gid)
-        for address in listeners:
-            if address.unix_path:
-                claim_unix_socket(address.unix_path, cfg.socket_mode_bits, grpc_gid)
+        # A successor takes them over from the daemon that owns them instead.
+        takeover = await self._begin_takeover() if self._takeover else None
+        if takeover is None:
+            if cfg.agent.socket:
+                claim_unix_socket(cfg.agent.socket, cfg.agent.mode_bits, agent_gid)
+            for address in listeners:
+                if address.unix_path:
+                    claim_unix_socket(address.unix_path, cfg.socket_mode_bits, grpc_gid)
         self._prepare_state_dirs()
-        self.index = self._open_index()
-        self.arena = SharedArena(cfg.ram_bytes)
+        if takeover is not None:       # listen beside the predecessor (calls wait at the gate), then take its state
+            self._gate = Gate()
+            await self._start_grpc(listeners, grpc_gid, takeover.info.get("grpc_tcp", {}))
+            self._trusted_arena = await takeover.listening()
+            self._inherited_fds = {name: fd for name in (ARENA_FD_NAME, SLOTS_FD_NAME)
+                                   if (fd := takeover.take(name)) is not None}
         kv = cfg.kv
-        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy))
+        self.arena, self.slot_directory, entries = self._open_arena(self._inherited_fds or listen_fds())
+        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy), self.slot_directory)
+        self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
+        # After a clean handover the index is as true as the predecessor left it: no boot scan.
+        self.index = self._open_index(self.adoption.placed_keys if self.adoption else frozenset(),
+                                      reconcile=not self._trusted_arena)
         self.ssd = self._open_ssd()
         self.store = Store(ram, self.index, ssd=self.ssd, write_policy=make_write_policy(kv.write_policy, kv.write_through_threshold),
                            ssd_ttl=kv.ssd_ttl, gone_ttl=kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks,
@@ -133,31 +184,45 @@ class Daemon:
                            ssd_order=make_keyed_policy(kv.ssd_policy) if self.ssd and kv.ssd_policy != "lru" else None)
         self.store.ssd_order_ready = self.store.ssd_order is None   # rebuilt after the reconcile
         self._restore_policies()
+        if self.adoption is not None and self.adoption.report.trusted:   # nothing to check: before any listener
+            await self._adopt_ram(self.adoption)
         self.store.mirror_pulls = cfg.kv.mirror_pulls
         self.store.prefetch = make_prefetch_policy(cfg.kv.prefetch_policy, cfg.kv.prefetch_timeout_ms / 1000)
+        if takeover is not None:              # the predecessor's listening sockets where ours are the same
+            takeover.keep(_same_listeners(takeover.info, cfg))
+        passed = takeover.take if takeover is not None else _nothing_passed
         if cfg.quic.listen or cfg.quic.peers:
-            await self._start_peers()
+            await self._start_peers(passed)
         if cfg.metrics.listen:              # read latencies, for the tiers this daemon runs
             self.store.reads.time_reads(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)
                                         + ["peer"] * bool(self.peers))
-        await self._start_grpc(listeners, grpc_gid)
+        if takeover is None:
+            await self._start_grpc(listeners, grpc_gid)
+        for service in self._kv_services:      # built before the store when listening beside a predecessor
+            service.store = self.store
         if cfg.agent.socket:
             self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,
                                       mode=cfg.agent.mode_bits, gid=agent_gid, heartbeat_s=cfg.agent.heartbeat_s,
                                       max_agents=cfg.agent.max_agents)
             try:
-                await self.agents.start()
+                await self.agents.start(passed("agent"))
             except OSError as exc:
                 raise StartupError(f"agent.socket {cfg.agent.socket}: {exc.strerror or exc}") from None
-            self._own_sockets.append(cfg.agent.socket)
+            self._own_sockets.append((cfg.agent.socket, os.stat(cfg.agent.socket).st_ino))
             log.info("agent socket listening", extra=fields(path=cfg.agent.socket, mode=cfg.agent.mode,
                                                             group=cfg.agent.group or None))
         if cfg.metrics.listen:
             try:
-                self._metrics_server = start_metrics(cfg.metrics.listen, self.store)
+                self._metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"))
             except OSError as exc:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))
+        if takeover is not None:
+            takeover.close_files()
+        self._handover = HandoverServer(handover_path(cfg.kv.index_dir), self._hand_over, self._upgrade)
+        self._handover.start()
+        if self.adoption is not None and not self.adoption.report.trusted:   # each block checked first, while serving
+            self._tasks.append(asyncio.create_task(self._adopt_ram(self.adoption), name="ram-adoption"))
         self._tasks.append(asyncio.create_task(self._maintenance(), name="maintenance"))
         self._tasks.append(asyncio.create_task(self._index_recovery(), name="index-recovery"))
         if cfg.kv.policy_save_s:
@@ -170,11 +235,166 @@ class Daemon:
                                        ssd_bytes=self.ssd.capacity if self.ssd else 0,
                                        ssd_direct_io=self.ssd.direct if self.ssd else False,
                                        startup_s=round(time.time() - self.started_at, 3)))
-        # Every listener accepts by now: systemd may start what depends on this daemon.
+        if self._gate is not None:
+            for name in ("", SERVICE_NAME, ADMIN_SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._gate.open()
+        # Every listener accepts by now: systemd may start what depends on this daemon (after
+        # an upgrade, MAINPID tells it this process is the service now).
         self.notifier.ready("serving" if self.ssd is None or self.store.ssd_reconciled else
                             "serving; reconciling the SSD tier")
+        if takeover is not None:
+            await takeover.serving()
+            log.warning("took over from the previous daemon", extra=fields(
+                ram_blocks=len(ram), trusted=self._trusted_arena, startup_s=round(time.time() - self.started_at, 3)))
         if self.notifier.watchdog_s is not None:
             self._tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_s), name="watchdog"))
+
+    def _open_arena(self, inherited: dict[str, int]) -> tuple[SharedArena, SlotDirectory, list[SlotEntry]]:
+        """The RAM arena and its slot directory: those a previous process left (systemd's file
+        descriptor store, or an upgrade's handover) when they fit this configuration, with the
+        entries to take up; new ones otherwise. Either way they go into the fd store, so the
+        next start finds them (docs/operations.md)."""
+        cfg = self.config
+        geometry = RamTier.geometry(cfg.ram_bytes, cfg.max_block_bytes)
+        arena_fd, slots_fd = inherited.pop(ARENA_FD_NAME, None), inherited.pop(SLOTS_FD_NAME, None)
+        for name, fd in inherited.items():
+            log.warning("file descriptor passed at start not used", extra=fields(name=name))
+            os.close(fd)
+        arena = directory = None
+        if arena_fd is not None and slots_fd is not None:
+            try:
+                SharedArena.check_adoptable(arena_fd, cfg.ram_bytes)
+                directory = SlotDirectory.adopt(slots_fd, geometry)
+                arena = SharedArena(cfg.ram_bytes, fd=arena_fd)
+            except (ValueError, OSError) as exc:
+                log.warning("the RAM arena left by the previous process does not fit this configuration: "
+                            "starting with an empty RAM tier", extra=fields(reason=str(exc)))
+                if directory is not None:
+                    directory.close()
+                    directory = None
+                else:
+                    os.close(slots_fd)
+                os.close(arena_fd)
+        elif arena_fd is not None or slots_fd is not None:
+            log.warning("only one of the arena's two files was passed at start: starting with an empty RAM tier")
+            os.close(arena_fd if arena_fd is not None else slots_fd)  # type: ignore[arg-type]
+        if arena is None or directory is None:
+            arena, directory = SharedArena(cfg.ram_bytes), SlotDirectory.create(geometry)
+            for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
+                self.notifier.notify(fdstoreremove=1, fdname=name)   # an unusable one left there
+                self.notifier.store_fd(name, fd)
+            return arena, directory, []
+        for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
+            self.notifier.store_fd(name, fd)            # systemd keeps one copy of a file it holds already
+        entries = list(directory.committed_entries())
+        log.info("RAM arena taken over from the previous process", extra=fields(
+            blocks=len(entries), inode=arena.inode, checked="no (a clean handover)" if self._trusted_arena else "yes"))
+        return arena, directory, entries
+
+    async def _adopt_ram(self, adoption: RamAdoption) -> None:
+        """Check and commit the blocks the previous process left in the arena, while serving."""
+        assert self.index is not None
+        try:
+            report = await adoption.run(self.index, None, time.time, self._stopping.is_set)
+        except Exception:
+            log.exception("taking up the previous process's RAM tier failed; its blocks not yet checked are dropped")
+            return
+        self.ram_adoption_summary = report.summary()
+        log.info("RAM tier taken over", extra=fields(**self.ram_adoption_summary))
+
+    async def _begin_takeover(self) -> Takeover | None:
+        """Ask the daemon running on this configuration to hand over (kvcached.handover). None
+        if it went away before it passed anything: this process then starts on its own."""
+        takeover = Takeover(handover_path(self.config.kv.index_dir))
+        try:
+            await takeover.begin(__version__)
+        except HandoverBroken as exc:
+            connected = takeover.sock is not None
+            takeover.close()
+            if not connected:
+                raise StartupError(f"--takeover: {exc}") from None
+            log.warning("the daemon being taken over went away before it passed anything: starting on its own",
+                        extra=fields(reason=str(exc)))
+            if not await wait_gone(takeover.predecessor_pid):    # its sockets close as it exits
+                raise StartupError(f"--takeover: the daemon being taken over (pid {takeover.predecessor_pid}) "
+                                   "stopped answering but did not exit") from None
+            return None
+        log.warning("taking over from the running daemon", extra=fields(files=",".join(takeover.files)))
+        return takeover
+
+    async def _hand_over(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        """The predecessor's side of a handover (kvcached.handover): pass the files, wait until
+        the successor listens, wind down, release the index, wait until it serves, exit."""
+        files: dict[str, int] = {}
+        try:
+            assert self.arena is not None and self.slot_directory is not None
+            own = {ARENA_FD_NAME: self.arena.fd, SLOTS_FD_NAME: self.slot_directory.fd}
+            info: dict[str, Any] = {"grpc_tcp": self._grpc_ports}
+            if self.agents is not None:
+                own["agent"], info["agent"] = self.agents.listening_fd, self.config.agent.socket
+            if self._metrics_server is not None:
+                own["metrics"], info["metrics"] = self._metrics_server.socket.fileno(), self.config.metrics.listen
+            if self.peers is not None:
+                own.update(self.peers.listening_fds)
+                info["quic"], info["lane"] = self.config.quic.listen, self.config.quic.lane
+            files = {name: os.dup(fd) for name, fd in own.items()}
+            await send_files(conn, files, info)
+        finally:
+            for fd in files.values():
+                os.close(fd)
+        await wait_listening(conn)            # gone before this: nothing changed, serve on
+        t0 = time.monotonic()
+        self._handing_over = True
+        if self._tcp_listeners() and not tcp_migrate_req():
+            log.warning("net.ipv4.tcp_migrate_req is 0: TCP connections waiting in this daemon's accept queue "
+                        "when it stops listening are reset instead of passed to the successor (docs/operations.md)")
+        await asyncio.sleep(HANDOVER_SETTLE_S)   # connections queued just before the switch are accepted
+        blocks = len(self.store.ram) if self.store is not None else 0
+        await self._wind_down()
+        await send_released(conn, {"ram_blocks": blocks, "wind_down_s": round(time.monotonic() - t0, 3)})
+        self._handed_over = True
+        try:
+            await wait_serving(conn)
+        except HandoverBroken as exc:
+            log.error("the successor went away after this daemon released its state; exiting (under systemd "
+                      "the service restarts and takes the RAM tier up from the fd store)", extra=fields(reason=str(exc)))
+            self._exit_code = 1
+        if self._handover_done is not None and not self._handover_done.done():
+            self._handover_done.set_result({"op": "upgraded", "ok": self._exit_code == 0,
+                                            "elapsed_s": round(time.monotonic() - t0, 3)})
+        self._stop.set()
+
+    async def _upgrade(self) -> dict[str, Any]:
+        """``kvcached upgrade``: start this command line again with ``--takeover`` (the code now
+        installed), in this service's process group and cgroup, and wait for the handover."""
+        if self._argv is None:
+            return {"op": "failed", "reason": "this daemon was not started by `kvcached serve`: start the successor "
+                                              "with `kvcached serve --takeover` yourself"}
+        loop = asyncio.get_running_loop()
+        self._handover_done = loop.create_future()
+        t0 = time.monotonic()
+        argv = [a for a in self._argv if a != "--takeover"] + ["--takeover"]
+        # A plain Popen: asyncio's subprocess transport kills a child still running when it
+        # closes, and the successor must outlive this process.
+        # WATCHDOG_PID names this process: without it systemd's watchdog is the successor's to ping.
+        env = {k: v for k, v in os.environ.items() if k != "WATCHDOG_PID"}
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
+        log.warning("upgrade: successor started", extra=fields(pid=proc.pid))
+        done = self._handover_done
+        deadline = time.monotonic() + UPGRADE_TIMEOUT_S
+        while not done.done() and proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.wait([done], timeout=0.1)
+        if done.done():
+            return {**done.result(), "pid": proc.pid, "total_s": round(time.monotonic() - t0, 3)}
+        self._handover_done = None
+        if proc.returncode is not None:
+            return {"op": "failed", "pid": proc.pid,
+                    "reason": f"the successor exited with {proc.returncode} before taking over (see its log)"}
+        return {"op": "failed", "pid": proc.pid, "reason": f"no handover within {UPGRADE_TIMEOUT_S:.0f} s"}
+
+    def _tcp_listeners(self) -> bool:
+        return bool(self._grpc_ports) or self._metrics_server is not None or self.peers is not None
 
     async def _watchdog(self, every_s: float) -> None:
         """WATCHDOG=1 from the event loop itself: a wedged loop stops the pings and systemd
@@ -183,7 +403,7 @@ class Daemon:
             self.notifier.watchdog()
             await asyncio.sleep(every_s)
 
-    async def _start_peers(self) -> None:
+    async def _start_peers(self, passed: Callable[[str], int | None]) -> None:
         """The peer tier: the QUIC server, and a link to each configured peer (docs/peers.md)."""
         assert self.store is not None and self.index is not None
         q, c = self.config.quic, self.config.cluster
@@ -216,7 +436,7 @@ class Daemon:
             member=c.name if c.etcd else None, replicas=c.replicas, placement_bits=c.placement_bits)
         self.peers = PeerTier(self.store, auth, settings)
         try:
-            await self.peers.start()
+            await self.peers.start(passed("quic"), passed("lane"))
         except OSError as exc:
             raise StartupError(f"quic.listen {q.listen}: {exc.strerror or exc}") from None
         self.store.peers = self.peers
@@ -381,6 +601,9 @@ class Daemon:
                 await asyncio.sleep(DEMOTE_PERIOD_S)
         # A clean stop writes back what is still dirty, within the shutdown grace (stop() waits);
         # blocks agents committed last are checksummed first (only recorded blocks are written).
+        # A handover leaves them dirty in RAM: the successor writes them back.
+        if self._handing_over:
+            return
         await store.drain(self.config.grpc.grace_s)
         if not self._index_writable():
             log.error("the index cannot be written: dirty blocks are not written back and are lost at this stop",
@@ -406,12 +629,14 @@ class Daemon:
             except Exception:
                 log.exception("SSD eviction failed; will retry")
 
-    def _open_index(self) -> BlockIndex:
+    def _open_index(self, ram_kept: set[bytes] | frozenset[bytes], reconcile: bool = True) -> BlockIndex:
         cfg = self.config
         try:
             index = BlockIndex(cfg.kv.index_dir)
         except IndexError_ as exc:
             raise StartupError(str(exc)) from None
+        if not reconcile:
+            return index
         estimate = index.count_estimate()
         t0 = time.monotonic()
 
@@ -422,7 +647,7 @@ class Daemon:
                                  extend_timeout_s=INDEX_PROGRESS_GRACE_S)
 
         try:
-            counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000)
+            counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000, ram_kept=ram_kept)
         except IndexError_ as exc:
             index.close()
             raise StartupError(f"kv.index_dir {cfg.kv.index_dir}: the boot reconcile cannot write the index "
@@ -432,28 +657,36 @@ class Daemon:
             log.info("index reconciled", extra=fields(**counts, elapsed_s=round(time.monotonic() - t0, 3)))
         return index
 
-    async def _start_grpc(self, listeners: list[ListenAddress], gid: int) -> None:
+    async def _start_grpc(self, listeners: list[ListenAddress], gid: int,
+                          predecessor_ports: dict[str, int] | None = None) -> None:
         """The gRPC listeners, on two servers (kvcached.api.access says who may call what): the
         full API on the Unix sockets and mutual-TLS TCP listeners; read-only calls on plaintext
-        TCP listeners and grpc.read_only_listen."""
+        TCP listeners and grpc.read_only_listen.
+
+        So that a successor can listen beside this daemon at an upgrade (kvcached.handover),
+        TCP listeners set SO_REUSEPORT (a start that is not a takeover first checks that no
+        other process holds the port), and a Unix socket is bound under a temporary name and
+        renamed into place: the successor's rename replaces it atomically, and gRPC's removal of
+        the name it bound, at this server's stop, removes nothing. ``predecessor_ports``: the
+        ports the predecessor's TCP listeners got (for those configured with port 0)."""
         cfg = self.config
         tcp = [a for a in listeners if not a.unix_path]
         full = [a for a in listeners if a.unix_path] + (tcp if cfg.grpc.tls else [])
         read_only = ([] if cfg.grpc.tls else tcp) + [parse_listen(x) for x in cfg.grpc.read_only_listen]
         credentials = self._tls_credentials() if cfg.grpc.tls else None
         self.health = health.aio.HealthServicer()
-        self.server = await self._grpc_server(full, credentials, read_only=False)
+        renames: list[tuple[str, str]] = []
+        self.server = await self._grpc_server(full, credentials, predecessor_ports, renames, gid, read_only=False)
         if read_only:
             self.read_only_server = await self._grpc_server(
-                read_only, self._tls_credentials(require_client_auth=False) if cfg.grpc.tls else None, read_only=True)
-        for address in listeners:
-            if address.unix_path:
-                self._own_sockets.append(address.unix_path)
-                os.chmod(address.unix_path, cfg.socket_mode_bits)
-                if gid >= 0:
-                    os.chown(address.unix_path, -1, gid)
-        for name in ("", SERVICE_NAME, ADMIN_SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+                read_only, self._tls_credentials(require_client_auth=False) if cfg.grpc.tls else None,
+                predecessor_ports, renames, gid, read_only=True)
+        for temporary, path in renames:
+            os.rename(temporary, path)
+            self._own_sockets.append((path, os.stat(path).st_ino))
+        if self._gate is None:
+            for name in ("", SERVICE_NAME, ADMIN_SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def _tls_credentials(self, require_client_auth: bool = True) -> grpc.ServerCredentials:
         cert, key, ca = self.config.grpc_tls_files()
@@ -464,31 +697,51 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"grpc.tls_cert/tls_key/tls_ca: {exc}") from None
 
-    async def _grpc_server(self, addresses: list[ListenAddress], credentials: grpc.ServerCredentials | None, *,
+    async def _grpc_server(self, addresses: list[ListenAddress], credentials: grpc.ServerCredentials | None,
+                           predecessor_ports: dict[str, int] | None, renames: list[tuple[str, str]], gid: int, *,
                            read_only: bool) -> grpc.aio.Server:
-        assert self.store is not None
+        """One gRPC server on ``addresses``; a Unix socket is bound at a temporary name, added to
+        ``renames`` as (temporary, path) with its mode and group set (see _start_grpc)."""
         limit = self.config.grpc.max_message_mib << 20
-        server = grpc.aio.server(interceptors=[ReadOnly()] if read_only else None, options=[
+        interceptors: list[grpc.aio.ServerInterceptor] = ([self._gate] if self._gate else []) + (
+            [ReadOnly()] if read_only else [])
+        server = grpc.aio.server(interceptors=interceptors or None, options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1),
         ])
-        kvcache_pb2_grpc.add_KvCacheServicer_to_server(
-            KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at,
-                           grpc_config=self.config.grpc), server)
+        service = KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at,  # type: ignore[arg-type]
+                                 grpc_config=self.config.grpc)     # the store is set here later in a takeover
+        self._kv_services.append(service)
+        kvcache_pb2_grpc.add_KvCacheServicer_to_server(service, server)
         kvcache_pb2_grpc.add_AdminServicer_to_server(AdminService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for address in addresses:
             tls = credentials is not None and address.unix_path is None
+            bind = address.text
+            if address.unix_path:
+                temporary = f"{address.unix_path}.{os.getpid()}.new"
+                bind = f"unix:{temporary}"
+            elif predecessor_ports is not None:
+                if not address.port and address.text in predecessor_ports:
+                    bind = f"{address.host}:{predecessor_ports[address.text]}"
+            else:
+                check_tcp_port_free(address.host or "", address.port or 0, f"grpc.listen {address.text}")
             try:
-                port = (server.add_secure_port(address.text, credentials) if tls
-                        else server.add_insecure_port(address.text))
+                port = (server.add_secure_port(bind, credentials) if tls else server.add_insecure_port(bind))
             except RuntimeError as exc:
                 raise StartupError(f"grpc.listen {address.text}: cannot listen ({exc})") from None
             if address.unix_path is None and port == 0:
                 raise StartupError(f"grpc.listen {address.text}: cannot listen (address in use?)")
+            if address.unix_path:
+                os.chmod(temporary, self.config.socket_mode_bits)
+                if gid >= 0:
+                    os.chown(temporary, -1, gid)
+                renames.append((temporary, address.unix_path))
+            else:
+                self._grpc_ports[address.text] = port
             where = address.text if address.unix_path else f"{address.host}:{port}"
             security = ("unix socket" if address.unix_path else
                         "mutual TLS" if tls and not read_only else "TLS" if tls else "plaintext")
@@ -602,8 +855,34 @@ class Daemon:
 
     async def stop(self) -> None:
         """Stop in order; a step that fails is logged and the next ones still run, so the index
-        is closed whatever happened before."""
-        if self.health is not None:
+        is closed whatever happened before. After a handover (:meth:`_hand_over`) the work is
+        done already and the sockets are the successor's: only the mappings are closed."""
+        if not self._wound_down:
+            await self._wind_down()
+        if self._handover is not None:
+            await self._step("handover socket", self._handover.stop(unlink=not self._handed_over))
+        if self.arena is not None:
+            self._step_sync("arena close", self.arena.close)
+            self.arena = None
+        if self.slot_directory is not None:
+            self._step_sync("slot directory close", self.slot_directory.close)
+            self.slot_directory = None
+        for path, inode in [] if self._handed_over else self._own_sockets:
+            try:
+                if os.stat(path).st_ino == inode:     # a successor's socket under the same name stays
+                    self._step_sync("socket removal", os.unlink, path)
+            except FileNotFoundError:
+                pass
+        log.info("stopped" if not self._handed_over else "handed over; exiting",
+                 extra=fields(uptime_s=round(time.time() - self.started_at, 1)))
+
+    async def _wind_down(self) -> None:
+        """Everything a stop does up to closing the index: listeners, agents, peers, background
+        work, write-back (not when handing over: the successor keeps the dirty blocks in RAM),
+        last-seen times, policy state."""
+        self._wound_down = True
+        handing_over = self._handing_over
+        if self.health is not None and not handing_over:
             await self._step("health", self.health.enter_graceful_shutdown())
         for server in (self.server, self.read_only_server):
             if server is not None:
@@ -611,7 +890,8 @@ class Daemon:
         if self.agents is not None:
             await self._step("agent socket", self.agents.stop())
         if self.membership is not None:         # leave the cluster first: the others stop asking at once
-            await self._step("cluster membership", self.membership.stop())
+            # (a successor registers under the same name: leaving would make the others forget us)
+            await self._step("cluster membership", self.membership.stop(revoke=not handing_over))
         if self.peers is not None:
             await self._step("peer tier", self.peers.stop())
         self._winding_down.set()
@@ -636,19 +916,15 @@ class Daemon:
             await self._step("ssd close", self.ssd.close())
         if self._metrics_server is not None:
             self._step_sync("metrics", self._metrics_server.shutdown)
+            self._step_sync("metrics", self._metrics_server.server_close)
         if self.store is not None and self._index_writable():
+            if handing_over:    # evictions the last request noted, not yet written
+                self._step_sync("index write", self.store.ledger.commit)
             self._step_sync("last-seen flush", self.store.flush_last_seen)
             self._step_sync("policy state save", self._save_policies)
         if self.index is not None:
             self._step_sync("index close", self.index.close)
             self.index = None
-        if self.arena is not None:
-            self._step_sync("arena close", self.arena.close)
-            self.arena = None
-        for path in self._own_sockets:
-            if os.path.lexists(path):
-                self._step_sync("socket removal", os.unlink, path)
-        log.info("stopped", extra=fields(uptime_s=round(time.time() - self.started_at, 1)))
 
     @staticmethod
     async def _step(name: str, awaitable: Any) -> None:
@@ -663,6 +939,20 @@ class Daemon:
             fn(*args)
         except Exception:
             log.exception("shutdown step failed", extra=fields(step=name))
+
+
+def _nothing_passed(name: str) -> None:
+    return None
+
+
+def _same_listeners(info: dict[str, Any], config: Config) -> dict[str, bool]:
+    """Which of a predecessor's listening sockets (kvcached.handover: ``info`` says where each
+    listens) this configuration listens on too, by name."""
+    q = config.quic
+    quic = bool(q.listen) and info.get("quic") == q.listen
+    return {"agent": bool(config.agent.socket) and info.get("agent") == config.agent.socket,
+            "metrics": bool(config.metrics.listen) and info.get("metrics") == config.metrics.listen,
+            "quic": quic, "lane": quic and info.get("lane") == q.lane}
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -681,21 +971,23 @@ async def _woken_or_after(event: asyncio.Event, seconds: float, stop: asyncio.Ev
     event.clear()
 
 
-def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:
+def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeover: bool = False,
+          argv: list[str] | None = None) -> int:
     """Run the daemon in this process on uvloop; returns the exit code. ``reload`` reads the
-    configuration again (SIGHUP)."""
+    configuration again (SIGHUP); ``takeover`` and ``argv``: see :class:`Daemon`."""
     import uvloop
 
     set_daemon_umask()      # what this process creates is private whatever umask it was started under
     if not tune_malloc():
         log.warning("mallopt unavailable (not glibc?): large calls will page-fault their buffers")
 
-    async def main() -> None:
-        await Daemon(config, reload).run()
+    async def main() -> int:
+        daemon = Daemon(config, reload, takeover=takeover, argv=argv)
+        await daemon.run()
+        return daemon._exit_code
 
     try:
-        uvloop.run(main())
+        return uvloop.run(main())
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return 1
-    return 0

@@ -576,10 +576,13 @@ class BlockIndex:
         return self._blocks.property_int_value("rocksdb.estimate-num-keys") or 0
 
     def reconcile_at_boot(self, now: float, gone_ttl: float,
-                          progress: Callable[[int], None] | None = None, batch: int = 10_000) -> dict[str, int]:
+                          progress: Callable[[int], None] | None = None, batch: int = 10_000,
+                          ram_kept: set[bytes] | frozenset[bytes] = frozenset()) -> dict[str, int]:
         """Make the index true after a (re)start; returns counts.
 
-        RAM held only bytes, and they are gone now: records whose only tier was RAM become
+        RAM held only bytes, and they are gone now, except for the blocks of ``ram_kept``: the
+        ones a predecessor's arena still holds, being taken up (kvcached.store.adoption, which
+        writes those it drops). Other records lose RAM; those whose only tier was RAM become
         tombstones (reason: lost at restart). Tombstones older than ``gone_ttl`` are deleted.
         Unreadable records are deleted. ``progress(seen)`` is called every ``batch`` records.
         """
@@ -597,7 +600,7 @@ class BlockIndex:
                 deletes.append(key)
                 counts["unreadable"] += 1
             else:
-                if record.tiers & Tier.RAM:
+                if record.tiers & Tier.RAM and key not in ram_kept:
                     rest = record.tiers & ~Tier.RAM
                     if rest:
                         puts.append((key, replace(record, tiers=rest)))

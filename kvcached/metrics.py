@@ -9,10 +9,14 @@ Only tiers this daemon runs are exported. docs/metrics.md lists every metric.
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from typing import Any, Iterator
+from wsgiref.simple_server import WSGIRequestHandler
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvcached import __version__
@@ -219,11 +223,31 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                                   "for 30 s (its pinned blocks released, the lane closed)", value=stats["lane_stalled"])
 
 
-def start_metrics(listen: str, store: Store) -> Any:
-    """Serve /metrics in a background thread; returns the HTTP server (``.shutdown()`` stops it)."""
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def start_metrics(listen: str, store: Store, fd: int | None = None) -> Any:
+    """Serve /metrics in a background thread; returns the HTTP server (``.shutdown()`` stops it).
+    With ``fd``: serve on that listening socket (a predecessor's, passed at an upgrade)."""
     address = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))
     host = (address.host or "").strip("[]")
-    httpd, _thread = start_http_server(address.port or 0, addr=host, registry=registry)
+    if fd is None:
+        httpd, _thread = start_http_server(address.port or 0, addr=host, registry=registry)
+        return httpd
+    sock = socket.socket(fileno=fd)
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": sock.family})
+    httpd = server_class(sock.getsockname()[:2], _QuietHandler, bind_and_activate=False)
+    httpd.socket.close()
+    httpd.socket = sock
+    httpd.server_address = sock.getsockname()
+    httpd.server_name, httpd.server_port = host or "localhost", httpd.server_address[1]
+    httpd.setup_environ()
+    httpd.set_app(make_wsgi_app(registry))
+    threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics").start()
     return httpd

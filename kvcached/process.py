@@ -68,6 +68,21 @@ def claim_unix_socket(path: str, mode: int = 0o660, gid: int = -1) -> None:
         probe.close()
 
 
+def check_tcp_port_free(host: str, port: int, key: str) -> None:
+    """StartupError if another process listens on TCP ``host``:``port`` (port 0: nothing to
+    check). gRPC binds with SO_REUSEPORT, so that an upgrade's successor can listen beside its
+    predecessor; without this check a second daemon would share the port silently."""
+    if not port:
+        return
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise StartupError(f"{key}: cannot listen ({exc.strerror}: another process holds the port)") from None
+
+
 def group_id(group: str, key: str) -> int:
     """The gid of ``group`` (a name or a number; config key ``key``); -1 for "" (keep the daemon's own)."""
     if not group:

@@ -195,18 +195,24 @@ class Agent:
             raise exc
         log.warning("lost the kvcached daemon; serving without it until it is back", extra={"error": str(exc)})
         self._detach()
-        self._retry_at = self._clock() + self._retry[0]
+        # The first attempt is at once: a daemon handing over to its successor (an upgrade)
+        # ends connections while its listening socket, passed on, keeps accepting.
+        self._retry_at = self._clock()
 
     def _guarded(self, work: Callable[[], _T], down: _T) -> _T:
-        """Run ``work`` on the connection; ``down`` is the answer while the daemon is away."""
+        """Run ``work`` on the connection; ``down`` is the answer while the daemon is away. A
+        connection lost during the call is made again at once and the call tried once more
+        (every call is safe to repeat: a save finds what it saved already present)."""
         with self._lock:
-            if not self._ready():
-                return down
-            try:
-                return work()
-            except ConnectionClosed as exc:
-                self._lost(exc)
-                return down
+            for _ in range(2):
+                if not self._ready():
+                    return down
+                try:
+                    return work()
+                except ConnectionClosed as exc:
+                    self._lost(exc)
+            self._retry_at = self._clock() + self._retry[0]    # lost twice running: back off
+            return down
 
     # -- addressing -----------------------------------------------------------------------------
 

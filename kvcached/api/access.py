@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -47,3 +48,21 @@ class ReadOnly(grpc.aio.ServerInterceptor):
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         return make(deny, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)
+
+
+class Gate(grpc.aio.ServerInterceptor):
+    """Holds every call until :meth:`open`: an upgrade's successor listens beside its
+    predecessor before it can serve (kvcached.handover), so a client that connects then waits a
+    moment instead of being refused."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        if not self._open.is_set():
+            await self._open.wait()
+        return await continuation(details)

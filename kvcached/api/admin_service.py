@@ -22,6 +22,7 @@ from kvcached.config import Config, to_toml
 from kvcached.errors import FailedPrecondition, InvalidArgument
 from kvcached.logs import set_level
 from kvcached.store import Store
+from kvcached.store.adoption import RamAdoption
 from kvcached.tiers.ssd import SsdTier
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
@@ -53,6 +54,10 @@ class Operated(Protocol):
     def index_reconcile(self) -> dict[str, Any]: ...
     @property
     def ssd_reconcile_summary(self) -> dict[str, Any]: ...
+    @property
+    def adoption(self) -> RamAdoption | None: ...     # the previous process's RAM tier, taken up
+    @property
+    def ram_adoption_summary(self) -> dict[str, Any]: ...
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -162,7 +167,9 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.ReconcileStatusResponse(
             index_records=d.index_reconcile.get("seen", 0), index_seconds=d.index_reconcile.get("elapsed_s", 0.0),
             ssd_enabled=d.ssd is not None, ssd_done=self.store.ssd_reconciled if d.ssd is not None else False,
-            ssd_summary=" ".join(f"{k}={v}" for k, v in summary.items()))
+            ssd_summary=" ".join(f"{k}={v}" for k, v in summary.items()),
+            ram_taken_over=d.adoption is not None, ram_done=d.adoption is not None and d.adoption.report.done,
+            ram_summary=" ".join(f"{k}={v}" for k, v in d.ram_adoption_summary.items()))
 
     @errors_to_status
     async def SetLogLevel(self, request: pb.SetLogLevelRequest,

@@ -54,15 +54,18 @@ class AgentServer:
         self._server: asyncio.base_events.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        """Bind (mode and group set before listen), listen, start the heartbeat watchdog."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    async def start(self, fd: int | None = None) -> None:
+        """Bind (mode and group set before listen), listen, start the heartbeat watchdog. With
+        ``fd``: accept on that listening socket instead (a predecessor's, passed at an upgrade:
+        kvcached.handover), which this server then owns."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if fd is None else socket.socket(fileno=fd)
         try:
-            sock.bind(self.path)
-            os.chmod(self.path, self.mode)
-            if self.gid >= 0:
-                os.chown(self.path, -1, self.gid)
-            sock.listen(128)
+            if fd is None:
+                sock.bind(self.path)
+                os.chmod(self.path, self.mode)
+                if self.gid >= 0:
+                    os.chown(self.path, -1, self.gid)
+                sock.listen(128)
             sock.setblocking(False)
             self._server = await asyncio.get_running_loop().create_unix_server(
                 lambda: AgentConnection(self), sock=sock)
@@ -71,8 +74,16 @@ class AgentServer:
             raise
         self._watchdog = asyncio.create_task(self._watch(), name="agent-watchdog")
 
+    @property
+    def listening_fd(self) -> int:
+        """The listening socket (what an upgrade passes to the successor)."""
+        assert self._server is not None and self._server.sockets
+        return self._server.sockets[0].fileno()
+
     async def stop(self) -> None:
-        """Stop accepting, end every connection (releasing what each agent held)."""
+        """Stop accepting, end every connection (releasing what each agent held). A listening
+        socket passed to a successor stays open in it: connections waiting in its queue are the
+        successor's to accept."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self._server is not None:

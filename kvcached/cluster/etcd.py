@@ -102,7 +102,10 @@ class EtcdMembership:
                 "endpoints": ",".join(s.endpoints), "reason": self.counters.last_error}})
             return False
 
-    async def stop(self) -> None:
+    async def stop(self, revoke: bool = True) -> None:
+        """Stop refreshing and watching; with ``revoke`` leave the cluster at once (without, the
+        registration stays until its lease runs out: an upgrade's successor registers again
+        under the same name before then)."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -111,7 +114,7 @@ class EtcdMembership:
             except (asyncio.CancelledError, Exception):
                 pass
         if self._client is not None:
-            if self.lease_id:
+            if self.lease_id and revoke:
                 try:
                     await self._client.lease.revoke(self.lease_id, timeout=self.settings.call_timeout_s)
                 except Exception as exc:      # etcd away: the lease ends by itself

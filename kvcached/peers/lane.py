@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
@@ -312,15 +313,22 @@ class LaneServer:
         self._connections: set[LaneConnection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self, host: str, port: int) -> None:
-        """Listen on TCP ``host``:``port`` (the QUIC port's number). OSError if it is taken."""
+    async def start(self, host: str, port: int, fd: int | None = None) -> None:
+        """Listen on TCP ``host``:``port`` (the QUIC port's number). OSError if it is taken.
+        With ``fd``: accept on that listening socket (a predecessor's, kvcached.handover)."""
         loop = asyncio.get_running_loop()
         tls = self.mode == "tls"
+        where: dict[str, Any] = {"sock": socket.socket(fileno=fd)} if fd is not None else {"host": host, "port": port}
         self._server = await loop.create_server(
             lambda: LaneConnection(p.FrameDecoder(max_body=REQUEST_BODY, max_payload=1), framed=False,
                                    on_made=self._accepted),
-            host, port, ssl=server_context(self.auth) if tls else None,
-            ssl_handshake_timeout=self.handshake_timeout_s if tls else None)
+            ssl=server_context(self.auth) if tls else None,
+            ssl_handshake_timeout=self.handshake_timeout_s if tls else None, **where)
+
+    @property
+    def listening_fd(self) -> int:
+        assert self._server is not None and self._server.sockets
+        return self._server.sockets[0].fileno()
 
     async def stop(self) -> None:
         if self._server is not None:

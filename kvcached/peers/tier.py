@@ -144,20 +144,25 @@ class PeerTier(PeerHandler):
 
     # -- lifecycle --
 
-    async def start(self) -> None:
+    async def start(self, quic_fd: int | None = None, lane_fd: int | None = None) -> None:
+        """Listen (QUIC, and the lane's TCP port) and dial the peers. ``quic_fd``, ``lane_fd``:
+        listening sockets a predecessor passed at an upgrade (kvcached.handover), used instead
+        of binding; QUIC connections to the predecessor are not carried over (peers dial again)."""
         loop = asyncio.get_running_loop()
         if self.settings.listen is not None:
             host, port = self.settings.listen
             config = self.auth.configuration(self.settings.options)
             protocol = functools.partial(PeerServerProtocol, auth=self.auth, tickets=self.tickets, handler=self,
                                          lane_keys=self.lane_keys)
+            where: dict[str, Any] = ({"sock": socket.socket(fileno=quic_fd)} if quic_fd is not None
+                                     else {"local_addr": (host, port)})
             self._server, self._server_protocol = await loop.create_datagram_endpoint(
                 lambda: GuardedQuicServer(configuration=config, create_protocol=protocol, limits=self.settings.limits),
-                local_addr=(host, port))
+                **where)
             if self.settings.lane in LANE_MODES:   # TCP, the QUIC port's number
                 self.lane_server = LaneServer(self.auth, self, mode=self.settings.lane, keys=self.lane_keys)
                 try:
-                    await self.lane_server.start(host, self._server.get_extra_info("sockname")[1])
+                    await self.lane_server.start(host, self._server.get_extra_info("sockname")[1], lane_fd)
                 except OSError:
                     self._server.close()
                     raise
@@ -173,6 +178,16 @@ class PeerTier(PeerHandler):
         loop = asyncio.get_running_loop()
         keys = await loop.run_in_executor(None, self.store.index.present_wire_keys)
         self.homes.own_listing(keys)
+
+    @property
+    def listening_fds(self) -> dict[str, int]:
+        """The listening sockets, by handover name (what an upgrade passes on)."""
+        fds = {}
+        if self._server is not None:
+            fds["quic"] = self._server.get_extra_info("socket").fileno()
+        if self.lane_server is not None:
+            fds["lane"] = self.lane_server.listening_fd
+        return fds
 
     @property
     def address(self) -> tuple[str, int] | None:

@@ -15,24 +15,50 @@ import os
 __all__ = ["SharedArena"]
 
 
-class SharedArena:
-    """A ``size``-byte shared mapping backed by a memfd."""
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
-    def __init__(self, size: int, name: str = "kvcached-arena") -> None:
+
+class SharedArena:
+    """A ``size``-byte shared mapping backed by a memfd: a new one, or with ``fd`` the memfd a
+    predecessor left (systemd's file descriptor store, an upgrade's handover; see
+    :meth:`check_adoptable`). The arena owns ``fd`` once constructed."""
+
+    def __init__(self, size: int, name: str = "kvcached-arena", fd: int | None = None) -> None:
         if size <= 0:
             raise ValueError(f"arena size must be positive, got {size}")
         self.size = size
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.adopted = fd is not None
+        self.fd = fd if fd is not None else os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(self.fd, size)
-            # No one (daemon bug or agent) may shrink the file under a live mapping: that would
-            # turn reads of the tail into SIGBUS.
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            if fd is None:
+                os.ftruncate(self.fd, size)
+                # No one (daemon bug or agent) may shrink the file under a live mapping: that
+                # would turn reads of the tail into SIGBUS.
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
             self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(self.fd)
+            if fd is None:
+                os.close(self.fd)
             raise
         self.view = memoryview(self._map)
+
+    @staticmethod
+    def check_adoptable(fd: int, size: int) -> None:
+        """ValueError unless ``fd`` is a sealed memfd of exactly ``size`` bytes (an arena of this
+        configuration: another ``kv.ram_gib`` starts clean)."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise ValueError(f"not a sealed memfd ({exc.strerror})") from None
+        if seals & SEALS != SEALS:
+            raise ValueError("the memfd is not sealed against resizing")
+        have = os.fstat(fd).st_size
+        if have != size:
+            raise ValueError(f"the arena is {have} bytes; this configuration wants {size}")
+
+    @property
+    def inode(self) -> int:
+        return os.fstat(self.fd).st_ino
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` into the arena at ``offset`` (one memcpy)."""

@@ -38,6 +38,7 @@ from kvcached.policies import EvictionPolicy, PolicySnapshot
 from kvcached.policies.links import IdLinks, IdQueue, KeyIds, column
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.slabs import SlabAllocator
+from kvcached.tiers.slot_directory import Geometry, SlotDirectory
 
 __all__ = ["RamBlock", "RamFull", "BlockBusy", "RamTier", "WRITING"]
 
@@ -122,10 +123,15 @@ class DirtyList:
 
 
 class RamTier:
-    def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy) -> None:
+    """``directory``: where the tier writes what each slot holds, so a successor can adopt the
+    arena (kvcached.tiers.slot_directory; None: nothing outlives the process)."""
+
+    def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy,
+                 directory: SlotDirectory | None = None) -> None:
         self.arena = arena
         self.slabs = SlabAllocator(arena.size, slab_bytes)
         self.policy = policy
+        self.directory = directory
         self._evicted: list[list[RamBlock]] = []   # evictions and drops not taken yet
         # A record per block, its id from _ids; the columns are indexed by id. Each record
         # holds a slot, so ids stay below the number of slots: the columns are laid out for
@@ -154,6 +160,13 @@ class RamTier:
     @property
     def capacity(self) -> int:
         return self.slabs.capacity
+
+    @staticmethod
+    def geometry(arena_bytes: int, slab_bytes: int) -> Geometry:
+        """The slot layout a tier over ``arena_bytes`` with ``slab_bytes`` slabs has (what its
+        slot directory must describe)."""
+        slabs = SlabAllocator(arena_bytes, slab_bytes)
+        return Geometry(arena_bytes, slabs.slab_bytes, slabs.nslabs * slabs.slots_per_slab_max)
 
     @property
     def max_block_bytes(self) -> int:
@@ -243,6 +256,25 @@ class RamTier:
             self._make_room(cls)
             slot = self.slabs.allocate(cls)
             assert slot is not None, "room was made but allocation failed"
+        if self.directory is not None:
+            self.directory.reserved(slot, key, length, cls)
+        return self._record(key, slot, length)
+
+    def place(self, key: bytes, slot: int, cls: int, length: int) -> RamBlock:
+        """A predecessor's block, at the slot it left it in, in state WRITING until it is
+        checked and committed (or aborted): kvcached.store.adoption. The slot directory is left
+        as it is, so a crash before the check finds the same entry again. ValueError if the slot
+        cannot be taken (see SlabAllocator.allocate_at), the key is present or the length does
+        not fit the class."""
+        if key in self._index:
+            raise ValueError("block already present")
+        classes = self.slabs.classes
+        if not 0 <= cls < len(classes) or not 0 < length <= classes[cls]:
+            raise ValueError(f"a block of {length} bytes does not fit size class {cls}")
+        self.slabs.allocate_at(slot, cls)
+        return self._record(key, slot, length)
+
+    def _record(self, key: bytes, slot: int, length: int) -> RamBlock:
         entry = self._ids.add(key)
         self._slot[entry] = slot
         self._length[entry] = length
@@ -266,6 +298,8 @@ class RamTier:
             raise ValueError("block is not being written")
         self._refs[entry] = 0
         self._clean[entry] = clean
+        if self.directory is not None:
+            self.directory.committed(block.slot, clean)
         if not clean:
             self.dirty.queue.push(entry)
             self.dirty_bytes += block.length
@@ -281,6 +315,8 @@ class RamTier:
             self.dirty_bytes -= block.length
         self._clean[entry] = 1
         self._hits[entry] = 0
+        if self.directory is not None:
+            self.directory.set_clean(block.slot, True)
 
     def mark_dirty(self, block: RamBlock) -> None:
         """The block's SSD copy is gone: RAM holds its only copy again."""
@@ -290,6 +326,8 @@ class RamTier:
             self._clean[entry] = 0
             self.dirty.queue.push(entry)
             self.dirty_bytes += block.length
+            if self.directory is not None:
+                self.directory.set_clean(block.slot, False)
 
     def slot_view(self, block: RamBlock) -> memoryview:
         """The block's slot, whole pages (page aligned): direct I/O reads and writes use it."""
@@ -382,6 +420,8 @@ class RamTier:
             else:
                 self.policy.remove(entry)
         slot = self._slot[entry]
+        if self.directory is not None:
+            self.directory.freed(slot)
         self._by_slot[slot] = 0
         self._gen[entry] = (self._gen[entry] + 1) & 0xFFFFFFFF
         self._ids.discard(key)

@@ -121,6 +121,34 @@ class SlabAllocator:
         self.reserved_bytes += self.classes[cls]
         return slab_index * self.slots_per_slab_max + index
 
+    def allocate_at(self, slot: int, cls: int) -> None:
+        """Take ``slot`` as a slot of class ``cls`` (a successor placing the blocks its
+        predecessor left, kvcached.store.adoption). ValueError if the slot is taken, outside the
+        arena, or in a slab that serves another class."""
+        if not 0 <= cls < len(self.classes):
+            raise ValueError(f"size class {cls} does not exist")
+        if not 0 <= slot < self.nslabs * self.slots_per_slab_max:
+            raise ValueError(f"slot {slot} is outside the arena")
+        slab_index, index = divmod(slot, self.slots_per_slab_max)
+        slab = self._slabs[slab_index]
+        if slab.cls < 0:
+            self._free_slabs.remove(slab_index)
+            slab.cls = cls
+            slab.nslots = self.slab_bytes // self.classes[cls]
+            slab.free = list(range(slab.nslots - 1, -1, -1))
+            slab.used = bytearray(slab.nslots)
+            self._partial[cls][slab_index] = None
+        elif slab.cls != cls:
+            raise ValueError(f"slot {slot} is in a slab of another size class")
+        if index >= slab.nslots or slab.used[index]:
+            raise ValueError(f"slot {slot} is taken or not a slot of its slab")
+        slab.used[index] = 1
+        slab.free.remove(index)
+        if not slab.free:
+            del self._partial[cls][slab_index]
+        self.used_slots += 1
+        self.reserved_bytes += self.classes[cls]
+
     def free(self, slot: int) -> None:
         """Give ``slot`` back; a slab whose last slot comes back becomes free for any class."""
         if not 0 <= slot < self.nslabs * self.slots_per_slab_max:

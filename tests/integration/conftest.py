@@ -41,6 +41,8 @@ class DaemonProcess:
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     prefix: list[str] = field(default_factory=list)     # e.g. ["ip", "netns", "exec", NAME]: where it runs
+    env: dict[str, str] = field(default_factory=dict)    # added to the environment
+    pass_fds: tuple[int, ...] = ()
 
     @property
     def socket(self) -> Path:
@@ -70,7 +72,8 @@ class DaemonProcess:
         self.log_path = self.state / f"daemon-{int(time.time() * 1000)}.log"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.prefix + KVCACHED + ["serve", *self.args()], cwd=self.state, stdout=log,
-                                     stderr=log)
+                                     stderr=log, env={**os.environ, **self.env} if self.env else None,
+                                     pass_fds=self.pass_fds)
         log.close()
         if wait:
             self.wait_ready()

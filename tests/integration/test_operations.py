@@ -109,7 +109,10 @@ def test_readiness_watchdog_and_stopping_reach_notify_socket(make_daemon, tmp_pa
     log = open(tmp_path / "daemon.log", "wb")
     d.proc = subprocess.Popen(KVCACHED + ["serve", *d.args()], cwd=tmp_path, stdout=log, stderr=log, env=env)
     try:
-        first = sock.recv(4096).decode().split("\n")
+        stored = []         # the arena's two memfds go to the fd store first (docs/operations.md)
+        while (first := sock.recv(4096).decode().split("\n"))[0].startswith("FDSTORE"):
+            stored.append(first)
+        assert sorted(m[1] for m in stored if m[0] == "FDSTORE=1") == ["FDNAME=kvcached-arena", "FDNAME=kvcached-slots"]
         assert first[0] == "READY=1" and f"MAINPID={d.proc.pid}" in first, first
         # READY came after every listener accepts: each answers now
         with KvCacheClient(d.target, timeout=2) as c:

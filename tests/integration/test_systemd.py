@@ -49,3 +49,24 @@ def test_outside_systemd_everything_is_a_no_op(tmp_path: Path) -> None:
                      "WATCHDOG_PID": "1"}).watchdog_s is None
     # the manager gone (socket missing): a send fails quietly
     assert not Notifier({"NOTIFY_SOCKET": str(tmp_path / "gone")}).watchdog()
+
+
+def test_the_fd_store_receives_the_descriptor_and_forgets_it_on_request(tmp_path: Path) -> None:
+    from ..fdstore import ServiceManager
+
+    manager = ServiceManager(tmp_path / "notify")
+    n = Notifier({"NOTIFY_SOCKET": manager.path})
+    fd = os.memfd_create("kept")
+    try:
+        assert n.store_fd("kvcached-arena", fd)
+        message = manager.wait_for("FDSTORE", "1")
+        assert message["FDNAME"] == "kvcached-arena" and message["FDPOLL"] == "0"
+        assert os.fstat(manager.stored["kvcached-arena"]).st_ino == os.fstat(fd).st_ino
+        n.notify(fdstoreremove=1, fdname="kvcached-arena")
+        manager.wait_for("FDSTOREREMOVE", "1")
+        assert manager.stored == {}
+        assert not Notifier({}).store_fd("x", fd)        # outside systemd: nothing to do
+    finally:
+        os.close(fd)
+        n.close()
+        manager.close()

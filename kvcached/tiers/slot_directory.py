@@ -1,0 +1,172 @@
+"""What each RAM slot holds, in a memfd of its own, so it outlives the process that wrote it.
+
+The arena's bytes live in a memfd (kvcached.tiers.arena) that systemd's file descriptor store or
+an upgrade's handover keeps alive when the daemon goes away. Bytes alone are no use to a
+successor: it must know which block each slot holds. The RAM tier writes that here as it
+changes, with plain stores into shared memory (no system call, no index write on the hot path),
+so the directory is exactly the tier's state at the instant the process died:
+
+- ``reserved`` writes the key, length and size class, then the state WRITING;
+- ``committed`` sets DIRTY or CLEAN (``set_clean`` keeps that in step);
+- ``freed`` sets FREE.
+
+A successor reads the committed entries (:meth:`SlotDirectory.committed_entries`). After a
+clean handover it trusts them; after a crash it trusts nothing it has not checked: the block's
+index record must say RAM with the same length, and the slot's bytes must hash to the record's
+BLAKE3 checksum (kvcached.store.adoption). A slot a process died writing is WRITING here, and a
+torn entry never matches its record: neither is ever served.
+
+Layout (little-endian): a 4 KiB header (magic, version, the arena's geometry), then columns
+indexed by slot id: state (u8), size class (u16), length (u64), key (32 bytes). A successor
+adopts a directory only with the same geometry (arena size, slab size, slot ids); other
+configurations start clean. Agents never receive this file: only the daemon writes it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["SlotDirectory", "SlotEntry", "Geometry", "FREE", "WRITING", "DIRTY", "CLEAN"]
+
+FREE, WRITING, DIRTY, CLEAN = 0, 1, 2, 3
+MAGIC = b"KVSLOTS\0"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQQ")     # magic, version, pad, arena bytes, slab bytes, slot ids
+HEADER_BYTES = 4096
+KEY_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """The arena's layout a directory describes: a successor with another one starts clean."""
+
+    arena_bytes: int
+    slab_bytes: int
+    slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotEntry:
+    """A committed slot: its id, size class, payload length, block key, and whether a copy is
+    on SSD (clean)."""
+
+    slot: int
+    cls: int
+    length: int
+    key: bytes
+    clean: bool
+
+
+def _align(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+class SlotDirectory:
+    """The directory over memfd ``fd`` (owned: closed by :meth:`close`)."""
+
+    def __init__(self, fd: int, geometry: Geometry) -> None:
+        self.fd = fd
+        self.geometry = geometry
+        n = geometry.slots
+        self._states_at = HEADER_BYTES
+        self._classes_at = self._states_at + _align(n)
+        self._lengths_at = self._classes_at + _align(2 * n)
+        self._keys_at = self._lengths_at + 8 * n
+        self.size = self._keys_at + KEY_BYTES * n
+        self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        view = memoryview(self._map)
+        self._view = view
+        self._states = view[self._states_at:self._states_at + n]
+        self._classes = view[self._classes_at:self._classes_at + 2 * n].cast("H")
+        self._lengths = view[self._lengths_at:self._lengths_at + 8 * n].cast("Q")
+        self._keys = view[self._keys_at:self._keys_at + KEY_BYTES * n]
+
+    @classmethod
+    def create(cls, geometry: Geometry, name: str = "kvcached-slots") -> "SlotDirectory":
+        """A new, empty directory in a new memfd (sealed against resizing, like the arena)."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, cls._size_for(geometry))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            directory = cls(fd, geometry)
+        except BaseException:
+            os.close(fd)
+            raise
+        HEADER.pack_into(directory._map, 0, MAGIC, VERSION, 0, geometry.arena_bytes, geometry.slab_bytes,
+                         geometry.slots)
+        return directory
+
+    @classmethod
+    def adopt(cls, fd: int, geometry: Geometry) -> "SlotDirectory":
+        """The directory a predecessor left in memfd ``fd``, if it describes ``geometry``;
+        ValueError (saying why) otherwise. ``fd`` is owned by the result; on error the caller
+        still owns it."""
+        size = cls._size_for(geometry)
+        have = os.fstat(fd).st_size
+        if have < HEADER.size:
+            raise ValueError(f"the slot directory is {have} bytes: no header")
+        magic, version, _, arena, slab, slots = HEADER.unpack(os.pread(fd, HEADER.size, 0))
+        if magic != MAGIC or version != VERSION:
+            raise ValueError(f"not a slot directory of version {VERSION} (magic {magic!r}, version {version})")
+        found = Geometry(arena, slab, slots)
+        if found != geometry or have != size:
+            raise ValueError(f"the slot directory describes another arena ({found}); this one is {geometry}")
+        return cls(fd, geometry)
+
+    @staticmethod
+    def _size_for(geometry: Geometry) -> int:
+        n = geometry.slots
+        return HEADER_BYTES + _align(n) + _align(2 * n) + 8 * n + KEY_BYTES * n
+
+    # -- what the RAM tier writes -------------------------------------------------------------
+
+    def reserved(self, slot: int, key: bytes, length: int, cls: int) -> None:
+        self._states[slot] = WRITING
+        at = slot * KEY_BYTES
+        self._keys[at:at + KEY_BYTES] = key
+        self._lengths[slot] = length
+        self._classes[slot] = cls
+
+    def committed(self, slot: int, clean: bool) -> None:
+        self._states[slot] = CLEAN if clean else DIRTY
+
+    def set_clean(self, slot: int, clean: bool) -> None:
+        if self._states[slot] in (DIRTY, CLEAN):
+            self._states[slot] = CLEAN if clean else DIRTY
+
+    def freed(self, slot: int) -> None:
+        self._states[slot] = FREE
+
+    # -- what a successor reads ---------------------------------------------------------------
+
+    def committed_entries(self) -> Iterator[SlotEntry]:
+        """Every slot marked DIRTY or CLEAN: the dirty ones, then the clean ones, each in slot
+        order (one pass over a byte per slot id)."""
+        states = self._states
+        keys, lengths, classes = self._keys, self._lengths, self._classes
+        raw = states.tobytes()
+        for state in (DIRTY, CLEAN):
+            slot = raw.find(state)
+            while slot >= 0:
+                at = slot * KEY_BYTES
+                yield SlotEntry(slot, classes[slot], lengths[slot], keys[at:at + KEY_BYTES].tobytes(), state == CLEAN)
+                slot = raw.find(state, slot + 1)
+
+    def counts(self) -> dict[str, int]:
+        raw = self._states.tobytes()
+        return {"writing": raw.count(WRITING), "dirty": raw.count(DIRTY), "clean": raw.count(CLEAN)}
+
+    def clear(self) -> None:
+        """Every slot FREE (a successor that could not use the contents starts from this)."""
+        self._states[:] = bytes(len(self._states))
+
+    def close(self) -> None:
+        for view in (self._states, self._classes, self._lengths, self._keys, self._view):
+            view.release()
+        self._map.close()
+        os.close(self.fd)

@@ -1,0 +1,134 @@
+"""The slot directory (what each RAM slot holds, in a memfd of its own) and taking it up again:
+RamTier writes it as it changes, a successor places its blocks back (kvcached.store.adoption)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from kvcached.policies.clock import ClockPolicy
+from kvcached.systemd import LISTEN_FDS_START, listen_fds
+from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.ram import RamTier
+from kvcached.tiers.slot_directory import SlotDirectory
+from tests.unit.conftest import ARENA, KIB, SLAB, payload
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+def tier(arena: SharedArena, directory: SlotDirectory | None = None) -> RamTier:
+    geometry = RamTier.geometry(arena.size, SLAB)
+    return RamTier(arena, SLAB, ClockPolicy(), directory or SlotDirectory.create(geometry))
+
+
+def put(ram: RamTier, n: int, size: int) -> None:
+    block = ram.reserve(key(n), size)
+    ram.write(block, payload(n, size))
+    ram.commit(block)
+
+
+def test_the_directory_follows_the_tier_and_a_successor_places_the_same_blocks() -> None:
+    arena = SharedArena(ARENA)
+    ram = tier(arena)
+    rng = random.Random(7)
+    sizes = {n: rng.choice([4 * KIB, 20 * KIB, 64 * KIB, SLAB]) for n in range(200)}
+    for n, size in sizes.items():           # enough to evict, and slabs change class
+        put(ram, n, size)
+    writing = ram.reserve(key(999), 8 * KIB)                # in flight: never listed
+    ram.mark_clean(ram.get(next(k for k in ram.keys() if k in ram)))   # type: ignore[arg-type]
+    assert ram.directory is not None
+    entries = list(ram.directory.committed_entries())
+    resident = {k: ram.get(k) for k in ram.keys() if k in ram}
+    assert {e.key for e in entries} == set(resident) and key(999) not in resident
+    assert sum(e.clean for e in entries) == 1
+    for e in entries:
+        block = resident[e.key]
+        assert block is not None and (e.slot, e.length) == (block.slot, block.length)
+
+    # a successor over the same memfds (as systemd's fd store or a handover passes them)
+    geometry = RamTier.geometry(ARENA, SLAB)
+    SharedArena.check_adoptable(os.dup(arena.fd), ARENA)
+    successor = SharedArena(ARENA, fd=os.dup(arena.fd))
+    directory = SlotDirectory.adopt(os.dup(ram.directory.fd), geometry)
+    ram2 = RamTier(successor, SLAB, ClockPolicy(), directory)
+    for e in directory.committed_entries():
+        placed = ram2.place(e.key, e.slot, e.cls, e.length)
+        assert e.key not in ram2                          # WRITING until checked
+        ram2.commit(placed, clean=e.clean)
+        assert ram2.read(ram2.get(e.key)) == payload(int.from_bytes(e.key, "big"), e.length)  # type: ignore[arg-type]
+    assert ram2.used_bytes == ram.used_bytes - writing.length
+    # the successor's allocator knows which slots are taken: new blocks never land on them
+    for n in range(1000, 1040):
+        put(ram2, n, 16 * KIB)
+    for e in entries:
+        if e.key in ram2:
+            assert ram2.read(ram2.get(e.key)) == payload(int.from_bytes(e.key, "big"), e.length)  # type: ignore[arg-type]
+
+
+def test_place_refuses_what_a_sound_directory_never_holds() -> None:
+    ram = tier(SharedArena(ARENA))
+    ram.place(key(1), 0, 0, 4 * KIB)
+    with pytest.raises(ValueError, match="already present"):
+        ram.place(key(1), 1, 0, 4 * KIB)
+    with pytest.raises(ValueError, match="taken"):
+        ram.place(key(2), 0, 0, 4 * KIB)
+    with pytest.raises(ValueError, match="another size class"):
+        ram.place(key(3), 1, len(ram.slabs.classes) - 1, SLAB)
+    with pytest.raises(ValueError, match="does not fit"):
+        ram.place(key(4), 2, 0, 8 * KIB)
+    with pytest.raises(ValueError, match="outside the arena"):
+        ram.place(key(5), ram.slabs.nslabs * ram.slabs.slots_per_slab_max, 0, 4 * KIB)
+
+
+def test_adopt_checks_geometry_and_kind() -> None:
+    geometry = RamTier.geometry(ARENA, SLAB)
+    directory = SlotDirectory.create(geometry)
+    with pytest.raises(ValueError, match="another arena"):
+        SlotDirectory.adopt(directory.fd, RamTier.geometry(2 * ARENA, SLAB))
+    other = os.memfd_create("x")
+    os.ftruncate(other, 8192)
+    with pytest.raises(ValueError, match="not a slot directory"):
+        SlotDirectory.adopt(other, geometry)
+    with pytest.raises(ValueError, match="not sealed"):
+        SharedArena.check_adoptable(other, 8192)
+    os.close(other)
+    with pytest.raises(ValueError, match="wants"):
+        SharedArena.check_adoptable(SharedArena(ARENA).fd, 2 * ARENA)
+    directory.close()
+
+
+def test_listen_fds_reads_what_systemd_passes_and_only_for_this_process() -> None:
+    env = {"LISTEN_PID": "1", "LISTEN_FDS": "2", "LISTEN_FDNAMES": "a:b"}
+    assert listen_fds(env) == {} and env == {}          # another process's: ignored, and cleared
+    saved = [os.dup(LISTEN_FDS_START + i) if _open(LISTEN_FDS_START + i) else None for i in range(2)]
+    try:
+        fds = [os.memfd_create(n) for n in ("a", "b")]
+        for i, fd in enumerate(fds):
+            os.dup2(fd, LISTEN_FDS_START + i)
+            os.close(fd)
+        env = {"LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "2", "LISTEN_FDNAMES": "kvcached-arena:"}
+        got = listen_fds(env)
+        assert got == {"kvcached-arena": LISTEN_FDS_START, "unknown": LISTEN_FDS_START + 1}
+        assert not os.get_inheritable(LISTEN_FDS_START)
+    finally:
+        for i, fd in enumerate(saved):
+            if fd is not None:
+                os.dup2(fd, LISTEN_FDS_START + i)
+                os.close(fd)
+            else:
+                try:
+                    os.close(LISTEN_FDS_START + i)
+                except OSError:
+                    pass
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
