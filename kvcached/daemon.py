@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import fcntl
 import logging
 import os
 import signal
@@ -73,7 +74,7 @@ from kvcached.process import StartupError, check_tcp_port_free, claim_unix_socke
 from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
-from kvcached.systemd import Notifier, listen_fds
+from kvcached.systemd import LISTEN_FDS_START, Notifier, listen_fds
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory, SlotEntry
@@ -141,9 +142,10 @@ class Daemon:
         self._handover: HandoverServer | None = None
         self._handing_over = False                        # a successor takes the RAM tier: no write-back at stop
         self._handed_over = False                         # the successor owns the sockets now
-        self._wound_down = False
+        self._winding: asyncio.Future[None] | None = None   # the wind-down, once (a stop, or a handover)
         self._handover_done: asyncio.Future[dict[str, Any]] | None = None
         self._exit_code = 0
+        self.restart_with: dict[str, int] = {}            # files to start this process again with (see serve)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -183,6 +185,7 @@ class Daemon:
                            ssd_budget=SsdWriteBudget(int(kv.ssd_write_budget_gib * (1 << 30))),
                            ssd_order=make_keyed_policy(kv.ssd_policy) if self.ssd and kv.ssd_policy != "lru" else None)
         self.store.ssd_order_ready = self.store.ssd_order is None   # rebuilt after the reconcile
+        self.store.ram_adoption = self.adoption.report if self.adoption is not None else None
         self._restore_policies()
         if self.adoption is not None and self.adoption.report.trusted:   # nothing to check: before any listener
             await self._adopt_ram(self.adoption)
@@ -351,17 +354,21 @@ class Daemon:
                         "when it stops listening are reset instead of passed to the successor (docs/operations.md)")
         await asyncio.sleep(HANDOVER_SETTLE_S)   # connections queued just before the switch are accepted
         blocks = len(self.store.ram) if self.store is not None else 0
-        await self._wind_down()
+        await self._wind_down_once()
         await send_released(conn, {"ram_blocks": blocks, "wind_down_s": round(time.monotonic() - t0, 3)})
+        log.info("released the index to the successor", extra=fields(ram_blocks=blocks))
         self._handed_over = True
         try:
             await wait_serving(conn)
         except HandoverBroken as exc:
-            log.error("the successor went away after this daemon released its state; exiting (under systemd "
-                      "the service restarts and takes the RAM tier up from the fd store)", extra=fields(reason=str(exc)))
-            self._exit_code = 1
+            # Nothing serves now. Start again in this process (the same pid: systemd's MAINPID
+            # stays right) with the arena and its directory, every block checked: see serve().
+            log.error("the successor went away before it served; starting again in this process, the RAM tier "
+                      "checked block by block", extra=fields(reason=str(exc)))
+            assert self.arena is not None and self.slot_directory is not None
+            self.restart_with = {ARENA_FD_NAME: os.dup(self.arena.fd), SLOTS_FD_NAME: os.dup(self.slot_directory.fd)}
         if self._handover_done is not None and not self._handover_done.done():
-            self._handover_done.set_result({"op": "upgraded", "ok": self._exit_code == 0,
+            self._handover_done.set_result({"op": "upgraded", "ok": not self.restart_with,
                                             "elapsed_s": round(time.monotonic() - t0, 3)})
         self._stop.set()
 
@@ -371,6 +378,8 @@ class Daemon:
         if self._argv is None:
             return {"op": "failed", "reason": "this daemon was not started by `kvcached serve`: start the successor "
                                               "with `kvcached serve --takeover` yourself"}
+        if self._handover_done is not None and not self._handover_done.done():
+            return {"op": "failed", "reason": "an upgrade is under way already"}
         loop = asyncio.get_running_loop()
         self._handover_done = loop.create_future()
         t0 = time.monotonic()
@@ -857,8 +866,7 @@ class Daemon:
         """Stop in order; a step that fails is logged and the next ones still run, so the index
         is closed whatever happened before. After a handover (:meth:`_hand_over`) the work is
         done already and the sockets are the successor's: only the mappings are closed."""
-        if not self._wound_down:
-            await self._wind_down()
+        await self._wind_down_once()
         if self._handover is not None:
             await self._step("handover socket", self._handover.stop(unlink=not self._handed_over))
         if self.arena is not None:
@@ -876,11 +884,16 @@ class Daemon:
         log.info("stopped" if not self._handed_over else "handed over; exiting",
                  extra=fields(uptime_s=round(time.time() - self.started_at, 1)))
 
+    async def _wind_down_once(self) -> None:
+        """:meth:`_wind_down`, run once: a SIGTERM during a handover waits for the handover's."""
+        if self._winding is None:
+            self._winding = asyncio.ensure_future(self._wind_down())
+        await asyncio.shield(self._winding)
+
     async def _wind_down(self) -> None:
         """Everything a stop does up to closing the index: listeners, agents, peers, background
         work, write-back (not when handing over: the successor keeps the dirty blocks in RAM),
         last-seen times, policy state."""
-        self._wound_down = True
         handing_over = self._handing_over
         if self.health is not None and not handing_over:
             await self._step("health", self.health.enter_graceful_shutdown())
@@ -941,6 +954,20 @@ class Daemon:
             log.exception("shutdown step failed", extra=fields(step=name))
 
 
+def exec_with_fds(argv: list[str], files: dict[str, int]) -> None:
+    """Replace this process with ``argv``, passing ``files`` as systemd does (fd 3 on, with
+    LISTEN_PID, LISTEN_FDS and LISTEN_FDNAMES): the new program finds them with
+    kvcached.systemd.listen_fds. Returns only if the exec failed (logged)."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in files.values()]   # out of the way of 3, 4, ...
+    for i, fd in enumerate(high):
+        os.dup2(fd, LISTEN_FDS_START + i, inheritable=True)
+    os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(high)), LISTEN_FDNAMES=":".join(files))
+    try:
+        os.execv(argv[0], argv)
+    except OSError as exc:
+        log.error("starting again failed", extra=fields(argv=" ".join(argv), error=exc.strerror))
+
+
 def _nothing_passed(name: str) -> None:
     return None
 
@@ -981,13 +1008,16 @@ def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeove
     if not tune_malloc():
         log.warning("mallopt unavailable (not glibc?): large calls will page-fault their buffers")
 
-    async def main() -> int:
+    async def main() -> tuple[int, dict[str, int]]:
         daemon = Daemon(config, reload, takeover=takeover, argv=argv)
         await daemon.run()
-        return daemon._exit_code
+        return daemon._exit_code, daemon.restart_with
 
     try:
-        return uvloop.run(main())
+        code, restart_with = uvloop.run(main())
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return 1
+    if restart_with and argv is not None:
+        exec_with_fds([a for a in argv if a != "--takeover"], restart_with)
+    return code

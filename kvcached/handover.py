@@ -24,7 +24,8 @@ one JSON message per packet, file descriptors attached with SCM_RIGHTS:
 If the predecessor goes away before ``released`` (it crashed), the successor still has what it
 was sent: it waits for the index lock (freed when that process died) and takes up the arena as
 after a crash, every block checked against its checksum first; with nothing sent it starts
-clean. If the successor goes away before ``listening``, the predecessor serves on.
+clean. If the successor goes away before ``listening``, the predecessor serves on; after
+``released``, the predecessor starts again in place with the arena (kvcached.daemon.serve).
 """
 
 from __future__ import annotations
@@ -266,13 +267,18 @@ class HandoverServer:
         self._ino = 0
 
     def start(self) -> None:
+        """Listen at :attr:`path`: bound under a temporary name and renamed over whatever is
+        there (a stale socket, or the predecessor's while it waits to exit), so the name never
+        goes missing."""
+        temporary = f"{self.path}.{os.getpid()}.new"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            self.path.unlink()          # a stale one (the index lock says no daemon owns it)
+            os.unlink(temporary)
         except FileNotFoundError:
             pass
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        sock.bind(str(self.path))
-        os.chmod(self.path, 0o600)
+        sock.bind(temporary)
+        os.chmod(temporary, 0o600)
+        os.rename(temporary, self.path)
         sock.listen(4)
         sock.setblocking(False)
         self._sock = sock

@@ -76,7 +76,19 @@ class StoreCollector(Collector):
             integrity.add_metric(["ssd"], s["ssd_corrupt"])
         if peers is not None:
             integrity.add_metric(["peer"], peers["peer_corrupt"])
+        adoption = self.store.ram_adoption
+        integrity.add_metric(["ram"], adoption.mismatched if adoption is not None else 0)
         yield integrity
+        if adoption is not None:
+            taken = GaugeMetricFamily("kvcached_ram_takeover_blocks", "Blocks of the RAM tier the previous process "
+                                      "left (an upgrade, or systemd's fd store after a crash), by outcome",
+                                      labels=["outcome"])
+            settled = adoption.adopted + adoption.mismatched + adoption.unrecorded
+            for outcome, n in (("adopted", adoption.adopted), ("mismatched", adoption.mismatched),
+                               ("unrecorded", adoption.unrecorded), ("conflicting", adoption.conflicting),
+                               ("pending", 0 if adoption.done else max(0, adoption.placed - settled))):
+                taken.add_metric([outcome], n)
+            yield taken
         ev = CounterMetricFamily("kvcached_evictions", "Blocks evicted per tier and reason", labels=["tier", "reason"])
         ev.add_metric(["ram", "capacity"], s["ram_evictions"])
         ev.add_metric(["ram", "admin"], s["ram_dropped"])

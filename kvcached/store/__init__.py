@@ -37,6 +37,7 @@ from kvcached.policies.write import WritePolicy, make_write_policy
 from kvcached.reads import ReadStats
 from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.store import admin
+from kvcached.store.adoption import AdoptionReport
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
 from kvcached.store.parts import StoreParts, StoreSettings
@@ -84,6 +85,8 @@ class Store:
         self.counters = Counters()
         self.reads = ReadStats()
         self.gpu = GpuView(max_gpu_blocks)
+        #: The previous process's RAM tier, taken up at this start (kvcached.store.adoption), if any.
+        self.ram_adoption: AdoptionReport | None = None
         self.settings = StoreSettings(
             writes=make_write_policy(write_policy) if isinstance(write_policy, str) else write_policy,
             dirty_limit=ram.capacity // 2, ssd_ttl=ssd_ttl, gone_ttl=gone_ttl)

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -101,7 +102,10 @@ def test_a_crash_keeps_every_block_in_ram(tmp_path: Path, manager: ServiceManage
 
 
 def test_flipped_bytes_and_half_written_saves_are_never_served(tmp_path: Path, manager: ServiceManager) -> None:
-    d = start(DaemonProcess(tmp_path, [NO_SSD]), manager)
+    from .test_operations import free_tcp_port
+
+    port = free_tcp_port()
+    d = start(DaemonProcess(tmp_path, [NO_SSD, f'metrics.listen="127.0.0.1:{port}"']), manager)
     blocks = dict(block(i, "flip") for i in range(8))
     with d.client() as c:
         c.put(blocks.items())
@@ -132,6 +136,10 @@ def test_flipped_bytes_and_half_written_saves_are_never_served(tmp_path: Path, m
         assert len(misses) == 1 and "lost at restart" in misses[0].reason
         stray, _ = c.get([BlockAddress(half[0]), BlockAddress(whole[0])], allow_partial=True)
         assert stray == []
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvcached_integrity_failures_total{tier="ram"} 1.0' in text
+    assert 'kvcached_ram_takeover_blocks{outcome="mismatched"} 1.0' in text
+    assert 'kvcached_ram_takeover_blocks{outcome="adopted"} 7.0' in text
     d.stop()
 
 
