@@ -310,6 +310,7 @@ class Daemon:
         """Ask the daemon running on this configuration to hand over (kvcached.handover). None
         if it went away before it passed anything: this process then starts on its own."""
         takeover = Takeover(handover_path(self.config.kv.index_dir))
+        log.info("asking the running daemon to hand over", extra=fields(socket=str(takeover.path)))
         try:
             await takeover.begin(__version__)
         except HandoverBroken as exc:

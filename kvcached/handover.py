@@ -80,16 +80,29 @@ def tcp_migrate_req() -> bool:
         return False
 
 
+def _exited(pid: int) -> bool:
+    """Every thread of process ``pid`` has exited (its files are closed): a zombie leader with
+    threads still running is not gone yet, their exit closes the files."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
+        except FileNotFoundError:
+            pass
+    return True
+
+
 async def wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    """Wait until process ``pid`` has exited (a zombie counts as gone); True if it did."""
+    """Wait until process ``pid`` has exited, every thread (its sockets closed); True if it did."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return True
-        except (FileNotFoundError, ProcessLookupError):
+        if _exited(pid):
             return True
         await asyncio.sleep(0.02)
     return False
@@ -278,8 +291,8 @@ class HandoverServer:
             pass
         sock.bind(temporary)
         os.chmod(temporary, 0o600)
-        os.rename(temporary, self.path)
         sock.listen(4)
+        os.rename(temporary, self.path)
         sock.setblocking(False)
         self._sock = sock
         self._ino = os.stat(self.path).st_ino

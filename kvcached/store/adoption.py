@@ -93,8 +93,8 @@ class RamAdoption:
         report, ram = self.report, self.ram
         pending, report.pending = report.pending, []
         keys = [block.key for block in pending]
-        records = await loop.run_in_executor(executor, index.get_many, keys)
-        order = sorted(range(len(pending)), key=lambda i: getattr(records[i], "last_seen", 0.0))
+        seen = await loop.run_in_executor(executor, index.get_many, keys)     # for the order only
+        order = sorted(range(len(pending)), key=lambda i: getattr(seen[i], "last_seen", 0.0))
         lost: list[bytes] = []
         next_progress = time.monotonic() + PROGRESS_S
         i = 0
@@ -105,25 +105,20 @@ class RamAdoption:
                 batch.append(order[i])
                 size += pending[order[i]].length
                 i += 1
-            wanted = []
-            for j in batch:
-                record, block = records[j], pending[j]
+            if report.trusted:
+                sums: list[bytes | None] = [None] * len(batch)
+            else:       # the slots are WRITING: nothing changes their bytes while they are hashed
+                sums = list(await loop.run_in_executor(executor, _checksums, [ram.view(pending[j]) for j in batch]))
+            # The records as they are now, and the commits, with no await in between: a record
+            # read before the hashing may have changed since (an SSD copy evicted meanwhile).
+            fresh = index.get_many([pending[j].key for j in batch])
+            for j, record, checksum in zip(batch, fresh, sums):
+                block = pending[j]
                 if record is None or not record.tiers & Tier.RAM or record.nbytes != block.length:
                     report.unrecorded += 1
                     ram.abort(block)
                     lost.append(block.key)
-                else:
-                    wanted.append(j)
-            if report.trusted:
-                matches = [True] * len(wanted)
-            else:
-                views = [ram.view(pending[j]) for j in wanted]
-                sums = await loop.run_in_executor(executor, _checksums, views)
-                matches = [s == records[j].checksum for s, j in zip(sums, wanted)]   # type: ignore[union-attr]
-            for j, ok in zip(wanted, matches):
-                block, record = pending[j], records[j]
-                assert record is not None
-                if ok:
+                elif checksum is None or checksum == record.checksum:
                     ram.commit(block, clean=bool(record.tiers & Tier.SSD))
                     report.adopted += 1
                     report.adopted_bytes += block.length

@@ -148,13 +148,16 @@ def test_a_predecessor_that_dies_during_the_handover(tmp_path: Path) -> None:
                                                                                 0, 32 * KIB) for i in range(30)}
         with d.client() as c:
             c.put(blocks.items())
+        wait_for(lambda: (state / "index" / "handover.sock").exists(), text="the handover socket")
         if pause is None:                 # frozen before it can answer: dies before passing anything
             old.send_signal(signal.SIGSTOP)
         successor = subprocess.Popen(KVCACHED + ["serve", *d.args(), "--takeover"], cwd=state,
                                      stdout=open(state / "successor.log", "wb"), stderr=subprocess.STDOUT)
         try:
-            if pause is None:
-                time.sleep(1.0)
+            if pause is None:             # once it asked (the old one, frozen, cannot answer)
+                wait_for(lambda: b"asking the running daemon to hand over" in (state / "successor.log").read_bytes(),
+                         timeout=30, text="the successor asking")
+                time.sleep(0.3)
             else:                         # dies once the successor has the files
                 wait_for(lambda: b"taking over from the running daemon" in (state / "successor.log").read_bytes(),
                          timeout=30, text="the successor receiving the files")
