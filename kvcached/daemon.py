@@ -2,11 +2,13 @@
 
 Start-up order: the umask (kvcached.fsmodes: state 0700/0600 whatever the caller's umask), a
 check that no other daemon owns our sockets (their missing directories created first, searchable
-by whom the sockets admit), the state directories (created 0700, or checked: refused if others
-can write to them), the index (its lock: no other daemon; its boot reconcile), the RAM arena,
-the SSD tier's directory, the gRPC listeners (KvCache, health, reflection), the agent socket,
-metrics, background tasks: maintenance, index recovery, the SSD reconcile (it runs while the
-daemon serves), the write-back demoter and the SSD evictor.
+by whom the sockets admit; a successor taking over asks the running daemon instead and listens
+beside it: kvcached.succession), the state directories (created 0700, or checked: refused if
+others can write to them), the RAM arena (new, or the previous process's: kvcached.succession),
+the index (its lock: no other daemon; its boot reconcile), the SSD tier's directory, the gRPC
+listeners (KvCache, health, reflection), the agent socket, metrics, background tasks:
+maintenance, index recovery, taking up the previous process's RAM tier, the SSD reconcile (it
+runs while the daemon serves), the write-back demoter and the SSD evictor.
 
 While the index cannot be written (its disk is full), puts are refused UNAVAILABLE and reads go
 on; the background tasks that write the index wait, and the index recovers by itself once its
@@ -22,12 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import fcntl
 import logging
 import os
 import signal
-import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -49,16 +48,8 @@ from kvcached.cluster.view import Change, MembershipView
 from kvcached.config import RELOADABLE, Config, ConfigError, ListenAddress, changed_keys, parse_listen, with_reloaded
 from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, set_daemon_umask
 from kvcached.handover import (
-    HandoverBroken,
     HandoverServer,
-    Takeover,
     handover_path,
-    send_files,
-    send_released,
-    tcp_migrate_req,
-    wait_gone,
-    wait_listening,
-    wait_serving,
 )
 from kvcached.index import BlockIndex, IndexError_
 from kvcached.logs import fields, set_level
@@ -74,10 +65,11 @@ from kvcached.process import StartupError, check_tcp_port_free, claim_unix_socke
 from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
-from kvcached.systemd import LISTEN_FDS_START, Notifier, listen_fds
+from kvcached.succession import ARENA_FD_NAME, SLOTS_FD_NAME, Succession, exec_with_fds, nothing_passed, same_listeners
+from kvcached.systemd import Notifier, listen_fds
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
-from kvcached.tiers.slot_directory import SlotDirectory, SlotEntry
+from kvcached.tiers.slot_directory import SlotDirectory
 from kvcached.tiers.ssd import SsdTier
 from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
 
@@ -93,13 +85,10 @@ EVICT_PERIOD_S = 1.0
 PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get the loop back
 INDEX_PROGRESS_GRACE_S = 60.0  # each index reconcile progress line asks systemd for this much more start time
 INDEX_CHECK_S = 1.0        # how often an unwritable index is asked to recover (it backs off by itself)
-ARENA_FD_NAME, SLOTS_FD_NAME = "kvcached-arena", "kvcached-slots"   # in systemd's fd store and a handover
-HANDOVER_SETTLE_S = 0.05   # after the successor listens: what reached this daemon's queues just before is accepted
-UPGRADE_TIMEOUT_S = 300.0
 SSD_DIR_LEVELS = 3         # directories under kv.ssd_dir: blocks/ and quarantine/, blocks/xx/, blocks/xx/y/
 
 
-class Daemon:
+class Daemon(Succession):
     def __init__(self, config: Config, reload: Callable[[], Config] | None = None, *, takeover: bool = False,
                  argv: list[str] | None = None) -> None:
         """``takeover``: start by taking over from the daemon running on this configuration
@@ -185,15 +174,13 @@ class Daemon:
                            ssd_budget=SsdWriteBudget(int(kv.ssd_write_budget_gib * (1 << 30))),
                            ssd_order=make_keyed_policy(kv.ssd_policy) if self.ssd and kv.ssd_policy != "lru" else None)
         self.store.ssd_order_ready = self.store.ssd_order is None   # rebuilt after the reconcile
-        self.store.ram_adoption = self.adoption.report if self.adoption is not None else None
+        self.store.adoption = self.adoption
         self._restore_policies()
-        if self.adoption is not None and self.adoption.report.trusted:   # nothing to check: before any listener
-            await self._adopt_ram(self.adoption)
         self.store.mirror_pulls = cfg.kv.mirror_pulls
         self.store.prefetch = make_prefetch_policy(cfg.kv.prefetch_policy, cfg.kv.prefetch_timeout_ms / 1000)
         if takeover is not None:              # the predecessor's listening sockets where ours are the same
-            takeover.keep(_same_listeners(takeover.info, cfg))
-        passed = takeover.take if takeover is not None else _nothing_passed
+            takeover.keep(same_listeners(takeover.info, cfg))
+        passed = takeover.take if takeover is not None else nothing_passed
         if cfg.quic.listen or cfg.quic.peers:
             await self._start_peers(passed)
         if cfg.metrics.listen:              # read latencies, for the tiers this daemon runs
@@ -224,7 +211,7 @@ class Daemon:
             takeover.close_files()
         self._handover = HandoverServer(handover_path(cfg.kv.index_dir), self._hand_over, self._upgrade)
         self._handover.start()
-        if self.adoption is not None and not self.adoption.report.trusted:   # each block checked first, while serving
+        if self.adoption is not None:         # while serving; a request settles the blocks it names first
             self._tasks.append(asyncio.create_task(self._adopt_ram(self.adoption), name="ram-adoption"))
         self._tasks.append(asyncio.create_task(self._maintenance(), name="maintenance"))
         self._tasks.append(asyncio.create_task(self._index_recovery(), name="index-recovery"))
@@ -252,159 +239,6 @@ class Daemon:
                 ram_blocks=len(ram), trusted=self._trusted_arena, startup_s=round(time.time() - self.started_at, 3)))
         if self.notifier.watchdog_s is not None:
             self._tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_s), name="watchdog"))
-
-    def _open_arena(self, inherited: dict[str, int]) -> tuple[SharedArena, SlotDirectory, list[SlotEntry]]:
-        """The RAM arena and its slot directory: those a previous process left (systemd's file
-        descriptor store, or an upgrade's handover) when they fit this configuration, with the
-        entries to take up; new ones otherwise. Either way they go into the fd store, so the
-        next start finds them (docs/operations.md)."""
-        cfg = self.config
-        geometry = RamTier.geometry(cfg.ram_bytes, cfg.max_block_bytes)
-        arena_fd, slots_fd = inherited.pop(ARENA_FD_NAME, None), inherited.pop(SLOTS_FD_NAME, None)
-        for name, fd in inherited.items():
-            log.warning("file descriptor passed at start not used", extra=fields(name=name))
-            os.close(fd)
-        arena = directory = None
-        if arena_fd is not None and slots_fd is not None:
-            try:
-                SharedArena.check_adoptable(arena_fd, cfg.ram_bytes)
-                directory = SlotDirectory.adopt(slots_fd, geometry)
-                arena = SharedArena(cfg.ram_bytes, fd=arena_fd)
-            except (ValueError, OSError) as exc:
-                log.warning("the RAM arena left by the previous process does not fit this configuration: "
-                            "starting with an empty RAM tier", extra=fields(reason=str(exc)))
-                if directory is not None:
-                    directory.close()
-                    directory = None
-                else:
-                    os.close(slots_fd)
-                os.close(arena_fd)
-        elif arena_fd is not None or slots_fd is not None:
-            log.warning("only one of the arena's two files was passed at start: starting with an empty RAM tier")
-            os.close(arena_fd if arena_fd is not None else slots_fd)  # type: ignore[arg-type]
-        if arena is None or directory is None:
-            arena, directory = SharedArena(cfg.ram_bytes), SlotDirectory.create(geometry)
-            for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
-                self.notifier.notify(fdstoreremove=1, fdname=name)   # an unusable one left there
-                self.notifier.store_fd(name, fd)
-            return arena, directory, []
-        for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
-            self.notifier.store_fd(name, fd)            # systemd keeps one copy of a file it holds already
-        entries = list(directory.committed_entries())
-        log.info("RAM arena taken over from the previous process", extra=fields(
-            blocks=len(entries), inode=arena.inode, checked="no (a clean handover)" if self._trusted_arena else "yes"))
-        return arena, directory, entries
-
-    async def _adopt_ram(self, adoption: RamAdoption) -> None:
-        """Check and commit the blocks the previous process left in the arena, while serving."""
-        assert self.index is not None
-        try:
-            report = await adoption.run(self.index, None, time.time, self._stopping.is_set)
-        except Exception:
-            log.exception("taking up the previous process's RAM tier failed; its blocks not yet checked are dropped")
-            return
-        self.ram_adoption_summary = report.summary()
-        log.info("RAM tier taken over", extra=fields(**self.ram_adoption_summary))
-
-    async def _begin_takeover(self) -> Takeover | None:
-        """Ask the daemon running on this configuration to hand over (kvcached.handover). None
-        if it went away before it passed anything: this process then starts on its own."""
-        takeover = Takeover(handover_path(self.config.kv.index_dir))
-        log.info("asking the running daemon to hand over", extra=fields(socket=str(takeover.path)))
-        try:
-            await takeover.begin(__version__)
-        except HandoverBroken as exc:
-            connected = takeover.sock is not None
-            takeover.close()
-            if not connected:
-                raise StartupError(f"--takeover: {exc}") from None
-            log.warning("the daemon being taken over went away before it passed anything: starting on its own",
-                        extra=fields(reason=str(exc)))
-            if not await wait_gone(takeover.predecessor_pid):    # its sockets close as it exits
-                raise StartupError(f"--takeover: the daemon being taken over (pid {takeover.predecessor_pid}) "
-                                   "stopped answering but did not exit") from None
-            return None
-        log.warning("taking over from the running daemon", extra=fields(files=",".join(takeover.files)))
-        return takeover
-
-    async def _hand_over(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        """The predecessor's side of a handover (kvcached.handover): pass the files, wait until
-        the successor listens, wind down, release the index, wait until it serves, exit."""
-        files: dict[str, int] = {}
-        try:
-            assert self.arena is not None and self.slot_directory is not None
-            own = {ARENA_FD_NAME: self.arena.fd, SLOTS_FD_NAME: self.slot_directory.fd}
-            info: dict[str, Any] = {"grpc_tcp": self._grpc_ports}
-            if self.agents is not None:
-                own["agent"], info["agent"] = self.agents.listening_fd, self.config.agent.socket
-            if self._metrics_server is not None:
-                own["metrics"], info["metrics"] = self._metrics_server.socket.fileno(), self.config.metrics.listen
-            if self.peers is not None:
-                own.update(self.peers.listening_fds)
-                info["quic"], info["lane"] = self.config.quic.listen, self.config.quic.lane
-            files = {name: os.dup(fd) for name, fd in own.items()}
-            await send_files(conn, files, info)
-        finally:
-            for fd in files.values():
-                os.close(fd)
-        await wait_listening(conn)            # gone before this: nothing changed, serve on
-        t0 = time.monotonic()
-        self._handing_over = True
-        if self._tcp_listeners() and not tcp_migrate_req():
-            log.warning("net.ipv4.tcp_migrate_req is 0: TCP connections waiting in this daemon's accept queue "
-                        "when it stops listening are reset instead of passed to the successor (docs/operations.md)")
-        await asyncio.sleep(HANDOVER_SETTLE_S)   # connections queued just before the switch are accepted
-        blocks = len(self.store.ram) if self.store is not None else 0
-        await self._wind_down_once()
-        await send_released(conn, {"ram_blocks": blocks, "wind_down_s": round(time.monotonic() - t0, 3)})
-        log.info("released the index to the successor", extra=fields(ram_blocks=blocks))
-        self._handed_over = True
-        try:
-            await wait_serving(conn)
-        except HandoverBroken as exc:
-            # Nothing serves now. Start again in this process (the same pid: systemd's MAINPID
-            # stays right) with the arena and its directory, every block checked: see serve().
-            log.error("the successor went away before it served; starting again in this process, the RAM tier "
-                      "checked block by block", extra=fields(reason=str(exc)))
-            assert self.arena is not None and self.slot_directory is not None
-            self.restart_with = {ARENA_FD_NAME: os.dup(self.arena.fd), SLOTS_FD_NAME: os.dup(self.slot_directory.fd)}
-        if self._handover_done is not None and not self._handover_done.done():
-            self._handover_done.set_result({"op": "upgraded", "ok": not self.restart_with,
-                                            "elapsed_s": round(time.monotonic() - t0, 3)})
-        self._stop.set()
-
-    async def _upgrade(self) -> dict[str, Any]:
-        """``kvcached upgrade``: start this command line again with ``--takeover`` (the code now
-        installed), in this service's process group and cgroup, and wait for the handover."""
-        if self._argv is None:
-            return {"op": "failed", "reason": "this daemon was not started by `kvcached serve`: start the successor "
-                                              "with `kvcached serve --takeover` yourself"}
-        if self._handover_done is not None and not self._handover_done.done():
-            return {"op": "failed", "reason": "an upgrade is under way already"}
-        loop = asyncio.get_running_loop()
-        self._handover_done = loop.create_future()
-        t0 = time.monotonic()
-        argv = [a for a in self._argv if a != "--takeover"] + ["--takeover"]
-        # A plain Popen: asyncio's subprocess transport kills a child still running when it
-        # closes, and the successor must outlive this process.
-        # WATCHDOG_PID names this process: without it systemd's watchdog is the successor's to ping.
-        env = {k: v for k, v in os.environ.items() if k != "WATCHDOG_PID"}
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
-        log.warning("upgrade: successor started", extra=fields(pid=proc.pid))
-        done = self._handover_done
-        deadline = time.monotonic() + UPGRADE_TIMEOUT_S
-        while not done.done() and proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.wait([done], timeout=0.1)
-        if done.done():
-            return {**done.result(), "pid": proc.pid, "total_s": round(time.monotonic() - t0, 3)}
-        self._handover_done = None
-        if proc.returncode is not None:
-            return {"op": "failed", "pid": proc.pid,
-                    "reason": f"the successor exited with {proc.returncode} before taking over (see its log)"}
-        return {"op": "failed", "pid": proc.pid, "reason": f"no handover within {UPGRADE_TIMEOUT_S:.0f} s"}
-
-    def _tcp_listeners(self) -> bool:
-        return bool(self._grpc_ports) or self._metrics_server is not None or self.peers is not None
 
     async def _watchdog(self, every_s: float) -> None:
         """WATCHDOG=1 from the event loop itself: a wedged loop stops the pings and systemd
@@ -953,34 +787,6 @@ class Daemon:
             fn(*args)
         except Exception:
             log.exception("shutdown step failed", extra=fields(step=name))
-
-
-def exec_with_fds(argv: list[str], files: dict[str, int]) -> None:
-    """Replace this process with ``argv``, passing ``files`` as systemd does (fd 3 on, with
-    LISTEN_PID, LISTEN_FDS and LISTEN_FDNAMES): the new program finds them with
-    kvcached.systemd.listen_fds. Returns only if the exec failed (logged)."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in files.values()]   # out of the way of 3, 4, ...
-    for i, fd in enumerate(high):
-        os.dup2(fd, LISTEN_FDS_START + i, inheritable=True)
-    os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(high)), LISTEN_FDNAMES=":".join(files))
-    try:
-        os.execv(argv[0], argv)
-    except OSError as exc:
-        log.error("starting again failed", extra=fields(argv=" ".join(argv), error=exc.strerror))
-
-
-def _nothing_passed(name: str) -> None:
-    return None
-
-
-def _same_listeners(info: dict[str, Any], config: Config) -> dict[str, bool]:
-    """Which of a predecessor's listening sockets (kvcached.handover: ``info`` says where each
-    listens) this configuration listens on too, by name."""
-    q = config.quic
-    quic = bool(q.listen) and info.get("quic") == q.listen
-    return {"agent": bool(config.agent.socket) and info.get("agent") == config.agent.socket,
-            "metrics": bool(config.metrics.listen) and info.get("metrics") == config.metrics.listen,
-            "quic": quic, "lane": quic and info.get("lane") == q.lane}
 
 
 def _host_port(text: str) -> tuple[str, int]:

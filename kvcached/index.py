@@ -199,30 +199,31 @@ class BlockIndex:
         """The stored bytes of ``key``'s record (None if absent); read-only, thread-safe."""
         return self._blocks.get(key)
 
-    def _raw_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """The raw records of ``keys`` in one multi-get (None where absent). rocksdict's stubs
+    def raw_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """The raw records of ``keys`` in one multi-get (None where absent): for hot loops that
+        read a few fields (kvcached.index_format.raw_ssd_view) instead of decoding records. rocksdict's stubs
         type a multi-get key list as a list of its key union, which a list[bytes] is not."""
         return cast("list[bytes | None]", self._blocks[cast(Any, keys)])
 
     def get_many(self, keys: list[bytes]) -> list[BlockRecord | None]:
-        return [None if raw is None else BlockRecord.decode(raw) for raw in self._raw_many(keys)]
+        return [None if raw is None else BlockRecord.decode(raw) for raw in self.raw_many(keys)]
 
     def checksums(self, keys: list[bytes]) -> list[bytes | None]:
         """The payload checksums of ``keys`` (None where absent), read straight from the stored
         bytes: the Get path needs nothing else from the record."""
         return [None if raw is None or len(raw) < RECORD.size else raw[CHECKSUM_AT:CHECKSUM_AT + 32]
-                for raw in self._raw_many(keys)]
+                for raw in self.raw_many(keys)]
 
     def models(self, keys: list[bytes]) -> list[str | None]:
         """The model names of ``keys`` (None where absent), read straight from the stored bytes:
         serving a peer's pull needs nothing else from the record (the checksum came with the pin)."""
         return [raw[RECORD.size:].decode() if raw is not None and len(raw) >= RECORD.size
-                and raw[0] == SCHEMA_VERSION else None for raw in self._raw_many(keys)]
+                and raw[0] == SCHEMA_VERSION else None for raw in self.raw_many(keys)]
 
     def tiers_of(self, keys: list[bytes]) -> list[Tier]:
         """The tier set of each of ``keys`` (NONE where absent), from the raw bytes."""
         return [Tier(raw[TIERS_AT]) if raw is not None and len(raw) >= RECORD.size else Tier.NONE
-                for raw in self._raw_many(keys)]
+                for raw in self.raw_many(keys)]
 
     def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = (), *,
               queue: Iterable[bytes] = (), unqueue: Iterable[bytes] = (), sync: bool = False,
@@ -264,7 +265,7 @@ class BlockIndex:
             n += 1
         if not n:
             return
-        before = self._raw_many([k for k, _ in encoded] + deleted) if watching and (encoded or deleted) else []
+        before = self.raw_many([k for k, _ in encoded] + deleted) if watching and (encoded or deleted) else []
         try:
             self._commit(batch, sync)
         except IndexUnwritable:
@@ -459,7 +460,7 @@ class BlockIndex:
         not in ``tier``, are left out."""
         out = []
         mask, keep, why = int(tier), ~int(tier) & 0xFF, int(reason)   # plain ints: enum ops are slow
-        for key, raw in zip(keys, self._raw_many(keys)):
+        for key, raw in zip(keys, self.raw_many(keys)):
             if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION or not raw[TIERS_AT] & mask:
                 continue
             patched = bytearray(raw)
@@ -475,7 +476,7 @@ class BlockIndex:
         Absent records are left out: a block the index no longer knows stays unknown."""
         out = []
         mask = int(tier)
-        for key, raw in zip(keys, self._raw_many(keys)):
+        for key, raw in zip(keys, self.raw_many(keys)):
             if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
                 continue
             patched = bytearray(raw)
@@ -488,7 +489,7 @@ class BlockIndex:
     def with_last_seen(self, keys: list[bytes], now: float) -> list[tuple[bytes, bytes]]:
         """Encoded records of the present blocks among ``keys`` with last-seen set to ``now``."""
         out = []
-        for key, raw in zip(keys, self._raw_many(keys)):
+        for key, raw in zip(keys, self.raw_many(keys)):
             if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION or not raw[TIERS_AT]:
                 continue
             patched = bytearray(raw)
@@ -515,7 +516,7 @@ class BlockIndex:
             it.next()
         del it
         keys = [e[AGE.size:] for e in entries]
-        return list(zip(entries, keys, self._raw_many(keys) if keys else []))
+        return list(zip(entries, keys, self.raw_many(keys) if keys else []))
 
     def ssd_queue_keys(self) -> Iterator[bytes]:
         """Every key of the SSD queue, oldest entry first (a key may repeat, and a stale one
@@ -644,7 +645,7 @@ class BlockIndex:
     def delete_expired(self, keys: list[bytes], now: float, gone_ttl: float) -> int:
         """Delete those of ``keys`` that are still expired tombstones (a block may have come
         back since they were found); returns how many. Call from the index's owner."""
-        doomed = [key for key, raw in zip(keys, self._raw_many(keys)) if is_expired_tombstone(raw, now, gone_ttl)]
+        doomed = [key for key, raw in zip(keys, self.raw_many(keys)) if is_expired_tombstone(raw, now, gone_ttl)]
         self.write(deletes=doomed)
         return len(doomed)
 

@@ -16,8 +16,8 @@ import enum
 import struct
 from dataclasses import dataclass, replace
 
-__all__ = ["AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "RECORD", "REASON_AT",
-           "SCHEMA_VERSION", "TIERS_AT", "BlockRecord", "GoneReason", "Tier", "is_expired_tombstone", "is_present",
+__all__ = ["AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT", "RECORD", "REASON_AT",
+           "SCHEMA_VERSION", "TIERS_AT", "U64", "BlockRecord", "GoneReason", "Tier", "is_expired_tombstone", "is_present",
            "queue_entry", "queue_time", "raw_ssd_view", "wire_key_of"]
 
 SCHEMA_VERSION = 1
@@ -25,7 +25,8 @@ RECORD = struct.Struct("<BBBxIQddd32s32s")
 F64 = struct.Struct("<d")
 # byte offsets of the fields that change in place (see the layout above)
 TIERS_AT, REASON_AT, LAST_SEEN_AT, GONE_AT_AT, CHECKSUM_AT = 1, 2, 24, 32, 40
-LAYER_AT, DIGEST_AT = 4, 72
+LAYER_AT, NBYTES_AT, DIGEST_AT = 4, 8, 72
+U64 = struct.Struct("<Q")
 AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
 
 

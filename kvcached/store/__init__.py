@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvcached.gpu_view import GpuView
 from kvcached.index import BlockIndex, BlockRecord
@@ -37,7 +37,7 @@ from kvcached.policies.write import WritePolicy, make_write_policy
 from kvcached.reads import ReadStats
 from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.store import admin
-from kvcached.store.adoption import AdoptionReport
+from kvcached.store.adoption import SETTLE_BYTES, AdoptionReport, RamAdoption
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
 from kvcached.store.parts import StoreParts, StoreSettings
@@ -59,7 +59,7 @@ from kvcached.store.ssd_mover import SsdMover, load_budget
 from kvcached.store.write_path import WritePath
 from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.ssd import SsdTier
-from kvcached_agent.address import BlockAddress
+from kvcached_agent.address import BlockAddress, index_key
 
 __all__ = ["CommitOutcome", "Fetched", "LookupResult", "Miss", "Pinned", "PutItem", "PutResult", "SlotRefusal", "Store"]
 
@@ -85,8 +85,9 @@ class Store:
         self.counters = Counters()
         self.reads = ReadStats()
         self.gpu = GpuView(max_gpu_blocks)
-        #: The previous process's RAM tier, taken up at this start (kvcached.store.adoption), if any.
-        self.ram_adoption: AdoptionReport | None = None
+        #: The previous process's RAM tier, being taken up (kvcached.store.adoption), if any: the
+        #: entry points below settle the blocks they name first (:meth:`_settle`).
+        self.adoption: RamAdoption | None = None
         self.settings = StoreSettings(
             writes=make_write_policy(write_policy) if isinstance(write_policy, str) else write_policy,
             dirty_limit=ram.capacity // 2, ssd_ttl=ssd_ttl, gone_ttl=gone_ttl)
@@ -225,12 +226,29 @@ class Store:
         assert self.evictor is not None, "no SSD tier"
         return self.evictor
 
+    @property
+    def ram_adoption(self) -> AdoptionReport | None:
+        return self.adoption.report if self.adoption is not None else None
+
+    def _settle(self, keys: Iterable[bytes], budget: int | None = SETTLE_BYTES) -> None:
+        """Blocks of the previous process's RAM tier among ``keys`` not checked yet: settled now
+        (served again, or dropped), before the request that names them goes on."""
+        adoption = self.adoption
+        if adoption is not None and adoption.pending:
+            adoption.settle(keys, self.index, self.clock, budget)
+
+    def _settle_chain(self, digests: Sequence[bytes], layer: int) -> None:
+        if self.adoption is not None and self.adoption.pending:
+            self._settle(index_key(d, layer) for d in digests)
+
     # -- writes ----------------------------------------------------------------------------------
 
     async def put(self, items: Sequence[PutItem]) -> PutResult:
+        self._settle((item.address.key for item in items), None)
         return await self.writer.put(items)
 
     def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | SlotRefusal]:
+        self._settle((address.key for address, _ in entries), None)
         return self.writer.reserve(entries)
 
     async def throttle_writes(self) -> None:
@@ -250,10 +268,12 @@ class Store:
     # -- reads -----------------------------------------------------------------------------------
 
     async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
+        self._settle(a.key for a in addresses)
         return await self.reader.get(addresses, allow_partial=allow_partial)
 
     async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
                   peers: bool = True) -> list[Pinned | Miss]:
+        self._settle(a.key for a in addresses)
         return await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers)
 
     def read(self, pinned: Pinned, start: int, length: int) -> bytes:
@@ -263,6 +283,7 @@ class Store:
         self.reader.unpin(pinned)
 
     def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> LookupResult:
+        self._settle_chain(digests, layer)
         return self.reader.lookup(digests, layer, agent)
 
     async def locate(self, digests: Sequence[bytes], layer: int) -> None:
@@ -275,9 +296,11 @@ class Store:
         return self.pulls.peers is not None and self.pulls.peers.asks_homes
 
     def stored_bytes(self, addresses: Sequence[BlockAddress]) -> int:
+        self._settle(a.key for a in addresses)
         return self.reader.stored_bytes(addresses)
 
     def local_prefix(self, digests: Sequence[bytes], layer: int) -> int:
+        self._settle_chain(digests, layer)
         return self.reader.local_prefix(digests, layer)
 
     # -- the SSD tier ------------------------------------------------------------------------------
@@ -307,10 +330,12 @@ class Store:
     # -- operator actions, upkeep ----------------------------------------------------------------
 
     async def delete(self, addresses: Sequence[BlockAddress], *, skip_busy: bool = False) -> tuple[int, int]:
+        self._settle((a.key for a in addresses), None)
         return await admin.delete(self.ram, self.index, self.ssd, self.evictor, self.ledger, self.inflight,
                                   self.counters, addresses, skip_busy=skip_busy)
 
     def drop_from_ram(self, keys: Sequence[bytes]) -> tuple[int, int, int]:
+        self._settle(keys, None)
         return admin.drop_from_ram(self.ram, self.index, self.ssd is not None, self.ledger, self.inflight, keys)
 
     def list_blocks(self, *, model: str = "", tier: str = "", page_token: bytes = b"",

@@ -11,11 +11,14 @@ aborted (its slot is free, its record loses RAM: lost at restart).
   checksum before it passed the files): each block whose index record says RAM with the same
   length is committed at once.
 - Otherwise (a crash): a block is committed only once its slot's bytes hash to its record's
-  BLAKE3 checksum. Hashing runs in a worker thread, a batch at a time, while the daemon serves:
-  a block not yet checked is simply not there yet (a Get misses it, or finds its SSD copy).
+  BLAKE3 checksum.
 
-Blocks are committed oldest last-seen first, so the eviction policy meets them in about the
-order they were used. The index's RAM bits are made true by the caller: the boot reconcile keeps
+Either way the daemon serves meanwhile. :meth:`RamAdoption.run` goes through the blocks in the
+background, a batch at a time (hashing in a worker thread), oldest last-seen first, so the
+eviction policy meets them in about the order they were used. A request that names a block
+not settled yet settles it first, on the spot (:meth:`RamAdoption.settle`, called by the
+store's entry points): the blocks engines want most are served again at once, and a Put of such
+a block finds it present instead of busy. The index's RAM bits are made true by the caller: the boot reconcile keeps
 RAM only for the placed keys (:attr:`RamAdoption.placed_keys`), and every block aborted here is
 written as lost at restart.
 """
@@ -26,20 +29,23 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from kvcached.index import BlockIndex, GoneReason, Tier
+from kvcached.index_format import CHECKSUM_AT, F64, LAST_SEEN_AT, NBYTES_AT, RECORD, SCHEMA_VERSION, TIERS_AT, U64
 from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.slot_directory import SlotEntry
-from kvcached_agent.integrity import payload_checksum
+from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
 
 __all__ = ["AdoptionReport", "RamAdoption"]
 
 log = logging.getLogger("kvcached.adoption")
 
 BATCH_BYTES = 64 << 20      # hashed per worker-thread hand-off: the loop gets control back between batches
+SETTLE_BYTES = 64 << 20     # hashed on the spot for one request at most; blocks past it stay unsettled for now
 PROGRESS_S = 5.0
+_RAM, _SSD = int(Tier.RAM), int(Tier.SSD)
 
 
 @dataclass
@@ -55,21 +61,24 @@ class AdoptionReport:
     conflicting: int = 0    # directory entries that overlap (never from a sound directory)
     trusted: bool = False
     elapsed_s: float = 0.0
+    settled_on_demand: int = 0   # settled because a request named them before the background pass did
     done: bool = False
-    pending: list[RamBlock] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, int | float | bool]:
         return {"listed": self.listed, "adopted": self.adopted, "adopted_bytes": self.adopted_bytes,
                 "mismatched": self.mismatched, "unrecorded": self.unrecorded, "conflicting": self.conflicting,
-                "trusted": self.trusted, "elapsed_s": round(self.elapsed_s, 3), "done": self.done}
+                "on_demand": self.settled_on_demand, "trusted": self.trusted, "elapsed_s": round(self.elapsed_s, 3),
+                "done": self.done}
 
 
 class RamAdoption:
-    """Places ``entries`` in ``ram`` at construction; :meth:`run` checks and commits them."""
+    """Places ``entries`` in ``ram`` at construction; :meth:`run` checks and commits them, and
+    :meth:`settle` does so on the spot for the blocks a request names."""
 
     def __init__(self, ram: RamTier, entries: Iterable[SlotEntry], *, trusted: bool) -> None:
         self.ram = ram
         self.report = AdoptionReport(trusted=trusted)
+        self.pending: dict[bytes, RamBlock] = {}     # placed, not settled yet
         self._t0 = time.monotonic()
         for entry in entries:
             self.report.listed += 1
@@ -78,68 +87,121 @@ class RamAdoption:
             except ValueError:
                 self.report.conflicting += 1
                 continue
-            self.report.pending.append(block)
-        self.report.placed = len(self.report.pending)
+            self.pending[block.key] = block
+        self.report.placed = len(self.pending)
 
     @property
     def placed_keys(self) -> set[bytes]:
-        return {block.key for block in self.report.pending}
+        return set(self.pending)
+
+    def settle(self, keys: Iterable[bytes], index: BlockIndex, clock: Callable[[], float],
+               budget: int | None = SETTLE_BYTES) -> None:
+        """Settle those of ``keys`` still pending, now, in order, until ``budget`` bytes were
+        hashed (None: all of them): a request is about to name them."""
+        pending = self.pending
+        todo = [pending.pop(key) for key in keys if key in pending]
+        if not todo:
+            return
+        if budget is not None and not self.report.trusted:
+            size, n = 0, 0
+            while n < len(todo) and (n == 0 or size + todo[n].length <= budget):
+                size += todo[n].length
+                n += 1
+            for block in todo[n:]:          # left for later, as they were
+                pending[block.key] = block
+            todo = todo[:n]
+        self.report.settled_on_demand += len(todo)
+        sums = [None] * len(todo) if self.report.trusted else _checksums([self.ram.view(b) for b in todo])
+        lost = self._decide(todo, index.raw_many([b.key for b in todo]), sums)
+        if lost:
+            index.write(index.without_tier(lost, Tier.RAM, GoneReason.LOST_AT_RESTART, clock()))
+
+    def _decide(self, blocks: list[RamBlock], records: list[bytes | None],
+                sums: list[bytes] | list[None]) -> list[bytes]:
+        """Commit or drop each of ``blocks`` by its raw record (and checksum); the keys dropped.
+        Raw: three fields read in place (kvcached.index_format), not a record decoded, per block."""
+        report, ram = self.report, self.ram
+        lost = []
+        for block, raw, checksum in zip(blocks, records, sums):
+            tiers = _tiers_of(raw, block.length)
+            if not tiers & _RAM:
+                report.unrecorded += 1
+                ram.abort(block)
+                lost.append(block.key)
+            elif checksum is None or checksum == raw[CHECKSUM_AT:CHECKSUM_AT + CHECKSUM_BYTES]:  # type: ignore[index]
+                ram.commit(block, clean=bool(tiers & _SSD))
+                report.adopted += 1
+                report.adopted_bytes += block.length
+            else:
+                report.mismatched += 1
+                ram.abort(block)
+                lost.append(block.key)
+        return lost
 
     async def run(self, index: BlockIndex, executor: Executor | None, clock: Callable[[], float],
                   stopping: Callable[[], bool] = lambda: False) -> AdoptionReport:
-        """Check (unless trusted) and commit every placed block; drop the rest, and write their
-        records as lost at restart. Returns the report (also :attr:`report`)."""
+        """Check (unless trusted) and commit every placed block not settled on demand meanwhile;
+        drop the rest, and write their records as lost at restart. Returns :attr:`report`."""
         loop = asyncio.get_running_loop()
-        report, ram = self.report, self.ram
-        pending, report.pending = report.pending, []
-        keys = [block.key for block in pending]
-        seen = await loop.run_in_executor(executor, index.get_many, keys)     # for the order only
-        order = sorted(range(len(pending)), key=lambda i: getattr(seen[i], "last_seen", 0.0))
+        report, pending = self.report, self.pending
+        keys = list(pending)
+        raws = await loop.run_in_executor(executor, index.raw_many, keys)     # for the order only
+        ages = [_last_seen(raw) for raw in raws]
+        order = [keys[i] for i in sorted(range(len(keys)), key=ages.__getitem__)]
+        del raws, ages
         lost: list[bytes] = []
         next_progress = time.monotonic() + PROGRESS_S
         i = 0
-        while i < len(order):
-            batch: list[int] = []
+        while i < len(order) and not stopping():
+            batch: list[RamBlock] = []
             size = 0
             while i < len(order) and (not batch or size < BATCH_BYTES):
-                batch.append(order[i])
-                size += pending[order[i]].length
+                block = pending.get(order[i])
                 i += 1
+                if block is not None:
+                    batch.append(block)
+                    size += block.length
+            if not batch:
+                continue
             if report.trusted:
-                sums: list[bytes | None] = [None] * len(batch)
+                sums: list[bytes] | list[None] = [None] * len(batch)
             else:       # the slots are WRITING: nothing changes their bytes while they are hashed
-                sums = list(await loop.run_in_executor(executor, _checksums, [ram.view(pending[j]) for j in batch]))
-            # The records as they are now, and the commits, with no await in between: a record
-            # read before the hashing may have changed since (an SSD copy evicted meanwhile).
-            fresh = index.get_many([pending[j].key for j in batch])
-            for j, record, checksum in zip(batch, fresh, sums):
-                block = pending[j]
-                if record is None or not record.tiers & Tier.RAM or record.nbytes != block.length:
-                    report.unrecorded += 1
-                    ram.abort(block)
-                    lost.append(block.key)
-                elif checksum is None or checksum == record.checksum:
-                    ram.commit(block, clean=bool(record.tiers & Tier.SSD))
-                    report.adopted += 1
-                    report.adopted_bytes += block.length
-                else:
-                    report.mismatched += 1
-                    ram.abort(block)
-                    lost.append(block.key)
+                sums = await loop.run_in_executor(executor, _checksums, [self.ram.view(b) for b in batch])
+            # Settled on demand meanwhile: not again. The records as they are now, and the
+            # commits, with no await in between (a record may have changed during the hashing).
+            keep = [j for j, b in enumerate(batch) if pending.get(b.key) is b]
+            batch, sums = [batch[j] for j in keep], [sums[j] for j in keep]   # type: ignore[assignment]
+            for block in batch:
+                del pending[block.key]
+            lost += self._decide(batch, index.raw_many([b.key for b in batch]), sums)
             if time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + PROGRESS_S
                 log.info("checking the RAM tier left by the previous process",
                          extra={"fields": {"checked": i, "of": len(order), "adopted": report.adopted}})
-            if stopping():
-                for j in order[i:]:
-                    ram.abort(pending[j])
-                    lost.append(pending[j].key)
-                i = len(order)
+        for block in list(pending.values()) if stopping() else []:
+            self.ram.abort(block)
+            lost.append(block.key)
+        pending.clear()
         if lost:
             index.write(index.without_tier(lost, Tier.RAM, GoneReason.LOST_AT_RESTART, clock()))
         report.elapsed_s = time.monotonic() - self._t0
         report.done = True
         return report
+
+
+def _readable(raw: bytes | None) -> bool:
+    return raw is not None and len(raw) >= RECORD.size and raw[0] == SCHEMA_VERSION
+
+
+def _tiers_of(raw: bytes | None, length: int) -> int:
+    """The tiers of a raw record that describes a block of ``length`` bytes (0 otherwise)."""
+    if not _readable(raw) or U64.unpack_from(raw, NBYTES_AT)[0] != length:  # type: ignore[arg-type]
+        return 0
+    return raw[TIERS_AT]  # type: ignore[index]
+
+
+def _last_seen(raw: bytes | None) -> float:
+    return F64.unpack_from(raw, LAST_SEEN_AT)[0] if _readable(raw) else 0.0  # type: ignore[arg-type]
 
 
 def _checksums(views: list[memoryview]) -> list[bytes]:

@@ -143,7 +143,10 @@ class SlabAllocator:
         if index >= slab.nslots or slab.used[index]:
             raise ValueError(f"slot {slot} is taken or not a slot of its slab")
         slab.used[index] = 1
-        slab.free.remove(index)
+        if slab.free[-1] == index:      # slots placed in order come off the top of the stack: O(1)
+            slab.free.pop()
+        else:
+            slab.free.remove(index)
         if not slab.free:
             del self._partial[cls][slab_index]
         self.used_slots += 1

@@ -39,6 +39,7 @@ VERSION = 1
 HEADER = struct.Struct("<8sIIQQQ")     # magic, version, pad, arena bytes, slab bytes, slot ids
 HEADER_BYTES = 4096
 KEY_BYTES = 32
+_COMMITTED = bytes(1 if state in (DIRTY, CLEAN) else 0 for state in range(256))   # bytes.translate table
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,17 +146,17 @@ class SlotDirectory:
     # -- what a successor reads ---------------------------------------------------------------
 
     def committed_entries(self) -> Iterator[SlotEntry]:
-        """Every slot marked DIRTY or CLEAN: the dirty ones, then the clean ones, each in slot
-        order (one pass over a byte per slot id)."""
-        states = self._states
+        """Every slot marked DIRTY or CLEAN, in slot order (one pass over a byte per slot id;
+        in slot order, a successor's allocator takes each slab's slots off the top of its free
+        stack)."""
+        states = self._states.tobytes()
+        marks = states.translate(_COMMITTED)
         keys, lengths, classes = self._keys, self._lengths, self._classes
-        raw = states.tobytes()
-        for state in (DIRTY, CLEAN):
-            slot = raw.find(state)
-            while slot >= 0:
-                at = slot * KEY_BYTES
-                yield SlotEntry(slot, classes[slot], lengths[slot], keys[at:at + KEY_BYTES].tobytes(), state == CLEAN)
-                slot = raw.find(state, slot + 1)
+        slot = marks.find(1)
+        while slot >= 0:
+            at = slot * KEY_BYTES
+            yield SlotEntry(slot, classes[slot], lengths[slot], keys[at:at + KEY_BYTES].tobytes(), states[slot] == CLEAN)
+            slot = marks.find(1, slot + 1)
 
     def counts(self) -> dict[str, int]:
         raw = self._states.tobytes()

@@ -132,3 +132,46 @@ def _open(fd: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_adoption_settles_what_a_request_names_first_and_checks_every_byte(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A predecessor's blocks are placed (WRITING, invisible), settled on demand or by the
+    background pass, each checked against its record's checksum: a flipped byte, a record that
+    does not say RAM, or a missing record drop the block and leave a tombstone."""
+    import asyncio
+
+    from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
+    from kvcached.store.adoption import RamAdoption
+    from kvcached_agent.integrity import payload_checksum
+
+    arena = SharedArena(ARENA)
+    ram = tier(arena)
+    index = BlockIndex(tmp_path / "index")
+    sizes = [4 * KIB, 8 * KIB, 16 * KIB, 4 * KIB, 8 * KIB, 16 * KIB]
+    for n, size in enumerate(sizes):
+        put(ram, n, size)
+        tiers = Tier.RAM | Tier.SSD if n == 1 else Tier.RAM
+        record = BlockRecord(key(n), 0, "m", size, payload_checksum(payload(n, size)), 1.0, float(n), tiers)
+        if n != 4:                                  # 4: its record never reached the index
+            index.write([(key(n), record if n != 3 else BlockRecord(key(n), 0, "m", size, record.checksum, 1.0,
+                                                                    3.0, Tier.SSD))])      # 3: not in RAM
+    assert ram.directory is not None
+    offset = ram.slabs.offset(ram.get(key(2)).slot)  # type: ignore[union-attr]
+    arena.view[offset + 100] ^= 0xFF                 # 2: a flipped byte
+
+    successor = RamTier(SharedArena(ARENA, fd=os.dup(arena.fd)), SLAB, ClockPolicy(),
+                        SlotDirectory.adopt(os.dup(ram.directory.fd), RamTier.geometry(ARENA, SLAB)))
+    adoption = RamAdoption(successor, successor.directory.committed_entries(), trusted=False)  # type: ignore[union-attr]
+    assert adoption.placed_keys == {key(n) for n in range(6)} and not any(key(n) in successor for n in range(6))
+    adoption.settle([key(5), key(2)], index, lambda: 9.0)        # a request names 5 and 2
+    assert key(5) in successor and key(2) not in successor and adoption.report.settled_on_demand == 2
+    assert index.get(key(2)).gone_reason == GoneReason.LOST_AT_RESTART  # type: ignore[union-attr]
+    report = asyncio.run(adoption.run(index, None, lambda: 9.0))
+    assert (report.adopted, report.mismatched, report.unrecorded, report.done) == (3, 1, 2, True)
+    assert {n for n in range(6) if key(n) in successor} == {0, 1, 5}
+    assert successor.get(key(1)).clean and not successor.get(key(0)).clean  # type: ignore[union-attr]
+    for n in (0, 1, 5):
+        assert successor.read(successor.get(key(n))) == payload(n, sizes[n])  # type: ignore[arg-type]
+    assert index.get(key(3)).tiers == Tier.SSD                   # 3 keeps its SSD copy, loses nothing else
+    assert not adoption.pending
+    index.close()

@@ -1,0 +1,266 @@
+"""What outlives a daemon process, the daemon's side: the RAM arena it starts with, and both
+ends of an upgrade's handover.
+
+- :meth:`Succession._open_arena`: a new arena and slot directory, or those a predecessor left
+  (systemd's file descriptor store after a crash, an upgrade's handover), put in the fd store
+  either way; :meth:`Succession._adopt_ram` takes their blocks up (kvcached.store.adoption).
+- :meth:`Succession._begin_takeover`: the successor asks the running daemon to hand over;
+  :meth:`Succession._hand_over` is the running daemon's answer; :meth:`Succession._upgrade`
+  starts a successor for ``kvcached upgrade``. kvcached.handover carries the protocol; this
+  drives the daemon through it (docs/operations.md).
+
+A mixin of kvcached.daemon.Daemon: the state it reads is the daemon's, declared below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import socket
+import subprocess
+import time
+from typing import Any
+
+from kvcached import __version__
+from kvcached.api.agent_server import AgentServer
+from kvcached.config import Config
+from kvcached.handover import (
+    HandoverBroken,
+    Takeover,
+    handover_path,
+    send_files,
+    send_released,
+    tcp_migrate_req,
+    wait_gone,
+    wait_listening,
+    wait_serving,
+)
+from kvcached.index import BlockIndex
+from kvcached.logs import fields
+from kvcached.peers.tier import PeerTier
+from kvcached.process import StartupError
+from kvcached.store import Store
+from kvcached.store.adoption import RamAdoption
+from kvcached.systemd import LISTEN_FDS_START, Notifier
+from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.ram import RamTier
+from kvcached.tiers.slot_directory import SlotDirectory, SlotEntry
+
+__all__ = ["ARENA_FD_NAME", "SLOTS_FD_NAME", "Succession", "exec_with_fds", "nothing_passed", "same_listeners"]
+
+log = logging.getLogger("kvcached.daemon")
+
+ARENA_FD_NAME, SLOTS_FD_NAME = "kvcached-arena", "kvcached-slots"   # in systemd's fd store and a handover
+HANDOVER_SETTLE_S = 0.05   # after the successor listens: what reached this daemon's queues just before is accepted
+UPGRADE_TIMEOUT_S = 300.0
+
+
+class Succession:
+    """The arena and handover half of kvcached.daemon.Daemon (see the module)."""
+
+    # the daemon's state these methods read and set
+    config: Config
+    notifier: Notifier
+    index: BlockIndex | None
+    store: Store | None
+    arena: SharedArena | None
+    slot_directory: SlotDirectory | None
+    agents: AgentServer | None
+    peers: PeerTier | None
+    ram_adoption_summary: dict[str, Any]
+    restart_with: dict[str, int]
+    _metrics_server: Any
+    _grpc_ports: dict[str, int]
+    _trusted_arena: bool
+    _handing_over: bool
+    _handed_over: bool
+    _handover_done: asyncio.Future[dict[str, Any]] | None
+    _argv: list[str] | None
+    _stop: asyncio.Event
+    _stopping: Any
+
+    async def _wind_down_once(self) -> None:
+        raise NotImplementedError      # the daemon's
+
+    def _open_arena(self, inherited: dict[str, int]) -> tuple[SharedArena, SlotDirectory, list[SlotEntry]]:
+        """The RAM arena and its slot directory: those a previous process left (systemd's file
+        descriptor store, or an upgrade's handover) when they fit this configuration, with the
+        entries to take up; new ones otherwise. Either way they go into the fd store, so the
+        next start finds them (docs/operations.md)."""
+        cfg = self.config
+        geometry = RamTier.geometry(cfg.ram_bytes, cfg.max_block_bytes)
+        arena_fd, slots_fd = inherited.pop(ARENA_FD_NAME, None), inherited.pop(SLOTS_FD_NAME, None)
+        for name, fd in inherited.items():
+            log.warning("file descriptor passed at start not used", extra=fields(name=name))
+            os.close(fd)
+        arena = directory = None
+        if arena_fd is not None and slots_fd is not None:
+            try:
+                SharedArena.check_adoptable(arena_fd, cfg.ram_bytes)
+                directory = SlotDirectory.adopt(slots_fd, geometry)
+                arena = SharedArena(cfg.ram_bytes, fd=arena_fd)
+            except (ValueError, OSError) as exc:
+                log.warning("the RAM arena left by the previous process does not fit this configuration: "
+                            "starting with an empty RAM tier", extra=fields(reason=str(exc)))
+                if directory is not None:
+                    directory.close()
+                    directory = None
+                else:
+                    os.close(slots_fd)
+                os.close(arena_fd)
+        elif arena_fd is not None or slots_fd is not None:
+            log.warning("only one of the arena's two files was passed at start: starting with an empty RAM tier")
+            os.close(arena_fd if arena_fd is not None else slots_fd)  # type: ignore[arg-type]
+        if arena is None or directory is None:
+            arena, directory = SharedArena(cfg.ram_bytes), SlotDirectory.create(geometry)
+            for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
+                self.notifier.notify(fdstoreremove=1, fdname=name)   # an unusable one left there
+                self.notifier.store_fd(name, fd)
+            return arena, directory, []
+        for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
+            self.notifier.store_fd(name, fd)            # systemd keeps one copy of a file it holds already
+        entries = list(directory.committed_entries())
+        log.info("RAM arena taken over from the previous process", extra=fields(
+            blocks=len(entries), inode=arena.inode, checked="no (a clean handover)" if self._trusted_arena else "yes"))
+        return arena, directory, entries
+
+    async def _adopt_ram(self, adoption: RamAdoption) -> None:
+        """Check and commit the blocks the previous process left in the arena, while serving."""
+        assert self.index is not None
+        try:
+            report = await adoption.run(self.index, None, time.time, self._stopping.is_set)
+        except Exception:
+            log.exception("taking up the previous process's RAM tier failed; its blocks not yet checked are dropped")
+            return
+        self.ram_adoption_summary = report.summary()
+        log.info("RAM tier taken over", extra=fields(**self.ram_adoption_summary))
+
+    async def _begin_takeover(self) -> Takeover | None:
+        """Ask the daemon running on this configuration to hand over (kvcached.handover). None
+        if it went away before it passed anything: this process then starts on its own."""
+        takeover = Takeover(handover_path(self.config.kv.index_dir))
+        log.info("asking the running daemon to hand over", extra=fields(socket=str(takeover.path)))
+        try:
+            await takeover.begin(__version__)
+        except HandoverBroken as exc:
+            connected = takeover.sock is not None
+            takeover.close()
+            if not connected:
+                raise StartupError(f"--takeover: {exc}") from None
+            log.warning("the daemon being taken over went away before it passed anything: starting on its own",
+                        extra=fields(reason=str(exc)))
+            if not await wait_gone(takeover.predecessor_pid):    # its sockets close as it exits
+                raise StartupError(f"--takeover: the daemon being taken over (pid {takeover.predecessor_pid}) "
+                                   "stopped answering but did not exit") from None
+            return None
+        log.warning("taking over from the running daemon", extra=fields(files=",".join(takeover.files)))
+        return takeover
+
+    async def _hand_over(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        """The predecessor's side of a handover (kvcached.handover): pass the files, wait until
+        the successor listens, wind down, release the index, wait until it serves, exit."""
+        files: dict[str, int] = {}
+        try:
+            assert self.arena is not None and self.slot_directory is not None
+            own = {ARENA_FD_NAME: self.arena.fd, SLOTS_FD_NAME: self.slot_directory.fd}
+            info: dict[str, Any] = {"grpc_tcp": self._grpc_ports}
+            if self.agents is not None:
+                own["agent"], info["agent"] = self.agents.listening_fd, self.config.agent.socket
+            if self._metrics_server is not None:
+                own["metrics"], info["metrics"] = self._metrics_server.socket.fileno(), self.config.metrics.listen
+            if self.peers is not None:
+                own.update(self.peers.listening_fds)
+                info["quic"], info["lane"] = self.config.quic.listen, self.config.quic.lane
+            files = {name: os.dup(fd) for name, fd in own.items()}
+            await send_files(conn, files, info)
+        finally:
+            for fd in files.values():
+                os.close(fd)
+        await wait_listening(conn)            # gone before this: nothing changed, serve on
+        t0 = time.monotonic()
+        self._handing_over = True
+        if self._tcp_listeners() and not tcp_migrate_req():
+            log.warning("net.ipv4.tcp_migrate_req is 0: TCP connections waiting in this daemon's accept queue "
+                        "when it stops listening are reset instead of passed to the successor (docs/operations.md)")
+        await asyncio.sleep(HANDOVER_SETTLE_S)   # connections queued just before the switch are accepted
+        blocks = len(self.store.ram) if self.store is not None else 0
+        await self._wind_down_once()
+        await send_released(conn, {"ram_blocks": blocks, "wind_down_s": round(time.monotonic() - t0, 3)})
+        log.info("released the index to the successor", extra=fields(ram_blocks=blocks))
+        self._handed_over = True
+        try:
+            await wait_serving(conn)
+        except HandoverBroken as exc:
+            # Nothing serves now. Start again in this process (the same pid: systemd's MAINPID
+            # stays right) with the arena and its directory, every block checked: see serve().
+            log.error("the successor went away before it served; starting again in this process, the RAM tier "
+                      "checked block by block", extra=fields(reason=str(exc)))
+            assert self.arena is not None and self.slot_directory is not None
+            self.restart_with = {ARENA_FD_NAME: os.dup(self.arena.fd), SLOTS_FD_NAME: os.dup(self.slot_directory.fd)}
+        if self._handover_done is not None and not self._handover_done.done():
+            self._handover_done.set_result({"op": "upgraded", "ok": not self.restart_with,
+                                            "elapsed_s": round(time.monotonic() - t0, 3)})
+        self._stop.set()
+
+    async def _upgrade(self) -> dict[str, Any]:
+        """``kvcached upgrade``: start this command line again with ``--takeover`` (the code now
+        installed), in this service's process group and cgroup, and wait for the handover."""
+        if self._argv is None:
+            return {"op": "failed", "reason": "this daemon was not started by `kvcached serve`: start the successor "
+                                              "with `kvcached serve --takeover` yourself"}
+        if self._handover_done is not None and not self._handover_done.done():
+            return {"op": "failed", "reason": "an upgrade is under way already"}
+        loop = asyncio.get_running_loop()
+        self._handover_done = loop.create_future()
+        t0 = time.monotonic()
+        argv = [a for a in self._argv if a != "--takeover"] + ["--takeover"]
+        # A plain Popen: asyncio's subprocess transport kills a child still running when it
+        # closes, and the successor must outlive this process.
+        # WATCHDOG_PID names this process: without it systemd's watchdog is the successor's to ping.
+        env = {k: v for k, v in os.environ.items() if k != "WATCHDOG_PID"}
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
+        log.warning("upgrade: successor started", extra=fields(pid=proc.pid))
+        done = self._handover_done
+        deadline = time.monotonic() + UPGRADE_TIMEOUT_S
+        while not done.done() and proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.wait([done], timeout=0.1)
+        if done.done():
+            return {**done.result(), "pid": proc.pid, "total_s": round(time.monotonic() - t0, 3)}
+        self._handover_done = None
+        if proc.returncode is not None:
+            return {"op": "failed", "pid": proc.pid,
+                    "reason": f"the successor exited with {proc.returncode} before taking over (see its log)"}
+        return {"op": "failed", "pid": proc.pid, "reason": f"no handover within {UPGRADE_TIMEOUT_S:.0f} s"}
+
+    def _tcp_listeners(self) -> bool:
+        return bool(self._grpc_ports) or self._metrics_server is not None or self.peers is not None
+
+
+def exec_with_fds(argv: list[str], files: dict[str, int]) -> None:
+    """Replace this process with ``argv``, passing ``files`` as systemd does (fd 3 on, with
+    LISTEN_PID, LISTEN_FDS and LISTEN_FDNAMES): the new program finds them with
+    kvcached.systemd.listen_fds. Returns only if the exec failed (logged)."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in files.values()]   # out of the way of 3, 4, ...
+    for i, fd in enumerate(high):
+        os.dup2(fd, LISTEN_FDS_START + i, inheritable=True)
+    os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(high)), LISTEN_FDNAMES=":".join(files))
+    try:
+        os.execv(argv[0], argv)
+    except OSError as exc:
+        log.error("starting again failed", extra=fields(argv=" ".join(argv), error=exc.strerror))
+
+
+def nothing_passed(name: str) -> None:
+    return None
+
+
+def same_listeners(info: dict[str, Any], config: Config) -> dict[str, bool]:
+    """Which of a predecessor's listening sockets (kvcached.handover: ``info`` says where each
+    listens) this configuration listens on too, by name."""
+    q = config.quic
+    quic = bool(q.listen) and info.get("quic") == q.listen
+    return {"agent": bool(config.agent.socket) and info.get("agent") == config.agent.socket,
+            "metrics": bool(config.metrics.listen) and info.get("metrics") == config.metrics.listen,
+            "quic": quic, "lane": quic and info.get("lane") == q.lane}
