@@ -66,10 +66,6 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
     return int(pid), int(uid)
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    return _peer(sock)[1]
-
-
 def tcp_migrate_req() -> bool:
     """net.ipv4.tcp_migrate_req: a closing SO_REUSEPORT listener's queued connections move to
     another listener of the port (Linux 5.14) instead of being reset (deploy/99-kvcached.conf)."""
@@ -183,7 +179,6 @@ class Takeover:
     sock: socket.socket | None = None
     files: dict[str, int] = field(default_factory=dict)     # name -> descriptor (ours to close or use)
     info: dict[str, Any] = field(default_factory=dict)
-    released: bool = False
     predecessor_pid: int = 0
 
     async def begin(self, version: str) -> None:
@@ -222,7 +217,6 @@ class Takeover:
             log.warning("the previous daemon went away during the handover: its RAM tier is checked before use",
                         extra={"fields": {"reason": str(exc)}})
             return False
-        self.released = True
         return True
 
     async def serving(self) -> None:
@@ -310,7 +304,7 @@ class HandoverServer:
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
-            if _peer_uid(conn) != os.geteuid():
+            if _peer(conn)[1] != os.geteuid():
                 log.warning("handover refused: the caller runs as another user")
                 return
             request, fds = await _recv(conn, None, timeout=10)

@@ -235,7 +235,8 @@ class Succession:
         return {"op": "failed", "pid": proc.pid, "reason": f"no handover within {UPGRADE_TIMEOUT_S:.0f} s"}
 
     def _tcp_listeners(self) -> bool:
-        return bool(self._grpc_ports) or self._metrics_server is not None or self.peers is not None
+        return (bool(self._grpc_ports) or self._metrics_server is not None
+                or (self.peers is not None and "lane" in self.peers.listening_fds))
 
 
 def exec_with_fds(argv: list[str], files: dict[str, int]) -> None:

@@ -158,14 +158,6 @@ class SlotDirectory:
             yield SlotEntry(slot, classes[slot], lengths[slot], keys[at:at + KEY_BYTES].tobytes(), states[slot] == CLEAN)
             slot = marks.find(1, slot + 1)
 
-    def counts(self) -> dict[str, int]:
-        raw = self._states.tobytes()
-        return {"writing": raw.count(WRITING), "dirty": raw.count(DIRTY), "clean": raw.count(CLEAN)}
-
-    def clear(self) -> None:
-        """Every slot FREE (a successor that could not use the contents starts from this)."""
-        self._states[:] = bytes(len(self._states))
-
     def close(self) -> None:
         for view in (self._states, self._classes, self._lengths, self._keys, self._view):
             view.release()

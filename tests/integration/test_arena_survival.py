@@ -200,3 +200,30 @@ def test_another_arena_size_starts_clean(tmp_path: Path, manager: ServiceManager
     d.stop()
     time.sleep(0.1)
     assert not any("ERROR" in m for m in manager.messages)
+
+
+def test_an_unknown_file_or_half_of_the_pair_passed_at_start_is_not_used(tmp_path: Path,
+                                                                        manager: ServiceManager) -> None:
+    """A start given a file it does not know, and the arena without its slot directory: both are
+    closed with a warning, the RAM tier starts empty (nothing unchecked is served), the store
+    ends up holding a new, whole pair."""
+    d = start(DaemonProcess(tmp_path, [NO_SSD]), manager)
+    address, data = block(0, "half")
+    with d.client() as c:
+        c.put([(address, data)])
+    d.stop(signal.SIGKILL)
+    old_arena = os.fstat(manager.stored["kvcached-arena"]).st_ino
+    os.close(manager.stored.pop("kvcached-slots"))
+    manager.stored["something-else"] = os.memfd_create("something-else")
+    start(d, manager)
+    log = d.log()
+    assert "file descriptor passed at start not used" in log and "name=something-else" in log
+    assert "only one of the arena's two files was passed at start" in log
+    assert not ram_status(d).ram_taken_over
+    with d.client() as c:
+        assert c.get([address], allow_partial=True)[0] == []
+        c.put([(address, data)])                     # and it serves: a new arena
+        assert c.get([address])[0][0].payload == data
+    wait_for(lambda: "kvcached-slots" in manager.stored
+             and os.fstat(manager.stored["kvcached-arena"]).st_ino != old_arena, text="a new pair stored")
+    d.stop()
