@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 from kvcached.policies import EVICTION_POLICIES
 from kvcached.policies.admission import ADMISSION_POLICIES
 from kvcached.policies.prefetch import PREFETCH_POLICIES
+from kvcached.policies.slru import MAX_RATIO
 from kvcached.policies.write import WRITE_POLICIES
 from kvcached_agent.protocol import MAX_BATCH
 
@@ -196,6 +197,11 @@ def _admission_window(v: int) -> None:
         raise ValueError(f"must be between 1000 and 1000000000 offers, got {v}")
 
 
+def _slru_ratio(v: float) -> None:
+    if v != 0 and not 1 <= v <= MAX_RATIO:
+        raise ValueError(f"must be 0 (tuned online) or between 1 and {MAX_RATIO:g}, got {v}")
+
+
 def _save_interval(v: float) -> None:
     if v != 0 and not 1 <= v <= 86400:
         raise ValueError(f"must be 0 (save on a clean stop only) or between 1 and 86400 seconds, got {v}")
@@ -307,7 +313,10 @@ def _key(doc: str, default: Any, check: Callable[[Any], None] | None = None, kin
 class KvSection:
     ram_gib: float = _key("Size of the shared-memory RAM arena that holds block bytes, GiB.", 1.0, _positive, (int, float))
     max_block_mib: float = _key("Largest block payload accepted, MiB; also the arena's slab size.", 16.0, _positive, (int, float))
-    ram_policy: str = _key("Eviction policy of the RAM tier (registry key).", "clock")
+    ram_policy: str = _key("Eviction policy of the RAM tier (registry key).", "slru")
+    slru_ratio: float = _key("Age ratio of the slru policy: a block used once is evicted at 1/ratio of the age a "
+                             "reused block may reach (1: plain LRU); 0 tunes it online.", 0.0, _slru_ratio,
+                             (int, float))
     ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd", _path)
     ssd_gib: float = _key("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, _non_negative, (int, float))
     ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", 7 * 86400.0)

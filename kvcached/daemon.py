@@ -57,7 +57,7 @@ from kvcached.metrics import start_metrics
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
-from kvcached.policies import make_eviction_policy, make_keyed_policy
+from kvcached.policies import PolicySettings, make_eviction_policy, make_keyed_policy
 from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.policies.write import make_write_policy
@@ -162,7 +162,8 @@ class Daemon(Succession):
                                    if (fd := takeover.take(name)) is not None}
         kv = cfg.kv
         self.arena, self.slot_directory, entries = self._open_arena(self._inherited_fds or listen_fds())
-        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy), self.slot_directory)
+        settings = PolicySettings(slru_ratio=kv.slru_ratio)
+        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory)
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
         # After a clean handover the index is as true as the predecessor left it: no boot scan.
         self.index = self._open_index(self.adoption.placed_keys if self.adoption else frozenset(),
@@ -172,7 +173,8 @@ class Daemon(Succession):
                            ssd_ttl=kv.ssd_ttl, gone_ttl=kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks,
                            admission=make_admission_policy(kv.admission, kv.admission_threshold, kv.admission_window),
                            ssd_budget=SsdWriteBudget(int(kv.ssd_write_budget_gib * (1 << 30))),
-                           ssd_order=make_keyed_policy(kv.ssd_policy) if self.ssd and kv.ssd_policy != "lru" else None)
+                           ssd_order=(make_keyed_policy(kv.ssd_policy, settings) if self.ssd and kv.ssd_policy != "lru"
+                                      else None))
         self.store.ssd_order_ready = self.store.ssd_order is None   # rebuilt after the reconcile
         self.store.adoption = self.adoption
         self._restore_policies()
@@ -409,7 +411,8 @@ class Daemon(Succession):
             try:
                 built = await loop.run_in_executor(
                     self._scanner, policy_state.build_ssd_order, self.index, kind, self._stopping.is_set,
-                    lambda n: log.info("building the SSD policy", extra=fields(blocks=n)))
+                    lambda n: log.info("building the SSD policy", extra=fields(blocks=n)),
+                    PolicySettings(slru_ratio=self.config.kv.slru_ratio))
             except Exception:
                 log.exception("rebuilding the SSD policy failed; the index's LRU queue orders SSD eviction "
                               "until a restart")

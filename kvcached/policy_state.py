@@ -28,7 +28,7 @@ import struct
 from typing import Callable
 
 from kvcached.index import BlockIndex
-from kvcached.policies import KeyedPolicy, PolicySnapshot, PolicyState, SnapshotError, make_keyed_policy
+from kvcached.policies import KeyedPolicy, PolicySettings, PolicySnapshot, PolicyState, SnapshotError, make_keyed_policy
 from kvcached.policies.admission import AdmissionPolicy
 
 __all__ = ["save_blob", "load_blob", "capture", "write_captured", "restore_ram", "restore_admission",
@@ -129,7 +129,8 @@ def restore_admission(index: BlockIndex, admission: AdmissionPolicy) -> bool:
 
 
 def build_ssd_order(index: BlockIndex, kind: str, stop: Callable[[], bool] = lambda: False,
-                    progress: Callable[[int], None] = lambda n: None) -> KeyedPolicy:
+                    progress: Callable[[int], None] = lambda n: None,
+                    settings: PolicySettings | None = None) -> KeyedPolicy:
     """In a worker thread, after the boot reconcile: the SSD tier's policy over every block the
     index has on SSD, in the saved order where there is one, then in the SSD queue's order
     (least recently used first) for the rest."""
@@ -138,7 +139,7 @@ def build_ssd_order(index: BlockIndex, kind: str, stop: Callable[[], bool] = lam
         on_ssd.add(key)
         if len(on_ssd) % 1_000_000 == 0:
             progress(len(on_ssd))
-    policy = make_keyed_policy(kind)
+    policy = make_keyed_policy(kind, settings)
     snapshot = _snapshot(index, SSD, kind)
     if snapshot is not None:
         policy.restore(snapshot, on_ssd.__contains__)

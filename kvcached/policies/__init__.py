@@ -16,27 +16,31 @@ one would have.
 from __future__ import annotations
 
 from kvcached.policies.arc import ArcPolicy
-from kvcached.policies.base import EvictionPolicy, PolicySnapshot, SnapshotError, resident_keys
+from kvcached.policies.base import EvictionPolicy, PolicySettings, PolicySnapshot, SnapshotError, resident_keys
 from kvcached.policies.clock import ClockPolicy
 from kvcached.policies.keyed import KeyedPolicy, PolicyState
 from kvcached.policies.lru import LruPolicy
 from kvcached.policies.s3fifo import S3FifoPolicy
+from kvcached.policies.slru import SlruPolicy
 
-__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "KeyedPolicy", "PolicySnapshot", "PolicyState", "SnapshotError",
+__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "KeyedPolicy", "PolicySettings", "PolicySnapshot", "PolicyState",
+           "SnapshotError",
            "make_eviction_policy", "make_keyed_policy", "resident_keys"]
 
 #: config string -> policy class ([kv] ram_policy)
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"clock": ClockPolicy, "lru": LruPolicy, "arc": ArcPolicy,
-                                                      "s3fifo": S3FifoPolicy}
+                                                      "s3fifo": S3FifoPolicy, "slru": SlruPolicy}
 
 
-def make_eviction_policy(name: str) -> EvictionPolicy:
+def make_eviction_policy(name: str, settings: PolicySettings | None = None) -> EvictionPolicy:
+    """A fresh policy ``name``, with the settings of the config (defaults without one)."""
     try:
-        return EVICTION_POLICIES[name]()
+        cls = EVICTION_POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(sorted(EVICTION_POLICIES))}") from None
+    return cls.configured(settings or PolicySettings())
 
 
-def make_keyed_policy(name: str) -> KeyedPolicy:
+def make_keyed_policy(name: str, settings: PolicySettings | None = None) -> KeyedPolicy:
     """The policy ``name`` over keys (see :class:`KeyedPolicy`)."""
-    return KeyedPolicy(make_eviction_policy(name))
+    return KeyedPolicy(make_eviction_policy(name, settings))

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-__all__ = ["EvictionPolicy", "PolicySnapshot", "SnapshotError", "resident_keys"]
+__all__ = ["EvictionPolicy", "PolicySettings", "PolicySnapshot", "SnapshotError", "resident_keys"]
 
 _MAGIC = b"KVPS1"
 _HEAD = struct.Struct("<5sI")
@@ -99,6 +99,14 @@ class PolicySnapshot:
             raise SnapshotError(f"damaged policy snapshot: {exc}") from None
 
 
+@dataclass(frozen=True)
+class PolicySettings:
+    """The config's settings of the eviction policies (``[kv]``); each policy takes what it
+    uses. ``slru_ratio``: slru's fixed age ratio, 0 to tune it online."""
+
+    slru_ratio: float = 0.0
+
+
 class EvictionPolicy(ABC):
     """Orders the resident entries of one tier for eviction.
 
@@ -110,6 +118,11 @@ class EvictionPolicy(ABC):
     may give it to another. The entry's key comes along where a policy remembers entries past
     their eviction (ghost lists hold keys: the id is gone by then).
     """
+
+    @classmethod
+    def configured(cls, settings: PolicySettings) -> "EvictionPolicy":
+        """A fresh instance with the settings of the config; by default the class takes none."""
+        return cls()
 
     def size_for(self, capacity: int) -> None:
         """The tier hands out ids below ``capacity`` only: the policy may lay out its per-id

@@ -29,7 +29,7 @@ A = BlockAddress(b"\xaa" * 32)
     ("kv.ssd_ttl=soon", "config: kv.ssd_ttl: expected a duration"),
     ('grpc.listen=["nohost"]', "config: grpc.listen: expected \"unix:PATH\" or \"HOST:PORT\""),
     ("grpc.max_message_mib=0", "config: grpc.max_message_mib: must be in 1..2047"),
-    ('kv.ram_policy="mru"', "config: kv.ram_policy: unknown policy 'mru'; known: arc, clock, lru, s3fifo"),
+    ('kv.ram_policy="mru"', "config: kv.ram_policy: unknown policy 'mru'; known: arc, clock, lru, s3fifo, slru"),
     ('quic.listen="127.0.0.1:7400"', "config: quic.ca: required when quic.listen or quic.peers is set"),
     ("kv.ram_gib", "config: kv.ram_gib: --set expects section.key=value"),
 ])

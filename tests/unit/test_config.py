@@ -53,7 +53,7 @@ def test_defaults_load() -> None:
     assert config.kv.ram_gib == 1.0
     assert config.ram_bytes == GIB
     assert config.max_block_bytes == 16 << 20
-    assert config.kv.ram_policy == "clock"
+    assert config.kv.ram_policy == "slru" and config.kv.slru_ratio == 0
     assert config.kv.ssd_ttl == 7 * 86400.0
     assert config.kv.gone_ttl == 3600.0
     assert config.grpc.listen == ["unix:var/kvcached.sock"]
@@ -246,6 +246,9 @@ def test_wrong_type_in_a_file(tmp_path: Path) -> None:
     ('kv.gone_ttl="1y"', "kv.gone_ttl", ("duration",)),
     ('kv.ram_policy="lru9"', "kv.ram_policy", ("unknown policy", "clock")),
     ('kv.ssd_policy="fifo"', "kv.ssd_policy", ("unknown policy", "s3fifo")),
+    ("kv.slru_ratio=0.5", "kv.slru_ratio", ("0 (tuned online) or between 1 and 1000",)),
+    ("kv.slru_ratio=5000", "kv.slru_ratio", ("between 1 and 1000",)),
+    ('kv.slru_ratio="auto"', "kv.slru_ratio", ("number",)),
     ('kv.admission="twice"', "kv.admission", ("one of", "reuse")),
     ("kv.admission_threshold=0", "kv.admission_threshold", ("between 1 and 255",)),
     ("kv.admission_threshold=256", "kv.admission_threshold", ("between 1 and 255",)),

@@ -1,0 +1,214 @@
+"""Segmented LRU with an age ratio: recency first, frequency as a tie-breaker that the workload
+sets (``slru``).
+
+Two LRU lists of resident entries: *probation* (seen once, as far as the policy knows) and
+*protected* (seen at least twice: hit while resident, or inserted again while a ghost
+remembers its key). Each entry keeps the tick of its last use (a tick is one insert or
+touch). Room is made from the older of the two lists' oldest entries, with probation's age
+counted ``ratio`` times:
+
+    evict probation's oldest if  ratio * age(probation's oldest) >= age(protected's oldest)
+
+- ``ratio = 1`` is exact LRU (the two lists merged by age): nothing is lost where recency is
+  all there is.
+- ``ratio = r > 1``: a block seen once is evicted at ``1/r`` of the age a reused block may
+  reach. Blocks used once (most of a request's new tail) cannot flush reused prefixes, yet a
+  once-seen block still lives as long as recency alone would give it while nothing reused
+  competes (a scan meets ``r`` as high as it likes, S3-FIFO's small FIFO in effect).
+
+Evicted keys are remembered as ghosts (keys only, as many as the most entries ever resident),
+so a block that returns after its eviction enters protected: it has been used twice.
+
+Which ratio pays depends on the workload and on the cache size (on the Mooncake conversation
+trace 2-3 at 5-10% of its blocks, 1 at 20%; a scan mix wants 30 and more), so by default
+(``ratio=None``) the policy tunes it online: :class:`~kvcached.policies.tuning.RatioTuner`
+replays a sample of the keys through small copies of this policy, one per ratio of a grid, and
+the ratio whose copy hits most lately is the one used (miniature simulations, Waldspurger et
+al., USENIX ATC 2017). A fixed ratio (``kv.slru_ratio``) skips the tuner.
+
+Per resident entry: links and list tag (10 bytes), last-use tick (8 bytes); ghosts hold keys
+(one dict entry and the key, as ARC's). O(1) per operation; the tuner adds, for the sampled
+keys only (1 in ``RatioTuner.rate``), one operation per copy.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+from kvcached.policies.base import EvictionPolicy, PolicySettings, PolicySnapshot
+from kvcached.policies.links import IdLinks, IdQueue, column, grown
+from kvcached.policies.tuning import RatioTuner
+
+__all__ = ["SlruPolicy", "MAX_RATIO"]
+
+MAX_RATIO = 1000.0
+
+
+class SlruPolicy(EvictionPolicy):
+    """See the module docstring. ``ratio``: a fixed age ratio (1..MAX_RATIO); None tunes it
+    online."""
+
+    def __init__(self, ratio: float | None = None) -> None:
+        if ratio is not None and not 1.0 <= ratio <= MAX_RATIO:
+            raise ValueError(f"slru ratio must be in 1..{MAX_RATIO:g}, got {ratio}")
+        self._links = IdLinks()                 # value: 1 when the tuner samples the entry's key
+        self.probation = IdQueue(self._links, 1)    # oldest first
+        self.protected = IdQueue(self._links, 2)
+        self.ghosts: OrderedDict[bytes, None] = OrderedDict()
+        self._last: array[int] | memoryview = array("q")     # id -> tick of its last use
+        self.tick = 0
+        self.c = 1                              # the most entries ever resident: bounds the ghosts
+        self.tuner: RatioTuner | None = None
+        if ratio is None:
+            self.tuner = RatioTuner(lambda r: SlruPolicy(r))
+            ratio = self.tuner.ratio
+        self.ratio = ratio
+        self._sampled: dict[int, bytes] = {}    # resident ids whose keys the tuner samples
+
+    @classmethod
+    def configured(cls, settings: PolicySettings) -> "SlruPolicy":
+        return cls(settings.slru_ratio or None)
+
+    def size_for(self, capacity: int) -> None:
+        self._links.size_for(capacity)
+        if capacity > len(self._last):
+            new = column("q", capacity)
+            if len(self._last):
+                new[:len(self._last)] = memoryview(self._last).cast("B").cast("q")
+            self._last = new
+
+    def _grow(self, entry: int) -> None:
+        last = self._last
+        if entry >= len(last):
+            assert isinstance(last, array), "an id beyond size_for's capacity (push raised first)"
+            grown(last, entry + 1)
+
+    # -- the calls of the tier ------------------------------------------------------------------
+
+    def insert(self, entry: int, key: bytes) -> None:
+        tag = self._links.tag_of(entry)
+        if tag:
+            (self.probation if tag == 1 else self.protected).remove(entry)
+        if self.ghosts.pop(key, 0) is None:
+            self.protected.push(entry)
+        else:
+            self.probation.push(entry)
+        self._grow(entry)
+        self.tick += 1
+        self._last[entry] = self.tick
+        resident = len(self.probation) + len(self.protected)
+        if resident > self.c:
+            self.c = resident
+        tuner = self.tuner
+        if tuner is not None and tuner.samples(key):
+            self._sampled[entry] = key
+            tuner.access(key, self.c)
+            self.ratio = tuner.ratio
+
+    def touch(self, entry: int) -> None:
+        tag = self._links.tag_of(entry)
+        if not tag:
+            return
+        if tag == 1:
+            self.probation.remove(entry)
+            self.protected.push(entry)
+        else:
+            self.protected.move_to_back(entry)
+        self.tick += 1
+        self._last[entry] = self.tick
+        if self._sampled:
+            key = self._sampled.get(entry)
+            if key is not None:
+                tuner = self.tuner
+                assert tuner is not None
+                tuner.access(key, self.c)
+                self.ratio = tuner.ratio
+
+    def remove(self, entry: int) -> None:
+        """Deleted, not evicted: no ghost is kept."""
+        tag = self._links.tag_of(entry)
+        if tag:
+            (self.probation if tag == 1 else self.protected).remove(entry)
+            self._sampled.pop(entry, None)
+
+    def evicted(self, entry: int, key: bytes) -> None:
+        tag = self._links.tag_of(entry)
+        if not tag:
+            return
+        (self.probation if tag == 1 else self.protected).remove(entry)
+        self._sampled.pop(entry, None)
+        ghosts = self.ghosts
+        ghosts[key] = None
+        while len(ghosts) > self.c:
+            ghosts.popitem(last=False)
+
+    def candidates(self) -> Iterator[int]:
+        """The older of the two oldest entries, probation's age counted ``ratio`` times; an
+        entry the caller skips (in use) is used: young again in its list."""
+        probation, protected, last = self.probation, self.protected, self._last
+        for _ in range(len(probation) + len(protected)):
+            if probation and (not protected or self.ratio * (self.tick - last[probation.head])
+                              >= self.tick - last[protected.head]):
+                queue = probation
+            elif protected:
+                queue = protected
+            else:
+                return
+            entry = queue.head
+            queue.move_to_back(entry)
+            self.tick += 1
+            last[entry] = self.tick
+            yield entry
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self.probation
+        yield from self.protected
+
+    def __contains__(self, entry: int) -> bool:
+        return self._links.tag_of(entry) != 0
+
+    # -- what survives a restart ----------------------------------------------------------------
+
+    def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
+        """The resident keys in the order of their last use, oldest first (value 1: protected,
+        0: probation), the tick of each use (``ticks``: 8 bytes each, big-endian), the ghosts,
+        the ratio in use, ``c`` and the tick now: a restored policy with its keys resident
+        decides as this one would. The tuner's copies are not kept: they learn again, from the
+        ratio saved."""
+        last = self._last
+        entries = sorted(self, key=last.__getitem__)
+        keys = [key_of(e) for e in entries]
+        return PolicySnapshot("slru", {"order": keys, "ticks": [last[e].to_bytes(8, "big") for e in entries],
+                                       "ghosts": list(self.ghosts)},
+                              values={"order": [int(e in self.protected) for e in entries]},
+                              numbers={"ratio": self.ratio, "c": float(self.c), "tick": float(self.tick)})
+
+    def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
+        """Lists, last uses, ghosts, ratio and ``c`` as they were. A listed key that is not
+        resident any more becomes a ghost: it did leave the tier, and if it comes back it has
+        been used twice."""
+        numbers = snapshot.numbers
+        self.c = max(1, int(numbers.get("c", 1)))
+        ratio = numbers.get("ratio", self.ratio)
+        if self.tuner is not None and 1.0 <= ratio <= MAX_RATIO:
+            self.ratio = self.tuner.ratio = ratio
+        for key in snapshot.lists.get("ghosts", ()):
+            if entry_of(key) is None:
+                self.ghosts[key] = None
+        ticks = [int.from_bytes(t, "big") for t in snapshot.lists.get("ticks", ())]
+        self.tick = max(self.tick, int(numbers.get("tick", 0)), *ticks[-1:])
+        for i, (key, protected) in enumerate(snapshot.items("order")):
+            entry = entry_of(key)
+            if entry is None:
+                self.ghosts[key] = None
+            elif entry not in self:
+                (self.protected if protected else self.probation).push(entry)
+                self._grow(entry)
+                self._last[entry] = ticks[i] if i < len(ticks) else self.tick
+        while len(self.ghosts) > self.c:
+            self.ghosts.popitem(last=False)
