@@ -157,7 +157,7 @@ class SsdMover(Room):
         the blocks that failed."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for block, _ in blocks:
-            self.ram.pin(block)
+            self.ram.hold(block)
             self.inflight.publishing[block.key] = done
         return self.inflight.spawn(self._publish_claimed(blocks, done))
 

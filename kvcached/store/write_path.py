@@ -126,7 +126,7 @@ class WritePath(Room):
         out = []
         for block, record in zip(dirty, self.index.get_many([b.key for b in dirty])):
             if record is not None and record.present:
-                self.ram.pin(block)
+                self.ram.hold(block)
                 out.append((block, record))
         return out
 
@@ -201,7 +201,7 @@ class WritePath(Room):
                 self.ram.write(block, item.payload)
                 self.commit_new(block)
                 if hold:
-                    self.ram.pin(block)
+                    self.ram.hold(block)
                 record = BlockRecord(item.address.digest, item.address.layer, item.model, len(item.payload),
                                      checksum, now, now, Tier.RAM)
                 self.ledger.stage(key, record)
@@ -378,9 +378,9 @@ class WritePath(Room):
                 continue
             self.inflight.held_bytes -= block.length
             self.commit_new(block)
-            self.ram.pin(block)          # held until recorded: never evicted unrecorded
+            self.ram.hold(block)          # held until recorded: never evicted unrecorded
             if through:
-                self.ram.pin(block)      # and, under write_through, until published
+                self.ram.hold(block)      # and, under write_through, until published
             batch.append((address, block))
             out.append(None)
         if not batch:

@@ -358,17 +358,27 @@ class RamTier:
         return self.arena.view[offset:offset + block.length]
 
     def pin(self, block: RamBlock) -> None:
-        """One more reader (BlockBusy while it is being written). A block that left the tier
-        has no readers to count: nothing happens."""
+        """One more reader that uses the block (a Get, a stream, an agent's load): the policy
+        is told (BlockBusy while it is being written). A block that left the tier has no
+        readers to count: nothing happens."""
+        if self.hold(block):
+            self.policy.touch(block.id)
+
+    def hold(self, block: RamBlock) -> bool:
+        """One more reader that is not a use: the daemon's own work on the block (holding a
+        new block until it is recorded or published, reading it to write it to SSD). The
+        policy is not told: a block saved once and held by its own commit is still a block
+        used once (tests/integration/test_trace_hit_rate.py). Whether it was held (False: it
+        left the tier); BlockBusy while it is being written."""
         entry = block.id
         if self._gen[entry] != block.gen:
-            return
+            return False
         refs = self._refs
         n = refs[entry]
         if n == WRITING:
             raise BlockBusy("block is being written")
         refs[entry] = n + 1
-        self.policy.touch(entry)
+        return True
 
     def unpin(self, block: RamBlock) -> None:
         entry = block.id

@@ -15,7 +15,7 @@ import blake3
 import pytest
 
 from kvcached.index import BlockIndex
-from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, KeyedPolicy, make_eviction_policy, make_keyed_policy
+from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, KeyedPolicy, PolicySettings, make_eviction_policy, make_keyed_policy
 from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.clock import ClockPolicy
 from kvcached.policies.links import IdQueue, KeyIds
@@ -189,7 +189,7 @@ def policy_store(index: BlockIndex, clock: FakeClock, tmp_path: Path,
 
     def make(write_policy: str = "write_back", *, admission: str = "always", threshold: int = 2,
              budget: int = 0, ssd: bool = True, arena_bytes: int = 16 * SLAB, ssd_capacity: int = 1 << 30,
-             ssd_policy: str = "lru") -> SyncStore:
+             ssd_policy: str = "lru", settings: PolicySettings | None = None) -> SyncStore:
         arena = SharedArena(arena_bytes, name="kvcached-policy-test")
         tier = SsdTier(str(tmp_path / "ssd"), ssd_capacity, durability="none", threads=2) if ssd else None
         if tier is not None:
@@ -201,7 +201,7 @@ def policy_store(index: BlockIndex, clock: FakeClock, tmp_path: Path,
                          write_policy=make_write_policy(write_policy, threshold), clock=clock,
                          admission=make_admission_policy(admission, threshold, 10_000),
                          ssd_budget=SsdWriteBudget(budget),
-                         ssd_order=make_keyed_policy(ssd_policy) if ssd and ssd_policy != "lru" else None)
+                         ssd_order=make_keyed_policy(ssd_policy, settings) if ssd and ssd_policy != "lru" else None)
         store = event_loop_for_store.run_until_complete(build())
         store.ssd_reconciled = True
         return SyncStore(store, event_loop_for_store)

@@ -10,7 +10,7 @@ import pytest
 
 from kvcached import policy_state
 from kvcached.index import BlockIndex, Tier
-from kvcached.policies import PolicySnapshot
+from kvcached.policies import PolicySettings, PolicySnapshot
 from kvcached.policies.admission import ReuseAdmission
 from kvcached.policies.arc import ArcPolicy
 from kvcached.policies.lru import LruPolicy
@@ -66,13 +66,15 @@ def test_admission_state_round_trip_and_mismatched_settings(index: BlockIndex) -
 
 
 def test_ssd_policy_orders_capacity_eviction(policy_store: Callable[..., SyncStore], index: BlockIndex) -> None:
-    """S3-FIFO on the SSD tier: blocks used again survive a scan of one-off blocks that the
-    index's LRU queue would let flush them."""
+    """S3-FIFO and slru on the SSD tier: blocks used again survive a scan of one-off blocks
+    that the index's LRU queue would let flush them (slru with a fixed ratio: a tier of six
+    blocks is too small for its tuner, which then keeps LRU's order)."""
     per_block = file_bytes(16 * KIB)
     survivors = {}
-    for ssd_policy in ("lru", "s3fifo"):
-        store = policy_store(ssd_policy=ssd_policy, ssd_capacity=6 * per_block, arena_bytes=64 * 64 * KIB)
-        base = 100 if ssd_policy == "s3fifo" else 0
+    for i, ssd_policy in enumerate(("lru", "s3fifo", "slru")):
+        store = policy_store(ssd_policy=ssd_policy, ssd_capacity=6 * per_block, arena_bytes=64 * 64 * KIB,
+                             settings=PolicySettings(slru_ratio=32))
+        base = 100 * i
         hot = [base + 1, base + 2]
         store.put([item(n) for n in hot])
         store.demote()
@@ -88,7 +90,7 @@ def test_ssd_policy_orders_capacity_eviction(policy_store: Callable[..., SyncSto
         assert store.ssd.used_bytes <= 6 * per_block
         survivors[ssd_policy] = [n - base for n in hot if index.get(address(n).key).tiers & Tier.SSD]
         store.delete([address(n) for n in range(base, base + 20)])
-    assert survivors == {"lru": [], "s3fifo": [1, 2]}
+    assert survivors == {"lru": [], "s3fifo": [1, 2], "slru": [1, 2]}
 
 
 def test_ssd_order_forgets_blocks_that_left_the_ssd_by_another_way(policy_store: Callable[..., SyncStore],

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvcached.policies.arc import ArcPolicy
 from kvcached.policies.clock import ClockPolicy
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import WRITING, BlockBusy, RamBlock, RamFull, RamTier
@@ -173,6 +174,22 @@ def test_pin_unpin(ram: RamTier) -> None:
     assert ram.delete(key(1)) is True
     assert ram.delete(key(1)) is False
     assert len(ram) == 0 and ram.used_bytes == 0 and ram.slabs.reserved_bytes == 0
+
+
+def test_a_hold_is_not_a_use(arena: SharedArena) -> None:
+    """The daemon's own holds (a new block until it is recorded, a block being written to SSD)
+    do not tell the policy: a block saved once is still in ARC's T1; a reader's pin moves it."""
+    ram = RamTier(arena, SLAB, ArcPolicy())
+    block = put(ram, 1)
+    assert ram.hold(block) and block.refs == 1
+    ram.unpin(block)
+    policy = ram.policy
+    assert isinstance(policy, ArcPolicy) and block.id in policy.t1
+    ram.pin(block)
+    assert block.id in policy.t2 and block.refs == 1
+    ram.unpin(block)
+    ram.delete(key(1))
+    assert not ram.hold(block), "a block that left the tier is not held"
 
 
 def test_delete_of_a_writing_block_raises(ram: RamTier) -> None:
