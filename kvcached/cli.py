@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an extra DNS name or IP address in NODE's certificate (repeatable)")
     p.add_argument("nodes", nargs="*", help="node names to issue certificates for (the CA is made if missing)")
 
-    p = sub.add_parser("sim", help="replay synthetic workloads against the eviction policies and Belady's MIN "
-                       "(docs/policies.md)")
+    p = sub.add_parser("sim", help="replay synthetic workloads or trace files (--trace) against the eviction "
+                       "policies and Belady's MIN: block and prefix hits (docs/policies.md)")
     from kvcached.sim.__main__ import add_arguments
     add_arguments(p)
 

@@ -79,7 +79,10 @@ def test_hit_rate_after_a_restart_matches_the_one_before(make_daemon, tmp_path: 
     rebuilt = re.search(r'msg="SSD policy rebuilt" ssd_policy=s3fifo blocks=(\d+)', log)
     assert rebuilt and int(rebuilt.group(1)) > 100
     print(f"hit rate before the restart {before:.3f}, after {after:.3f}")
-    assert abs(after - before) <= 0.03, (before, after)
+    # The RAM tier starts empty (its blocks are on SSD or gone): that costs what RAM alone held,
+    # about 3 points here since ARC keeps RAM's reused blocks (0.560 -> 0.529; before RamTier.hold
+    # every saved block looked reused and ARC ran as LRU: 0.541 -> 0.533).
+    assert abs(after - before) <= 0.04, (before, after)
     d.stop()
     assert "Traceback" not in d.log()
 
