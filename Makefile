@@ -131,6 +131,7 @@ bench: install engines-venv e2e-venv system-deps
 	$(PY) bench/bench_cluster_daemons.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_metrics.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_policies.py $(filter --quick,$(BENCH_ARGS))
+	$(PY) bench/trace_reuse.py
 	$(PY) bench/bench_hostile.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_upgrade.py $(filter --quick,$(BENCH_ARGS))
 	$(ENGINES_PY) bench/bench_engines.py $(filter --quick,$(BENCH_ARGS))
