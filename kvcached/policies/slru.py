@@ -175,17 +175,19 @@ class SlruPolicy(EvictionPolicy):
     # -- what survives a restart ----------------------------------------------------------------
 
     def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
-        """The resident keys in the order of their last use, oldest first (value 1: protected,
-        0: probation), the tick of each use (``ticks``: 8 bytes each, big-endian), the ghosts,
-        the ratio in use, ``c`` and the tick now: a restored policy with its keys resident
-        decides as this one would. The tuner's copies are not kept: they learn again, from the
-        ratio saved."""
-        last = self._last
-        entries = sorted(self, key=last.__getitem__)
-        keys = [key_of(e) for e in entries]
-        return PolicySnapshot("slru", {"order": keys, "ticks": [last[e].to_bytes(8, "big") for e in entries],
+        """The resident keys in the order of their last use, oldest first (value: the list,
+        1 probation, 2 protected), the tick of each use (``ticks``: one string of 8-byte
+        native integers, in the same order), the ghosts, the ratio in use, ``c`` and the tick
+        now: a restored policy with its keys resident decides as this one would. The tuner's
+        copies are not kept: they learn again, from the ratio saved. Built with C-level calls
+        (each list is already in last-use order, so the sort is one merge)."""
+        last, where = self._last, self._links.where
+        entries = self.probation.entries() + self.protected.entries()
+        entries.sort(key=last.__getitem__)
+        return PolicySnapshot("slru", {"order": list(map(key_of, entries)),
+                                       "ticks": [array("q", map(last.__getitem__, entries)).tobytes()],
                                        "ghosts": list(self.ghosts)},
-                              values={"order": [int(e in self.protected) for e in entries]},
+                              values={"order": list(map(where.__getitem__, entries))},
                               numbers={"ratio": self.ratio, "c": float(self.c), "tick": float(self.tick)})
 
     def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
@@ -200,14 +202,16 @@ class SlruPolicy(EvictionPolicy):
         for key in snapshot.lists.get("ghosts", ()):
             if entry_of(key) is None:
                 self.ghosts[key] = None
-        ticks = [int.from_bytes(t, "big") for t in snapshot.lists.get("ticks", ())]
+        ticks = array("q")
+        for blob in snapshot.lists.get("ticks", ()):
+            ticks.frombytes(blob[:len(blob) // 8 * 8])
         self.tick = max(self.tick, int(numbers.get("tick", 0)), *ticks[-1:])
-        for i, (key, protected) in enumerate(snapshot.items("order")):
+        for i, (key, tag) in enumerate(snapshot.items("order")):
             entry = entry_of(key)
             if entry is None:
                 self.ghosts[key] = None
             elif entry not in self:
-                (self.protected if protected else self.probation).push(entry)
+                (self.protected if tag == 2 else self.probation).push(entry)
                 self._grow(entry)
                 self._last[entry] = ticks[i] if i < len(ticks) else self.tick
         while len(self.ghosts) > self.c:
