@@ -104,8 +104,11 @@ class SlruPolicy(EvictionPolicy):
         tuner = self.tuner
         if tuner is not None and tuner.samples(key):
             self._sampled[entry] = key
+            rate = tuner.rate
             tuner.access(key, self.c)
             self.ratio = tuner.ratio
+            if tuner.rate != rate:          # the tier grew: fewer keys are sampled from now on
+                self._sampled = {e: k for e, k in self._sampled.items() if tuner.samples(k)}
 
     def touch(self, entry: int) -> None:
         tag = self._links.tag_of(entry)

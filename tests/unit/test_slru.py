@@ -153,3 +153,11 @@ def test_a_restart_keeps_the_ratio_and_the_ghosts() -> None:
     assert k("hot0") in restored.ghosts
     fresh.insert(k("hot0"))                                          # proven before the restart
     assert len(restored.protected) == 1
+
+
+def test_the_ids_fed_to_the_tuner_follow_its_rate_as_the_tier_grows() -> None:
+    p = SlruPolicy()
+    for n in range(100_000):
+        p.insert(n, k(f"grow{n}"))
+    assert p.tuner is not None and p.tuner.rate == 64
+    assert 0.8 * 100_000 / 64 < len(p._sampled) < 1.2 * 100_000 / 64     # not the 1-in-16 of its youth
