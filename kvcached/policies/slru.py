@@ -16,8 +16,9 @@ counted ``ratio`` times:
   once-seen block still lives as long as recency alone would give it while nothing reused
   competes (a scan meets ``r`` as high as it likes, S3-FIFO's small FIFO in effect).
 
-Evicted keys are remembered as ghosts (keys only, as many as the most entries ever resident),
-so a block that returns after its eviction enters protected: it has been used twice.
+Evicted keys are remembered as ghosts (about as many as the most entries ever resident, in a
+:class:`~kvcached.policies.ghosts.GhostFilter`: 12 bytes a ghost), so a block that returns
+after its eviction enters protected: it has been used twice.
 
 Which ratio pays depends on the workload and on the cache size (on the Mooncake conversation
 trace 2-3 at 5-10% of its blocks, 1 at 20%; a scan mix wants 30 and more), so by default
@@ -26,18 +27,19 @@ replays a sample of the keys through small copies of this policy, one per ratio 
 the ratio whose copy hits most lately is the one used (miniature simulations, Waldspurger et
 al., USENIX ATC 2017). A fixed ratio (``kv.slru_ratio``) skips the tuner.
 
-Per resident entry: links and list tag (10 bytes), last-use tick (8 bytes); ghosts hold keys
-(one dict entry and the key, as ARC's). O(1) per operation; the tuner adds, for the sampled
-keys only (1 in ``RatioTuner.rate``), one operation per copy.
+Per resident entry: links and list tag (10 bytes), last-use tick (8 bytes); per ghost 12 to
+24 bytes of filter cells (ARC's ghosts, a dict entry and the key, cost some 170). O(1) per
+operation; the tuner adds, for the sampled keys only (1 in ``RatioTuner.rate``), one operation
+per copy.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from typing import Callable, Iterator
 
 from kvcached.policies.base import EvictionPolicy, PolicySettings, PolicySnapshot
+from kvcached.policies.ghosts import GhostFilter
 from kvcached.policies.links import IdLinks, IdQueue, column, grown
 from kvcached.policies.tuning import RatioTuner
 
@@ -56,7 +58,7 @@ class SlruPolicy(EvictionPolicy):
         self._links = IdLinks()                 # value: 1 when the tuner samples the entry's key
         self.probation = IdQueue(self._links, 1)    # oldest first
         self.protected = IdQueue(self._links, 2)
-        self.ghosts: OrderedDict[bytes, None] = OrderedDict()
+        self.ghosts = GhostFilter()
         self._last: array[int] | memoryview = array("q")     # id -> tick of its last use
         self.tick = 0
         self.c = 1                              # the most entries ever resident: bounds the ghosts
@@ -91,7 +93,7 @@ class SlruPolicy(EvictionPolicy):
         tag = self._links.tag_of(entry)
         if tag:
             (self.probation if tag == 1 else self.protected).remove(entry)
-        if self.ghosts.pop(key, 0) is None:
+        if key in self.ghosts:
             self.protected.push(entry)
         else:
             self.probation.push(entry)
@@ -142,10 +144,7 @@ class SlruPolicy(EvictionPolicy):
             return
         (self.probation if tag == 1 else self.protected).remove(entry)
         self._sampled.pop(entry, None)
-        ghosts = self.ghosts
-        ghosts[key] = None
-        while len(ghosts) > self.c:
-            ghosts.popitem(last=False)
+        self.ghosts.add(key, self.c)
 
     def candidates(self) -> Iterator[int]:
         """The older of the two oldest entries, probation's age counted ``ratio`` times; an
@@ -189,7 +188,7 @@ class SlruPolicy(EvictionPolicy):
         entries.sort(key=last.__getitem__)
         return PolicySnapshot("slru", {"order": list(map(key_of, entries)),
                                        "ticks": [array("q", map(last.__getitem__, entries)).tobytes()],
-                                       "ghosts": list(self.ghosts)},
+                                       "ghosts": [self.ghosts.state()]},
                               values={"order": list(map(where.__getitem__, entries))},
                               numbers={"ratio": self.ratio, "c": float(self.c), "tick": float(self.tick)})
 
@@ -202,9 +201,8 @@ class SlruPolicy(EvictionPolicy):
         ratio = numbers.get("ratio", self.ratio)
         if self.tuner is not None and 1.0 <= ratio <= MAX_RATIO:
             self.ratio = self.tuner.ratio = ratio
-        for key in snapshot.lists.get("ghosts", ()):
-            if entry_of(key) is None:
-                self.ghosts[key] = None
+        for raw in snapshot.lists.get("ghosts", ())[:1]:
+            self.ghosts.restore(raw)
         ticks = array("q")
         for blob in snapshot.lists.get("ticks", ()):
             ticks.frombytes(blob[:len(blob) // 8 * 8])
@@ -212,10 +210,8 @@ class SlruPolicy(EvictionPolicy):
         for i, (key, tag) in enumerate(snapshot.items("order")):
             entry = entry_of(key)
             if entry is None:
-                self.ghosts[key] = None
+                self.ghosts.add(key, self.c)
             elif entry not in self:
                 (self.protected if tag == 2 else self.probation).push(entry)
                 self._grow(entry)
                 self._last[entry] = ticks[i] if i < len(ticks) else self.tick
-        while len(self.ghosts) > self.c:
-            self.ghosts.popitem(last=False)

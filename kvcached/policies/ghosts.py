@@ -1,0 +1,99 @@
+"""The keys a policy evicted lately, in a few dozen bytes per key of the bound (no I/O).
+
+A policy with ghosts asks one question of them: was this key, now inserted again, evicted a
+short while ago? A dict of the keys answers it exactly at some 170 bytes a ghost (an
+OrderedDict entry and the 32-byte key object it keeps alive): more than the rest of a RAM
+block's record. :class:`GhostFilter` answers it in ``CELLS_PER_KEY`` bytes per key it can
+hold (2 to 3 times the bound: 24 to 36 bytes per key of the bound), with a false "yes" for at
+most 0.6% of the keys never evicted:
+
+- a Bloom filter (``PROBES`` cells a key, from the key's first 16 bytes: the daemon's keys are
+  BLAKE3 digests, uniformly random; a shorter key is hashed first) whose cells hold the
+  *generation* that last set them, 1 to 3, 0 for none;
+- a key is added under the current generation; once ``limit`` keys were added to it, the next
+  generation starts and the cells of the one before the previous are cleared (one
+  ``bytes.translate`` over the cells: C speed, once per ``limit`` additions);
+- a key is a ghost while all its cells hold a live generation (the current or the previous):
+  the last ``limit`` to ``2 * limit`` keys added are found, older ones are forgotten, as a FIFO
+  of that many keys would forget them.
+
+Keys cannot be taken out (a ghost that comes back stays a ghost until its generation ends,
+which asks nothing more of a policy that promotes it either way). The cells are laid out for
+``capacity`` keys, at least ``2 * limit``, and laid out again, empty and for ``3 * limit``,
+when a policy's bound outgrows them (while its tier fills: nothing has been evicted yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+__all__ = ["GhostFilter"]
+
+CELLS_PER_KEY = 12
+PROBES = 4              # with 12 cells a key held: a false "yes" for (1 - e^(-4/12))^4, about 0.6%, at most
+_NEXT = {1: 2, 2: 3, 3: 1}
+
+
+class GhostFilter:
+    def __init__(self, capacity: int = 64) -> None:
+        self._lay_out(capacity)
+
+    def _lay_out(self, capacity: int) -> None:
+        self.capacity = max(64, capacity)
+        self.cells = bytearray(CELLS_PER_KEY * self.capacity)
+        self.generation = 1
+        self.added = 0          # keys added in the current generation
+
+    def _probes(self, key: bytes) -> tuple[int, int, int, int]:
+        if len(key) < 16:
+            key = hashlib.blake2b(key, digest_size=16).digest()
+        x = int.from_bytes(key[:16], "little")
+        m = len(self.cells)
+        return x % m, (x >> 32) % m, (x >> 64) % m, (x >> 96) % m
+
+    def __contains__(self, key: bytes) -> bool:
+        a, b, c, d = self._probes(key)
+        cells, now = self.cells, self.generation
+        before = now - 1 or 3
+        return all(v == now or v == before for v in (cells[a], cells[b], cells[c], cells[d]))
+
+    def add(self, key: bytes, limit: int) -> None:
+        """Remember ``key`` among the last ``limit`` to ``2 * limit`` keys added."""
+        if 2 * limit > self.capacity:
+            self._lay_out(3 * limit)
+        a, b, c, d = self._probes(key)
+        cells, now = self.cells, self.generation
+        cells[a] = cells[b] = cells[c] = cells[d] = now
+        self.added += 1
+        if self.added >= limit:
+            self._next_generation()
+
+    def _next_generation(self) -> None:
+        """The generation before the previous one ends: its cells are cleared."""
+        nxt = _NEXT[self.generation]
+        table = bytes(0 if v == nxt else v for v in range(256))
+        self.cells = bytearray(self.cells.translate(table))
+        self.generation = nxt
+        self.added = 0
+
+    def clear(self) -> None:
+        self.cells = bytearray(len(self.cells))
+        self.added = 0
+
+    # -- what survives a restart -------------------------------------------------------------------
+
+    def state(self) -> bytes:
+        """The cells, then the generation (one byte) and the keys added to it (8 bytes)."""
+        return bytes(self.cells) + bytes((self.generation,)) + self.added.to_bytes(8, "little")
+
+    def restore(self, raw: bytes) -> bool:
+        """Take up :meth:`state`; False (nothing changed) if it does not fit: other cells, or
+        damaged."""
+        cells, generation, added = raw[:-9], raw[-9] if len(raw) >= 9 else 0, int.from_bytes(raw[-8:], "little")
+        if generation not in _NEXT or not cells or len(cells) % CELLS_PER_KEY or max(cells) > 3:
+            return False
+        self.capacity = len(cells) // CELLS_PER_KEY
+        self.cells = bytearray(cells)
+        self.generation = generation
+        self.added = added
+        return True
