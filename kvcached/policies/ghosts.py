@@ -43,6 +43,11 @@ class GhostFilter:
         self.cells = bytearray(CELLS_PER_KEY * self.capacity)
         self.generation = 1
         self.added = 0          # keys added in the current generation
+        self.previous = 0       # and in the previous one
+
+    def __len__(self) -> int:
+        """How many keys it remembers (those added in the two live generations)."""
+        return self.previous + self.added
 
     def _probes(self, key: bytes) -> tuple[int, int, int, int]:
         if len(key) < 16:
@@ -74,26 +79,31 @@ class GhostFilter:
         table = bytes(0 if v == nxt else v for v in range(256))
         self.cells = bytearray(self.cells.translate(table))
         self.generation = nxt
-        self.added = 0
+        self.previous, self.added = self.added, 0
 
     def clear(self) -> None:
         self.cells = bytearray(len(self.cells))
-        self.added = 0
+        self.added = self.previous = 0
 
     # -- what survives a restart -------------------------------------------------------------------
 
     def state(self) -> bytes:
-        """The cells, then the generation (one byte) and the keys added to it (8 bytes)."""
-        return bytes(self.cells) + bytes((self.generation,)) + self.added.to_bytes(8, "little")
+        """The cells, then the generation (one byte), the keys added to it and to the previous
+        one (8 bytes each)."""
+        return (bytes(self.cells) + bytes((self.generation,)) + self.added.to_bytes(8, "little")
+                + self.previous.to_bytes(8, "little"))
 
     def restore(self, raw: bytes) -> bool:
         """Take up :meth:`state`; False (nothing changed) if it does not fit: other cells, or
         damaged."""
-        cells, generation, added = raw[:-9], raw[-9] if len(raw) >= 9 else 0, int.from_bytes(raw[-8:], "little")
+        if len(raw) < 17:
+            return False
+        cells, generation = raw[:-17], raw[-17]
         if generation not in _NEXT or not cells or len(cells) % CELLS_PER_KEY or max(cells) > 3:
             return False
         self.capacity = len(cells) // CELLS_PER_KEY
         self.cells = bytearray(cells)
         self.generation = generation
-        self.added = added
+        self.added = int.from_bytes(raw[-16:-8], "little")
+        self.previous = int.from_bytes(raw[-8:], "little")
         return True

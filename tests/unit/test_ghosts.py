@@ -17,6 +17,7 @@ def test_the_last_keys_added_are_found_and_older_ones_forgotten() -> None:
     assert sum(key in ghosts for key in keys[:25_000]) < 25_000 * 0.01
     assert sum(os.urandom(32) in ghosts for _ in range(20_000)) < 20_000 * 0.01
     assert len(ghosts.cells) == CELLS_PER_KEY * ghosts.capacity <= CELLS_PER_KEY * 30_000
+    assert len(ghosts) == 15_000
 
 
 def test_short_keys_are_hashed_and_the_cells_grow_with_the_limit() -> None:
@@ -39,6 +40,6 @@ def test_state_round_trips_and_a_damaged_one_is_refused() -> None:
     ghosts.add(keys[0], 200)
     assert again.state() == ghosts.state()
     fresh = GhostFilter()
-    for bad in (b"", b"\x00" * 5, bytes(CELLS_PER_KEY * 64) + b"\x09" + bytes(8), b"\x07" * (CELLS_PER_KEY * 64 + 9)):
+    for bad in (b"", b"\x00" * 5, bytes(CELLS_PER_KEY * 64) + b"\x09" + bytes(16), b"\x07" * (CELLS_PER_KEY * 64 + 17)):
         assert not fresh.restore(bad)
     assert fresh.state() == GhostFilter().state()
