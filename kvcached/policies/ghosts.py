@@ -7,8 +7,8 @@ block's record. :class:`GhostFilter` answers it in ``CELLS_PER_KEY`` bytes per k
 hold (2 to 3 times the bound: 24 to 36 bytes per key of the bound), with a false "yes" for at
 most 0.6% of the keys never evicted:
 
-- a Bloom filter (``PROBES`` cells a key, from the key's first 16 bytes: the daemon's keys are
-  BLAKE3 digests, uniformly random; a shorter key is hashed first) whose cells hold the
+- a Bloom filter (``PROBES`` cells a key, each from 4 of the key's first 16 bytes: the daemon's
+  keys are BLAKE3 digests, uniformly random; a shorter key is hashed first) whose cells hold the
   *generation* that last set them, 1 to 3, 0 for none;
 - a key is added under the current generation; once ``limit`` keys were added to it, the next
   generation starts and the cells of the one before the previous are cleared (one
@@ -26,12 +26,20 @@ when a policy's bound outgrows them (while its tier fills: nothing has been evic
 from __future__ import annotations
 
 import hashlib
+import struct
 
 __all__ = ["GhostFilter"]
 
 CELLS_PER_KEY = 12
 PROBES = 4              # with 12 cells a key held: a false "yes" for (1 - e^(-4/12))^4, about 0.6%, at most
 _NEXT = {1: 2, 2: 3, 3: 1}
+_WORDS = struct.Struct("<4I").unpack_from      # the key's first 16 bytes as four 32-bit probes
+
+
+def _live_table(generation: int) -> bytes:
+    """Per cell value, 1 if it is a live generation (``generation`` or the one before)."""
+    before = generation - 1 or 3
+    return bytes(1 if v in (generation, before) else 0 for v in range(256))
 
 
 class GhostFilter:
@@ -44,6 +52,7 @@ class GhostFilter:
         self.generation = 1
         self.added = 0          # keys added in the current generation
         self.previous = 0       # and in the previous one
+        self._live = _live_table(1)
 
     def __len__(self) -> int:
         """How many keys it remembers (those added in the two live generations)."""
@@ -52,15 +61,18 @@ class GhostFilter:
     def _probes(self, key: bytes) -> tuple[int, int, int, int]:
         if len(key) < 16:
             key = hashlib.blake2b(key, digest_size=16).digest()
-        x = int.from_bytes(key[:16], "little")
         m = len(self.cells)
-        return x % m, (x >> 32) % m, (x >> 64) % m, (x >> 96) % m
+        a, b, c, d = _WORDS(key)
+        return a % m, b % m, c % m, d % m
 
     def __contains__(self, key: bytes) -> bool:
-        a, b, c, d = self._probes(key)
-        cells, now = self.cells, self.generation
-        before = now - 1 or 3
-        return all(v == now or v == before for v in (cells[a], cells[b], cells[c], cells[d]))
+        # one call per insert of the policy: written out, a table lookup per cell
+        if len(key) < 16:
+            key = hashlib.blake2b(key, digest_size=16).digest()
+        a, b, c, d = _WORDS(key)
+        cells, live = self.cells, self._live
+        m = len(cells)
+        return bool(live[cells[a % m]] and live[cells[b % m]] and live[cells[c % m]] and live[cells[d % m]])
 
     def add(self, key: bytes, limit: int) -> None:
         """Remember ``key`` among the last ``limit`` to ``2 * limit`` keys added."""
@@ -80,6 +92,7 @@ class GhostFilter:
         self.cells = bytearray(self.cells.translate(table))
         self.generation = nxt
         self.previous, self.added = self.added, 0
+        self._live = _live_table(nxt)
 
     def clear(self) -> None:
         self.cells = bytearray(len(self.cells))
@@ -104,6 +117,7 @@ class GhostFilter:
         self.capacity = len(cells) // CELLS_PER_KEY
         self.cells = bytearray(cells)
         self.generation = generation
+        self._live = _live_table(generation)
         self.added = int.from_bytes(raw[-16:-8], "little")
         self.previous = int.from_bytes(raw[-8:], "little")
         return True
