@@ -55,7 +55,7 @@ class SlruPolicy(EvictionPolicy):
     def __init__(self, ratio: float | None = None) -> None:
         if ratio is not None and not 1.0 <= ratio <= MAX_RATIO:
             raise ValueError(f"slru ratio must be in 1..{MAX_RATIO:g}, got {ratio}")
-        self._links = IdLinks()                 # value: 1 when the tuner samples the entry's key
+        self._links = IdLinks()
         self.probation = IdQueue(self._links, 1)    # oldest first
         self.protected = IdQueue(self._links, 2)
         self.ghosts = GhostFilter()
