@@ -51,18 +51,24 @@ RETRY_POLICY = json.dumps({"methodConfig": [{
                     "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]}}]})
 
 
+_CUT = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+
+
 class _RetryServerCancelled(grpc.UnaryUnaryClientInterceptor):
-    """Tries a unary call again when the server cancelled it: gRPC cancels the calls that reached a
-    server but no handler yet when it stops (grpc/grpc#41785; a daemon handing over, see
-    RETRY_POLICY), and its retry policy does not take those again. Such a call was never
-    executed; a call this client cancels itself ends otherwise (an exception, a deadline)."""
+    """Tries a unary call again when the server cancelled it or its connection went away under
+    it. gRPC cancels the calls that reached a server but no handler yet when it stops
+    (grpc/grpc#41785; a daemon handing over, see RETRY_POLICY), and a call whose stream a
+    stopping server removed ends UNAVAILABLE ("Stream removed", GOAWAY) once its response had
+    begun; gRPC's retry policy takes neither again. Every call of the API is safe to repeat
+    (docs/api.md, Retries); a call this client cancels itself ends otherwise (an exception, a
+    deadline)."""
 
     ATTEMPTS = 3
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         for attempt in range(self.ATTEMPTS):
             outcome = continuation(details, request)
-            if attempt == self.ATTEMPTS - 1 or outcome.code() != grpc.StatusCode.CANCELLED:
+            if attempt == self.ATTEMPTS - 1 or outcome.code() not in _CUT:
                 return outcome
             time.sleep(0.02 * (attempt + 1))
         return outcome
