@@ -94,10 +94,6 @@ class GhostFilter:
         self.previous, self.added = self.added, 0
         self._live = _live_table(nxt)
 
-    def clear(self) -> None:
-        self.cells = bytearray(len(self.cells))
-        self.added = self.previous = 0
-
     # -- what survives a restart -------------------------------------------------------------------
 
     def state(self) -> bytes:

@@ -84,7 +84,6 @@ class RatioTuner:
         self._copies: list[ShadowCache] = []
         self._scores = [0.0] * len(self.grid)
         self._uses = 0
-        self.rounds = 0
 
     def samples(self, key: bytes) -> bool:
         return zlib.crc32(key) & self._mask == 0
@@ -111,7 +110,6 @@ class RatioTuner:
         takes over if it beats the current one by ``SWITCH_MARGIN`` (sampling noise alone
         must not move a cache off a setting that serves it: on the Mooncake trace at 20%,
         where LRU is best, a margin of 1% still cost 0.4 point of hit rate; 2% costs none)."""
-        self.rounds += 1
         current = self.grid.index(self.ratio) if self.ratio in self.grid else -1
         for i, copy in enumerate(self._copies):
             self._scores[i] = self._scores[i] * DECAY + copy.hits
