@@ -48,7 +48,9 @@ class PolicySnapshot:
         parts: list[bytes] = []
         for name, keys in self.lists.items():
             size = len(keys[0]) if keys else 0
-            fixed = all(len(k) == size for k in keys)
+            # Fixed-size only for keys of one size above 0: a list of empty keys (an idle slru's
+            # one empty tick string) is not "no keys", so it keeps its length bytes.
+            fixed = size > 0 and all(len(k) == size for k in keys) or not keys
             values = self.values.get(name)
             heads.append([name, len(keys), size if fixed else -1, values is not None])
             parts.append(b"".join(keys) if fixed else b"".join(bytes((len(k),)) + k for k in keys))

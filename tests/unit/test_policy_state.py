@@ -10,7 +10,7 @@ import pytest
 
 from kvcached import policy_state
 from kvcached.index import BlockIndex, Tier
-from kvcached.policies import PolicySettings, PolicySnapshot
+from kvcached.policies import EVICTION_POLICIES, PolicySettings, PolicySnapshot, make_eviction_policy
 from kvcached.policies.admission import ReuseAdmission
 from kvcached.policies.arc import ArcPolicy
 from kvcached.policies.lru import LruPolicy
@@ -129,3 +129,26 @@ def test_ssd_order_is_rebuilt_after_a_restart_from_state_then_queue(policy_store
     assert address(99).key not in rebuilt and address(5).key in Keyed.of(rebuilt).t2
     assert next(iter(rebuilt.candidates())) == address(4).key
     assert isinstance(PolicySnapshot.decode(policy_state.load_blob(index, policy_state.SSD) or b""), PolicySnapshot)
+
+
+@pytest.mark.parametrize("settings", [PolicySettings(), PolicySettings(slru_ratio=4.0)], ids=["tuned", "fixed"])
+@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
+@pytest.mark.parametrize("history", ["never_used", "emptied"])
+def test_every_policy_at_zero_blocks_round_trips(index: BlockIndex, caplog: pytest.LogCaptureFixture, name: str,
+                                                 settings: PolicySettings, history: str) -> None:
+    """An idle daemon's stop saves its RAM policy with nothing resident; the next start reads it
+    back without a word (an idle slru once saved a state its own decoder called truncated)."""
+    policy = Keyed(make_eviction_policy(name, settings))
+    if history == "emptied":                     # used, then every block went: ghosts, nothing resident
+        for n in range(20):
+            policy.insert(address(n).key)
+        for n in range(20):
+            policy.remove(address(n).key)
+    assert len(policy) == 0
+    captured = policy_state.capture(policy, None, ReuseAdmission(threshold=2, window=100))
+    policy_state.write_captured(index, captured)
+    fresh = Keyed(make_eviction_policy(name, settings))
+    with caplog.at_level(logging.INFO, "kvcached.policy_state"):
+        policy_state.restore_ram(index, fresh, name)
+    assert caplog.records == [] and len(fresh) == 0
+    assert PolicySnapshot.decode(PolicySnapshot.decode(policy_state.load_blob(index, policy_state.RAM)).encode())
