@@ -427,6 +427,9 @@ class QuicSection:
     lane_stripes: int = _key("Lane connections one large pull (16 blocks or more) is split over at once. 1 "
                              "(no striping) measured fastest on 2 cores; more may pay on hosts with many.", 1,
                              _lane_stripes, int)
+    lane_max_connections: int = _key("Verified lanes the lane server keeps open at once (connections in handshake "
+                                     "are bounded apart, by max_handshakes and max_handshakes_per_source).", 256,
+                                     _count_1_to(65536), int)
     pull_timeout_s: float = _key("Deadline of a pull from peers: what has not arrived by then is a miss.", 2.0,
                                  _pull_timeout, (int, float))
     hedge_ms: float = _key("A pull not finished after this long is also asked of the next peer holding the "
@@ -438,15 +441,17 @@ class QuicSection:
     retry: str = _key("Address validation before any connection state (docs/security.md): always (a stateless "
                       "Retry answers every new connection's first packet) or under_load (only once a quarter of "
                       "max_handshakes is taken; keeps 0-RTT resumption).", "always", _one_of("always", "under_load"))
-    max_handshakes: int = _key("Connections in handshake (no verified certificate yet) the server holds at once; "
-                               "when full, the oldest gives way to a newer one (about 90 KiB each).", 64, _count_1_to(65536), int)
+    max_handshakes: int = _key("Connections in handshake (no verified certificate or lane key yet) the QUIC server, "
+                               "and apart the lane server, holds at once; when full, the oldest gives way to a "
+                               "newer one (about 90 KiB each).", 64, _count_1_to(65536), int)
     max_handshakes_per_source: int = _key("Connections in handshake from one source address (IPv6: one /64) at "
-                                          "once.", 8,
+                                          "once, at each server (a peer opens at most 4 lanes at once).", 8,
                                           _count_1_to(65536), int)
     max_connections: int = _key("Connections the server holds at once, verified peers included.", 1024,
                                 _count_1_to(1 << 20), int)
-    handshake_timeout_s: float = _key("A connection that has not proved its certificate this long after its first "
-                                      "packet is dropped, with all it held.", 5.0, _positive, (int, float))
+    handshake_timeout_s: float = _key("A connection (QUIC or lane) that has not proved its certificate or key this "
+                                      "long after its first packet is dropped, with all it held.", 5.0, _positive,
+                                      (int, float))
     stateless_replies_per_s: float = _key("Replies to packets that hold no connection (Retry, version negotiation), "
                                           "per second; past it they are dropped unanswered.", 5000.0, _positive,
                                           (int, float))

@@ -233,6 +233,16 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                                   value=stats["lane_bad_seals"])
         yield CounterMetricFamily("kvcached_lane_stalled", "Lane answers given up because the puller read nothing "
                                   "for 30 s (its pinned blocks released, the lane closed)", value=stats["lane_stalled"])
+        yield GaugeMetricFamily("kvcached_lane_handshakes", "Lane connections in handshake (no verified certificate "
+                                "or lane key yet)", value=stats["lane_handshakes"])
+        yield GaugeMetricFamily("kvcached_lane_connections", "Verified lanes the lane server holds",
+                                value=stats["lane_connections"])
+        limited = CounterMetricFamily("kvcached_lane_limited", "Lane connections reset at accept or handshakes dropped "
+                                      "by the lane server's bounds, by reason (source_limit, full, displaced, timeout)",
+                                      labels=["reason"])
+        for reason in ("source_limit", "full", "displaced", "timeout"):
+            limited.add_metric([reason], stats["lane_limited"].get(reason, 0))
+        yield limited
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -15,24 +15,31 @@ bound it (docs/security.md):
    bounded by rule 2.
 2. A :class:`HandshakeTable` caps connections in handshake (not yet verified by mutual TLS): per
    source address and in all, and all connections together. When the table is full, an
-   unvalidated handshake (Retry off) gives way first, then the oldest one: a real peer's
-   handshake lasts a round trip or two, so an attacker would have to fill the table faster than
-   that to keep one out.
+   unvalidated handshake (Retry off) gives way first; then the oldest handshake of the source
+   that holds the most (the newcomer's own source counted with the newcomer). So a source with
+   fewer handshakes than the others is never displaced by them: strangers who fill the table from
+   a few addresses make room for a peer from another, and their own refills then displace each
+   other, not the peer. Only a sender with as many addresses as the table has places can push a
+   peer's handshake out, and only by refilling the whole table faster than that handshake takes
+   (a round trip or two).
 3. A handshake that has not verified its peer within ``handshake_timeout_s`` is dropped outright:
    every byte it held is freed at once, with no closing period.
 
-The table knows connections only as opaque keys and is driven with ``now`` passed in
-(kvcached/peers/server.py is the asyncio side).
+The table knows connections only as opaque keys and is driven with ``now`` passed in. Two
+servers use it: the QUIC server (kvcached/peers/server.py, with rules 1 to 3) and the bulk
+lane's (kvcached/peers/lane_server.py: TCP has validated the source address by the time a
+connection is accepted, so every lane handshake is validated, and rules 2 and 3 apply).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Hashable
 
 __all__ = ["RETRY_MODES", "HandshakeLimits", "HandshakeTable", "Refused", "ReplyBudget", "SOURCE_LIMIT", "FULL", "TIMEOUT",
-           "DISPLACED", "BUDGET"]
+           "DISPLACED", "BUDGET", "source_of"]
 
 
 RETRY_MODES = ("always", "under_load")
@@ -59,6 +66,23 @@ DISPLACED: Refused = "displaced"         # dropped to make room for a newer hand
 BUDGET: Refused = "budget"               # a stateless reply not sent: the budget is spent
 
 
+def source_of(addr: tuple[Any, ...]) -> str:
+    """The source a handshake counts against: the IPv4 address, or the IPv6 /64 (one host
+    commonly holds a whole /64, so per-address limits would not bind it). An IPv4 address a
+    dual-stack socket reports as IPv6 (``::ffff:a.b.c.d``) counts as that IPv4 address, not as
+    one /64 shared by every IPv4 sender."""
+    host = str(addr[0])
+    if ":" not in host:
+        return host
+    try:
+        address = ipaddress.IPv6Address(host.split("%")[0])
+    except ValueError:
+        return host
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(ipaddress.IPv6Network(f"{address}/64", strict=False))
+
+
 @dataclass
 class _Handshake:
     source: str
@@ -70,8 +94,8 @@ class HandshakeTable:
     """Connections at one server: those in handshake, by age, and how many are verified.
 
     ``admit`` decides whether a new connection may be created and which handshakes must be
-    dropped first to make room; the caller drops those (``drop``), creates the connection and
-    ``add``s it. ``verified`` moves a connection out of the handshake set; ``closed`` forgets it
+    dropped first to make room (the module's rule 2); the caller drops those (``drop``), creates
+    the connection and ``add``s it. ``verified`` moves a connection out of the handshake set; ``closed`` forgets it
     wherever it is; ``expired`` lists the handshakes past their deadline, oldest first.
     """
 
@@ -79,7 +103,8 @@ class HandshakeTable:
         self.limits = limits
         self._handshakes: OrderedDict[Hashable, _Handshake] = OrderedDict()   # oldest first
         self._unvalidated: OrderedDict[Hashable, None] = OrderedDict()
-        self._per_source: dict[str, int] = {}
+        self._by_source: dict[str, OrderedDict[Hashable, None]] = {}          # each oldest first
+        self._sources_holding: dict[int, set[str]] = {}                      # n -> sources with n handshakes
         self._verified: set[Hashable] = set()
         self.refused: dict[str, int] = {}      # reason -> count (admissions refused, handshakes dropped)
 
@@ -98,7 +123,8 @@ class HandshakeTable:
         """May a new connection from ``source`` be created? (None, handshakes to drop first) if
         so, (reason, []) if not (counted). ``validated``: its Initial returned a Retry token."""
         limits = self.limits
-        if self._per_source.get(source, 0) >= limits.max_handshakes_per_source:
+        held = len(self._by_source.get(source, ()))
+        if held >= limits.max_handshakes_per_source:
             self.count(SOURCE_LIMIT)
             return SOURCE_LIMIT, []
         victims: list[Hashable] = []
@@ -106,17 +132,38 @@ class HandshakeTable:
             if self._unvalidated:
                 victims.append(next(iter(self._unvalidated)))
             elif validated and self._handshakes:
-                victims.append(next(iter(self._handshakes)))
+                victims.append(self._fair_victim(source, held + 1))
             else:            # an unvalidated newcomer never displaces a validated handshake
                 self.count(FULL)
                 return FULL, []
         return None, victims
 
+    def _fair_victim(self, newcomer: str, newcomer_holds: int) -> Hashable:
+        """The oldest handshake of the source that holds the most, the newcomer's own source
+        counted as holding ``newcomer_holds`` (ties: the oldest of those sources' oldest)."""
+        most = max((n for n, sources in self._sources_holding.items() if sources), default=0)
+        candidates = set(self._sources_holding.get(most, ()))
+        if newcomer_holds > most:
+            candidates = {newcomer}
+        elif newcomer_holds == most:
+            candidates.add(newcomer)
+        oldest: Hashable | None = None
+        for source in candidates:
+            mine = self._by_source.get(source)
+            if not mine:
+                continue             # the newcomer's source, holding none yet
+            first = next(iter(mine))
+            if oldest is None or self._handshakes[first].started < self._handshakes[oldest].started:
+                oldest = first
+        return oldest if oldest is not None else next(iter(self._handshakes))
+
     def add(self, key: Hashable, source: str, validated: bool, now: float) -> None:
         self._handshakes[key] = _Handshake(source, validated, now)
         if not validated:
             self._unvalidated[key] = None
-        self._per_source[source] = self._per_source.get(source, 0) + 1
+        mine = self._by_source.setdefault(source, OrderedDict())
+        self._move(source, len(mine), len(mine) + 1)
+        mine[key] = None
 
     def verified(self, key: Hashable) -> None:
         """The connection proved its certificate: it leaves the handshake set."""
@@ -158,12 +205,19 @@ class HandshakeTable:
         if handshake is None:
             return False
         self._unvalidated.pop(key, None)
-        left = self._per_source[handshake.source] - 1
-        if left:
-            self._per_source[handshake.source] = left
-        else:
-            del self._per_source[handshake.source]
+        mine = self._by_source[handshake.source]
+        del mine[key]
+        self._move(handshake.source, len(mine) + 1, len(mine))
+        if not mine:
+            del self._by_source[handshake.source]
         return True
+
+    def _move(self, source: str, held: int, now_holds: int) -> None:
+        """``source`` held ``held`` handshakes and now holds ``now_holds`` (the count buckets)."""
+        if held:
+            self._sources_holding[held].discard(source)
+        if now_holds:
+            self._sources_holding.setdefault(now_holds, set()).add(source)
 
 
 class ReplyBudget:

@@ -228,7 +228,8 @@ class HomeLocator:
         addresses = [(k[:32], int.from_bytes(k[32:36], "little")) for k in keys]
         try:
             client = await tier._client(link, tier.clock() + tier.settings.pull_timeout_s)
-            answer = await tier._over_lane(link, client, lambda lane, key: lane.locate(addresses, key))
+            answer = await tier._over_lane(link, client, lambda lane, key, setup_s: lane.locate(addresses, key, setup_s),
+                                           tier.settings.pull_timeout_s / 2)
             if answer is None:                 # no lane (quic mode, or it failed a while ago): over QUIC
                 answer = await client.locate(addresses)
         except asyncio.CancelledError:

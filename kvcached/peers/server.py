@@ -21,7 +21,6 @@ nothing sent (a closing period would keep state for three more PTOs).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from typing import Any, Callable, cast
 
@@ -33,23 +32,11 @@ from aioquic.quic.connection import NetworkAddress, QuicConnection
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from aioquic.quic.retry import QuicRetryTokenHandler
 
-from kvcached.peers.handshakes import BUDGET, DISPLACED, TIMEOUT, HandshakeLimits, HandshakeTable, ReplyBudget
+from kvcached.peers.handshakes import BUDGET, DISPLACED, TIMEOUT, HandshakeLimits, HandshakeTable, ReplyBudget, source_of
 
-__all__ = ["GuardedQuicServer", "source_of"]
+__all__ = ["GuardedQuicServer"]
 
 log = logging.getLogger("kvcached.peers")
-
-
-def source_of(addr: NetworkAddress) -> str:
-    """The source a handshake counts against: the IPv4 address, or the IPv6 /64 (one host
-    commonly holds a whole /64, so per-address limits would not bind it)."""
-    host = str(addr[0])
-    if ":" not in host:
-        return host
-    try:
-        return str(ipaddress.IPv6Network(f"{host.split('%')[0]}/64", strict=False))
-    except ValueError:
-        return host
 
 
 class GuardedQuicServer(QuicServer):

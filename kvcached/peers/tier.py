@@ -34,8 +34,10 @@ from kvcached.peers import protocol as p
 from kvcached.peers.directory import PeerDirectory, PeerHealth, wire_key
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.homes import HomeLocator
-from kvcached.peers.lane import LANE_MODES, LaneClient, LaneServer
+from kvcached.peers.lane import LANE_MODES
+from kvcached.peers.lane_client import LaneClient
 from kvcached.peers.lane_mac import LaneKeys, MacRefused
+from kvcached.peers.lane_server import MAX_LANES, LaneServer
 from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
 from kvcached.peers.server import GuardedQuicServer
 from kvcached.peers.session import PeerGone, PeerHandler, PullSink
@@ -56,7 +58,9 @@ SERVE_MAX_PULLS = 64         # pulls served at once; more are answered Miss(OVER
 
 Reserve = Callable[[BlockAddress, int], "tuple[Any, memoryview] | None"]
 T = TypeVar("T")
-#: What makes a lane unusable for a request (the request then goes over QUIC).
+#: How a lane fails when it cannot be had or breaks (the request then goes over QUIC). Anything
+#: else a lane raises sends the request over QUIC too, logged as a warning: a lane's own fault
+#: must never cost a block QUIC could have brought.
 LANE_FAILURES = (OSError, ssl.SSLError, PeerRefused, PeerGone, asyncio.TimeoutError, p.ProtocolError, MacRefused)
 
 
@@ -75,6 +79,7 @@ class PeerSettings:
     lane: str = "tls"                          # pulls over a lane (kvcached.peers.lane): "tls" or "mac"; "quic": none
     lane_retry_s: float = 30.0                 # a lane that could not be had is tried again after this
     lane_stripes: int = 1                      # connections one large pull is split over (1: none)
+    lane_max_connections: int = MAX_LANES      # verified lanes this daemon's lane server keeps at once
     member: str | None = None                  # in a cluster ([cluster] etcd): this daemon's member name
     replicas: int = 2                          # in a cluster: home nodes of each block
     placement_bits: int = 18                   # in a cluster: 2**bits placement buckets
@@ -160,7 +165,8 @@ class PeerTier(PeerHandler):
                 lambda: GuardedQuicServer(configuration=config, create_protocol=protocol, limits=self.settings.limits),
                 **where)
             if self.settings.lane in LANE_MODES:   # TCP, the QUIC port's number
-                self.lane_server = LaneServer(self.auth, self, mode=self.settings.lane, keys=self.lane_keys)
+                self.lane_server = LaneServer(self.auth, self, mode=self.settings.lane, keys=self.lane_keys,
+                                              limits=self.settings.limits, max_lanes=self.settings.lane_max_connections)
                 try:
                     await self.lane_server.start(host, self._server.get_extra_info("sockname")[1], lane_fd)
                 except OSError:
@@ -371,18 +377,25 @@ class PeerTier(PeerHandler):
         return link.lane
 
     async def _over_lane(self, link: PeerLink, client: PeerClientProtocol,
-                         request: Callable[[LaneClient, tuple[bytes, bytes] | None], Awaitable[T]]) -> T | None:
-        """``request(lane, key)`` over ``link``'s lane; None where there is no lane, or it could
-        not be had or broke (then counted and left alone for a while: the caller goes over QUIC)."""
+                         request: Callable[[LaneClient, tuple[bytes, bytes] | None, float], Awaitable[T]],
+                         setup_s: float) -> T | None:
+        """``request(lane, key, setup_s)`` over ``link``'s lane (``setup_s``: the most opening a
+        lane may take, so that QUIC still has time for the same request); None where there is
+        no lane, or it could not be had or broke (then counted and left alone for a while: the
+        caller goes over QUIC). Only a cancellation passes through."""
         lane = self._lane(link, client)
         if lane is None:
             return None
         try:
             key = await client.lane_key() if lane.mode == "mac" else None
-            return await request(lane, key)
+            return await request(lane, key, setup_s)
         except LANE_FAILURES as exc:
             self._lane_failed(link, exc)
-            return None
+        except Exception as exc:             # not a way a lane should fail: QUIC all the same, and said
+            log.warning("lane failed unexpectedly; pulling over QUIC", exc_info=True,
+                        extra={"fields": {"peer": link.name, "error": type(exc).__name__}})
+            self._lane_failed(link, exc)
+        return None
 
     def _lane_failed(self, link: PeerLink, exc: BaseException) -> None:
         self.counters.lane_fallbacks += 1
@@ -510,7 +523,8 @@ class PeerTier(PeerHandler):
                     abort: Callable[[Any], None]) -> list[tuple[BlockAddress, Any, p.Block]]:
         """Pull ``addresses`` from the peers that hold them, into slots from ``reserve``
         (``abort`` gives one back). Returns what arrived verified, within the deadline."""
-        fetch = _Fetch(self, {wire_key(a.digest, a.layer): a for a in addresses}, reserve, abort)
+        fetch = _Fetch(self, {wire_key(a.digest, a.layer): a for a in addresses}, reserve, abort,
+                       self.clock() + self.settings.pull_timeout_s)
         try:
             async with asyncio.timeout(self.settings.pull_timeout_s):   # in this task: no task, no loop turn
                 if self.homes is not None:
@@ -591,7 +605,9 @@ class PeerTier(PeerHandler):
                 **({"lane_refused": self.lane_server.counters.refused + sum(
                     link.lane.refused for link in self.links.values() if link.lane is not None),
                     "lane_bad_seals": self.lane_server.counters.bad_seals,
-                    "lane_stalled": self.lane_server.counters.stalled}
+                    "lane_stalled": self.lane_server.counters.stalled,
+                    "lane_handshakes": self.lane_server.handshakes, "lane_connections": self.lane_server.lanes,
+                    "lane_limited": dict(self.lane_server.table.refused)}
                    if self.lane_server is not None else {})}
 
 
@@ -618,8 +634,9 @@ class _Fetch:
     """One fetch: which peer was asked for which block, what arrived, what is still wanted."""
 
     def __init__(self, tier: PeerTier, wanted: dict[bytes, BlockAddress], reserve: Reserve,
-                 abort: Callable[[Any], None]) -> None:
+                 abort: Callable[[Any], None], deadline: float) -> None:
         self.tier, self.wanted, self.reserve, self.abort = tier, wanted, reserve, abort
+        self.deadline = deadline                 # by the tier's clock
         self.got: dict[bytes, tuple[BlockAddress, Any, p.Block]] = {}
         self.tried: dict[bytes, set[str]] = {k: set() for k in wanted}
         self.sinks: list[_Sink] = []
@@ -714,19 +731,21 @@ class _Fetch:
         self.sinks.append(sink)
         try:
             client = await tier._client(link, tier.clock() + tier.settings.pull_timeout_s)
-            lane = tier._lane(link, client)
-            if lane is not None:
-                try:
-                    lane_key = await client.lane_key() if lane.mode == "mac" else None
-                    await lane.pull([_split(k) for k in keys], sink, lane_key)
-                    tier.counters.lane_pulls += 1
-                    keys = []
-                except LANE_FAILURES as exc:
-                    tier._lane_failed(link, exc)
-                    sink.close()                # slots of payloads cut short go back
-                    keys = [k for k in keys if k not in self.got]
-                    sink = _Sink(self, name, set(keys))
-                    self.sinks.append(sink)
+            lane_sink = sink
+
+            async def over_lane(lane: LaneClient, key: tuple[bytes, bytes] | None, setup_s: float) -> bool:
+                await lane.pull([_split(k) for k in keys], lane_sink, key, setup_s)
+                return True
+
+            # Half of what is left for opening a lane: a lane that cannot be had leaves QUIC the rest.
+            if await tier._over_lane(link, client, over_lane, (self.deadline - tier.clock()) / 2):
+                tier.counters.lane_pulls += 1
+                keys = []
+            else:                               # no lane, or it failed: what it left goes over QUIC
+                sink.close()                    # slots of payloads cut short on the lane go back
+                keys = [k for k in keys if k not in self.got]
+                sink = _Sink(self, name, set(keys))
+                self.sinks.append(sink)
             if keys:
                 await client.pull([_split(k) for k in keys], sink)
         except (PeerGone, OSError, p.ProtocolError, asyncio.TimeoutError, RuntimeError) as exc:

@@ -17,7 +17,8 @@ from kvcached.certs import make_cluster
 from kvcached.peers import lane as lane_module
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
-from kvcached.peers.lane import LaneClient, LaneConnection, client_context
+from kvcached.peers.lane import LaneConnection, client_context
+from kvcached.peers.lane_client import LaneClient
 from kvcached.peers.session import PeerGone, PullSink
 from kvcached.peers.tls import PeerAuth, PeerRefused
 from kvcached.store import PutItem

@@ -1,10 +1,19 @@
 """The QUIC server's bounds as plain state (kvcached/peers/handshakes.py), the clock moved by hand,
-and the source key of server.py."""
+and the source key both servers count handshakes against."""
 
 from __future__ import annotations
 
-from kvcached.peers.handshakes import BUDGET, DISPLACED, FULL, SOURCE_LIMIT, TIMEOUT, HandshakeLimits, HandshakeTable, ReplyBudget
-from kvcached.peers.server import source_of
+from kvcached.peers.handshakes import (
+    BUDGET,
+    DISPLACED,
+    FULL,
+    SOURCE_LIMIT,
+    TIMEOUT,
+    HandshakeLimits,
+    HandshakeTable,
+    ReplyBudget,
+    source_of,
+)
 
 
 def table(**limits: object) -> HandshakeTable:
@@ -94,3 +103,37 @@ def test_sources_are_ipv4_addresses_and_ipv6_64_prefixes() -> None:
     assert source_of(("2001:db8:1:2:ffff::9", 1)) == source_of(("2001:db8:1:2::5", 2))
     assert source_of(("2001:db8:1:3::5", 2)) != source_of(("2001:db8:1:2::5", 2))
     assert source_of(("fe80::1%eth0", 1)) == "fe80::/64"
+    # A dual-stack listener reports IPv4 senders as mapped addresses: each is its own source.
+    assert source_of(("::ffff:192.0.2.7", 1, 0, 0)) == "192.0.2.7"
+    assert source_of(("::ffff:192.0.2.8", 1, 0, 0)) != source_of(("::ffff:192.0.2.7", 1, 0, 0))
+
+
+def test_a_full_table_makes_room_at_the_source_that_holds_the_most() -> None:
+    """Strangers fill the table from two addresses; a peer from a third gets in, displacing the
+    oldest of the fullest source, and the strangers' refills then displace each other, never the
+    peer, whose source holds the fewest."""
+    t = table(max_handshakes=6, max_handshakes_per_source=4)
+    for i, (key, source) in enumerate([("a1", "A"), ("a2", "A"), ("b1", "B"), ("a3", "A"), ("b2", "B"), ("b3", "B")]):
+        t.add(key, source, True, float(i))
+    assert t.admit("peer", True) == (None, ["a1"])          # A and B hold 3 each: the older of their oldest
+    t.drop("a1", DISPLACED)
+    t.add("p", "peer", True, 10.0)
+    for n in range(20):                                      # refills from A and B
+        source = "AB"[n % 2]
+        refused, victims = t.admit(source, True)
+        assert refused is None and victims and victims[0] != "p"
+        t.drop(victims[0], DISPLACED)
+        t.add(f"{source.lower()}{n + 10}", source, True, 11.0 + n)
+    assert t.is_handshaking("p")
+    refused, victims = t.admit("peer", True)              # a second from the peer: a stranger gives way
+    assert refused is None and victims != ["p"]
+
+
+def test_a_newcomer_whose_source_holds_the_most_displaces_its_own_oldest() -> None:
+    t = table(max_handshakes=3, max_handshakes_per_source=10)
+    t.add("x1", "X", True, 0.0)
+    t.add("y1", "Y", True, 1.0)
+    t.add("x2", "X", True, 2.0)
+    assert t.admit("X", True) == (None, ["x1"])             # X would hold 3, Y 1
+    assert t.admit("Y", True) == (None, ["x1"])             # Y would hold 2, X holds 2: the older of x1, y1
+    assert t.admit("Z", True) == (None, ["x1"])             # X holds the most
