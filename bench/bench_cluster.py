@@ -131,6 +131,7 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import statistics
 import struct
 import sys
@@ -154,9 +155,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench_core import Row, progress  # noqa: E402
 
+from kvcached.certs import CA_CERT, create_ca, issue_node  # noqa: E402
 from kvcached.cluster.location import MOVE_GRACE_S, HomeRecords, LookupPlan, Publisher  # noqa: E402
 from kvcached.cluster.member import Member, member_key, members_prefix  # noqa: E402
 from kvcached.cluster.placement import Move, Placement  # noqa: E402
+from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier  # noqa: E402
 from kvcached.cluster.view import Change, MembershipView  # noqa: E402
 from kvcached.peers.directory import PeerDirectory, wire_key  # noqa: E402
 from kvcached.peers.protocol import (  # noqa: E402
@@ -283,7 +286,13 @@ class EtcdFleet:
         self.thread.start()
         self.clients: list[Any] = []
         self.watch_clients: list[Any] = []
-        self.views = [MembershipView(prefix) for _ in range(watchers)]
+        # Registrations prove themselves as the daemons' do (kvcached.cluster.proof): a cluster CA,
+        # a certificate per simulated daemon (made when it first registers), a verifier per view.
+        self.certs = Path(tempfile.mkdtemp(prefix="kvcbench-cluster-certs-"))
+        create_ca(self.certs)
+        self.signers: dict[str, RegistrationSigner] = {}
+        ca_pem = (self.certs / CA_CERT).read_bytes()
+        self.views = [MembershipView(prefix, RegistrationVerifier(ca_pem)) for _ in range(watchers)]
         self.events = [0] * watchers                             # watch events taken, per watcher
         self.deletes = [0] * watchers                            # ... of them deletes (a lease ended)
         self.changes = [0] * watchers                            # members joined + left + updated, per watcher
@@ -382,6 +391,15 @@ class EtcdFleet:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+        shutil.rmtree(self.certs, ignore_errors=True)
+
+    def _value(self, member: Member, lease: int) -> bytes:
+        """``member``'s registration for ``lease``, signed with its own certificate's key."""
+        signer = self.signers.get(member.name)
+        if signer is None:
+            cert, key = issue_node(self.certs, member.name)
+            signer = self.signers[member.name] = RegistrationSigner(cert.read_bytes(), key.read_bytes())
+        return signer.value(member, member_key(self.prefix, member.name), lease)
 
     # -- registrations and leases --
 
@@ -394,7 +412,8 @@ class EtcdFleet:
             async with gate:
                 lease = await client.lease.grant(self.lease_s, timeout=10)
                 self._wrote("grant")
-                await client.kv.put(member_key(self.prefix, member.name), member.encode(), lease=lease.ID, timeout=10)
+                await client.kv.put(member_key(self.prefix, member.name), self._value(member, lease.ID), lease=lease.ID,
+                                    timeout=10)
                 self._wrote("put")
             self.leases[member.name], self.members[member.name] = lease.ID, member
             phase = self.rng.uniform(0, self.lease_s / 3)
@@ -438,7 +457,8 @@ class EtcdFleet:
             lease = await client.lease.grant(lease_s, timeout=10)
             died[name] = time.monotonic()
             self._wrote("grant")
-            await client.kv.put(member_key(self.prefix, name), self.members[name].encode(), lease=lease.ID, timeout=10)
+            await client.kv.put(member_key(self.prefix, name), self._value(self.members[name], lease.ID), lease=lease.ID,
+                                timeout=10)
             self._wrote("put")
             try:
                 await client.lease.revoke(self.leases.pop(name), timeout=10)
@@ -455,7 +475,8 @@ class EtcdFleet:
         client, view = self.watch_clients[index], self.views[index]
         end = prefix_range_end(self.members_prefix.encode())
         listing = await client.kv.get(self.members_prefix, end, timeout=10)
-        self._note(index, view.reset([(kv.key.decode(), kv.value) for kv in listing.kvs], listing.header.revision))
+        self._note(index, view.reset([(kv.key.decode(), kv.value, int(kv.lease)) for kv in listing.kvs],
+                                     listing.header.revision))
         self._listed += 1
         async for response in client.watch.watch(self.members_prefix, end, start_revision=view.revision + 1,
                                                  progress_notify=True):
@@ -466,7 +487,7 @@ class EtcdFleet:
                     self.deletes[index] += 1
                     change = view.delete(kv.key.decode(), kv.mod_revision)
                 else:
-                    change = view.put(kv.key.decode(), kv.value, kv.mod_revision)
+                    change = view.put(kv.key.decode(), kv.value, int(kv.lease), kv.mod_revision)
                 self._note(index, change)
 
     def _note(self, index: int, change: Change) -> None:

@@ -44,6 +44,7 @@ from kvcached.api.grpc_service import KvCacheService
 from kvcached.certs import certificate_names
 from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
 from kvcached.cluster.member import Member
+from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier
 from kvcached.cluster.view import Change, MembershipView
 from kvcached.config import RELOADABLE, Config, ConfigError, ListenAddress, changed_keys, parse_listen, with_reloaded
 from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, set_daemon_umask
@@ -300,7 +301,13 @@ class Daemon(Succession):
         port = peers.address[1]
         me = Member(c.name, c.advertise or listen_host.strip("[]"), port, port,
                     self.config.ram_bytes + int(self.config.kv.ssd_gib * (1 << 30)), __version__)
-        view = MembershipView(c.prefix)
+        q = self.config.quic
+        try:
+            signer = RegistrationSigner(Path(q.cert).read_bytes(), Path(q.key).read_bytes())
+            view = MembershipView(c.prefix, RegistrationVerifier(Path(q.ca).read_bytes()))
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"cluster: cannot sign or check registrations with quic.cert, quic.key and quic.ca: "
+                               f"{exc}") from None
 
         def changed(_: Change) -> None:
             peers.apply_membership({name: (m.host, m.quic_port) for name, m in view.members.items()})
@@ -309,7 +316,8 @@ class Daemon(Succession):
             tls = [Path(f).read_bytes() if f else None for f in (c.etcd_ca, c.etcd_cert, c.etcd_key)]
         except OSError as exc:
             raise StartupError(f"cluster.etcd_ca/etcd_cert/etcd_key: {exc}") from None
-        self.membership = EtcdMembership(EtcdSettings(tuple(c.etcd), c.prefix, c.lease_s, *tls), me, view, changed)
+        self.membership = EtcdMembership(EtcdSettings(tuple(c.etcd), c.prefix, c.lease_s, *tls), me, signer, view,
+                                         changed)
         peers.membership = self.membership
         joined = await self.membership.start(wait_s=min(5.0, c.lease_s))
         log.info("cluster joined" if joined else "cluster: etcd not reached yet, serving alone until it is",

@@ -201,7 +201,10 @@ def _cluster_metrics(c: dict[str, Any]) -> Iterator[Metric]:
                            ("cluster_lease_losses", "etcd_lease_losses", "Times this daemon's etcd lease ended "
                             "under it (registered again at once)"),
                            ("cluster_registrations_refused", "registrations_refused", "Member registrations in "
-                            "etcd that could not be used (bad value, a name that is not its key's)")):
+                            "etcd that could not be used (unproven: no valid certificate, lease or signature; a bad "
+                            "value, a name that is not its key's)"),
+                           ("cluster_restorations", "etcd_restorations", "Times this daemon put its own registration "
+                            "back in etcd after finding it replaced or deleted")):
         yield CounterMetricFamily(f"kvcached_{name}", doc, value=c.get(key, 0))
 
 

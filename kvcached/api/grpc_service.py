@@ -122,7 +122,8 @@ def _peer_stats(store: Store) -> dict[str, Any]:
             lease_losses=cluster.get("etcd_lease_losses", 0), home_records=cluster["home_records"],
             locates=cluster["locates"], locate_failures=cluster["locate_failures"],
             served_locates=cluster["served_locates"], republished=cluster["republished"],
-            forgotten=cluster["forgotten"], last_error=cluster.get("etcd_last_error", ""))
+            forgotten=cluster["forgotten"], last_error=cluster.get("etcd_last_error", ""),
+            restorations=cluster.get("etcd_restorations", 0))
     return {"peers": peers, **s}
 
 

@@ -9,6 +9,12 @@ The client is etcd3aio: an asyncio client over grpc.aio (the gRPC stack the daem
 runs), kept up (2026 releases), with mutual TLS and several endpoints; docs/cluster.md says why
 it was chosen over the others.
 
+Registrations prove themselves (kvcached.cluster.proof): this daemon's is signed with its
+cluster key for the lease it is put on, and the view keeps only those that verify. A daemon
+watches its own key too: when it finds its registration replaced (another value, another lease,
+or deleted) it puts its own back at once (at most once a second, so two daemons configured
+with one name do not hammer etcd), says so in the log, and counts it (``restorations``).
+
 Failure rules:
 - etcd unreachable: the view stays as it was (the daemon serves with the last membership; no
   node it has not seen registered is added), ``reachable`` turns False, and every loop retries
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +38,7 @@ from typing import Any, Callable
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 
 from kvcached.cluster.member import Member, member_key, members_prefix
+from kvcached.cluster.proof import RegistrationSigner
 from kvcached.cluster.view import Change, MembershipView
 
 __all__ = ["EtcdMembership", "EtcdSettings", "EtcdCounters"]
@@ -38,6 +47,8 @@ log = logging.getLogger("kvcached.cluster")
 
 BACKOFF_S = 0.25             # first retry after an etcd error; doubles up to BACKOFF_MAX_S
 BACKOFF_MAX_S = 2.0
+RESTORE_GAP_S = 1.0          # this daemon's registration is put back at most this often
+RESTORE_LOG_S = 10.0         # and said in the log at most this often (with how many since)
 
 
 @dataclass(frozen=True)
@@ -63,16 +74,18 @@ class EtcdCounters:
     listings: int = 0            # full listings of the members prefix (1 + watches opened anew)
     errors: int = 0              # etcd calls that failed
     events: int = 0              # watch events taken
+    restorations: int = 0        # this daemon's registration put back after it was found replaced or deleted
     last_error: str = ""
 
 
 @dataclass
 class EtcdMembership:
-    """See the module. ``me`` is this daemon's registration; ``view`` is updated in place and
-    every non-empty change handed to ``on_change`` (on the event loop)."""
+    """See the module. ``me`` is this daemon's registration, signed by ``signer``; ``view`` is
+    updated in place and every non-empty change handed to ``on_change`` (on the event loop)."""
 
     settings: EtcdSettings
     me: Member
+    signer: RegistrationSigner
     view: MembershipView
     on_change: Callable[[Change], None]
     counters: EtcdCounters = field(default_factory=EtcdCounters)
@@ -82,6 +95,16 @@ class EtcdMembership:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _listed: asyncio.Event = field(default_factory=asyncio.Event)
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
+    _value: bytes = b""                  # this daemon's registration as last put
+    _put_revision: int = 0               # the etcd revision of that put
+    _replaced: asyncio.Event = field(default_factory=asyncio.Event)
+    _replaced_by: str = ""               # what was found there instead, for the log
+    _restore_logged_at: float = -RESTORE_LOG_S
+    _restores_unlogged: int = 0
+
+    @property
+    def key(self) -> str:
+        return member_key(self.settings.prefix, self.me.name)
 
     async def start(self, wait_s: float = 5.0) -> bool:
         """Start keeping the registration and the view; returns whether both were done within
@@ -93,7 +116,8 @@ class EtcdMembership:
         else:
             self._client = Etcd3Client(list(s.endpoints), rpc_max_attempts=1)
         await self._client.connect()
-        self._tasks = [asyncio.ensure_future(self._keep_registered()), asyncio.ensure_future(self._keep_view())]
+        self._tasks = [asyncio.ensure_future(self._keep_registered()), asyncio.ensure_future(self._keep_view()),
+                       asyncio.ensure_future(self._keep_own_key())]
         try:
             await asyncio.wait_for(asyncio.gather(self._listed.wait(), self._registered.wait()), wait_s)
             return True
@@ -126,11 +150,13 @@ class EtcdMembership:
 
     async def _keep_registered(self) -> None:
         s, backoff = self.settings, BACKOFF_S
-        key = member_key(s.prefix, self.me.name)
+        key = self.key
         while True:
             try:
                 lease = await self._client.lease.grant(s.lease_s, timeout=s.call_timeout_s)
-                await self._client.kv.put(key, self.me.encode(), lease=lease.ID, timeout=s.call_timeout_s)
+                value = self.signer.value(self.me, key, lease.ID)
+                put = await self._client.kv.put(key, value, lease=lease.ID, timeout=s.call_timeout_s)
+                self._value, self._put_revision = value, int(put.header.revision)
                 self.lease_id, backoff = lease.ID, BACKOFF_S
                 self.counters.registrations += 1
                 self._ok()
@@ -153,6 +179,7 @@ class EtcdMembership:
         interval = s.lease_s / 3
         while True:
             await asyncio.sleep(interval)
+            self._apply(self.view.expire(datetime.datetime.now(datetime.timezone.utc)))
             try:
                 ttl = await self._refresh_once()
             except asyncio.CancelledError:
@@ -177,6 +204,47 @@ class EtcdMembership:
             call.cancel()
         raise ConnectionError("etcd closed the keep-alive stream without an answer")
 
+    # -- this daemon's own key --
+
+    def _check_own(self, value: bytes | None, lease: int, revision: int) -> None:
+        """What etcd holds under this daemon's key as of ``revision`` (``value`` None: nothing):
+        if it is not this daemon's registration as last put, it is put back (_keep_own_key)."""
+        if not self._value or revision <= self._put_revision or not self.lease_id:
+            return                      # not registered yet, or news older than the registration
+        if value == self._value and lease == self.lease_id:
+            return
+        self._replaced_by = "deleted" if value is None else _describe(value, lease)
+        self._replaced.set()
+
+    async def _keep_own_key(self) -> None:
+        """Put this daemon's registration back whenever it is found replaced or deleted."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        last = -RESTORE_GAP_S
+        while True:
+            await self._replaced.wait()
+            await asyncio.sleep(max(0.0, last + RESTORE_GAP_S - loop.time()))
+            self._replaced.clear()
+            if not self._value or not self.lease_id:
+                continue                # the lease is gone: _keep_registered registers anew
+            last = loop.time()
+            try:
+                put = await self._client.kv.put(self.key, self._value, lease=self.lease_id, timeout=s.call_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failed(exc)
+                self._replaced.set()    # tried again after the gap
+                continue
+            self._put_revision = int(put.header.revision)
+            self.counters.restorations += 1
+            self._restores_unlogged += 1
+            if last - self._restore_logged_at >= RESTORE_LOG_S:
+                log.warning("own registration was replaced in etcd; put it back", extra={"fields": {
+                    "key": self.key, "found": self._replaced_by,
+                    "restorations": self._restores_unlogged}})
+                self._restore_logged_at, self._restores_unlogged = last, 0
+
     # -- the view --
 
     async def _keep_view(self) -> None:
@@ -187,8 +255,11 @@ class EtcdMembership:
             try:
                 listing = await self._client.kv.get(prefix, end, timeout=s.call_timeout_s)
                 self.counters.listings += 1
-                rows = [(kv.key.decode(errors="replace"), kv.value) for kv in listing.kvs]
+                rows = [(kv.key.decode(errors="replace"), kv.value, int(kv.lease)) for kv in listing.kvs]
                 self._apply(self.view.reset(rows, listing.header.revision))
+                mine = [(value, lease) for key, value, lease in rows if key == self.key]
+                value, lease = mine[0] if mine else (None, 0)
+                self._check_own(value, lease, int(listing.header.revision))
                 self._ok()
                 self._listed.set()
                 backoff = BACKOFF_S
@@ -213,10 +284,13 @@ class EtcdMembership:
                     self.counters.events += 1
                     kv = event.kv
                     name = kv.key.decode(errors="replace")
-                    if event.type == event.DELETE:
+                    deleted = event.type == event.DELETE
+                    if deleted:
                         self._apply(self.view.delete(name, kv.mod_revision))
                     else:
-                        self._apply(self.view.put(name, kv.value, kv.mod_revision))
+                        self._apply(self.view.put(name, kv.value, int(kv.lease), kv.mod_revision))
+                    if name == self.key:
+                        self._check_own(None if deleted else kv.value, int(kv.lease), int(kv.mod_revision))
 
     def _apply(self, change: Change) -> None:
         if change:
@@ -242,6 +316,16 @@ class EtcdMembership:
     def stats(self) -> dict[str, Any]:
         return {"etcd_reachable": self.reachable, "members": sorted(self.view.members), "revision": self.view.revision,
                 "registrations_refused": self.view.refused, **{f"etcd_{k}": v for k, v in vars(self.counters).items()}}
+
+
+def _describe(value: bytes, lease: int) -> str:
+    """A registration found under this daemon's key, in a few words for the log (not trusted)."""
+    try:
+        doc = json.loads(value)
+        where = f"{doc.get('host')}:{doc.get('quic_port')}" if isinstance(doc, dict) else "not an object"
+    except (ValueError, UnicodeDecodeError):
+        where = "not JSON"
+    return f"{where} on lease {lease or 'none'}"[:120]
 
 
 def _why(exc: BaseException) -> str:

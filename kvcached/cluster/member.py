@@ -5,14 +5,17 @@ Key layout, under the cluster's prefix (``[cluster] prefix``, default ``/kvcache
     {prefix}/members/{name}   ->  JSON registration (below), attached to the daemon's lease
 
 The name is the daemon's certificate name: peers dial it at ``host:quic_port`` and verify that
-its certificate carries that name, so a registration whose certificate says otherwise is never
-used (the QUIC handshake fails). A value whose ``name`` differs from its key, or that does not
-parse, is refused and counted, never used. Nothing per block is ever written to etcd.
+its certificate carries that name. A registration proves itself (kvcached.cluster.proof: the
+member's certificate, the lease it is attached to and a signature by the certificate's key over
+all of it); a value that does not prove itself, whose ``name`` differs from its key, or that does
+not parse, is refused and counted, never used. Nothing per block is ever written to etcd.
 
-The value, version 1 (unknown fields are ignored, so later versions can add some)::
+The value, version 2 (unknown fields are ignored, so later versions can add some; version 1
+carried no proof and is refused)::
 
-    {"v": 1, "name": "node-a", "host": "10.0.0.5", "quic_port": 7400, "lane_port": 7400,
-     "capacity_bytes": 68719476736, "version": "0.1.0"}
+    {"v": 2, "name": "node-a", "host": "10.0.0.5", "quic_port": 7400, "lane_port": 7400,
+     "capacity_bytes": 68719476736, "version": "0.1.0",
+     "lease": 7587881226395124745, "cert": "-----BEGIN CERTIFICATE-----...", "sig": "MEUCIQ..."}
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ import json
 import re
 from dataclasses import dataclass
 
-__all__ = ["Member", "MemberError", "member_key", "name_of_key", "members_prefix", "NAME"]
+__all__ = ["Member", "MemberError", "member_fields", "member_key", "name_of_key", "members_prefix", "NAME"]
 
-FORMAT = 1
+FORMAT = 2
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")   # a DNS-like certificate name
-MAX_VALUE = 4096
+MAX_VALUE = 16384           # a certificate chain of a few PEM certificates fits
 
 
 class MemberError(ValueError):
@@ -67,14 +70,10 @@ class Member:
     capacity_bytes: int = 0
     version: str = ""
 
-    def encode(self) -> bytes:
-        return json.dumps({"v": FORMAT, "name": self.name, "host": self.host, "quic_port": self.quic_port,
-                           "lane_port": self.lane_port, "capacity_bytes": self.capacity_bytes,
-                           "version": self.version}, separators=(",", ":")).encode()
-
     @classmethod
     def decode(cls, name: str, value: bytes) -> Member:
-        """The registration stored under ``name``'s key; MemberError if it cannot be used."""
+        """The member fields of the registration stored under ``name``'s key; MemberError if
+        they cannot be used. Its proof is kvcached.cluster.proof's to check."""
         if len(value) > MAX_VALUE:
             raise MemberError(f"registration of {name!r}: {len(value)} bytes, over {MAX_VALUE}")
         try:
@@ -84,7 +83,8 @@ class Member:
         if not isinstance(doc, dict):
             raise MemberError(f"registration of {name!r} is not a JSON object")
         if doc.get("v") != FORMAT:
-            raise MemberError(f"registration of {name!r}: format {doc.get('v')!r}, this daemon reads {FORMAT}")
+            raise MemberError(f"registration of {name!r}: format {doc.get('v')!r}, this daemon reads {FORMAT} "
+                              "(a registration that proves itself)")
         if doc.get("name") != name:
             raise MemberError(f"registration under {name!r} names {doc.get('name')!r}")
         host = doc.get("host")
@@ -98,3 +98,9 @@ class Member:
             raise MemberError(f"registration of {name!r}: version must be a short string, got {version!r}")
         return cls(name, host, _port(doc.get("quic_port"), "quic_port"), _port(doc.get("lane_port"), "lane_port"),
                    capacity, version)
+
+
+def member_fields(member: Member) -> dict[str, object]:
+    """The fields of ``member``'s registration, before its proof (kvcached.cluster.proof adds it)."""
+    return {"v": FORMAT, "name": member.name, "host": member.host, "quic_port": member.quic_port,
+            "lane_port": member.lane_port, "capacity_bytes": member.capacity_bytes, "version": member.version}

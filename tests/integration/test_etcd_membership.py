@@ -1,10 +1,11 @@
 """Cluster membership against a real etcd (kvcached.cluster.etcd): register, watch, leave, die,
-etcd away and back, refused registrations, mutual TLS."""
+etcd away and back, unproven registrations refused, a replaced registration put back, mutual TLS."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
@@ -13,8 +14,9 @@ import pytest
 
 from kvcached.certs import make_cluster
 from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
-from kvcached.cluster.member import Member, member_key
+from kvcached.cluster.member import Member, member_fields, member_key
 from kvcached.cluster.view import Change, MembershipView
+from tests.certificates import Registrar
 from tests.etcd_server import EtcdServer, etcd_binary
 
 pytestmark = [pytest.mark.integration,
@@ -45,11 +47,12 @@ async def until(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> fl
 class Node:
     """One daemon's membership, as the daemon keeps it, with every change it was told of."""
 
-    def __init__(self, endpoint: str, name: str, **tls: bytes) -> None:
+    def __init__(self, endpoint: str, name: str, registrar: Registrar, **tls: bytes) -> None:
         self.changes: list[Change] = []
         self.membership = EtcdMembership(EtcdSettings((endpoint,), prefix=PREFIX, lease_s=LEASE_S, **tls),
                                          Member(name, "127.0.0.1", 7400, 7400, 1 << 30, "test"),
-                                         MembershipView(PREFIX), self.changes.append)
+                                         registrar.signer(name), MembershipView(PREFIX, registrar.verifier()),
+                                         self.changes.append)
 
     @property
     def names(self) -> frozenset[str]:
@@ -63,9 +66,10 @@ Start = Callable[[str], Awaitable[Node]]
 async def cluster(etcd: EtcdServer) -> AsyncIterator[Start]:
     """Start nodes on ``etcd`` as the test asks; each is stopped (lease revoked) at the end."""
     started: list[Node] = []
+    registrar = Registrar(etcd.data.parent / "member-certs")
 
     async def start(name: str) -> Node:
-        node = Node(etcd.endpoint, name)
+        node = Node(etcd.endpoint, name, registrar)
         assert await node.membership.start(wait_s=10)
         started.append(node)
         return node
@@ -150,11 +154,67 @@ def test_a_registration_that_cannot_be_used_is_refused_and_counted(etcd: EtcdSer
     async def body(nodes: Start) -> None:
         a = await nodes("node-a")
         client = a.membership._client
-        await client.kv.put(member_key(PREFIX, "impostor"), Member("node-z", "h", 1, 1).encode())   # names another
+        await client.kv.put(member_key(PREFIX, "impostor"),                     # names another
+                            json.dumps(member_fields(Member("node-z", "h", 1, 1))).encode())
         await client.kv.put(member_key(PREFIX, "garbage"), b"{not json")
         await until(lambda: a.membership.view.refused == 2, "both refused")
         assert a.names == {"node-a"}
         assert "names 'node-z'" in a.membership.view.refusals[member_key(PREFIX, "impostor")]
+
+    run(body, etcd)
+
+
+def test_registrations_that_do_not_prove_themselves_never_count(etcd: EtcdServer, tmp_path: Path) -> None:
+    """Whoever can write etcd but holds no cluster certificate adds nobody: an unsigned
+    registration (the old format), one signed under another CA, a real member's registration
+    copied to a key of its own without the lease, and one whose lease is not the one it names,
+    are each refused with its reason, on every daemon; the real member stays."""
+    async def body(nodes: Start) -> None:
+        a, b = await nodes("node-a"), await nodes("node-b")
+        await until(lambda: a.names == b.names == {"node-a", "node-b"}, "a and b to see both")
+        client = a.membership._client
+        stranger = Registrar(tmp_path / "another-ca")
+        lease = await client.lease.grant(LEASE_S * 5)
+        unproven = {
+            "node-x": json.dumps({**member_fields(Member("node-x", "127.0.0.1", 9, 9)), "v": 1}).encode(),
+            "node-y": stranger.value(Member("node-y", "127.0.0.1", 9, 9), PREFIX, lease.ID),
+        }
+        for name, value in unproven.items():
+            await client.kv.put(member_key(PREFIX, name), value, lease=lease.ID)
+        copied = (await client.kv.get(member_key(PREFIX, "node-b"))).kvs[0].value
+        await client.kv.put(member_key(PREFIX, "node-c"), copied.replace(b'"node-b"', b'"node-c"'))
+        await until(lambda: a.membership.view.refused >= 3 and b.membership.view.refused >= 3, "all refused")
+        refusals = a.membership.view.refusals
+        assert "format 1" in refusals[member_key(PREFIX, "node-x")]
+        assert "certificate" in refusals[member_key(PREFIX, "node-y")]
+        assert "lease" in refusals[member_key(PREFIX, "node-c")]
+        assert a.names == b.names == {"node-a", "node-b"}
+
+    run(body, etcd)
+
+
+def test_a_replaced_or_deleted_registration_is_put_back_within_the_lease(etcd: EtcdServer) -> None:
+    """Its key overwritten (the same name, another port, no lease), then deleted: each time the
+    member puts its own signed registration back, on its own lease, within ``lease_s``, and
+    counts it; the others, who dropped it while its key held no proof, see it again."""
+    async def body(nodes: Start) -> None:
+        a, b = await nodes("node-a"), await nodes("node-b")
+        await until(lambda: b.names == {"node-a", "node-b"}, "b to see a")
+        client, key = b.membership._client, member_key(PREFIX, "node-a")
+
+        async def mine() -> bool:
+            kvs = (await client.kv.get(key)).kvs
+            return bool(kvs) and kvs[0].value == a.membership._value and kvs[0].lease == a.membership.lease_id
+
+        forged = json.dumps(member_fields(Member("node-a", "127.0.0.1", 9999, 9999))).encode()
+        for n, damage in enumerate((client.kv.put(key, forged), client.kv.delete(key)), start=1):
+            await damage
+            started = time.monotonic()
+            while not await mine():
+                assert time.monotonic() - started < LEASE_S, "not put back within the lease"
+                await asyncio.sleep(0.05)
+            await until(lambda: a.membership.counters.restorations == n, "the restoration counted")
+            await until(lambda: b.membership.view.members.get("node-a") == a.membership.me, "b sees a again")
 
     run(body, etcd)
 
@@ -170,13 +230,14 @@ async def _mutual_tls(tmp_path: Path) -> None:
     server.start()
     try:
         ca = (certs / "ca.pem").read_bytes()
-        a = Node(server.endpoint, "node-a", ca=ca, cert=(certs / "node-a.pem").read_bytes(),
+        registrar = Registrar(certs)
+        a = Node(server.endpoint, "node-a", registrar, ca=ca, cert=(certs / "node-a.pem").read_bytes(),
                  key=(certs / "node-a-key.pem").read_bytes())
         assert await a.membership.start(wait_s=10)
         try:
             await until(lambda: a.names == {"node-a"}, "a to see itself registered")
             # no client certificate: etcd refuses, nothing is registered, the daemon says why
-            b = Node(server.endpoint, "node-b", ca=ca)
+            b = Node(server.endpoint, "node-b", registrar, ca=ca)
             assert not await b.membership.start(wait_s=2)
             assert not b.membership.reachable and b.membership.counters.errors
             await b.membership.stop()

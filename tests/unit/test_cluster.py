@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from kvcached.cluster.location import HomeRecords, LookupPlan, Publisher
-from kvcached.cluster.member import Member, MemberError, member_key, name_of_key
+from kvcached.cluster.member import Member, MemberError, member_fields, member_key, name_of_key
 from kvcached.cluster.placement import Placement, member_seed, score
 from kvcached.cluster.view import MembershipView
+from tests.certificates import Registrar
 
 PREFIX = "/kvcached"
 
 
 def key(i: int, layer: int = 0) -> bytes:
     return i.to_bytes(32, "little") + layer.to_bytes(4, "little")
+
+
+@pytest.fixture(scope="module")
+def registrar(tmp_path_factory: pytest.TempPathFactory) -> Registrar:
+    return Registrar(tmp_path_factory.mktemp("cluster"))
+
+
+def fields(member: Member, **changed: object) -> bytes:
+    """``member``'s fields as a registration value (no proof: Member.decode's part)."""
+    return json.dumps({**member_fields(member), **changed}).encode()
 
 
 def reference_homes(bucket: int, names: list[str], replicas: int) -> tuple[str, ...]:
@@ -27,21 +39,21 @@ def reference_homes(bucket: int, names: list[str], replicas: int) -> tuple[str, 
 
 def test_a_registration_round_trips_and_is_checked_against_its_key() -> None:
     m = Member("node-a", "10.0.0.5", 7400, 7401, 1 << 36, "0.1.0")
-    assert Member.decode("node-a", m.encode()) == m
+    assert Member.decode("node-a", fields(m)) == m
     assert name_of_key(PREFIX, member_key(PREFIX, "node-a")) == "node-a"
     with pytest.raises(MemberError, match="names 'node-a'"):
-        Member.decode("node-b", m.encode())
+        Member.decode("node-b", fields(m))
 
 
 @pytest.mark.parametrize("value, why", [
     (b"not json", "not JSON"),
     (b"[1]", "not a JSON object"),
-    (b'{"v": 2, "name": "n"}', "format 2"),
-    (b'{"v": 1, "name": "n", "host": "", "quic_port": 1, "lane_port": 1}', "host"),
-    (b'{"v": 1, "name": "n", "host": "h", "quic_port": 0, "lane_port": 1}', "quic_port"),
-    (b'{"v": 1, "name": "n", "host": "h", "quic_port": 1, "lane_port": true}', "lane_port"),
-    (b'{"v": 1, "name": "n", "host": "h", "quic_port": 1, "lane_port": 2, "capacity_bytes": -1}', "capacity"),
-    (b"x" * 5000, "over"),
+    (b'{"v": 1, "name": "n"}', "format 1"),
+    (b'{"v": 2, "name": "n", "host": "", "quic_port": 1, "lane_port": 1}', "host"),
+    (b'{"v": 2, "name": "n", "host": "h", "quic_port": 0, "lane_port": 1}', "quic_port"),
+    (b'{"v": 2, "name": "n", "host": "h", "quic_port": 1, "lane_port": true}', "lane_port"),
+    (b'{"v": 2, "name": "n", "host": "h", "quic_port": 1, "lane_port": 2, "capacity_bytes": -1}', "capacity"),
+    (b"x" * 20000, "over"),
 ])
 def test_a_bad_registration_is_refused_with_its_reason(value: bytes, why: str) -> None:
     with pytest.raises(MemberError, match=why):
@@ -57,15 +69,16 @@ def test_member_names_and_keys_are_checked() -> None:
 
 # -- the membership view ------------------------------------------------------------------------
 
-def test_the_view_follows_joins_updates_and_departures_in_revision_order() -> None:
-    view = MembershipView(PREFIX)
+def test_the_view_follows_joins_updates_and_departures_in_revision_order(registrar: Registrar) -> None:
+    view = MembershipView(PREFIX, registrar.verifier())
     a, b = Member("a", "h1", 1, 1), Member("b", "h2", 2, 2)
-    change = view.reset([(member_key(PREFIX, "a"), a.encode())], revision=5)
+    change = view.reset([(member_key(PREFIX, "a"), registrar.value(a, PREFIX, 1), 1)], revision=5)
     assert [m.name for m in change.joined] == ["a"] and view.revision == 5
-    assert not view.put(member_key(PREFIX, "b"), b.encode(), revision=5)       # not newer: seen already
-    assert [m.name for m in view.put(member_key(PREFIX, "b"), b.encode(), revision=6).joined] == ["b"]
+    signed_b = registrar.value(b, PREFIX, 2)
+    assert not view.put(member_key(PREFIX, "b"), signed_b, 2, revision=5)       # not newer: seen already
+    assert [m.name for m in view.put(member_key(PREFIX, "b"), signed_b, 2, revision=6).joined] == ["b"]
     moved = Member("b", "h3", 2, 2)
-    assert view.put(member_key(PREFIX, "b"), moved.encode(), revision=7).updated == [moved]
+    assert view.put(member_key(PREFIX, "b"), registrar.value(moved, PREFIX, 3), 3, revision=7).updated == [moved]
     assert [m.name for m in view.delete(member_key(PREFIX, "a"), revision=8).left] == ["a"]
     assert view.names == {"b"}
     # a listing after the watch broke: whoever is not in it left
@@ -73,14 +86,14 @@ def test_the_view_follows_joins_updates_and_departures_in_revision_order() -> No
     assert [m.name for m in change.left] == ["b"] and not view.members
 
 
-def test_the_view_refuses_bad_registrations_and_uses_nothing_of_them() -> None:
-    view = MembershipView(PREFIX)
-    view.reset([(member_key(PREFIX, "a"), Member("a", "h", 1, 1).encode())], revision=1)
+def test_the_view_refuses_bad_registrations_and_uses_nothing_of_them(registrar: Registrar) -> None:
+    view = MembershipView(PREFIX, registrar.verifier())
+    view.reset([(member_key(PREFIX, "a"), registrar.value(Member("a", "h", 1, 1), PREFIX, 1), 1)], revision=1)
     # a registration under a's key naming someone else: a is no longer used
-    change = view.put(member_key(PREFIX, "a"), Member("z", "h", 1, 1).encode(), revision=2)
+    change = view.put(member_key(PREFIX, "a"), registrar.value(Member("z", "h", 1, 1), PREFIX, 1), 1, revision=2)
     assert [m.name for m in change.left] == ["a"] and not view.members
     assert view.refused == 1 and "names 'z'" in view.refusals[member_key(PREFIX, "a")]
-    view.put(PREFIX + "/members/", b"{}", revision=3)             # not a member key at all
+    view.put(PREFIX + "/members/", b"{}", 1, revision=3)             # not a member key at all
     assert view.refused == 2 and not view.members
 
 
