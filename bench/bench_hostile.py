@@ -34,6 +34,13 @@ Cases (65,536 = the largest allowed batch):
 7. Lookup of 1,000,000 digests, the issue's request (34 MB): refused, INVALID_ARGUMENT.
 8. Lookup of 1,900,000 digests (64 MB, just under the message limit): refused.
 
+Figure 3 sends cases 7 and 8 to the read-only listener instead (``grpc.read_only_listen``, TCP on
+127.0.0.1: what anyone who reaches it may call, with no credentials), whose receive limit is the
+largest allowed read-only request (a few MiB, issue 37): gRPC refuses them from their 5-byte
+length prefix, RESOURCE_EXHAUSTED, before the daemon sees a byte of them. The victim stays on the
+Unix socket. Each case also notes the daemon's anonymous memory (RssAnon) before and at its
+peak while the hostile client ran.
+
 No target: the reliability test (tests/reliability/test_request_bounds.py) asserts a p99 under
 1 s; this prints how far under. ``--set`` passes more daemon settings (e.g.
 ``--set grpc.batch_slice=256``) to compare. --quick: 2 rounds of 0.75 s per side and case
@@ -68,7 +75,8 @@ HOSTILE_BYTES = 512
 MESSAGE_LIMIT = 64 * MiB
 TITLES = {1: "1. A 64 KiB Get's latency while one client sends the largest allowed requests back to back, "
              "against the same Get with no other load; lower is better",
-          2: "2. The same while one client sends requests over the limits (refused); lower is better"}
+          2: "2. The same while one client sends requests over the limits (refused); lower is better",
+         3: "3. The same while one client sends the over-limit Lookups to the read-only TCP listener; lower is better"}
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,15 @@ class Case:
     method: str              # KvCache method
     request: bytes           # serialized
     stream: bool = False
+    read_only: bool = False  # sent to the read-only TCP listener (else the Unix socket)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def digest(n: int) -> bytes:
@@ -119,6 +136,9 @@ def make_cases(resident: bytes) -> list[Case]:
         Case(1, "Delete, unknown", "Delete", ser(pb.DeleteRequest(addresses=addresses(unknown(BATCH))))),
         Case(2, "Lookup 1M (34 MB)", "Lookup", ser(pb.LookupRequest(digests=unknown(1_000_000)))),
         Case(2, "Lookup 1.9M (64 MB)", "Lookup", ser(pb.LookupRequest(digests=unknown(1_900_000)))),
+        Case(3, "Lookup 1M, read-only", "Lookup", ser(pb.LookupRequest(digests=unknown(1_000_000))), read_only=True),
+        Case(3, "Lookup 1.9M, read-only", "Lookup", ser(pb.LookupRequest(digests=unknown(1_900_000))),
+             read_only=True),
     ]
 
 
@@ -226,29 +246,60 @@ def print_rows(rows: list[Row], header: str) -> None:
     print("quiet: the 64 KiB Get alone; loaded: while the hostile client runs; ratio = loaded / quiet, same run.")
 
 
+def anon_mib(pid: int) -> float:
+    """The daemon's anonymous resident memory (RssAnon), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class PeakMemory:
+    """The daemon's RssAnon, sampled every 20 ms while a hostile client runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, anon_mib(pid)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.02):
+            self.peak = max(self.peak, anon_mib(self.pid))
+
+    def done(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        return self.peak
+
+
 def run_case(case: Case, stub: Any, victim: Any, target: str, tmp: Path,
-             s: Settings) -> tuple[list[Row], dict[str, Any]]:
+             s: Settings, pid: int) -> tuple[list[Row], dict[str, Any]]:
     """The case's rounds; its p50 and p99 rows, and every timed call (for --json)."""
     quiet: list[float] = []
     loaded: list[float] = []
     hostile_took: list[float] = []
     codes: dict[str, int] = {}
+    memory_before, memory_peak = anon_mib(pid), 0.0
     for r in range(s.rounds):
         for side in (("quiet", "loaded") if r % 2 == 0 else ("loaded", "quiet")):
             if side == "quiet":
                 quiet += victim_gets(stub, victim, s.seconds)
                 continue
             hostile = Hostile(target, case, tmp)
+            peak = PeakMemory(pid)
             try:
                 loaded += victim_gets(stub, victim, s.seconds)
                 report = hostile.stop()
             finally:
                 hostile.kill()
+                memory_peak = max(memory_peak, peak.done())
             hostile_took += report["took"]
             for code, n in report["codes"].items():
                 codes[code] = codes.get(code, 0) + n
     details = {"quiet_calls": len(quiet), "loaded_calls": len(loaded), "hostile_calls": len(hostile_took),
-               "hostile_ms_median": statistics.median(hostile_took) * 1000, "hostile_codes": codes}
+               "hostile_ms_median": statistics.median(hostile_took) * 1000, "hostile_codes": codes,
+               "anon_mib_before": memory_before, "anon_mib_peak": memory_peak}
     rows = []
     for label, q in (("p50", 0.5), ("p99", 0.99)):
         rows.append(Row(case.figure, f"{case.name}: {label}", "us", percentile(loaded, q) * 1e6, "no other load",
@@ -278,7 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvcbench-hostile-") as tmpdir, contextlib.ExitStack() as stack:
         tmp = Path(tmpdir)
-        settings = ['kv.write_policy="write_through"', 'kv.ssd_durability="none"', "kv.ssd_gib=1", *args.set]
+        read_only = f"127.0.0.1:{free_port()}"
+        settings = ['kv.write_policy="write_through"', 'kv.ssd_durability="none"', "kv.ssd_gib=1",
+                    f'grpc.read_only_listen=["{read_only}"]', *args.set]
         progress(f"starting kvcached ({', '.join(settings)})")
         proc, channel = start_kvcached(stack, tmp, 0.5, settings)
         stub = pb_grpc.KvCacheStub(channel)
@@ -293,14 +346,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         victim_gets(stub, victim, 0.3)                                    # warm up
         for case in make_cases(resident):
             progress(f"{case.name}: {s.rounds} rounds x {s.seconds:g} s per side")
-            case_rows, case_raw = run_case(case, stub, victim, f"unix:{tmp}/kvcached.sock", tmp, s)
+            target = read_only if case.read_only else f"unix:{tmp}/kvcached.sock"
+            case_rows, case_raw = run_case(case, stub, victim, target, tmp, s, proc.proc.pid)
             rows += case_rows
             raw.append(case_raw)
             d = case_rows[0].details
             codes = ", ".join(f"{k} {v}" for k, v in sorted(d["hostile_codes"].items()))
             notes.append(f"{case.name}: the hostile client's calls took {d['hostile_ms_median']:.0f} ms (median) "
                          f"while it ran: {d['hostile_calls']} calls ({codes}); victim calls {d['loaded_calls']} "
-                         f"loaded, {d['quiet_calls']} quiet")
+                         f"loaded, {d['quiet_calls']} quiet; daemon RssAnon {d['anon_mib_before']:.0f} MiB before, "
+                         f"{d['anon_mib_peak']:.0f} MiB at the peak")
         if not proc.alive():
             raise RuntimeError(f"kvcached died:\n{proc.tail()}")
     header = (f"kvcached under hostile requests ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, Python "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -41,6 +42,7 @@ from kvcached.api.access import Gate, ReadOnly
 from kvcached.api.admin_service import AdminService
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_service import KvCacheService
+from kvcached.api.request_size import bounded, largest_read_only_request
 from kvcached.certs import certificate_names
 from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
 from kvcached.cluster.member import Member
@@ -558,18 +560,22 @@ class Daemon(Succession):
         """One gRPC server on ``addresses``; a Unix socket is bound at a temporary name, added to
         ``renames`` as (temporary, path) with its mode and group set (see _start_grpc)."""
         limit = self.config.grpc.max_message_mib << 20
+        max_batch = self.config.grpc.max_batch
+        # The read-only listener receives no more than its largest allowed request: gRPC refuses
+        # the rest from their length prefix (kvcached.api.request_size).
+        receive = min(limit, largest_read_only_request(max_batch)) if read_only else limit
         interceptors: list[grpc.aio.ServerInterceptor] = ([self._gate] if self._gate else []) + (
             [ReadOnly()] if read_only else [])
         server = grpc.aio.server(interceptors=interceptors or None, options=[
-            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_receive_message_length", receive),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 1),
         ])
         service = KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at,  # type: ignore[arg-type]
                                  grpc_config=self.config.grpc)     # the store is set here later in a takeover
         self._kv_services.append(service)
-        kvcache_pb2_grpc.add_KvCacheServicer_to_server(service, server)
-        kvcache_pb2_grpc.add_AdminServicer_to_server(AdminService(self), server)
+        bounded(server, max_batch, functools.partial(kvcache_pb2_grpc.add_KvCacheServicer_to_server, service))
+        bounded(server, max_batch, functools.partial(kvcache_pb2_grpc.add_AdminServicer_to_server, AdminService(self)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -35,6 +35,7 @@ import grpc
 import pytest
 
 from kvcached.api.grpc_service import lookup_in_slices
+from kvcached.api.request_size import largest_read_only_request, largest_request
 from kvcached.client import KvCacheClient
 from kvcached.config import ConfigError, GrpcSection, load_config
 from kvcached.index import BlockIndex
@@ -47,6 +48,7 @@ from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent.address import BlockAddress
 from kvcached_agent.protocol import MAX_BATCH
 from tests.integration.conftest import DaemonProcess, grpcurl_binary
+from tests.integration.test_operations import free_tcp_port
 from tests.reliability.conftest import open_fds, report, rss_kib
 
 LAYER = 0
@@ -296,8 +298,9 @@ def test_grpcurl_sees_the_limit(daemon: DaemonProcess) -> None:
 
 
 def test_the_issues_lookup_of_a_million_digests_is_refused_quickly(daemon: DaemonProcess) -> None:
-    """The reported request (1,000,000 digests, 32 MB) is refused before any digest is decoded;
-    memory and descriptors stay put over ten of them."""
+    """The reported request (1,000,000 digests, 32 MB) is refused before it is parsed (its size
+    is over the largest Lookup allowed: kvcached.api.request_size); memory and descriptors stay
+    put over ten of them."""
     request = pb.LookupRequest(digests=unknown(1_000_000)).SerializeToString()
     pid = daemon.proc.pid  # type: ignore[union-attr]
     with daemon.client() as c:
@@ -312,7 +315,9 @@ def test_the_issues_lookup_of_a_million_digests_is_refused_quickly(daemon: Daemo
                 lookup(request, timeout=30)
             took.append(time.perf_counter() - started)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "1000000 digests in one request, over the limit of 65536 (grpc.max_batch)" in err.value.details()
+            assert err.value.details() == (
+                f"Lookup: a request of {len(request)} bytes, over the {largest_request('/kvcached.v1.KvCache/Lookup', 65536)} "
+                "bytes the largest allowed one takes (65536 entries, grpc.max_batch); split it")
         assert_serving(c)
         rss1, fds1 = rss_kib(pid), open_fds(pid)
     report("million_digest_lookup", request_mb=round(len(request) / 1e6, 1),
@@ -321,6 +326,34 @@ def test_the_issues_lookup_of_a_million_digests_is_refused_quickly(daemon: Daemo
     assert max(took) < 2.0, took
     assert rss1 - rss0 < 256 << 10, f"RSS grew by {rss1 - rss0} KiB over ten refused requests"
     assert fds1 <= fds0 + 2
+
+
+def test_the_read_only_listener_refuses_over_limit_requests_from_their_length(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    """On the read-only listener (no credentials) gRPC itself refuses a message larger than the
+    largest read-only request allowed, RESOURCE_EXHAUSTED, from its length prefix: the daemon
+    never parses it. The largest allowed Lookup and Get still answer there."""
+    port = free_tcp_port()
+    d = make_daemon(f'grpc.read_only_listen=["127.0.0.1:{port}"]')
+    limit = largest_read_only_request(MAX_BATCH)
+    big = pb.LookupRequest(digests=unknown(1_000_000)).SerializeToString()
+    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        lookup = channel.unary_unary("/kvcached.v1.KvCache/Lookup")
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as err:
+                lookup(big, timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+            assert f"{len(big)} vs. {limit}" in (err.value.details() or ""), err.value.details()
+        answer = pb.LookupResponse.FromString(lookup(pb.LookupRequest(digests=unknown(MAX_BATCH)).SerializeToString(),
+                                                     timeout=30))
+        assert answer.longest == 0
+        get = channel.unary_unary("/kvcached.v1.KvCache/Get")
+        largest_get = pb.GetRequest(addresses=[pb.BlockAddress(digest=x, layer=(1 << 32) - 1)
+                                               for x in unknown(MAX_BATCH)], allow_partial=True)
+        assert len(pb.GetResponse.FromString(get(largest_get.SerializeToString(), timeout=60)).misses) == MAX_BATCH
+    with d.client() as c:
+        put_resident(c, 10)
+        assert_serving(c)
 
 
 @pytest.fixture
