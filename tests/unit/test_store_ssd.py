@@ -224,8 +224,9 @@ def test_full_disk_forces_eviction_then_refuses(make_store: Callable[..., SyncSt
 def test_reconcile_cleans_up_after_a_crash(make_store: Callable[..., SyncStore], index: BlockIndex,
                                            tmp_path: Path) -> None:
     store = make_store()
-    store.put([item(n) for n in range(1, 5)])
-    store.demote()
+    for n in range(1, 5):                                       # one at a time: no Put waits for a demoter
+        store.put([item(n)])                                    # (none runs here) to make room
+        store.demote()
     ssd = store.ssd
     file_of(store, 1).unlink()                                  # record without file
     with open(file_of(store, 2), "r+b") as f:                   # header disagrees with the record

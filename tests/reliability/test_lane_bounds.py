@@ -37,6 +37,8 @@ from tests.integration.test_peer_tier import A, B, C, cluster, until
 from tests.lane_flood import ended, stranger
 from tests.unit.conftest import KIB, address, payload
 
+from .conftest import report
+
 ROOT = Path(__file__).resolve().parents[2]
 MODES = pytest.mark.parametrize("mode", ["tls", "mac"])
 STRANGERS = [f"127.0.0.{2 + i}" for i in range(8)]
@@ -86,13 +88,11 @@ async def _hostile_lane(how: str, port: int) -> AsyncIterator[None]:
 hostile_lane = contextlib.asynccontextmanager(_hostile_lane)
 
 
-@MODES
-def test_a_pull_whose_lane_cannot_be_had_gets_every_block_over_quic(tmp_path: Path, mode: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """20 runs, 320 blocks each, five ways a lane can fail to open: every block arrives, checked,
-    every run; the lane failure is counted; no pull fails and the peer never goes down."""
+def pulls_whose_lane_cannot_be_had(tmp_path: Path, mode: str, runs: int) -> None:
+    """``runs`` runs, 320 blocks each, five ways a lane can fail to open in turn: every block
+    arrives, checked, every run; the lane failure is counted; no pull fails and the peer never
+    goes down."""
     hows = ("reset", "closed", "silent", "garbage", "not listening")
-    monkeypatch.setattr(peer_tier_module, "SLAB", 128 * KIB)      # arenas of 2 MiB: room for 320 blocks
 
     async def body() -> None:
         async with cluster(tmp_path, (A, B), lane=mode) as c:
@@ -103,7 +103,7 @@ def test_a_pull_whose_lane_cannot_be_had_gets_every_block_over_quic(tmp_path: Pa
             await until(lambda: b.t.directory.count(A) == BLOCKS, "announcements")
             b.store.mirror_pulls = False                    # every run pulls all 320 again
             wanted = [address(i) for i in range(BLOCKS)]
-            for run in range(20):
+            for run in range(runs):
                 how = hows[run % len(hows)]
                 link = b.t.links[A]
                 link.lane_retry_at = 0.0                    # the lane is tried again this run
@@ -117,7 +117,23 @@ def test_a_pull_whose_lane_cannot_be_had_gets_every_block_over_quic(tmp_path: Pa
                     await link.lane.close()
             assert b.t.counters.failed == 0 and b.t.counters.lane_pulls == 0
             assert b.t.links[A].health.usable(b.t.clock())
+            report(f"lane-refused-{mode}", runs=runs, blocks_each=BLOCKS, fallbacks=b.t.counters.lane_fallbacks,
+                   pulled=b.t.counters.pulled, missed=b.t.counters.missed, failed=b.t.counters.failed)
     asyncio.run(body())
+
+
+@MODES
+def test_a_pull_whose_lane_cannot_be_had_gets_every_block_over_quic(tmp_path: Path, mode: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_tier_module, "SLAB", 128 * KIB)      # arenas of 2 MiB: room for 320 blocks
+    pulls_whose_lane_cannot_be_had(tmp_path, mode, runs=20)
+
+
+@pytest.mark.soak
+@MODES
+def test_soak_pulls_whose_lane_cannot_be_had(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_tier_module, "SLAB", 128 * KIB)
+    pulls_whose_lane_cannot_be_had(tmp_path, mode, runs=200)
 
 
 # ---------------------------------------------------------------------------------------------
