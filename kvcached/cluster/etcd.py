@@ -49,6 +49,7 @@ BACKOFF_S = 0.25             # first retry after an etcd error; doubles up to BA
 BACKOFF_MAX_S = 2.0
 RESTORE_GAP_S = 1.0          # this daemon's registration is put back at most this often
 RESTORE_LOG_S = 10.0         # and said in the log at most this often (with how many since)
+PUTTING = 1 << 62            # the put revision while a registration's put is on its way
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,11 @@ class EtcdMembership:
             try:
                 lease = await self._client.lease.grant(s.lease_s, timeout=s.call_timeout_s)
                 value = self.signer.value(self.me, key, lease.ID)
+                # What is about to be put, and no news of the key heeded until the put's revision
+                # is known: the watch may report it (or the old lease's end) before the put returns.
+                self._value, self.lease_id, self._put_revision = value, lease.ID, PUTTING
                 put = await self._client.kv.put(key, value, lease=lease.ID, timeout=s.call_timeout_s)
-                self._value, self._put_revision = value, int(put.header.revision)
-                self.lease_id, backoff = lease.ID, BACKOFF_S
+                self._put_revision, backoff = int(put.header.revision), BACKOFF_S
                 self.counters.registrations += 1
                 self._ok()
                 self._registered.set()
@@ -227,14 +230,16 @@ class EtcdMembership:
             self._replaced.clear()
             if not self._value or not self.lease_id:
                 continue                # the lease is gone: _keep_registered registers anew
-            last = loop.time()
+            last, lease = loop.time(), self.lease_id
             try:
-                put = await self._client.kv.put(self.key, self._value, lease=self.lease_id, timeout=s.call_timeout_s)
+                put = await self._client.kv.put(self.key, self._value, lease=lease, timeout=s.call_timeout_s)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                self._failed(exc)
-                self._replaced.set()    # tried again after the gap
+            except Exception as exc:     # etcd away, or the lease just ended (then a new registration follows)
+                self.counters.errors += 1
+                self.counters.last_error = _why(exc)
+                if self.lease_id == lease:
+                    self._replaced.set()    # tried again after the gap, while this lease lasts
                 continue
             self._put_revision = int(put.header.revision)
             self.counters.restorations += 1

@@ -23,7 +23,8 @@ from tests.integration.conftest import DaemonProcess, wait_for
 from tests.integration.test_peers import Cluster, connected, peer_stats
 
 # A test runs two or three engines, each 25-60 s to start on two cores (the first of a fresh
-# machine also compiles vLLM's kernels): the suite's 120 s default is for one daemon's tests.
+# machine also compiles vLLM's kernels; eager ones less): the suite's 120 s default is for one
+# daemon's tests.
 pytestmark = pytest.mark.timeout(900)
 
 BLOCK = 32                  # vLLM's block size here (its CPU attention wants a multiple of 32)
@@ -58,15 +59,16 @@ def close_to_cold(hit: dict[str, Any], cold: dict[str, Any]) -> None:
 
 def test_a_kvcached_hit_in_a_new_engine_gives_vllms_own_prefix_cache_output(
         daemon: DaemonProcess, tiny_model: Path, engine: EngineRun) -> None:
+    """With vLLM's default execution (torch.compile): the other tests run eager engines."""
     p = prompt(1, 1000)
-    first = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2, kvcached(daemon))
+    first = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2, kvcached(daemon), eager=False)
     cold, local_hit = (r["outputs"][0] for r in first["rounds"])
     assert cold["num_cached_tokens"] == 0 and local_hit["num_cached_tokens"] >= loadable(len(p))
     with daemon.client() as c:
         before = c.stats()
     assert before.puts >= loadable(len(p)) // BLOCK, "the first engine stored its blocks"
 
-    second = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}], kvcached(daemon))
+    second = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}], kvcached(daemon), eager=False)
     hit = second["rounds"][0]["outputs"][0]
     assert hit["num_cached_tokens"] == loadable(len(p)), "a new engine's prefix cache is empty: kvcached loaded these"
     with daemon.client() as c:
