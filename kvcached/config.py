@@ -150,16 +150,6 @@ def _path(v: str) -> None:
         raise ValueError("a path cannot contain a NUL byte")
 
 
-def _commit_ms(v: float) -> None:
-    if not 0 <= v <= 1000:
-        raise ValueError(f"must be between 0 and 1000 ms, got {v}")
-
-
-def _io_threads(v: int) -> None:
-    if not 1 <= v <= 256:
-        raise ValueError(f"must be between 1 and 256, got {v}")
-
-
 def _unix_path_or_empty(v: str) -> None:
     if v:
         _path(v)
@@ -170,41 +160,6 @@ def _unix_path_or_empty(v: str) -> None:
 def _octal_mode(v: str) -> None:
     if not re.fullmatch(r"0?[0-7]{3}", v):
         raise ValueError(f"must be octal permission bits such as \"0660\", got {v!r}")
-
-
-def _heartbeat(v: float) -> None:
-    if not 0.05 <= v <= 3600:
-        raise ValueError(f"must be between 0.05 and 3600 seconds, got {v}")
-
-
-def _max_agents(v: int) -> None:
-    if not 1 <= v <= 65536:
-        raise ValueError(f"must be between 1 and 65536, got {v}")
-
-
-def _max_gpu_blocks(v: int) -> None:
-    if not 1 <= v <= 100_000_000:
-        raise ValueError(f"must be between 1 and 100000000, got {v}")
-
-
-def _threshold(v: int) -> None:
-    if not 1 <= v <= 255:
-        raise ValueError(f"must be between 1 and 255 (the sketch counts up to 255), got {v}")
-
-
-def _admission_window(v: int) -> None:
-    if not 1000 <= v <= 1_000_000_000:
-        raise ValueError(f"must be between 1000 and 1000000000 offers, got {v}")
-
-
-def _slru_ratio(v: float) -> None:
-    if v != 0 and not 1 <= v <= MAX_RATIO:
-        raise ValueError(f"must be 0 (tuned online) or between 1 and {MAX_RATIO:g}, got {v}")
-
-
-def _save_interval(v: float) -> None:
-    if v != 0 and not 1 <= v <= 86400:
-        raise ValueError(f"must be 0 (save on a clean stop only) or between 1 and 86400 seconds, got {v}")
 
 
 def _one_of(*choices: str) -> Callable[[str], None]:
@@ -261,41 +216,25 @@ def _host_port_entry(i: int, address: object) -> None:
         raise ValueError(f"entry {i}: {exc}") from None
 
 
-def _datagram_size(v: int) -> None:
-    if not 1200 <= v <= 16000:
-        raise ValueError(f"must be between 1200 (QUIC's minimum) and 16000 bytes, got {v}")
-
-
-def _window_mib(v: float) -> None:
-    if not 0.0625 <= v <= 1024:
-        raise ValueError(f"must be between 0.0625 and 1024 MiB, got {v}")
-
-
-def _pull_timeout(v: float) -> None:
-    if not 0.01 <= v <= 300:
-        raise ValueError(f"must be between 0.01 and 300 seconds, got {v}")
-
-
-def _count_1_to(most: int) -> Callable[[int], None]:
-    return _count_in(1, most)
-
-
-def _count_in(least: int, most: int) -> Callable[[int], None]:
-    def check(v: int) -> None:
+def _between(least: float, most: float, unit: str = "", *, zero: str | None = None) -> Callable[[float], None]:
+    """The check of a number that must lie in [least, most] (``unit``: what follows the bounds
+    in the message); with ``zero``, 0 is allowed too and ``zero`` says what it means."""
+    def check(v: float) -> None:
+        if zero is not None and v == 0:
+            return
         if not least <= v <= most:
-            raise ValueError(f"must be between {least} and {most}, got {v}")
+            either = f"{zero} or " if zero is not None else ""
+            raise ValueError(f"must be {either}between {_number(least)} and {_number(most)}{unit}, got {v}")
 
     return check
 
 
-def _lane_stripes(v: int) -> None:
-    if not 1 <= v <= 16:
-        raise ValueError(f"must be between 1 and 16, got {v}")
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def _fail_limit(v: int) -> None:
-    if not 1 <= v <= 1000:
-        raise ValueError(f"must be between 1 and 1000, got {v}")
+def _count_1_to(most: int) -> Callable[[float], None]:
+    return _between(1, most)
 
 
 def _key(doc: str, default: Any, check: Callable[[Any], None] | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
@@ -315,8 +254,8 @@ class KvSection:
     max_block_mib: float = _key("Largest block payload accepted, MiB; also the arena's slab size.", 16.0, _positive, (int, float))
     ram_policy: str = _key("Eviction policy of the RAM tier (registry key).", "slru")
     slru_ratio: float = _key("Age ratio of the slru policy: a block used once is evicted at 1/ratio of the age a "
-                             "reused block may reach (1: plain LRU); 0 tunes it online.", 0.0, _slru_ratio,
-                             (int, float))
+                             "reused block may reach (1: plain LRU); 0 tunes it online.", 0.0,
+                             _between(1, MAX_RATIO, zero="0 (tuned online)"), (int, float))
     ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd", _path)
     ssd_gib: float = _key("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, _non_negative, (int, float))
     ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", 7 * 86400.0)
@@ -330,19 +269,19 @@ class KvSection:
     admission: str = _key("Which offered new blocks are stored: always, or reuse (on the admission_threshold-th "
                           "offer within admission_window offers).", "always", _one_of(*ADMISSION_POLICIES))
     admission_threshold: int = _key("Offers a block needs before it is stored under admission = reuse (1..255).", 2,
-                                    _threshold, int)
+                                    _between(1, 255, " (the sketch counts up to 255)"), int)
     admission_window: int = _key("Offers after which admission = reuse halves its counts (16 bytes of memory each).",
-                                 100_000, _admission_window, int)
+                                 100_000, _between(1000, 1_000_000_000, " offers"), int)
     ssd_write_budget_gib: float = _key("Most bytes written to the SSD tier in any 24 hours, GiB (0: no budget).",
                                        0.0, _non_negative, (int, float))
     policy_save_s: float = _key("How often what the policies learned is saved to the index, seconds (0: on a clean "
-                                "stop only).", 60.0, _save_interval, (int, float))
+                                "stop only).", 60.0, _between(1, 86400, " seconds", zero="0 (save on a clean stop only)"), (int, float))
     ssd_durability: str = _key("How SSD block files are made durable: always, batch or none.", "batch",
                                _one_of("always", "batch", "none"))
     ssd_commit_ms: float = _key("Longest wait to gather a group commit (ssd_durability = batch), ms.", 10.0,
-                                _commit_ms, (int, float))
+                                _between(0, 1000, " ms"), (int, float))
     ssd_direct_io: str = _key("O_DIRECT for SSD reads and writes: auto, on or off.", "auto", _one_of("auto", "on", "off"))
-    ssd_io_threads: int = _key("Threads doing SSD I/O (blocks in flight at once).", 8, _io_threads, int)
+    ssd_io_threads: int = _key("Threads doing SSD I/O (blocks in flight at once).", 8, _between(1, 256), int)
     index_dir: str = _key("RocksDB directory of the persistent block index.", "var/index", _path)
     mirror_pulls: bool = _key("Keep a local copy of blocks pulled from peers.", True)
     prefetch_policy: str = _key("How long a load waits for SSD reads and peer pulls: wait_complete, best_effort (not at "
@@ -392,10 +331,10 @@ class AgentSection:
     mode: str = _key("Permission bits of the agent socket, octal (who may connect).", "0660", _octal_mode)
     group: str = _key("Group that owns the agent socket (name or number); \"\" keeps the daemon's group.", "")
     heartbeat_s: float = _key("Agents send a heartbeat when idle this long; one silent for three intervals is dropped.",
-                              5.0, _heartbeat, (int, float))
-    max_agents: int = _key("Most agents connected at once.", 256, _max_agents, int)
+                              5.0, _between(0.05, 3600, " seconds"), (int, float))
+    max_agents: int = _key("Most agents connected at once.", 256, _between(1, 65536), int)
     max_gpu_blocks: int = _key("Most blocks the GPU view keeps per agent (pinned events beyond are refused).",
-                               1_000_000, _max_gpu_blocks, int)
+                               1_000_000, _between(1, 100_000_000), int)
 
     @property
     def mode_bits(self) -> int:
@@ -415,26 +354,26 @@ class QuicSection:
     cert: str = _key("PEM certificate of this daemon, signed by the cluster CA.", "")
     key: str = _key("PEM private key of this daemon's certificate.", "")
     max_datagram_size: int = _key("Largest UDP datagram QUIC sends, bytes: 1350 fits any 1500-byte MTU path; "
-                                  "raise it on jumbo-frame networks.", 1350, _datagram_size, int)
+                                  "raise it on jumbo-frame networks.", 1350, _between(1200, 16000, " bytes (1200: QUIC's minimum)"), int)
     max_data_mib: float = _key("Connection flow-control window, MiB (bytes in flight per peer).", 64.0,
-                               _window_mib, (int, float))
+                               _between(0.0625, 1024, " MiB"), (int, float))
     max_stream_data_mib: float = _key("Stream flow-control window, MiB (bytes in flight per pull).", 16.0,
-                                      _window_mib, (int, float))
+                                      _between(0.0625, 1024, " MiB"), (int, float))
     lane: str = _key("Pull payloads over a TCP lane on the QUIC port's number: tls (TLS 1.3, the cluster "
                      "certificates) or mac (plain TCP, keyed BLAKE3 seals with a key granted over QUIC: "
                      "authenticated, not encrypted, for a fabric nobody else can read); QUIC where the lane "
                      "cannot be had. quic: no lane.", "tls", _one_of("tls", "mac", "quic"))
     lane_stripes: int = _key("Lane connections one large pull (16 blocks or more) is split over at once. 1 "
                              "(no striping) measured fastest on 2 cores; more may pay on hosts with many.", 1,
-                             _lane_stripes, int)
+                             _between(1, 16), int)
     lane_max_connections: int = _key("Verified lanes the lane server keeps open at once (connections in handshake "
                                      "are bounded apart, by max_handshakes and max_handshakes_per_source).", 256,
                                      _count_1_to(65536), int)
     pull_timeout_s: float = _key("Deadline of a pull from peers: what has not arrived by then is a miss.", 2.0,
-                                 _pull_timeout, (int, float))
+                                 _between(0.01, 300, " seconds"), (int, float))
     hedge_ms: float = _key("A pull not finished after this long is also asked of the next peer holding the "
                            "blocks; 0 asks both at once.", 50.0, _non_negative, (int, float))
-    fail_limit: int = _key("Failed requests in a row that mark a peer down.", 3, _fail_limit, int)
+    fail_limit: int = _key("Failed requests in a row that mark a peer down.", 3, _between(1, 1000), int)
     backoff_s: float = _key("How long a peer marked down is left alone at first; doubles on each failed retry.",
                             1.0, _positive, (int, float))
     backoff_max_s: float = _key("Longest time a peer marked down is left alone.", 60.0, _positive, (int, float))
@@ -482,10 +421,10 @@ class ClusterSection:
                           "which must then not be a wildcard.", "")
     prefix: str = _key("etcd key prefix of the cluster (several clusters may share one etcd).", "/kvcached", _prefix)
     lease_s: int = _key("Lease of this daemon's registration, seconds: a daemon that dies is out of every view "
-                        "this long after (2..300).", 10, _count_in(2, 300), int)
+                        "this long after (2..300).", 10, _between(2, 300), int)
     replicas: int = _key("Home nodes that keep the location of each block (1..8).", 2, _count_1_to(8), int)
     placement_bits: int = _key("2**bits placement buckets (8..24): more balance the location records better "
-                               "and cost 12 bytes of table each.", 18, _count_in(8, 24), int)
+                               "and cost 12 bytes of table each.", 18, _between(8, 24), int)
     etcd_ca: str = _key("PEM CA that signs etcd's certificate: etcd over TLS. \"\": plaintext etcd.", "")
     etcd_cert: str = _key("PEM client certificate for etcd (with etcd_key: mutual TLS).", "")
     etcd_key: str = _key("PEM private key of etcd_cert.", "")
