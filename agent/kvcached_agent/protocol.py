@@ -9,9 +9,10 @@ Every frame is a 12-byte header then a body::
 
     u32 body length | u8 version | u8 type | u16 flags (0) | u32 request id
 
-little-endian. Limits (body length, entries per batch, text length) are checked before
-anything is allocated. A header that is wrong (version, flags, length) loses the framing: the
-receiver answers an Error frame and closes. A body that is wrong, or a type it does not know,
+little-endian: the framing shared with the peer protocol (kvcached_agent.framing). Limits (body
+length, entries per batch, text length) are checked before anything is allocated. A header that
+is wrong (version, flags, length) loses the framing: the receiver answers an Error frame and
+closes. A body that is wrong, or a type it does not know,
 loses only that request: an Error frame answers it and the connection goes on.
 
 Block bytes never travel in frames: they live in the daemon's shared arena, which the Welcome
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar, Iterator, Protocol, Sequence, Union
 
+from kvcached_agent.framing import HEADER, BodyReader, Frame, Limits, ProtocolError, count_field, header_problem, text_field
+from kvcached_agent.framing import frame as frame_bytes
+
 __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "ErrorCode", "Status", "ProtocolError", "Frame",
     "FrameDecoder", "encode", "decode", "Message",
@@ -34,7 +38,6 @@ __all__ = [
 ]
 
 VERSION = 1
-HEADER = struct.Struct("<IBBHI")
 MAX_BODY = 8 << 20          # bytes after the header
 MAX_BATCH = 65536           # entries in one request or reply
 MAX_TEXT = 1024             # bytes of one text field (UTF-8)
@@ -77,95 +80,17 @@ class Status(IntEnum):
                         # Commit under write_through: the SSD write budget refused it (not kept)
 
 
-class ProtocolError(Exception):
-    """A frame this side cannot accept. ``fatal``: the framing is lost; close after answering."""
-
-    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.fatal = fatal
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    type: int
-    request_id: int
-    body: bytes
+LIMITS = Limits(VERSION, MAX_BODY, MAX_BATCH, MAX_TEXT, ErrorCode)
 
 
 # -- body helpers ----------------------------------------------------------------------------
 
-class _Reader:
-    """Reads fields off a body; every shortfall or overrun is MALFORMED."""
-
-    __slots__ = ("body", "pos", "what")
-
-    def __init__(self, body: bytes, what: str) -> None:
-        self.body = body
-        self.pos = 0
-        self.what = what
-
-    def take(self, n: int) -> bytes:
-        end = self.pos + n
-        if end > len(self.body):
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: body ends early ({len(self.body)} bytes)")
-        out = self.body[self.pos:end]
-        self.pos = end
-        return out
-
-    def unpack(self, fmt: struct.Struct) -> tuple[int, ...]:
-        return fmt.unpack(self.take(fmt.size))
-
-    def u16(self) -> int:
-        return _U16.unpack(self.take(2))[0]
-
-    def u32(self) -> int:
-        return _U32.unpack(self.take(4))[0]
-
-    def u64(self) -> int:
-        return _U64.unpack(self.take(8))[0]
-
-    def text(self, name: str) -> str:
-        n = self.u16()
-        if n > MAX_TEXT:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.what}: {name} is {n} bytes, over {MAX_TEXT}")
-        try:
-            return self.take(n).decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {name} is not UTF-8") from None
-
-    def raw(self, name: str) -> bytes:
-        n = self.u16()
-        if n > MAX_TEXT:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.what}: {name} is {n} bytes, over {MAX_TEXT}")
-        return self.take(n)
-
-    def count(self, entry: int) -> int:
-        """An entry count, checked against MAX_BATCH and against the bytes that remain."""
-        n = self.u32()
-        if n > MAX_BATCH:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.what}: {n} entries, over the limit of {MAX_BATCH}")
-        if n * entry != len(self.body) - self.pos:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {n} entries of {entry} bytes need "
-                                f"{n * entry} bytes, the body has {len(self.body) - self.pos}")
-        return n
-
-    def end(self) -> None:
-        if self.pos != len(self.body):
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {len(self.body) - self.pos} bytes left over")
-
-
 def _text(value: str | bytes, name: str) -> bytes:
-    raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
-    if len(raw) > MAX_TEXT:
-        raise ValueError(f"{name} is {len(raw)} bytes, over {MAX_TEXT}")
-    return _U16.pack(len(raw)) + raw
+    return text_field(value, name, LIMITS)
 
 
 def _batch(n: int, what: str) -> bytes:
-    if n > MAX_BATCH:
-        raise ValueError(f"{what}: {n} entries, over the limit of {MAX_BATCH} (split the batch)")
-    return _U32.pack(n)
+    return count_field(n, what, LIMITS)
 
 
 def _digests_body(digests: Sequence[bytes], what: str) -> bytes:
@@ -175,7 +100,7 @@ def _digests_body(digests: Sequence[bytes], what: str) -> bytes:
     return _batch(len(digests), what) + b"".join(digests)
 
 
-def _read_digests(r: _Reader) -> list[bytes]:
+def _read_digests(r: BodyReader) -> list[bytes]:
     n = r.count(DIGEST)
     body, pos = r.body, r.pos
     r.pos = end = pos + n * DIGEST
@@ -186,7 +111,7 @@ def _entries(fmt: struct.Struct, rows: Sequence[tuple[int | bytes, ...]], what: 
     return _batch(len(rows), what) + b"".join(fmt.pack(*row) for row in rows)
 
 
-def _read_entries(r: _Reader, fmt: struct.Struct) -> list[tuple[int | bytes, ...]]:
+def _read_entries(r: BodyReader, fmt: struct.Struct) -> list[tuple[int | bytes, ...]]:
     n = r.count(fmt.size)
     out = list(fmt.iter_unpack(r.body[r.pos:r.pos + n * fmt.size])) if n else []
     r.pos += n * fmt.size
@@ -216,7 +141,7 @@ class Hello:
                 + self._FIXED.pack(self.block_tokens, self.num_layers, self.layer_block_bytes))
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Hello":
+    def decode_body(cls, r: BodyReader) -> "Hello":
         version = r.u16()
         agent_id, model, dtype = r.text("agent_id"), r.text("model"), r.text("dtype")
         namespace = r.raw("namespace")
@@ -239,7 +164,7 @@ class Allocate:
         return _entries(self._ENTRY, self.entries, "Allocate")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Allocate":
+    def decode_body(cls, r: BodyReader) -> "Allocate":
         return cls(_read_entries(r, cls._ENTRY))  # type: ignore[arg-type]
 
 
@@ -251,7 +176,7 @@ class _Handles:
         return _batch(len(self.handles), type(self).__name__) + struct.pack(f"<{len(self.handles)}Q", *self.handles)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "_Handles":
+    def decode_body(cls, r: BodyReader) -> "_Handles":
         n = r.count(8)
         out = list(struct.unpack_from(f"<{n}Q", r.body, r.pos))
         r.pos += 8 * n
@@ -284,7 +209,7 @@ class Lookup:
         return _U32.pack(self.layer) + _digests_body(self.digests, "Lookup")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Lookup":
+    def decode_body(cls, r: BodyReader) -> "Lookup":
         layer = r.u32()
         return cls(layer, _read_digests(r))
 
@@ -304,7 +229,7 @@ class Load:
         return _entries(self._ENTRY, self.entries, "Load")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Load":
+    def decode_body(cls, r: BodyReader) -> "Load":
         return cls(_read_entries(r, cls._ENTRY))  # type: ignore[arg-type]
 
 
@@ -316,7 +241,7 @@ class _Digests:
         return _digests_body(self.digests, type(self).__name__)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "_Digests":
+    def decode_body(cls, r: BodyReader) -> "_Digests":
         return cls(_read_digests(r))
 
 
@@ -351,7 +276,7 @@ class Heartbeat:
         return b""
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Heartbeat":
+    def decode_body(cls, r: BodyReader) -> "Heartbeat":
         return cls()
 
 
@@ -375,7 +300,7 @@ class Welcome:
                 + _text(self.daemon_version, "daemon_version"))
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Welcome":
+    def decode_body(cls, r: BodyReader) -> "Welcome":
         version, session, arena, max_block, heartbeat = r.unpack(cls._FIXED)
         return cls(session, arena, max_block, heartbeat, r.text("daemon_version"), version)
 
@@ -393,7 +318,7 @@ class Slots:
         return _entries(self._ENTRY, self.entries, "Slots")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Slots":
+    def decode_body(cls, r: BodyReader) -> "Slots":
         return cls(_read_entries(r, cls._ENTRY))  # type: ignore[arg-type]
 
 
@@ -408,7 +333,7 @@ class Committed:
         return _batch(len(self.statuses), "Committed") + bytes(self.statuses)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Committed":
+    def decode_body(cls, r: BodyReader) -> "Committed":
         n = r.count(1)
         out = list(r.take(n))
         return cls(out)
@@ -431,7 +356,7 @@ class LookupResult:
         return self._FIXED.pack(self.longest, self.gpu, self.ram, self.ssd, self.peer)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "LookupResult":
+    def decode_body(cls, r: BodyReader) -> "LookupResult":
         return cls(*r.unpack(cls._FIXED))
 
 
@@ -447,7 +372,7 @@ class Loaded:
         return _entries(self._ENTRY, self.entries, "Loaded")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Loaded":
+    def decode_body(cls, r: BodyReader) -> "Loaded":
         return cls(_read_entries(r, cls._ENTRY))  # type: ignore[arg-type]
 
 
@@ -464,7 +389,7 @@ class Released:
         return self._FIXED.pack(self.released, self.unknown)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Released":
+    def decode_body(cls, r: BodyReader) -> "Released":
         return cls(*r.unpack(cls._FIXED))
 
 
@@ -489,7 +414,7 @@ class OverlapResult:
             self._ENTRY.pack(a.session, a.pid, a.prefix) + _text(a.agent_id, "agent_id") for a in self.agents)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "OverlapResult":
+    def decode_body(cls, r: BodyReader) -> "OverlapResult":
         n = r.u32()
         if n > MAX_BATCH:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"OverlapResult: {n} entries, over the limit of {MAX_BATCH}")
@@ -513,7 +438,7 @@ class Error:
         return _U16.pack(self.code) + _text(raw, "message")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Error":
+    def decode_body(cls, r: BodyReader) -> "Error":
         return cls(r.u16(), r.text("message"))
 
 
@@ -526,7 +451,7 @@ class _Decodable(Protocol):
     TYPE: ClassVar[int]
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> Any: ...                  # a Message (subclasses return their own type)
+    def decode_body(cls, r: BodyReader) -> Any: ...                  # a Message (subclasses return their own type)
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
@@ -539,10 +464,7 @@ EVENTS = frozenset({Pinned.TYPE, Evicted.TYPE, Heartbeat.TYPE})   # requests tha
 
 def encode(message: Message, request_id: int = 0) -> bytes:
     """The frame of ``message``: header and body. ValueError if it breaks a limit."""
-    body = message.encode_body()
-    if len(body) > MAX_BODY:
-        raise ValueError(f"{type(message).__name__}: body of {len(body)} bytes is over {MAX_BODY} (split the batch)")
-    return HEADER.pack(len(body), VERSION, message.TYPE, 0, request_id & 0xFFFFFFFF) + body
+    return frame_bytes(LIMITS, message.TYPE, request_id, message.encode_body(), type(message).__name__)
 
 
 _LOOKUP_HEAD = struct.Struct("<II")
@@ -562,7 +484,7 @@ def decode(frame: Frame) -> Message:
     cls = MESSAGES.get(frame.type)
     if cls is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type 0x{frame.type:02x}")
-    reader = _Reader(frame.body, cls.__name__)
+    reader = BodyReader(frame.body, cls.__name__, LIMITS)
     message = cls.decode_body(reader)
     reader.end()
     return message
@@ -605,18 +527,8 @@ class FrameDecoder:
         if len(buf) < HEADER.size:
             return None
         length, version, type_, flags, request_id = HEADER.unpack_from(buf)
-        problem = None
-        if version != VERSION:
-            problem = ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
-                                    f"frame version {version}; this side speaks version {VERSION}", fatal=True)
-        elif flags:
-            problem = ProtocolError(ErrorCode.MALFORMED, f"frame flags 0x{flags:04x} are not defined in version {VERSION}",
-                                    fatal=True)
-        elif length > self.max_body:
-            problem = ProtocolError(ErrorCode.TOO_LARGE, f"frame body of {length} bytes is over the limit of "
-                                    f"{self.max_body}", fatal=True)
+        problem = header_problem(LIMITS, length, version, flags, request_id, self.max_body)
         if problem is not None:
-            problem.request_id = request_id  # type: ignore[attr-defined]
             self._broken = problem
             self._buf = bytearray()
             raise problem

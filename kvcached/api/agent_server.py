@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import struct
+from enum import IntEnum
 from itertools import count
 from typing import Any, cast
 
@@ -262,7 +263,7 @@ class AgentConnection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(p.encode(message, request_id))
 
-    def end(self, reason: str, code: p.ErrorCode | None = None, request_id: int = 0, *, answered: bool = False) -> None:
+    def end(self, reason: str, code: IntEnum | None = None, request_id: int = 0, *, answered: bool = False) -> None:
         """End the connection once: answer an Error first if ``code``, release what the agent held."""
         if self._ended:
             return

@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from kvcached.cluster.listing import OUT_OF_ORDER, PartedListings
 from kvcached.cluster.placement import Moves, Placement
 
 __all__ = ["HomeRecords", "Publisher", "LookupPlan", "MOVE_GRACE_S", "MAX_HOLDERS"]
@@ -58,7 +59,7 @@ class HomeRecords:
         self._ids: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._next = 0
-        self._listing: dict[str, tuple[int, int, set[bytes]]] = {}   # holder -> (listing id, next part, keys)
+        self._listings = PartedListings()                              # each holder's listing in progress
         self.forgotten = 0          # records dropped because their holder left
 
     def __len__(self) -> int:
@@ -104,18 +105,11 @@ class HomeRecords:
         in, it replaces all that was recorded of that holder (the parts before stay unused till
         then). Parts must come in order under one listing id; returns False (and abandons the
         listing) for a part out of order."""
-        if part == 0:
-            self._listing[holder] = (listing_id, 0, set())
-        current = self._listing.get(holder)
-        if current is None or current[0] != listing_id or current[1] != part:
-            self._listing.pop(holder, None)
+        listed = self._listings.part(holder, listing_id, part, last, keys)
+        if listed is OUT_OF_ORDER:
             return False
-        current[2].update(keys)
-        if not last:
-            self._listing[holder] = (listing_id, part + 1, current[2])
+        if not isinstance(listed, set):
             return True
-        del self._listing[holder]
-        listed = current[2]
         ident = self._id(holder)
         stale = [key for key, have in self._records.items() if key not in listed and _has(have, ident)]
         for key in stale:
@@ -126,7 +120,7 @@ class HomeRecords:
     def forget(self, holder: str) -> int:
         """Drop every record of ``holder`` (its lease ended); returns how many keys it held."""
         ident = self._ids.pop(holder, None)
-        self._listing.pop(holder, None)
+        self._listings.forget(holder)
         if ident is None:
             return 0
         del self._names[ident]

@@ -17,6 +17,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from kvcached.cluster.listing import OUT_OF_ORDER, PartedListings
+
 __all__ = ["wire_key", "PeerDirectory", "PeerHealth", "PeerState", "MAX_ENTRIES"]
 
 MAX_ENTRIES = 4_000_000      # keys remembered in all (~110 bytes each); announcements beyond are ignored, counted
@@ -94,7 +96,7 @@ class PeerDirectory:
         self.ignored = 0                                # announcements dropped for lack of room
         self._holders: dict[bytes, int] = {}
         self._counts = dict.fromkeys(self.names, 0)
-        self._listing: dict[str, tuple[int, int, set[bytes]]] = {}   # peer -> (listing id, next part, keys)
+        self._listings = PartedListings()                              # each peer's snapshot in progress
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -143,19 +145,12 @@ class PeerDirectory:
         """One part of ``peer``'s listing ``listing``. Returns False (and abandons the listing)
         if the part is out of order. On the last part the listing replaces what was known."""
         _ = self.bit[peer]
-        current = self._listing.get(peer)
-        if part == 0:
-            current = (listing, 0, set())
-        if current is None or current[0] != listing or current[1] != part:
-            self._listing.pop(peer, None)
+        listed = self._listings.part(peer, listing, part, last, keys)
+        if listed is OUT_OF_ORDER:
             return False
-        current[2].update(keys)
-        if not last:
-            self._listing[peer] = (listing, part + 1, current[2])
-            return True
-        self._listing.pop(peer, None)
-        self.forget(peer)
-        self.announce(peer, current[2])
+        if isinstance(listed, set):
+            self.forget(peer)
+            self.announce(peer, listed)
         return True
 
     def forget(self, peer: str) -> None:

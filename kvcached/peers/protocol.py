@@ -6,17 +6,19 @@ ordered byte stream carries it: one QUIC stream per request, or one bulk-lane co
 kvcached.peers.lane) for many requests in turn (request ids, not streams, pair answers with requests).
 docs/peer-protocol.md specifies the same bytes; the unit tests pin them byte for byte. This
 protocol is versioned apart from the agent protocol (kvcached_agent.protocol): they share the
-addressing and the payload checksum, never a frame layout or a version number.
+addressing, the payload checksum and the framing (kvcached_agent.framing), never a message type,
+an error code past the four shared ones, or a version number.
 
 Every frame is a 12-byte header then a body::
 
     u32 body length | u8 version | u8 type | u16 flags (0) | u32 request id
 
-little-endian. A Block frame's body is followed by its raw payload (the length is in the
-body): the decoder hands out the Block's head as soon as it is in, then the payload as chunks
-of what was fed, or straight into a buffer the caller gives (an arena slot), never gathering
-it into a body. Limits (body length, payload length, entries per batch, text length) are
-checked before anything is allocated.
+little-endian: the framing shared with the agent protocol (kvcached_agent.framing). A Block
+frame's body is followed by its raw payload (the length is in the body): the decoder hands out
+the Block's head as soon as it is in, then the payload as chunks of what was fed, or straight
+into a buffer the caller gives (an arena slot), never gathering it into a body. Limits (body
+length, payload length, entries per batch, text length) are checked before anything is
+allocated.
 
 A header that is wrong (version, flags, length), or a Block head that is wrong, loses the
 framing: fatal, the receiver answers an Error and ends the stream. Any other body that is
@@ -32,6 +34,8 @@ from enum import IntEnum
 from typing import Any, ClassVar, Iterator, NoReturn, Protocol, Sequence, Union
 
 from kvcached_agent.address import DIGEST_BYTES
+from kvcached_agent.framing import HEADER, BodyReader, Frame, Limits, ProtocolError, count_field, header_problem, text_field
+from kvcached_agent.framing import frame as frame_bytes
 from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
 
 __all__ = [
@@ -45,7 +49,6 @@ __all__ = [
 ]
 
 VERSION = 1
-HEADER = struct.Struct("<IBBHI")
 MAX_BODY = 4 << 20          # bytes after the header (a Block's payload not counted)
 MAX_BATCH = 65536           # entries in one frame: a full batch of addresses is 2.25 MiB
 MAX_TEXT = 1024             # bytes of one text field (UTF-8)
@@ -86,70 +89,13 @@ class MissReason(IntEnum):
     TOO_LARGE = 5    # its payload is over the Pull's max_payload
 
 
-class ProtocolError(Exception):
-    """Bytes this side cannot accept. ``fatal``: the framing is lost; answer, then end the stream.
-    ``request_id``: the request it concerns, where the header was read."""
-
-    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False, request_id: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.fatal = fatal
-        self.request_id = request_id
+LIMITS = Limits(VERSION, MAX_BODY, MAX_BATCH, MAX_TEXT, ErrorCode)
 
 
 # -- body helpers ----------------------------------------------------------------------------
 
-class _Reader:
-    """Fields off one body, in order; every shortfall or overrun is MALFORMED."""
-
-    __slots__ = ("body", "pos", "what")
-
-    def __init__(self, body: bytes, what: str) -> None:
-        self.body, self.pos, self.what = body, 0, what
-
-    def unpack(self, fmt: struct.Struct) -> tuple[Any, ...]:
-        if self.pos + fmt.size > len(self.body):
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: body ends early ({len(self.body)} bytes)")
-        out = fmt.unpack_from(self.body, self.pos)
-        self.pos += fmt.size
-        return out
-
-    def text(self, name: str) -> str:
-        (n,) = self.unpack(_U16)
-        if n > MAX_TEXT:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.what}: {name} is {n} bytes, over {MAX_TEXT}")
-        raw = self.body[self.pos:self.pos + n]
-        if len(raw) != n:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: body ends early ({len(self.body)} bytes)")
-        self.pos += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {name} is not UTF-8") from None
-
-    def entries(self, fmt: struct.Struct) -> list[tuple[Any, ...]]:
-        """A batch: a u32 count checked against MAX_BATCH and against the bytes that remain."""
-        (n,) = self.unpack(_U32)
-        if n > MAX_BATCH:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.what}: {n} entries, over the limit of {MAX_BATCH}")
-        left = len(self.body) - self.pos
-        if n * fmt.size != left:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {n} entries of {fmt.size} bytes need "
-                                f"{n * fmt.size} bytes, the body has {left}")
-        out = list(fmt.iter_unpack(self.body[self.pos:])) if left else []
-        self.pos = len(self.body)
-        return out
-
-    def end(self) -> None:
-        if self.pos != len(self.body):
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self.what}: {len(self.body) - self.pos} bytes left over")
-
-
 def _text(value: str, name: str) -> bytes:
-    raw = value.encode("utf-8")
-    if len(raw) > MAX_TEXT:
-        raise ValueError(f"{name} is {len(raw)} bytes, over {MAX_TEXT}")
-    return _U16.pack(len(raw)) + raw
+    return text_field(value, name, LIMITS)
 
 
 def _digest(value: bytes, what: str) -> bytes:
@@ -159,9 +105,7 @@ def _digest(value: bytes, what: str) -> bytes:
 
 
 def _count(n: int, what: str) -> bytes:
-    if n > MAX_BATCH:
-        raise ValueError(f"{what}: {n} entries, over the limit of {MAX_BATCH} (split the batch)")
-    return _U32.pack(n)
+    return count_field(n, what, LIMITS)
 
 
 def _addresses(rows: Sequence[tuple[bytes, int]], what: str) -> bytes:
@@ -186,7 +130,7 @@ class Pull:
         return self._FIXED.pack(self.max_payload) + _addresses(self.addresses, "Pull")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Pull":
+    def decode_body(cls, r: BodyReader) -> "Pull":
         (max_payload,) = r.unpack(cls._FIXED)
         if not 0 < max_payload <= MAX_PAYLOAD:
             raise ProtocolError(ErrorCode.MALFORMED, f"Pull: max_payload {max_payload} is outside 1..{MAX_PAYLOAD}")
@@ -207,7 +151,7 @@ class Exists:
             _digest(d, "Exists") for d in self.digests)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Exists":
+    def decode_body(cls, r: BodyReader) -> "Exists":
         (layer,) = r.unpack(_U32)
         return cls(layer, [d for (d,) in r.entries(_DIGEST)])
 
@@ -225,7 +169,7 @@ class LaneOpen:
         return b""
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "LaneOpen":
+    def decode_body(cls, r: BodyReader) -> "LaneOpen":
         return cls()
 
 
@@ -242,7 +186,7 @@ class Locate:
         return _addresses(self.addresses, "Locate")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Locate":
+    def decode_body(cls, r: BodyReader) -> "Locate":
         return cls(r.entries(_ADDRESS))
 
 
@@ -254,7 +198,7 @@ class _Addresses:
         return _addresses(self.addresses, type(self).__name__)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "_Addresses":
+    def decode_body(cls, r: BodyReader) -> "_Addresses":
         return cls(r.entries(_ADDRESS))
 
 
@@ -288,7 +232,7 @@ class Snapshot:
         return self._FIXED.pack(self.part, 1 if self.last else 0) + _addresses(self.addresses, "Snapshot")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Snapshot":
+    def decode_body(cls, r: BodyReader) -> "Snapshot":
         part, last = r.unpack(cls._FIXED)
         if last not in (0, 1):
             raise ProtocolError(ErrorCode.MALFORMED, f"Snapshot: last is {last}, not 0 or 1")
@@ -329,7 +273,7 @@ class Block:
                 + _text(self.model, "model"))
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Block":
+    def decode_body(cls, r: BodyReader) -> "Block":
         digest, layer, length, checksum = r.unpack(cls._FIXED)
         if not 0 < length <= MAX_PAYLOAD:
             code = ErrorCode.MALFORMED if length == 0 else ErrorCode.TOO_LARGE
@@ -351,7 +295,7 @@ class Miss:
         return self._FIXED.pack(_digest(self.digest, "Miss"), self.layer, self.reason)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Miss":
+    def decode_body(cls, r: BodyReader) -> "Miss":
         return cls(*r.unpack(cls._FIXED))
 
 
@@ -372,7 +316,7 @@ class Blocks:
         return _count(len(self.heads), "Blocks") + b"".join(head.encode_body() for head in self.heads)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Blocks":
+    def decode_body(cls, r: BodyReader) -> "Blocks":
         (n,) = r.unpack(_U32)
         if n == 0:
             raise ProtocolError(ErrorCode.MALFORMED, "Blocks: no heads")
@@ -392,7 +336,7 @@ class ExistsResult:
         return _U32.pack(self.count)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "ExistsResult":
+    def decode_body(cls, r: BodyReader) -> "ExistsResult":
         return cls(*r.unpack(_U32))
 
 
@@ -426,7 +370,7 @@ class Located:
                 + b"".join(self._U8.pack(len(row)) + struct.pack(f"<{len(row)}H", *row) for row in rows))
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Located":
+    def decode_body(cls, r: BodyReader) -> "Located":
         (count,) = r.unpack(_U16)
         if count > MAX_NAMES:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"Located: {count} names, over {MAX_NAMES}")
@@ -472,7 +416,7 @@ class LaneKey:
         return self._FIXED.pack(self.key_id, self.key)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "LaneKey":
+    def decode_body(cls, r: BodyReader) -> "LaneKey":
         return cls(*r.unpack(cls._FIXED))
 
 
@@ -492,7 +436,7 @@ class Seal:
         return self._FIXED.pack(self.tag)
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Seal":
+    def decode_body(cls, r: BodyReader) -> "Seal":
         return cls(*r.unpack(cls._FIXED))
 
 
@@ -509,7 +453,7 @@ class Error:
         return _U16.pack(self.code) + _text(cut, "message")
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> "Error":
+    def decode_body(cls, r: BodyReader) -> "Error":
         (code,) = r.unpack(_U16)
         return cls(code, r.text("message"))
 
@@ -525,7 +469,7 @@ class _Decodable(Protocol):
     TYPE: ClassVar[int]
 
     @classmethod
-    def decode_body(cls, r: _Reader) -> Any: ...                  # a Message (subclasses return their own type)
+    def decode_body(cls, r: BodyReader) -> Any: ...                  # a Message (subclasses return their own type)
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
@@ -555,19 +499,7 @@ def allowed_as_early_data(type_: int) -> bool:
 def encode(message: Message, request_id: int = 0) -> bytes:
     """The frame of ``message``: header and body (for a Block, its head: the payload follows
     as raw bytes, written by the caller). ValueError if it breaks a limit."""
-    body = message.encode_body()
-    if len(body) > MAX_BODY:
-        raise ValueError(f"{type(message).__name__}: body of {len(body)} bytes is over {MAX_BODY} (split the batch)")
-    return HEADER.pack(len(body), VERSION, message.TYPE, 0, request_id & 0xFFFFFFFF) + body
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """A whole frame other than a Block (whose head comes as :class:`BlockHeader`)."""
-
-    type: int
-    request_id: int
-    body: bytes
+    return frame_bytes(LIMITS, message.TYPE, request_id, message.encode_body(), type(message).__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,7 +546,7 @@ def decode(frame: Frame) -> Message:
     if cls is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type 0x{frame.type:02x}",
                             request_id=frame.request_id)
-    reader = _Reader(frame.body, cls.__name__)
+    reader = BodyReader(frame.body, cls.__name__, LIMITS)
     try:
         message = cls.decode_body(reader)
         reader.end()
@@ -762,15 +694,9 @@ class FrameDecoder:
             if not self._gather(HEADER.size):
                 return None
             length, version, type_, flags, request_id = HEADER.unpack(self._head)
-            if version != VERSION:
-                self._fail(ErrorCode.UNSUPPORTED_VERSION,
-                           f"frame version {version}; this side speaks version {VERSION}", request_id)
-            if flags:
-                self._fail(ErrorCode.MALFORMED, f"frame flags 0x{flags:04x} are not defined in version {VERSION}",
-                           request_id)
-            if length > self.max_body:
-                self._fail(ErrorCode.TOO_LARGE, f"frame body of {length} bytes is over the limit of {self.max_body}",
-                           request_id)
+            problem = header_problem(LIMITS, length, version, flags, request_id, self.max_body)
+            if problem is not None:
+                self._fail(problem.code, str(problem), request_id)
             if type_ == Block.TYPE and length > _BLOCK_HEAD_MAX:
                 self._fail(ErrorCode.MALFORMED, f"Block: a head of {length} bytes; at most {_BLOCK_HEAD_MAX}",
                            request_id)
@@ -794,7 +720,7 @@ class FrameDecoder:
             return self._blocks_header(body, request_id)
         if type_ != Block.TYPE:
             return Frame(type_, request_id, body)
-        reader = _Reader(body, "Block")
+        reader = BodyReader(body, "Block", LIMITS)
         try:
             block = Block.decode_body(reader)
             reader.end()
@@ -807,7 +733,7 @@ class FrameDecoder:
         return BlockHeader(request_id, block)
 
     def _blocks_header(self, body: bytes, request_id: int) -> BlocksHeader:
-        reader = _Reader(body, "Blocks")
+        reader = BodyReader(body, "Blocks", LIMITS)
         try:
             heads = Blocks.decode_body(reader).heads
             reader.end()
@@ -858,7 +784,7 @@ class FrameDecoder:
             self._pending_bytes -= len(chunk)
         return len(head) >= n
 
-    def _fail(self, code: ErrorCode, message: str, request_id: int) -> NoReturn:
+    def _fail(self, code: IntEnum, message: str, request_id: int) -> NoReturn:
         problem = ProtocolError(code, message, fatal=True, request_id=request_id)
         self._broken = problem
         self._pending.clear()

@@ -313,3 +313,22 @@ def test_a_bucket_moved_again_within_the_grace_is_asked_of_all_its_old_homes_unt
         assert plan.old_homes(bucket, now=10) == ("b",)
     assert plan.expire(now=15) == len(second) and not plan.moving
     assert all(plan.old_homes(m.bucket, now=15) == () for m in second)
+
+
+# -- listings in parts ----------------------------------------------------------------------------
+
+def test_a_listing_in_parts_is_whole_only_at_its_last_part_and_a_part_out_of_order_abandons_it() -> None:
+    from kvcached.cluster.listing import OUT_OF_ORDER, PartedListings
+
+    listings = PartedListings()
+    assert listings.part("a", 7, 0, False, [b"1"]) is None
+    assert listings.part("b", 3, 0, True, [b"x"]) == {b"x"}             # one part: whole at once
+    assert listings.part("a", 7, 1, False, [b"2"]) is None
+    assert listings.part("a", 7, 2, True, [b"3"]) == {b"1", b"2", b"3"}
+    assert listings.part("a", 7, 3, True, []) is OUT_OF_ORDER           # nothing open any more
+    assert listings.part("a", 8, 0, False, [b"4"]) is None
+    assert listings.part("a", 9, 1, True, [b"5"]) is OUT_OF_ORDER       # another listing's part: abandoned
+    assert listings.part("a", 8, 1, True, [b"5"]) is OUT_OF_ORDER
+    assert listings.part("a", 10, 0, False, []) is None
+    listings.forget("a")
+    assert listings.part("a", 10, 1, True, []) is OUT_OF_ORDER
