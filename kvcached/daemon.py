@@ -136,7 +136,7 @@ class Daemon(Succession):
         self._handed_over = False                         # the successor owns the sockets now
         self._winding: asyncio.Future[None] | None = None   # the wind-down, once (a stop, or a handover)
         self._handover_done: asyncio.Future[dict[str, Any]] | None = None
-        self._exit_code = 0
+        self.exit_code = 0
         self.restart_with: dict[str, int] = {}            # files to start this process again with (see serve)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -312,7 +312,7 @@ class Daemon(Succession):
                                f"{exc}") from None
 
         def changed(_: Change) -> None:
-            peers.apply_membership({name: (m.host, m.quic_port) for name, m in view.members.items()})
+            peers.apply_membership({name: (m.host, m.quic_port) for name, m in view.members.items()}, c.name)
 
         try:
             tls = [Path(f).read_bytes() if f else None for f in (c.etcd_ca, c.etcd_cert, c.etcd_key)]
@@ -835,7 +835,7 @@ def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeove
     async def main() -> tuple[int, dict[str, int]]:
         daemon = Daemon(config, reload, takeover=takeover, argv=argv)
         await daemon.run()
-        return daemon._exit_code, daemon.restart_with
+        return daemon.exit_code, daemon.restart_with
 
     try:
         code, restart_with = uvloop.run(main())

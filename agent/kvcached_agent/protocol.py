@@ -133,19 +133,19 @@ class Hello:
     layer_block_bytes: int          # bytes of one block of one layer (a cross-layer block: times num_layers)
     namespace: bytes = b""
     version: int = VERSION
-    _FIXED: ClassVar[struct.Struct] = struct.Struct("<IIQ")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<IIQ")
 
     def encode_body(self) -> bytes:
         return (_U16.pack(self.version) + _text(self.agent_id, "agent_id") + _text(self.model, "model")
                 + _text(self.dtype, "dtype") + _text(self.namespace, "namespace")
-                + self._FIXED.pack(self.block_tokens, self.num_layers, self.layer_block_bytes))
+                + self.FIXED.pack(self.block_tokens, self.num_layers, self.layer_block_bytes))
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Hello":
         version = r.u16()
         agent_id, model, dtype = r.text("agent_id"), r.text("model"), r.text("dtype")
         namespace = r.raw("namespace")
-        block_tokens, num_layers, layer_block_bytes = r.unpack(cls._FIXED)
+        block_tokens, num_layers, layer_block_bytes = r.unpack(cls.FIXED)
         return cls(agent_id, model, dtype, block_tokens, num_layers, layer_block_bytes, namespace, version)
 
 
@@ -293,15 +293,15 @@ class Welcome:
     heartbeat_ms: int
     daemon_version: str
     version: int = VERSION
-    _FIXED: ClassVar[struct.Struct] = struct.Struct("<HQQQI")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<HQQQI")
 
     def encode_body(self) -> bytes:
-        return (self._FIXED.pack(self.version, self.session, self.arena_bytes, self.max_block_bytes, self.heartbeat_ms)
+        return (self.FIXED.pack(self.version, self.session, self.arena_bytes, self.max_block_bytes, self.heartbeat_ms)
                 + _text(self.daemon_version, "daemon_version"))
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Welcome":
-        version, session, arena, max_block, heartbeat = r.unpack(cls._FIXED)
+        version, session, arena, max_block, heartbeat = r.unpack(cls.FIXED)
         return cls(session, arena, max_block, heartbeat, r.text("daemon_version"), version)
 
 
@@ -350,14 +350,14 @@ class LookupResult:
     ram: int
     ssd: int
     peer: int
-    _FIXED: ClassVar[struct.Struct] = struct.Struct("<5I")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<5I")
 
     def encode_body(self) -> bytes:
-        return self._FIXED.pack(self.longest, self.gpu, self.ram, self.ssd, self.peer)
+        return self.FIXED.pack(self.longest, self.gpu, self.ram, self.ssd, self.peer)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "LookupResult":
-        return cls(*r.unpack(cls._FIXED))
+        return cls(*r.unpack(cls.FIXED))
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,14 +383,14 @@ class Released:
     TYPE: ClassVar[int] = 0x86
     released: int
     unknown: int
-    _FIXED: ClassVar[struct.Struct] = struct.Struct("<II")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<II")
 
     def encode_body(self) -> bytes:
-        return self._FIXED.pack(self.released, self.unknown)
+        return self.FIXED.pack(self.released, self.unknown)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Released":
-        return cls(*r.unpack(cls._FIXED))
+        return cls(*r.unpack(cls.FIXED))
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,7 +480,7 @@ def decode(frame: Frame) -> Message:
         if n <= MAX_BATCH and len(body) == 8 + n * DIGEST:
             return Lookup(layer, [body[i:i + DIGEST] for i in range(8, len(body), DIGEST)])
     elif frame.type == LookupResult.TYPE and len(body) == 20:
-        return LookupResult(*LookupResult._FIXED.unpack(body))
+        return LookupResult(*LookupResult.FIXED.unpack(body))
     cls = MESSAGES.get(frame.type)
     if cls is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type 0x{frame.type:02x}")

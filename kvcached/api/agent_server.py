@@ -55,6 +55,10 @@ class AgentServer:
         self._server: asyncio.base_events.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
+    def next_session(self) -> int:
+        """A new agent session's number (unique while this daemon runs)."""
+        return next(self._sessions)
+
     async def start(self, fd: int | None = None) -> None:
         """Bind (mode and group set before listen), listen, start the heartbeat watchdog. With
         ``fd``: accept on that listening socket instead (a predecessor's, passed at an upgrade:
@@ -239,7 +243,7 @@ class AgentConnection(asyncio.Protocol):
             self.end(f"{server.max_agents} agents are connected already (agent.max_agents)",
                      p.ErrorCode.RESOURCE_EXHAUSTED, request_id)
             return
-        session = AgentSession(server.store, next(server._sessions), message, self.peer)
+        session = AgentSession(server.store, server.next_session(), message, self.peer)
         welcome = p.encode(p.Welcome(session.session, server.arena_bytes, server.store.max_block_bytes,
                                      int(server.heartbeat_s * 1000), __version__), request_id)
         try:

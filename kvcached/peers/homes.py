@@ -1,8 +1,9 @@
 """Block location in a cluster, for the peer tier: the I/O side of kvcached.cluster.location.
 
 In a cluster (``[cluster] etcd`` set) no daemon keeps every other daemon's block list. Each
-block has ``replicas`` home nodes (kvcached.cluster.placement); :class:`HomeLocator` plays the
-three roles of a daemon for the peer tier (kvcached.peers.tier.PeerTier):
+block has ``replicas`` home nodes (kvcached.cluster.placement); :class:`HomeLocator`, the
+cluster's :class:`~kvcached.peers.locator.Locator`, plays the three roles of a daemon for the
+peer tier:
 
 - as a holder, it routes what the index gained and dropped to the homes of those blocks, as
   the same Announce and Drop frames a static cluster sends every peer, and on each (re)connection
@@ -22,15 +23,14 @@ import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from kvcached.cluster.location import HomeRecords, LookupPlan, Publisher
 from kvcached.cluster.placement import Moves, Placement
 from kvcached.peers import protocol as p
 from kvcached.peers.directory import wire_key
-
-if TYPE_CHECKING:
-    from kvcached.peers.tier import PeerLink, PeerTier
+from kvcached.peers.links import PeerLinks
+from kvcached.peers.locator import Holders, Locator, apply_event
 
 __all__ = ["HomeLocator", "LocatorCounters", "LOCATION_TTL_S"]
 
@@ -50,11 +50,16 @@ class LocatorCounters:
     forgotten: int = 0           # records dropped because their holder left
 
 
-class HomeLocator:
-    """See the module. ``me`` is this daemon's member name."""
+class HomeLocator(Locator):
+    """See the module. ``me`` is this daemon's member name; ``present_keys`` lists this daemon's
+    blocks (called in a worker thread); ``hedge_s`` and ``pull_timeout_s`` as the pulls'."""
 
-    def __init__(self, tier: "PeerTier", me: str, replicas: int, bits: int) -> None:
-        self.tier, self.me = tier, me
+    asks_homes = True
+
+    def __init__(self, links: PeerLinks, me: str, replicas: int, bits: int, present_keys: Callable[[], list[bytes]],
+                 hedge_s: float = 0.05, pull_timeout_s: float = 2.0) -> None:
+        self.links, self.me, self.present_keys = links, me, present_keys
+        self.hedge_s, self.pull_timeout_s = hedge_s, pull_timeout_s
         self.placement = Placement(replicas, bits)
         self.placement.set_members({me})
         self.records = HomeRecords(self.placement.bucket_of_key)
@@ -65,15 +70,17 @@ class HomeLocator:
 
     # -- membership --
 
-    def members_changed(self, names: Iterable[str], left: Sequence[str]) -> Moves:
-        """The members are now ``names`` (this daemon among them), ``left`` having left: their
-        records go at once; returns the buckets that moved (for :meth:`republish`)."""
-        for name in left:
+    def members_changed(self, names: set[str], gone: Sequence[str]) -> None:
+        """The members are now ``names`` (this daemon among them or not), ``gone`` having left:
+        their records go at once; the homes of the buckets that moved hear of this daemon's
+        blocks there (:meth:`republish`, in a task)."""
+        for name in gone:
             self.counters.forgotten += self.records.forget(name)
             self.publisher.forget_home(name)
         moves = self.placement.set_members(set(names) | {self.me})
-        self.plan.moved(moves, self.tier.clock())
-        return moves
+        self.plan.moved(moves, self.links.clock())
+        if len(moves):
+            self.links.spawn(self.republish(moves))
 
     async def republish(self, moves: Moves) -> None:
         """Announce this daemon's blocks of the buckets that gained a home to that home (and
@@ -82,16 +89,16 @@ class HomeLocator:
         if not moves.gains().any():
             return
         loop = asyncio.get_running_loop()
-        keys = await loop.run_in_executor(None, self.tier.store.index.present_wire_keys)
+        keys = await loop.run_in_executor(None, self.present_keys)
         due = await loop.run_in_executor(None, self.publisher.announcements_for, moves, keys)
         for home, home_keys in due.items():
             self.publisher.pending[home].update(dict.fromkeys(home_keys, True))
             self.counters.republished += len(home_keys)
         self.distribute()
 
-    def expire(self) -> None:
+    def tick(self) -> None:
         """After a move's grace: drop the records of buckets this daemon no longer homes."""
-        if self.plan.expire(self.tier.clock()):
+        if self.plan.expire(self.links.clock()):
             placement, me = self.placement, self.me
             self.records.keep_buckets(lambda bucket: me in placement.homes_of(bucket))
 
@@ -106,7 +113,7 @@ class HomeLocator:
         """Move what is due to each home into its link's pending announcements (sent by the
         tier's announcer); what is due to this daemon goes into its own records; what is due
         to a home not connected now is dropped: the listing sent on connection covers it."""
-        links = self.tier.links
+        links = self.links
         for home in self.publisher.due():
             batch = self.publisher.take(home)
             if home == self.me:
@@ -114,16 +121,22 @@ class HomeLocator:
                 self.records.dropped(home, [k for k, held in batch.items() if not held])
                 continue
             link = links.get(home)
-            if link is not None and link.client is not None and link.client.verified:
+            if link is not None and link.verified:
                 link.pending.update(batch)     # during a listing too: sent after it (it may predate them)
 
-    def listing_for(self, link: "PeerLink", keys: Sequence[bytes]) -> list[bytes]:
-        """Of this daemon's blocks (``keys``), those ``link``'s daemon is a home of."""
-        homes_of, bucket_of, name = self.placement.homes_of, self.placement.bucket_of_key, link.name
-        return [key for key in keys if name in homes_of(bucket_of(key))]
+    def listing_for(self, peer: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Of this daemon's blocks (``keys``), those ``peer`` is a home of."""
+        homes_of, bucket_of = self.placement.homes_of, self.placement.bucket_of_key
+        return [key for key in keys if peer in homes_of(bucket_of(key))]
+
+    async def start(self) -> None:
+        """This daemon's own blocks homed here, as its own records (the index read in a worker
+        thread)."""
+        keys = await asyncio.get_running_loop().run_in_executor(None, self.present_keys)
+        self.own_listing(keys)
 
     def own_listing(self, keys: Sequence[bytes]) -> None:
-        """This daemon's own blocks homed here, as its own records (at start, after a listing)."""
+        """This daemon's own blocks homed here, as its own records."""
         homes_of, bucket_of, me = self.placement.homes_of, self.placement.bucket_of_key, self.me
         self.records.listing(me, 0, 0, True, [key for key in keys if me in homes_of(bucket_of(key))])
 
@@ -131,18 +144,13 @@ class HomeLocator:
 
     def event(self, peer: str, message: p.Announce | p.Drop | p.Snapshot, request_id: int) -> bool:
         """A holder's announcement or listing part; False for a listing part out of order."""
-        keys = [wire_key(d, layer) for d, layer in message.addresses]
-        if isinstance(message, p.Announce):
-            self.records.gained(peer, keys)
-        elif isinstance(message, p.Drop):
-            self.records.dropped(peer, keys)
-        else:
-            return self.records.listing(peer, request_id, message.part, message.last, keys)
-        return True
+        r = self.records
+        return apply_event(message, request_id, lambda keys: r.gained(peer, keys), lambda keys: r.dropped(peer, keys),
+                           lambda listing, part, last, keys: r.listing(peer, listing, part, last, keys))
 
-    def answer(self, request: p.Locate) -> p.Located:
+    def answer_locate(self, request: p.Locate) -> p.Located:
         self.counters.served_locates += 1
-        live = self.tier.links
+        live = self.links.links
         return p.Located([tuple(h for h in self.records.holders(wire_key(d, layer))
                                 if h in live or h == self.me)[:p.MAX_HOLDERS] for d, layer in request.addresses])
 
@@ -152,9 +160,20 @@ class HomeLocator:
         """The holders the homes named for ``key`` (this daemon left out), or None where none
         was asked within LOCATION_TTL_S."""
         entry = self._cache.get(key)
-        if entry is None or self.tier.clock() - entry[1] > LOCATION_TTL_S:
+        if entry is None or self.links.clock() - entry[1] > LOCATION_TTL_S:
             return None
         return entry[0]
+
+    def holders(self) -> Holders:
+        links, now = self.links, self.links.clock()
+        return lambda key: [name for name in self.known(key) or () if links.usable(name, now)]
+
+    def unasked(self, key: bytes) -> bool:
+        """The homes of ``key`` were not asked within LOCATION_TTL_S: a fetch asks them."""
+        return self.known(key) is None and bool(self.links.links)
+
+    def blocks_of(self, peer: str) -> int:
+        return 0                       # a cluster keeps no copy of what each peer holds
 
     async def locate(self, keys: Sequence[bytes]) -> None:
         """Ask the homes of ``keys`` not known now who holds them, and keep the answers: one
@@ -176,14 +195,14 @@ class HomeLocator:
             return bool(found.get(key)) or (key in answered and not outstanding[key])
 
         def ask(ks: list[bytes]) -> None:
-            for home, home_keys in self.plan.plan(ks, self._usable, self.tier.clock(), asked).items():
+            for home, home_keys in self.plan.plan(ks, self._usable, self.links.clock(), asked).items():
                 for key in home_keys:
                     outstanding[key] += 1
                 tasks[asyncio.ensure_future(self._ask(home, home_keys))] = (home, home_keys)
 
         ask(wanted)
         loop = asyncio.get_running_loop()
-        hedge_at: float | None = loop.time() + self.tier.settings.hedge_s
+        hedge_at: float | None = loop.time() + self.hedge_s
         try:
             while tasks and not all(settled(k) for k in wanted):
                 if hedge_at is not None:
@@ -213,7 +232,7 @@ class HomeLocator:
         finally:
             for task in tasks:
                 task.cancel()
-            now = self.tier.clock()
+            now = self.links.clock()
             for key in wanted:
                 if key in answered:
                     self._remember(key, tuple(sorted(found.get(key, set()) - {self.me})), now)
@@ -221,31 +240,28 @@ class HomeLocator:
     async def _ask(self, home: str, keys: list[bytes]) -> list[tuple[str, ...]]:
         if home == self.me:
             return self.records.locate(keys)
-        tier = self.tier
-        link = tier.links[home]
+        links = self.links
+        link = links.links[home]
         self.counters.locates += 1
         self.counters.located += len(keys)
         addresses = [(k[:32], int.from_bytes(k[32:36], "little")) for k in keys]
         try:
-            client = await tier._client(link, tier.clock() + tier.settings.pull_timeout_s)
-            answer = await tier._over_lane(link, client, lambda lane, key, setup_s: lane.locate(addresses, key, setup_s),
-                                           tier.settings.pull_timeout_s / 2)
+            client = await links.client(link, links.clock() + self.pull_timeout_s)
+            answer = await links.over_lane(link, client, lambda lane, key, setup_s: lane.locate(addresses, key, setup_s),
+                                           self.pull_timeout_s / 2)
             if answer is None:                 # no lane (quic mode, or it failed a while ago): over QUIC
                 answer = await client.locate(addresses)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self.counters.locate_failures += 1
-            tier._dial_failed(link, exc)
+            links.dial_failed(link, exc)
             raise
         link.health.succeeded()
         return answer
 
     def _usable(self, name: str) -> bool:
-        if name == self.me:
-            return True
-        link = self.tier.links.get(name)
-        return link is not None and link.health.usable(self.tier.clock())
+        return name == self.me or self.links.usable(name, self.links.clock())
 
     def _remember(self, key: bytes, holders: tuple[str, ...], now: float) -> None:
         cache = self._cache

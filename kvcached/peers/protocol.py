@@ -122,16 +122,16 @@ class Pull:
     TYPE: ClassVar[int] = 0x01
     addresses: Sequence[tuple[bytes, int]]
     max_payload: int = MAX_PAYLOAD      # larger payloads are answered Miss(TOO_LARGE)
-    _FIXED: ClassVar[struct.Struct] = struct.Struct("<Q")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<Q")
 
     def encode_body(self) -> bytes:
         if not 0 < self.max_payload <= MAX_PAYLOAD:
             raise ValueError(f"Pull: max_payload {self.max_payload} is outside 1..{MAX_PAYLOAD}")
-        return self._FIXED.pack(self.max_payload) + _addresses(self.addresses, "Pull")
+        return self.FIXED.pack(self.max_payload) + _addresses(self.addresses, "Pull")
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Pull":
-        (max_payload,) = r.unpack(cls._FIXED)
+        (max_payload,) = r.unpack(cls.FIXED)
         if not 0 < max_payload <= MAX_PAYLOAD:
             raise ProtocolError(ErrorCode.MALFORMED, f"Pull: max_payload {max_payload} is outside 1..{MAX_PAYLOAD}")
         return cls(r.entries(_ADDRESS), max_payload)
@@ -226,14 +226,14 @@ class Snapshot:
     part: int
     last: bool
     addresses: Sequence[tuple[bytes, int]]
-    _FIXED: ClassVar[struct.Struct] = struct.Struct("<IB")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<IB")
 
     def encode_body(self) -> bytes:
-        return self._FIXED.pack(self.part, 1 if self.last else 0) + _addresses(self.addresses, "Snapshot")
+        return self.FIXED.pack(self.part, 1 if self.last else 0) + _addresses(self.addresses, "Snapshot")
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Snapshot":
-        part, last = r.unpack(cls._FIXED)
+        part, last = r.unpack(cls.FIXED)
         if last not in (0, 1):
             raise ProtocolError(ErrorCode.MALFORMED, f"Snapshot: last is {last}, not 0 or 1")
         return cls(part, last == 1, r.entries(_ADDRESS))
@@ -253,7 +253,7 @@ class Block:
     model: str
     payload_length: int
     checksum: bytes                 # BLAKE3-256 of the payload (kvcached_agent.integrity)
-    _FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIQ{CHECKSUM_BYTES}s")
+    FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIQ{CHECKSUM_BYTES}s")
 
     @classmethod
     def of(cls, digest: bytes, layer: int, model: str, payload: bytes | bytearray | memoryview) -> "Block":
@@ -269,12 +269,12 @@ class Block:
             raise ValueError(f"Block: payload_length {self.payload_length} is outside 1..{MAX_PAYLOAD}")
         if len(self.checksum) != CHECKSUM_BYTES:
             raise ValueError(f"Block: the checksum is {len(self.checksum)} bytes, not {CHECKSUM_BYTES}")
-        return (self._FIXED.pack(_digest(self.digest, "Block"), self.layer, self.payload_length, self.checksum)
+        return (self.FIXED.pack(_digest(self.digest, "Block"), self.layer, self.payload_length, self.checksum)
                 + _text(self.model, "model"))
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Block":
-        digest, layer, length, checksum = r.unpack(cls._FIXED)
+        digest, layer, length, checksum = r.unpack(cls.FIXED)
         if not 0 < length <= MAX_PAYLOAD:
             code = ErrorCode.MALFORMED if length == 0 else ErrorCode.TOO_LARGE
             raise ProtocolError(code, f"Block: payload_length {length} is outside 1..{MAX_PAYLOAD}")
@@ -289,14 +289,14 @@ class Miss:
     digest: bytes
     layer: int
     reason: int
-    _FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIB")
+    FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIB")
 
     def encode_body(self) -> bytes:
-        return self._FIXED.pack(_digest(self.digest, "Miss"), self.layer, self.reason)
+        return self.FIXED.pack(_digest(self.digest, "Miss"), self.layer, self.reason)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Miss":
-        return cls(*r.unpack(cls._FIXED))
+        return cls(*r.unpack(cls.FIXED))
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,16 +408,16 @@ class LaneKey:
     TYPE: ClassVar[int] = 0x84
     key_id: bytes
     key: bytes
-    _FIXED: ClassVar[struct.Struct] = struct.Struct("<16s32s")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<16s32s")
 
     def encode_body(self) -> bytes:
         if len(self.key_id) != 16 or len(self.key) != 32:
             raise ValueError("LaneKey: the key id is 16 bytes and the key 32")
-        return self._FIXED.pack(self.key_id, self.key)
+        return self.FIXED.pack(self.key_id, self.key)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "LaneKey":
-        return cls(*r.unpack(cls._FIXED))
+        return cls(*r.unpack(cls.FIXED))
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,16 +428,16 @@ class Seal:
 
     TYPE: ClassVar[int] = 0x20
     tag: bytes
-    _FIXED: ClassVar[struct.Struct] = struct.Struct("<32s")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<32s")
 
     def encode_body(self) -> bytes:
         if len(self.tag) != 32:
             raise ValueError(f"Seal: the tag is {len(self.tag)} bytes, not 32")
-        return self._FIXED.pack(self.tag)
+        return self.FIXED.pack(self.tag)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Seal":
-        return cls(*r.unpack(cls._FIXED))
+        return cls(*r.unpack(cls.FIXED))
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,7 +458,7 @@ class Error:
         return cls(code, r.text("message"))
 
 
-_BLOCK_HEAD_MAX = Block._FIXED.size + 2 + MAX_TEXT
+_BLOCK_HEAD_MAX = Block.FIXED.size + 2 + MAX_TEXT
 
 Message = Union[Pull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located,
                 LaneKey, Seal, Error]

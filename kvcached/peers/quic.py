@@ -67,15 +67,15 @@ class PeerServerProtocol(QuicConnectionProtocol):
         self._stopped: set[int] = set()        # answers the peer asked us to stop sending
         self._gone = False
         self.on_verified: Callable[[], None] = lambda: None   # the server's handshake table listens
-        initialize = quic._initialize
+        initialize = quic._initialize  # noqa: SLF001 (aioquic: no public API)
 
         def ask_for_certificate(peer_cid: bytes) -> None:   # aioquic asks only with this flag
             initialize(peer_cid)
-            quic.tls._request_client_certificate = True
+            quic.tls._request_client_certificate = True  # noqa: SLF001 (aioquic: no public API)
 
-        quic._initialize = ask_for_certificate            # type: ignore[method-assign]
-        quic._session_ticket_fetcher = self._fetch_ticket
-        quic._session_ticket_handler = self._ticket_issued
+        quic._initialize = ask_for_certificate  # type: ignore[method-assign]  # noqa: SLF001 (aioquic: no public API)
+        quic._session_ticket_fetcher = self._fetch_ticket  # noqa: SLF001 (aioquic: no public API)
+        quic._session_ticket_handler = self._ticket_issued  # noqa: SLF001 (aioquic: no public API)
 
     def _fetch_ticket(self, label: bytes) -> SessionTicket | None:
         entry = self.tickets.take(label)
@@ -84,7 +84,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
         self.peer = entry[1]
         # A resumed handshake carries no certificate: aioquic would wait for one it never asked
         # for and kill the connection. The ticket stands for the verified peer instead.
-        self._quic.tls._request_client_certificate = False
+        self._quic.tls._request_client_certificate = False  # noqa: SLF001 (aioquic: no public API)
         return entry[0]
 
     def _ticket_issued(self, ticket: SessionTicket) -> None:
@@ -116,7 +116,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
         """Answer bytes handed to aioquic and not yet sent, over every stream being answered.
         Reads the streams' highest sent offset (aioquic has no public call for it); a sent byte
         waits in aioquic's buffer only until it is acknowledged, which the congestion window bounds."""
-        streams = self._quic._streams
+        streams = self._quic._streams  # noqa: SLF001 (aioquic: no public API)
         return sum(written - (streams[sid].sender.highest_offset if sid in streams else written)
                    for sid, written in self._written.items())
 
@@ -153,11 +153,11 @@ class PeerServerProtocol(QuicConnectionProtocol):
         if not event.session_resumed:
             tls = self._quic.tls
             try:
-                self.peer = self.auth.check_client(tls._peer_certificate, tls._peer_certificate_chain)
+                self.peer = self.auth.check_client(tls._peer_certificate, tls._peer_certificate_chain)  # noqa: SLF001 (aioquic: no public API)
             except PeerRefused as exc:
                 log.warning("peer refused", extra={"fields": {"side": "server", "reason": str(exc),
-                                                              "address": str(self._quic._network_paths[0].addr)
-                                                              if self._quic._network_paths else ""}})
+                                                              "address": str(self._quic._network_paths[0].addr)  # noqa: SLF001 (aioquic: no public API)
+                                                              if self._quic._network_paths else ""}})  # noqa: SLF001 (aioquic: no public API)
                 self.peer = None
                 _close(self._quic, str(exc))
                 return
@@ -315,7 +315,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
             if not event.session_resumed:    # a resumed session has no certificate; the ticket stands for it
                 tls = self._quic.tls
                 try:
-                    self.auth.check_server(tls._peer_certificate, tls._peer_certificate_chain, self.peer)
+                    self.auth.check_server(tls._peer_certificate, tls._peer_certificate_chain, self.peer)  # noqa: SLF001 (aioquic: no public API)
                 except PeerRefused as exc:
                     self.refused = str(exc)
                     log.warning("peer refused", extra={"fields": {"side": "client", "peer": self.peer,
@@ -324,7 +324,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
                     self._fail_all(PeerGone(str(exc)))
                     return
             self.verified = True
-            if not event.early_data_accepted or self._quic._retry_count:
+            if not event.early_data_accepted or self._quic._retry_count:  # noqa: SLF001 (aioquic: no public API)
                 self._send_early_again()
             if not self.ready.done():
                 self.ready.set_result(None)

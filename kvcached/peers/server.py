@@ -179,18 +179,18 @@ class GuardedQuicServer(QuicServer):
         for cid in self._cids.pop(protocol, ()):
             if self._protocols.get(cid) is protocol:
                 del self._protocols[cid]
-        timer = protocol._timer
+        timer = protocol._timer  # noqa: SLF001 (aioquic: no public API)
         if timer is not None:
             timer.cancel()
-            protocol._timer = None
-        if protocol._transmit_task is not None:
-            protocol._transmit_task.cancel()
-            protocol._transmit_task = None
-        protocol._closed.set()
+            protocol._timer = None  # noqa: SLF001 (aioquic: no public API)
+        if protocol._transmit_task is not None:  # noqa: SLF001 (aioquic: no public API)
+            protocol._transmit_task.cancel()  # noqa: SLF001 (aioquic: no public API)
+            protocol._transmit_task = None  # noqa: SLF001 (aioquic: no public API)
+        protocol._closed.set()  # noqa: SLF001 (aioquic: no public API)
         # aioquic's connection and its TLS context refer to each other (callbacks), so the
         # collector would free them only at its next full pass: a flood that keeps displacing
         # handshakes would pile them up meanwhile. Nothing runs on this connection any more.
-        protocol._quic.__dict__.clear()
+        protocol._quic.__dict__.clear()  # noqa: SLF001 (aioquic: no public API)
 
     def _arm_sweep(self) -> None:
         deadline = self.table.next_deadline()

@@ -299,6 +299,19 @@ class Store:
         self._settle(a.key for a in addresses)
         return self.reader.stored_bytes(addresses)
 
+    def present_wire_keys(self) -> list[bytes]:
+        """Every block this daemon holds, as the peer protocol's 36-byte wire keys (from the
+        index; a scan: call it off the event loop)."""
+        return self.index.present_wire_keys()
+
+    def models(self, keys: list[bytes]) -> list[str | None]:
+        """The model of each block of ``keys`` (None: not indexed)."""
+        return self.index.models(keys)
+
+    def view(self, block: RamBlock) -> memoryview:
+        """A view of a pinned block's bytes in the arena (released with release_view)."""
+        return self.ram.view(block)
+
     def local_prefix(self, digests: Sequence[bytes], layer: int) -> int:
         self._settle_chain(digests, layer)
         return self.reader.local_prefix(digests, layer)

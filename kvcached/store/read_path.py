@@ -243,10 +243,10 @@ class ReadPath(Room):
         wanted = list({a.key: a for a, t in zip(absent, tiers) if t & Tier.SSD}.values())
         remote: list[BlockAddress] = []
         if peers and tier is not None:
-            usable = tier.usable_mask()
+            may_hold = tier.may_hold()
             fetching = self.inflight.fetching
             remote = list({a.key: a for a, t in zip(absent, tiers)
-                           if not t & Tier.SSD and (a.key in fetching or tier.holds(a, usable))}.values())
+                           if not t & Tier.SSD and (a.key in fetching or may_hold(a))}.values())
         if not wanted and not remote:
             return [], reached
         wait_s = self.settings.prefetch.wait_s() if peers else None

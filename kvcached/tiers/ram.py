@@ -73,23 +73,19 @@ class RamBlock:
 
     @property
     def refs(self) -> int:
-        tier = self.tier
-        return tier._refs[self.id] if tier._gen[self.id] == self.gen else 0
+        return self.tier.refs_of(self)
 
     @property
     def clean(self) -> bool:
-        tier = self.tier
-        return tier._gen[self.id] == self.gen and tier._clean[self.id] == 1
+        return self.tier.is_clean(self)
 
     @property
     def hits_to_ssd(self) -> int:
-        tier = self.tier
-        return tier._hits[self.id] if tier._gen[self.id] == self.gen else 0
+        return self.tier.hits_of(self)
 
     @hits_to_ssd.setter
     def hits_to_ssd(self, hits: int) -> None:
-        if self.tier._gen[self.id] == self.gen:
-            self.tier._hits[self.id] = hits
+        self.tier.set_hits(self, hits)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, RamBlock) and other.id == self.id and other.gen == self.gen
@@ -212,6 +208,21 @@ class RamTier:
     def holds(self, block: RamBlock) -> bool:
         """``block``'s block (committed or not) is still in the tier."""
         return block.tier is self and self._gen[block.id] == block.gen
+
+    # A handle's state, read from the tier's columns (0 / False once its block has left).
+
+    def refs_of(self, block: RamBlock) -> int:
+        return self._refs[block.id] if self._gen[block.id] == block.gen else 0
+
+    def is_clean(self, block: RamBlock) -> bool:
+        return self._gen[block.id] == block.gen and self._clean[block.id] == 1
+
+    def hits_of(self, block: RamBlock) -> int:
+        return self._hits[block.id] if self._gen[block.id] == block.gen else 0
+
+    def set_hits(self, block: RamBlock, hits: int) -> None:
+        if self._gen[block.id] == block.gen:
+            self._hits[block.id] = hits
 
     def committed(self, block: RamBlock) -> bool:
         """``block``'s block is still in the tier and committed (what ``get(block.key) ==

@@ -106,7 +106,7 @@ def test_pulls_go_over_the_lane_bit_exact(tmp_path: Path) -> None:
         async with cluster(tmp_path, (A, B)) as c:
             a, b, n = c[A], c[B], 48
             await a.store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == n, "announcements")
             await get_exact(b, range(n))
             assert b.t.counters.lane_pulls >= 1 and b.t.counters.lane_fallbacks == 0
             assert b.t.counters.pulled == n and a.t.lane_server is not None
@@ -123,7 +123,7 @@ def test_a_lane_that_cannot_be_had_falls_back_to_quic_and_is_counted(tmp_path: P
             assert a.t.lane_server is not None
             await a.t.lane_server.stop()                 # A's lane is gone; its QUIC is not
             await a.store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == n, "announcements")
             await get_exact(b, range(n))
             assert b.t.counters.lane_fallbacks == 1 and b.t.counters.lane_pulls == 0
             assert b.t.counters.pulled == n and b.t.counters.failed == 0
@@ -211,7 +211,7 @@ def test_a_lane_cut_mid_payload_leaves_no_block_and_quic_brings_it(tmp_path: Pat
         async with cluster(tmp_path, (A, B)) as c:
             a, b, n = c[A], c[B], 8
             await a.store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == n, "announcements")
             server = a.t.lane_server
             assert server is not None
 
@@ -448,7 +448,7 @@ def test_a_mac_lane_client_refuses_changed_and_replayed_answers(tmp_path: Path, 
             after_handshake = m.CHALLENGE.size
             seal_frame = p.HEADER.size + m.TAG_BYTES
             head_at = after_handshake + seal_frame + p.HEADER.size + 4   # the first head in the Blocks frame's body
-            payload_at = head_at + 2 * (p.Block._FIXED.size + 2 + len("m"))  # after both heads: fixed part, model text
+            payload_at = head_at + 2 * (p.Block.FIXED.size + 2 + len("m"))  # after both heads: fixed part, model text
 
             def flip(at: int) -> Callable[[int, int, bytes], bytes]:
                 def tamper(index: int, offset: int, data: bytes) -> bytes:
@@ -505,7 +505,7 @@ def test_a_mac_key_comes_over_quic_and_dies_with_the_session(tmp_path: Path, mod
         async with cluster(tmp_path, (A, B)) as c:
             a, b, n = c[A], c[B], 4
             await a.store.put(items(range(2 * n)))
-            await until(lambda: b.t.directory.count(A) == 2 * n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == 2 * n, "announcements")
             await get_exact(b, range(n))
             keys = a.t.lane_keys
             assert keys is not None and len(keys) == 1 and b.t.counters.lane_pulls >= 1

@@ -164,7 +164,7 @@ def digests(ns: range) -> list[bytes]:
 
 
 def holders(node: Node, n: int) -> list[str]:
-    return node.t.directory.holders(wire_key(address(n).digest, 0), ALL)
+    return node.t.locator.directory.holders(wire_key(address(n).digest, 0), ALL)
 
 
 async def get_exact(node: Node, ns: range) -> None:
@@ -183,7 +183,7 @@ def test_put_announced_then_pulled(tmp_path: Path, mirror: bool) -> None:
             b, n = c[B], 4
             b.store.mirror_pulls = mirror
             await c[A].store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n and c[C].t.directory.count(A) == n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == n and c[C].t.locator.directory.count(A) == n, "announcements")
             r = b.store.lookup(digests(range(n)), 0)
             assert (r.ram, r.peer, r.longest) == (0, n, n)
             await get_exact(b, range(n))
@@ -191,7 +191,7 @@ def test_put_announced_then_pulled(tmp_path: Path, mirror: bool) -> None:
             assert c[A].t.counters.served == n
             if mirror:
                 assert b.store.lookup(digests(range(n)), 0).ram == n
-                await until(lambda: c[C].t.directory.count(B) == n, "C learns that B holds them")
+                await until(lambda: c[C].t.locator.directory.count(B) == n, "C learns that B holds them")
                 assert holders(c[C], 0) == [A, B]
                 await get_exact(b, range(n))           # served from B's RAM now
                 assert b.t.counters.pulled == n
@@ -200,7 +200,7 @@ def test_put_announced_then_pulled(tmp_path: Path, mirror: bool) -> None:
                 assert all(b.index.get(a.key) is None for a in addrs(range(n)))
                 assert b.ram.used_bytes == 0 and b.ram.slabs.reserved_bytes == 0
                 await asyncio.sleep(0.3)               # several announcement rounds: nothing goes out
-                assert c[C].t.directory.count(B) == 0 and c[A].t.directory.count(B) == 0
+                assert c[C].t.locator.directory.count(B) == 0 and c[A].t.locator.directory.count(B) == 0
     asyncio.run(body())
 
 
@@ -209,18 +209,18 @@ def test_delete_drops_and_snapshot_replaces(tmp_path: Path) -> None:
         async with cluster(tmp_path, (A, B)) as c:
             a, b = c[A], c[B]
             await a.store.put(items(range(6)))
-            await until(lambda: b.t.directory.count(A) == 6, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == 6, "announcements")
             assert await a.store.delete(addrs(range(2))) == (2, 0)
-            await until(lambda: b.t.directory.count(A) == 4, "the Drop")
+            await until(lambda: b.t.locator.directory.count(A) == 4, "the Drop")
             assert holders(b, 0) == holders(b, 1) == [] and holders(b, 2) == [A]
             assert b.store.lookup(digests(range(6)), 0).peer == 0
 
             await c.stop(A)                             # A is away; what it deletes now nobody hears
             assert await a.store.delete(addrs(range(2, 4))) == (2, 0)
             await asyncio.sleep(0.2)
-            assert b.t.directory.count(A) == 4         # old knowledge stands until A's next listing
+            assert b.t.locator.directory.count(A) == 4         # old knowledge stands until A's next listing
             await c.start(A)
-            await until(lambda: b.t.directory.count(A) == 2, "A's snapshot on reconnect")
+            await until(lambda: b.t.locator.directory.count(A) == 2, "A's snapshot on reconnect")
             assert [holders(b, n) for n in range(6)] == [[], [], [], [], [A], [A]]
             assert b.store.lookup(digests(range(4, 6)), 0).peer == 2
     asyncio.run(body())
@@ -234,7 +234,7 @@ def test_lookup_counts_peers_for_a_chain_all_in_ram(tmp_path: Path) -> None:
             a, b = c[A], c[B]
             await a.store.put(items(range(6)))
             await b.store.put(items(range(4)))
-            await until(lambda: b.t.directory.count(A) == 6, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == 6, "announcements")
             assert b.store.lookup(digests(range(4)), 0) == LookupResult(longest=4, ram=4, ssd=0, gpu=0, peer=4)
             assert b.store.lookup(digests(range(6)), 0) == LookupResult(longest=6, ram=4, ssd=0, gpu=0, peer=6)
             assert b.store.lookup(digests(range(6, 8)), 0).peer == 0
@@ -273,7 +273,7 @@ def test_checksum_mismatch_falls_back_to_another_holder(tmp_path: Path) -> None:
             a, b = c[A], c[B]
             await a.store.put(items(range(2)))
             await c[C].store.put(items(range(1)))
-            await until(lambda: b.t.directory.count(A) == 2 and b.t.directory.count(C) == 1, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == 2 and b.t.locator.directory.count(C) == 1, "announcements")
             corrupt(a, 0)
             corrupt(a, 1)
             await get_exact(b, range(1))                 # A's copy fails its checksum, C's is taken
@@ -300,7 +300,7 @@ def test_dead_holder_misses_within_deadline_goes_down_and_comes_back(tmp_path: P
             a, b, n = c[A], c[B], 3
             link = b.t.links[A]
             await a.store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == n, "announcements")
             await c.stop(A)
             for _ in range(2):
                 start = time.monotonic()
@@ -337,7 +337,7 @@ async def held_by_a_and_c(c: Cluster, n: int) -> None:
     """Blocks 0..n-1 put on A and C, and B told of both holders."""
     for name in (A, C):
         await c[name].store.put(items(range(n)))
-    await until(lambda: c[B].t.directory.count(A) == n and c[B].t.directory.count(C) == n, "announcements")
+    await until(lambda: c[B].t.locator.directory.count(A) == n and c[B].t.locator.directory.count(C) == n, "announcements")
 
 
 def test_hedged_pull_asks_the_next_holder(tmp_path: Path) -> None:
@@ -408,7 +408,7 @@ def test_resumed_connection_pulls_with_0rtt(tmp_path: Path, monkeypatch: pytest.
         async with cluster(tmp_path, (A, B)) as c:
             b, link = c[B], c[B].t.links[A]
             await c[A].store.put(items(range(3)))
-            await until(lambda: b.t.directory.count(A) == 3 and link.ticket is not None, "announcements, a ticket")
+            await until(lambda: b.t.locator.directory.count(A) == 3 and link.ticket is not None, "announcements, a ticket")
             old = link.client
             assert old is not None and not old.early
             old.close()
@@ -469,7 +469,7 @@ def test_state_changing_early_data_is_refused(tmp_path: Path) -> None:
                 answer = p.decode(frame)
                 assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.EARLY_DATA == 5
                 assert client._quic.tls.session_resumed
-                assert c[A].t.directory.count(B) == 0   # the Announce was not acted on
+                assert c[A].t.locator.directory.count(B) == 0   # the Announce was not acted on
             finally:
                 transport.close()
     asyncio.run(body())
@@ -506,11 +506,11 @@ def test_server_refuses_bad_client_certificates(tmp_path: Path) -> None:
                         client.send_event(p.Snapshot(0, True, [(address(98).digest, 0)]), 1)
                     await asyncio.wait_for(client.wait_closed(), 5)
                     assert client.refused is not None and why in client.refused, (case, client.refused)
-                    assert len(c[A].t.directory) == 0, case
+                    assert len(c[A].t.locator.directory) == 0, case
                 finally:
                     transport.close()
             await c[A].store.put(items(range(2)))     # a good peer is still served
-            await until(lambda: c[B].t.directory.count(A) == 2, "announcements")
+            await until(lambda: c[B].t.locator.directory.count(A) == 2, "announcements")
             await get_exact(c[B], range(2))
     asyncio.run(body())
 
@@ -528,7 +528,7 @@ def test_client_refuses_a_server_with_another_name(tmp_path: Path) -> None:
                 why = link.health.last_error + " " + str(link.client.refused if link.client else "")
                 assert "node-c" in why and "node-b" in why
                 assert link.client is None or not link.client.verified
-                assert link.health.failures >= 1 and tier.directory.count(C) == 0
+                assert link.health.failures >= 1 and tier.locator.directory.count(C) == 0
             finally:
                 await tier.stop()
     asyncio.run(body())
@@ -548,7 +548,7 @@ def test_a_large_pull_goes_out_through_a_bounded_send_queue(tmp_path: Path, monk
         async with cluster(tmp_path, (A, B)) as c:
             a, b, n = c[A], c[B], 64                  # 384 KiB answered through a 16 KiB queue
             await a.store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == n, "announcements")
             await get_exact(b, range(n))
             peaks = [proto.peak_queued for proto in server_protocols(a)]
             assert 0 < max(peaks) <= 16 * KIB, peaks
@@ -564,7 +564,7 @@ def test_a_peer_that_vanishes_mid_answer_leaves_nothing_pinned(tmp_path: Path,
         async with cluster(tmp_path, (A, B)) as c:
             a, n = c[A], 40                           # 240 KiB: more than aioquic's first congestion window
             await a.store.put(items(range(n)))
-            await until(lambda: c[B].t.directory.count(A) == n, "announcements")
+            await until(lambda: c[B].t.locator.directory.count(A) == n, "announcements")
             transport, client = await dial(c.auth(B).configuration(OPTIONS, server_name=A), c.addr(A), c.auth(B), A)
             await asyncio.wait_for(client.ready, 5)
             sid = client._quic.get_next_available_stream_id()
@@ -598,7 +598,7 @@ def test_peer_metrics_count_pulls_and_show_peers_up(tmp_path: Path) -> None:
             a, b, n = c[A], c[B], 3
             b.store.reads.time_reads(["ram", "peer"])
             await a.store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == n, "announcements")
             await get_exact(b, range(n))
             registry = CollectorRegistry(auto_describe=False)
             registry.register(StoreCollector(b.store))
@@ -631,7 +631,7 @@ def test_prefetch_policy_decides_how_long_a_load_waits(tmp_path: Path, policy: s
         async with cluster(tmp_path, (A, B), pull_timeout_s=5.0) as c:
             a, b, n = c[A], c[B], 4
             await a.store.put(items(range(n)))
-            await until(lambda: b.t.directory.count(A) == n, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == n, "announcements")
             slow_serving(a, 0.8)                                  # A answers after 0.8 s
             b.store.prefetch = make_prefetch_policy(policy, timeout_s=0.2)
             start = time.monotonic()

@@ -9,6 +9,7 @@ that must be refused are each checked against what the daemons really do.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import ssl
 import time
@@ -204,9 +205,16 @@ def test_a_peer_killed_mid_pull_is_a_miss_within_the_deadline_and_used_again_aft
         outcome.update(got=len(got), missing=len(missing), seconds=time.monotonic() - t0,
                        exact=all(f.payload == only_a[f.address] for f in got))
 
+    # a is frozen while b's pull is sent, then runs for 5 ms at most and is killed: whatever it
+    # managed to send in those (at most a few MiB of the 48), the rest is cut off mid-pull. (A
+    # plain kill 50 ms after the pull started raced the pull: a mac lane sent all 48 MiB sooner.)
+    assert a.proc is not None
+    os.kill(a.proc.pid, signal.SIGSTOP)
     thread = threading.Thread(target=pull)
     thread.start()
-    time.sleep(0.05)
+    time.sleep(0.2)
+    os.kill(a.proc.pid, signal.SIGCONT)
+    time.sleep(0.005)
     a.stop(signal.SIGKILL)
     thread.join(30)
     assert not thread.is_alive()

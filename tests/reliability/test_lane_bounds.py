@@ -100,7 +100,7 @@ def pulls_whose_lane_cannot_be_had(tmp_path: Path, mode: str, runs: int) -> None
             assert a.t.lane_server is not None
             await a.t.lane_server.stop()
             await a.store.put(small_items(BLOCKS))
-            await until(lambda: b.t.directory.count(A) == BLOCKS, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == BLOCKS, "announcements")
             b.store.mirror_pulls = False                    # every run pulls all 320 again
             wanted = [address(i) for i in range(BLOCKS)]
             for run in range(runs):
@@ -153,7 +153,7 @@ def test_strangers_holding_the_handshake_table_do_not_keep_a_peer_out(tmp_path: 
             server = a.t.lane_server
             assert server is not None
             await a.store.put(small_items(64))
-            await until(lambda: b.t.directory.count(A) == 64, "announcements")
+            await until(lambda: b.t.locator.directory.count(A) == 64, "announcements")
             b.store.mirror_pulls = False
             held: list[socket.socket] = []
             stop = asyncio.Event()
