@@ -23,12 +23,10 @@ then last-seen times are flushed and the index is closed.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -37,7 +35,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvcached import __version__, policy_state
+from kvcached import __version__
+from kvcached.aio import cancel_and_wait
 from kvcached.api.access import Gate, ReadOnly
 from kvcached.api.admin_service import AdminService
 from kvcached.api.agent_server import AgentServer
@@ -65,9 +64,9 @@ from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.policies.write import make_write_policy
 from kvcached.process import StartupError, check_tcp_port_free, claim_unix_socket, group_id, tune_malloc
-from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
+from kvcached.store.keeper import KeeperSettings, StoreKeeper
 from kvcached.succession import ARENA_FD_NAME, SLOTS_FD_NAME, Succession, exec_with_fds, nothing_passed, same_listeners
 from kvcached.systemd import Notifier, listen_fds
 from kvcached.tiers.arena import SharedArena
@@ -103,6 +102,7 @@ class Daemon(Succession):
         self.index: BlockIndex | None = None
         self.arena: SharedArena | None = None
         self.store: Store | None = None
+        self.keeper: StoreKeeper | None = None            # the store's timed work
         self.ssd: SsdTier | None = None
         self.server: grpc.aio.Server | None = None
         self.read_only_server: grpc.aio.Server | None = None
@@ -113,17 +113,11 @@ class Daemon(Succession):
         self._metrics_server: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._own_sockets: list[tuple[str, int]] = []   # Unix sockets this process bound (path, inode): removed if still ours
-        self._scanner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-scan")
-        self._stopping = threading.Event()
         self._stop = asyncio.Event()
-        self._winding_down = asyncio.Event()   # background loops end after their current round
         self.notifier = Notifier()              # systemd (Type=notify); a no-op elsewhere
         self.index_reconcile: dict[str, Any] = {}        # the boot reconcile's counts (Admin ReconcileStatus)
-        self.ssd_reconcile_summary: dict[str, Any] = {}
-        self._saving: asyncio.Future[int] | None = None   # a policy save in its worker thread
         self.slot_directory: SlotDirectory | None = None
         self.adoption: RamAdoption | None = None          # the previous process's RAM tier, being taken up
-        self.ram_adoption_summary: dict[str, Any] = {}
         self._inherited_fds: dict[str, int] = {}          # passed by an upgrade's predecessor
         self._trusted_arena = False                       # a clean handover: its directory is true as passed
         self._takeover = takeover
@@ -138,6 +132,16 @@ class Daemon(Succession):
         self._handover_done: asyncio.Future[dict[str, Any]] | None = None
         self.exit_code = 0
         self.restart_with: dict[str, int] = {}            # files to start this process again with (see serve)
+
+    @property
+    def ssd_reconcile_summary(self) -> dict[str, Any]:
+        """The SSD boot reconcile's findings, once it is done (Admin ReconcileStatus)."""
+        return self.keeper.ssd_reconcile_summary if self.keeper is not None else {}
+
+    @property
+    def ram_adoption_summary(self) -> dict[str, Any]:
+        """What the take-up of a predecessor's RAM tier found, once done (Admin ReconcileStatus)."""
+        return self.keeper.ram_adoption_summary if self.keeper is not None else {}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -180,7 +184,9 @@ class Daemon(Succession):
                                       else None))
         self.store.ssd_order_ready = self.store.ssd_order is None   # rebuilt after the reconcile
         self.store.adoption = self.adoption
-        self._restore_policies()
+        self.keeper = StoreKeeper(self.store, self.index, KeeperSettings(
+            kv.policy_save_s, kv.ram_policy, kv.ssd_policy, kv.slru_ratio, cfg.grpc.grace_s), status=self.notifier.status)
+        self.keeper.restore_policies()
         self.store.mirror_pulls = cfg.kv.mirror_pulls
         self.store.prefetch = make_prefetch_policy(cfg.kv.prefetch_policy, cfg.kv.prefetch_timeout_ms / 1000)
         if takeover is not None:              # the predecessor's listening sockets where ours are the same
@@ -216,16 +222,8 @@ class Daemon(Succession):
             takeover.close_files()
         self._handover = HandoverServer(handover_path(cfg.kv.index_dir), self._hand_over, self._upgrade)
         self._handover.start()
-        if self.adoption is not None:         # while serving; a request settles the blocks it names first
-            self._tasks.append(asyncio.create_task(self._adopt_ram(self.adoption), name="ram-adoption"))
-        self._tasks.append(asyncio.create_task(self._maintenance(), name="maintenance"))
-        self._tasks.append(asyncio.create_task(self._index_recovery(), name="index-recovery"))
-        if cfg.kv.policy_save_s:
-            self._tasks.append(asyncio.create_task(self._policy_saver(cfg.kv.policy_save_s), name="policy-saver"))
-        if self.ssd is not None:
-            self._tasks += [asyncio.create_task(self._reconcile_ssd(), name="ssd-reconcile"),
-                            asyncio.create_task(self._demoter(), name="ssd-demoter"),
-                            asyncio.create_task(self._ssd_evictor(), name="ssd-evictor")]
+        # The store's timed work; RAM adoption runs while serving (a request settles the blocks it names first).
+        self.keeper.start(self.adoption)
         log.info("ready", extra=fields(version=__version__, ram_bytes=ram.capacity, pid=os.getpid(),
                                        ssd_bytes=self.ssd.capacity if self.ssd else 0,
                                        ssd_direct_io=self.ssd.direct if self.ssd else False,
@@ -360,132 +358,6 @@ class Daemon(Succession):
             raise StartupError(str(exc)) from None
         return ssd
 
-    def _restore_policies(self) -> None:
-        """At boot, before any block is stored: what the policies learned before the restart
-        (kvcached.policy_state). The SSD tier's order follows once its reconcile is done."""
-        assert self.store is not None and self.index is not None
-        store, kv = self.store, self.config.kv
-        ram_keys = policy_state.restore_ram(self.index, store.ram.policy_state(), kv.ram_policy)
-        admission = policy_state.restore_admission(self.index, store.admission)
-        store.load_budget()
-        if ram_keys or admission:
-            log.info("policy state restored", extra=fields(ram_policy=kv.ram_policy, ram_keys=ram_keys,
-                                                           admission=kv.admission if admission else None))
-
-    def _capture_policies(self) -> list[Any]:
-        """The policies' state, on the loop. The SSD policy is left out until it was rebuilt
-        after the boot reconcile: before that it orders only blocks written since boot, and
-        saving it would replace the whole saved order with that part."""
-        assert self.store is not None
-        store = self.store
-        return policy_state.capture(store.ram.policy_state(), store.ssd_order if store.ssd_order_ready else None,
-                                    store.admission)
-
-    def _save_policies(self) -> int:
-        """Capture and save the policies' state now (at a clean stop); returns bytes written."""
-        assert self.index is not None
-        return policy_state.write_captured(self.index, self._capture_policies())
-
-    async def _policy_saver(self, every_s: float) -> None:
-        """Every ``every_s``: capture the policies' state on the loop, encode and write it in a
-        worker thread (off the hot path)."""
-        assert self.store is not None and self.index is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(every_s)
-            if not self._index_writable():
-                continue
-            try:
-                captured = self._capture_policies()
-                # shielded: a stop cancels this task, never the thread's write (stop waits for it)
-                self._saving = loop.run_in_executor(None, policy_state.write_captured, self.index, captured)
-                await asyncio.shield(self._saving)
-            except Exception:
-                log.exception("saving the policy state failed; will retry")
-
-    async def _reconcile_ssd(self) -> None:
-        """The SSD boot reconcile, in the scan thread, while the daemon serves."""
-        assert self.store is not None and self.index is not None and self.ssd is not None
-        loop = asyncio.get_running_loop()
-        try:
-            report = await loop.run_in_executor(self._scanner, reconcile_ssd, self.index, self.ssd,
-                                                self._stopping.is_set, self._reconcile_status)
-        except Exception:
-            log.exception("SSD reconcile failed; capacity eviction stays off until a restart reconciles the tier")
-            return
-        if self._stopping.is_set():
-            return
-        if self.store.ssd_order is not None:    # before capacity eviction may start
-            kind = self.config.kv.ssd_policy
-            t0 = time.monotonic()
-            try:
-                built = await loop.run_in_executor(
-                    self._scanner, policy_state.build_ssd_order, self.index, kind, self._stopping.is_set,
-                    lambda n: log.info("building the SSD policy", extra=fields(blocks=n)),
-                    PolicySettings(slru_ratio=self.config.kv.slru_ratio))
-            except Exception:
-                log.exception("rebuilding the SSD policy failed; the index's LRU queue orders SSD eviction "
-                              "until a restart")
-            else:
-                self.store.adopt_ssd_order(built)
-                log.info("SSD policy rebuilt", extra=fields(ssd_policy=kind, blocks=len(built),
-                                                            elapsed_s=round(time.monotonic() - t0, 3)))
-        while not self._index_writable():      # it writes the index: wait until it recovers
-            await asyncio.sleep(INDEX_CHECK_S)
-        self.store.finish_ssd_reconcile(report)
-        self.ssd_reconcile_summary = report.summary()
-        log.info("SSD tier reconciled", extra=fields(**self.ssd_reconcile_summary))
-        self.notifier.status("serving")
-
-    def _reconcile_status(self, phase: str, seen: int) -> None:
-        self.notifier.status(f"serving; reconciling the SSD tier: {seen} {phase} checked")
-
-    async def _demoter(self) -> None:
-        """Write-back: publish dirty blocks on SSD soon after they are put (woken by puts), and
-        at least once a second; after a round that failed, wait a second. On a clean stop,
-        publish what is left."""
-        store = self.store
-        assert store is not None
-        while not self._winding_down.is_set():
-            await _woken_or_after(store.demote_wanted, DEMOTE_PERIOD_S, self._winding_down)
-            if not self._index_writable():     # files it cannot record would only be orphans
-                continue
-            try:
-                while store.ram.dirty and not self._winding_down.is_set() and await store.demote():
-                    pass
-            except Exception:
-                log.exception("write-back round failed; will retry")
-                await asyncio.sleep(DEMOTE_PERIOD_S)
-        # A clean stop writes back what is still dirty, within the shutdown grace (stop() waits);
-        # blocks agents committed last are checksummed first (only recorded blocks are written).
-        # A handover leaves them dirty in RAM: the successor writes them back.
-        if self._handing_over:
-            return
-        await store.drain(self.config.grpc.grace_s)
-        if not self._index_writable():
-            log.error("the index cannot be written: dirty blocks are not written back and are lost at this stop",
-                      extra=fields(bytes=store.ram.dirty_bytes))
-            return
-        before = store.counters.demotions
-        while store.ram.dirty and await store.demote():
-            pass
-        flushed = store.counters.demotions - before
-        if flushed:
-            log.info("wrote back dirty blocks before stopping", extra=fields(blocks=flushed))
-
-    async def _ssd_evictor(self) -> None:
-        """SSD eviction by TTL and capacity, about once a second and when the tier is over."""
-        store = self.store
-        assert store is not None
-        while not self._winding_down.is_set():
-            await _woken_or_after(store.evict_wanted, EVICT_PERIOD_S, self._winding_down)
-            if not self._index_writable():
-                continue
-            try:
-                await store.evict_ssd()
-            except Exception:
-                log.exception("SSD eviction failed; will retry")
-
     def _open_index(self, ram_kept: set[bytes] | frozenset[bytes], reconcile: bool = True) -> BlockIndex:
         cfg = self.config
         try:
@@ -614,58 +486,6 @@ class Daemon(Succession):
         await server.start()
         return server
 
-    async def _maintenance(self) -> None:
-        """About every few seconds: flush last-seen times; now and then prune old tombstones.
-
-        The tombstone scan runs in the scan thread (it reads raw records and stops early when
-        the daemon stops); deletions run here in slices, yielding to requests in between."""
-        assert self.store is not None and self.index is not None
-        store, index, ttl = self.store, self.index, self.config.kv.gone_ttl
-        loop = asyncio.get_running_loop()
-        next_prune = time.time() + min(ttl / 2, 600)
-        while True:
-            await asyncio.sleep(MAINTENANCE_PERIOD_S)
-            if not index.writable:       # last-seen times wait in the store until it recovers
-                continue
-            try:
-                store.flush_last_seen()
-                if time.time() >= next_prune:
-                    keys = await loop.run_in_executor(self._scanner, index.expired_tombstones, time.time(), ttl,
-                                                      self._stopping.is_set)
-                    pruned = 0
-                    for i in range(0, len(keys), PRUNE_SLICE):
-                        pruned += index.delete_expired(keys[i:i + PRUNE_SLICE], time.time(), ttl)
-                        await asyncio.sleep(0)
-                    if pruned:
-                        log.info("pruned tombstones", extra=fields(count=pruned))
-                    next_prune = time.time() + min(ttl / 2, 600)
-            except Exception:
-                log.exception("maintenance failed; will retry")
-
-    async def _index_recovery(self) -> None:
-        """Every second: if the index cannot be written, ask it to recover (BlockIndex.recover
-        decides when an attempt is due: once its disk has room, backing off after failures); tell
-        systemd's STATUS line while puts are refused."""
-        index = self.index
-        assert index is not None
-        refusing = False
-        while True:
-            await asyncio.sleep(INDEX_CHECK_S)
-            if index.writable and not refusing:
-                continue
-            if not refusing:
-                refusing = True
-                self.notifier.status(f"serving reads; puts refused: the index cannot be written "
-                                     f"({index.unwritable_reason})")
-            try:
-                recovered = index.recover(time.monotonic())
-            except Exception:
-                log.exception("index recovery attempt failed; will retry")
-                continue
-            if recovered:
-                refusing = False
-                self.notifier.status("serving")
-
     def _index_writable(self) -> bool:
         return self.index is not None and self.index.writable
 
@@ -759,24 +579,14 @@ class Daemon(Succession):
             await self._step("cluster membership", self.membership.stop(revoke=not handing_over))
         if self.peers is not None:
             await self._step("peer tier", self.peers.stop())
-        self._winding_down.set()
-        rounds = [t for t in self._tasks if t.get_name() in ("ssd-demoter", "ssd-evictor")]
-        if rounds:   # let a write-back or eviction round in progress finish its I/O first
-            await asyncio.wait(rounds, timeout=self.config.grpc.grace_s)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        if self.keeper is not None:     # its rounds finish, write-back (not when handing over), a save completes
+            await self._step("store keeper", self.keeper.stop(handing_over))
+        await cancel_and_wait(self._tasks)
         if self.store is not None:
             await self._step("background work", self.store.drain(self.config.grpc.grace_s))
             self._step_sync("checksum thread", self.store.close)
-        if self._saving is not None:              # a periodic policy save still writing the index
-            await self._step("policy state save", asyncio.wait([self._saving]))
-        self._stopping.set()
-        self._scanner.shutdown(wait=True)        # the scans see _stopping within one record batch
+        if self.keeper is not None:
+            self._step_sync("scan thread", self.keeper.close)
         if self.ssd is not None:                 # before the arena goes: SSD threads read from it
             await self._step("ssd close", self.ssd.close())
         if self._metrics_server is not None:
@@ -786,7 +596,8 @@ class Daemon(Succession):
             if handing_over:    # evictions the last request noted, not yet written
                 self._step_sync("index write", self.store.ledger.commit)
             self._step_sync("last-seen flush", self.store.flush_last_seen)
-            self._step_sync("policy state save", self._save_policies)
+            if self.keeper is not None:
+                self._step_sync("policy state save", self.keeper.save_policies)
         if self.index is not None:
             self._step_sync("index close", self.index.close)
             self.index = None
@@ -809,17 +620,6 @@ class Daemon(Succession):
 def _host_port(text: str) -> tuple[str, int]:
     address = parse_listen(text)
     return address.host.strip("[]"), address.port  # type: ignore[union-attr,return-value]
-
-
-async def _woken_or_after(event: asyncio.Event, seconds: float, stop: asyncio.Event) -> None:
-    """Wait until ``event`` or ``stop`` is set or ``seconds`` pass, then clear ``event``."""
-    waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(stop.wait())]
-    try:
-        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-    event.clear()
 
 
 def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeover: bool = False,

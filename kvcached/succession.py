@@ -3,7 +3,7 @@ ends of an upgrade's handover.
 
 - :meth:`Succession._open_arena`: a new arena and slot directory, or those a predecessor left
   (systemd's file descriptor store after a crash, an upgrade's handover), put in the fd store
-  either way; :meth:`Succession._adopt_ram` takes their blocks up (kvcached.store.adoption).
+  either way; the store's keeper takes their blocks up (kvcached.store.keeper, adoption).
 - :meth:`Succession._begin_takeover`: the successor asks the running daemon to hand over;
   :meth:`Succession._hand_over` is the running daemon's answer; :meth:`Succession._upgrade`
   starts a successor for ``kvcached upgrade``. kvcached.handover carries the protocol; this
@@ -42,7 +42,6 @@ from kvcached.logs import fields
 from kvcached.peers.tier import PeerTier
 from kvcached.process import StartupError
 from kvcached.store import Store
-from kvcached.store.adoption import RamAdoption
 from kvcached.systemd import LISTEN_FDS_START, Notifier
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
@@ -69,7 +68,6 @@ class Succession:
     slot_directory: SlotDirectory | None
     agents: AgentServer | None
     peers: PeerTier | None
-    ram_adoption_summary: dict[str, Any]
     restart_with: dict[str, int]
     _metrics_server: Any
     _grpc_ports: dict[str, int]
@@ -79,7 +77,6 @@ class Succession:
     _handover_done: asyncio.Future[dict[str, Any]] | None
     _argv: list[str] | None
     _stop: asyncio.Event
-    _stopping: Any
 
     async def _wind_down_once(self) -> None:
         raise NotImplementedError      # the daemon's
@@ -125,17 +122,6 @@ class Succession:
         log.info("RAM arena taken over from the previous process", extra=fields(
             blocks=len(entries), inode=arena.inode, checked="no (a clean handover)" if self._trusted_arena else "yes"))
         return arena, directory, entries
-
-    async def _adopt_ram(self, adoption: RamAdoption) -> None:
-        """Check and commit the blocks the previous process left in the arena, while serving."""
-        assert self.index is not None
-        try:
-            report = await adoption.run(self.index, None, time.time, self._stopping.is_set)
-        except Exception:
-            log.exception("taking up the previous process's RAM tier failed; its blocks not yet checked are dropped")
-            return
-        self.ram_adoption_summary = report.summary()
-        log.info("RAM tier taken over", extra=fields(**self.ram_adoption_summary))
 
     async def _begin_takeover(self) -> Takeover | None:
         """Ask the daemon running on this configuration to hand over (kvcached.handover). None

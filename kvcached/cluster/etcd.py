@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 
+from kvcached.aio import cancel_and_wait
 from kvcached.cluster.member import Member, member_key, members_prefix
 from kvcached.cluster.proof import RegistrationSigner
 from kvcached.cluster.view import Change, MembershipView
@@ -131,13 +132,7 @@ class EtcdMembership:
         """Stop refreshing and watching; with ``revoke`` leave the cluster at once (without, the
         registration stays until its lease runs out: an upgrade's successor registers again
         under the same name before then)."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._tasks)
         if self._client is not None:
             if self.lease_id and revoke:
                 try:
