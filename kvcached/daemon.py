@@ -23,7 +23,6 @@ then last-seen times are flushed and the index is closed.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import signal
@@ -31,31 +30,26 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from kvcached import __version__
 from kvcached.aio import cancel_and_wait
-from kvcached.api.access import Gate, ReadOnly
-from kvcached.api.admin_service import AdminService
+from kvcached.api.access import Gate
 from kvcached.api.agent_server import AgentServer
-from kvcached.api.grpc_service import KvCacheService
-from kvcached.api.request_size import bounded, largest_read_only_request
+from kvcached.api.grpc_servers import GrpcServers
 from kvcached.certs import certificate_names
 from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
 from kvcached.cluster.member import Member
 from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier
 from kvcached.cluster.view import Change, MembershipView
-from kvcached.config import RELOADABLE, Config, ConfigError, ListenAddress, changed_keys, parse_listen, with_reloaded
-from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, set_daemon_umask
+from kvcached.config import RELOADABLE, Config, ConfigError, changed_keys, parse_listen, with_reloaded
+from kvcached.fsmodes import set_daemon_umask
 from kvcached.handover import (
     HandoverServer,
     handover_path,
 )
-from kvcached.index import BlockIndex, IndexError_
+from kvcached.index import BlockIndex
 from kvcached.logs import fields, set_level
 from kvcached.metrics import start_metrics
+from kvcached.opening import open_index, open_ssd, prepare_state_dirs
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.tier import PeerSettings, PeerTier
 from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
@@ -63,7 +57,7 @@ from kvcached.policies import PolicySettings, make_eviction_policy, make_keyed_p
 from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.prefetch import make_prefetch_policy
 from kvcached.policies.write import make_write_policy
-from kvcached.process import StartupError, check_tcp_port_free, claim_unix_socket, group_id, tune_malloc
+from kvcached.process import StartupError, claim_unix_socket, group_id, tune_malloc
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.store.keeper import KeeperSettings, StoreKeeper
@@ -73,21 +67,16 @@ from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory
 from kvcached.tiers.ssd import SsdTier
-from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 __all__ = ["Daemon", "StartupError", "serve"]
 
 log = logging.getLogger("kvcached.daemon")
 
-SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KvCache"].full_name
-ADMIN_SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 MAINTENANCE_PERIOD_S = 5.0
 DEMOTE_PERIOD_S = 1.0
 EVICT_PERIOD_S = 1.0
 PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get the loop back
-INDEX_PROGRESS_GRACE_S = 60.0  # each index reconcile progress line asks systemd for this much more start time
 INDEX_CHECK_S = 1.0        # how often an unwritable index is asked to recover (it backs off by itself)
-SSD_DIR_LEVELS = 3         # directories under kv.ssd_dir: blocks/ and quarantine/, blocks/xx/, blocks/xx/y/
 
 
 class Daemon(Succession):
@@ -104,12 +93,10 @@ class Daemon(Succession):
         self.store: Store | None = None
         self.keeper: StoreKeeper | None = None            # the store's timed work
         self.ssd: SsdTier | None = None
-        self.server: grpc.aio.Server | None = None
-        self.read_only_server: grpc.aio.Server | None = None
+        self.grpc: GrpcServers | None = None
         self.agents: AgentServer | None = None
         self.peers: PeerTier | None = None
         self.membership: EtcdMembership | None = None
-        self.health: Any = None
         self._metrics_server: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._own_sockets: list[tuple[str, int]] = []   # Unix sockets this process bound (path, inode): removed if still ours
@@ -123,8 +110,6 @@ class Daemon(Succession):
         self._takeover = takeover
         self._argv = argv
         self._gate: Gate | None = None                    # gRPC calls held until the successor serves
-        self._kv_services: list[KvCacheService] = []
-        self._grpc_ports: dict[str, int] = {}             # TCP listener (as configured) -> port in use
         self._handover: HandoverServer | None = None
         self._handing_over = False                        # a successor takes the RAM tier: no write-back at stop
         self._handed_over = False                         # the successor owns the sockets now
@@ -160,10 +145,11 @@ class Daemon(Succession):
             for address in listeners:
                 if address.unix_path:
                     claim_unix_socket(address.unix_path, cfg.socket_mode_bits, grpc_gid)
-        self._prepare_state_dirs()
+        prepare_state_dirs(cfg)
         if takeover is not None:       # listen beside the predecessor (calls wait at the gate), then take its state
             self._gate = Gate()
-            await self._start_grpc(listeners, grpc_gid, takeover.info.get("grpc_tcp", {}))
+            self.grpc = GrpcServers(cfg, self, None, self.started_at, self._gate)
+            await self.grpc.start(listeners, grpc_gid, takeover.info.get("grpc_tcp", {}))
             self._trusted_arena = await takeover.listening()
             self._inherited_fds = {name: fd for name in (ARENA_FD_NAME, SLOTS_FD_NAME)
                                    if (fd := takeover.take(name)) is not None}
@@ -173,9 +159,10 @@ class Daemon(Succession):
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory)
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
         # After a clean handover the index is as true as the predecessor left it: no boot scan.
-        self.index = self._open_index(self.adoption.placed_keys if self.adoption else frozenset(),
-                                      reconcile=not self._trusted_arena)
-        self.ssd = self._open_ssd()
+        self.index, self.index_reconcile = open_index(
+            cfg, self.notifier.status, self.adoption.placed_keys if self.adoption else frozenset(),
+            reconcile=not self._trusted_arena)
+        self.ssd = open_ssd(cfg)
         self.store = Store(ram, self.index, ssd=self.ssd, write_policy=make_write_policy(kv.write_policy, kv.write_through_threshold),
                            ssd_ttl=kv.ssd_ttl, gone_ttl=kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks,
                            admission=make_admission_policy(kv.admission, kv.admission_threshold, kv.admission_window),
@@ -197,10 +184,10 @@ class Daemon(Succession):
         if cfg.metrics.listen:              # read latencies, for the tiers this daemon runs
             self.store.reads.time_reads(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)
                                         + ["peer"] * bool(self.peers))
-        if takeover is None:
-            await self._start_grpc(listeners, grpc_gid)
-        for service in self._kv_services:      # built before the store when listening beside a predecessor
-            service.store = self.store
+        if self.grpc is None:
+            self.grpc = GrpcServers(cfg, self, self.store, self.started_at)
+            await self.grpc.start(listeners, grpc_gid)
+        self.grpc.set_store(self.store)        # built before the store when listening beside a predecessor
         if cfg.agent.socket:
             self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,
                                       mode=cfg.agent.mode_bits, gid=agent_gid, heartbeat_s=cfg.agent.heartbeat_s,
@@ -229,8 +216,7 @@ class Daemon(Succession):
                                        ssd_direct_io=self.ssd.direct if self.ssd else False,
                                        startup_s=round(time.time() - self.started_at, 3)))
         if self._gate is not None:
-            for name in ("", SERVICE_NAME, ADMIN_SERVICE_NAME):
-                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.grpc.serving()
             self._gate.open()
         # Every listener accepts by now: systemd may start what depends on this daemon (after
         # an upgrade, MAINPID tells it this process is the service now).
@@ -323,169 +309,6 @@ class Daemon(Succession):
         log.info("cluster joined" if joined else "cluster: etcd not reached yet, serving alone until it is",
                  extra=fields(name=c.name, etcd=",".join(c.etcd), members=len(view.members), lease_s=c.lease_s))
 
-    def _prepare_state_dirs(self) -> None:
-        """Create the index and SSD directories (0700, missing parents too) or check the ones
-        that exist (kvcached.fsmodes.check_state_dir): refuse a directory others could write to
-        or that another user owns, tighten wider modes of our own directories to 0700."""
-        kv = self.config.kv
-        dirs = [("kv.index_dir", kv.index_dir, 0)] + ([("kv.ssd_dir", kv.ssd_dir, SSD_DIR_LEVELS)] if kv.ssd_gib else [])
-        for key, path, levels in dirs:
-            try:
-                created = make_dirs(path)
-                tightened = check_state_dir(path, levels)
-            except UnsafeDirectory as exc:
-                raise StartupError(f"{key}: {exc}") from None
-            except OSError as exc:
-                raise StartupError(f"{key} {path}: {exc.strerror or exc}") from None
-            if created:
-                log.info("state directory created", extra=fields(key=key, created=",".join(created), mode="0700"))
-            if tightened:
-                log.warning("state directories were open to other users; set to 0700",
-                            extra=fields(key=key, directories=", ".join(tightened)))
-
-    def _open_ssd(self) -> SsdTier | None:
-        kv = self.config.kv
-        if kv.ssd_gib == 0:
-            return None
-        ssd = SsdTier(kv.ssd_dir, int(kv.ssd_gib * (1 << 30)), durability=kv.ssd_durability,  # type: ignore[arg-type]
-                      commit_s=kv.ssd_commit_ms / 1000, direct_io=kv.ssd_direct_io,  # type: ignore[arg-type]
-                      threads=kv.ssd_io_threads)
-        try:
-            ssd.open()
-        except OSError as exc:
-            raise StartupError(f"kv.ssd_dir {kv.ssd_dir}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        return ssd
-
-    def _open_index(self, ram_kept: set[bytes] | frozenset[bytes], reconcile: bool = True) -> BlockIndex:
-        cfg = self.config
-        try:
-            index = BlockIndex(cfg.kv.index_dir)
-        except IndexError_ as exc:
-            raise StartupError(str(exc)) from None
-        if not reconcile:
-            return index
-        estimate = index.count_estimate()
-        t0 = time.monotonic()
-
-        def progress(seen: int) -> None:
-            log.info("reconciling index", extra=fields(seen=seen, of_about=estimate,
-                                                       elapsed_s=round(time.monotonic() - t0, 1)))
-            self.notifier.status(f"reconciling the index: {seen} of about {estimate} records",
-                                 extend_timeout_s=INDEX_PROGRESS_GRACE_S)
-
-        try:
-            counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000, ram_kept=ram_kept)
-        except IndexError_ as exc:
-            index.close()
-            raise StartupError(f"kv.index_dir {cfg.kv.index_dir}: the boot reconcile cannot write the index "
-                               f"({index.unwritable_reason or exc}); free space on its disk, then start again") from None
-        self.index_reconcile = {**counts, "elapsed_s": round(time.monotonic() - t0, 3)}
-        if counts["seen"]:
-            log.info("index reconciled", extra=fields(**counts, elapsed_s=round(time.monotonic() - t0, 3)))
-        return index
-
-    async def _start_grpc(self, listeners: list[ListenAddress], gid: int,
-                          predecessor_ports: dict[str, int] | None = None) -> None:
-        """The gRPC listeners, on two servers (kvcached.api.access says who may call what): the
-        full API on the Unix sockets and mutual-TLS TCP listeners; read-only calls on plaintext
-        TCP listeners and grpc.read_only_listen.
-
-        So that a successor can listen beside this daemon at an upgrade (kvcached.handover),
-        TCP listeners set SO_REUSEPORT (a start that is not a takeover first checks that no
-        other process holds the port), and a Unix socket is bound under a temporary name and
-        renamed into place: the successor's rename replaces it atomically, and gRPC's removal of
-        the name it bound, at this server's stop, removes nothing. ``predecessor_ports``: the
-        ports the predecessor's TCP listeners got (for those configured with port 0)."""
-        cfg = self.config
-        tcp = [a for a in listeners if not a.unix_path]
-        full = [a for a in listeners if a.unix_path] + (tcp if cfg.grpc.tls else [])
-        read_only = ([] if cfg.grpc.tls else tcp) + [parse_listen(x) for x in cfg.grpc.read_only_listen]
-        credentials = self._tls_credentials() if cfg.grpc.tls else None
-        self.health = health.aio.HealthServicer()
-        renames: list[tuple[str, str]] = []
-        self.server = await self._grpc_server(full, credentials, predecessor_ports, renames, gid, read_only=False)
-        if read_only:
-            self.read_only_server = await self._grpc_server(
-                read_only, self._tls_credentials(require_client_auth=False) if cfg.grpc.tls else None,
-                predecessor_ports, renames, gid, read_only=True)
-        for temporary, path in renames:
-            os.rename(temporary, path)
-            self._own_sockets.append((path, os.stat(path).st_ino))
-        if self._gate is None:
-            for name in ("", SERVICE_NAME, ADMIN_SERVICE_NAME):
-                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    def _tls_credentials(self, require_client_auth: bool = True) -> grpc.ServerCredentials:
-        cert, key, ca = self.config.grpc_tls_files()
-        try:
-            with open(key, "rb") as k, open(cert, "rb") as c, open(ca, "rb") as a:
-                return grpc.ssl_server_credentials([(k.read(), c.read())], root_certificates=a.read(),
-                                                   require_client_auth=require_client_auth)
-        except OSError as exc:
-            raise StartupError(f"grpc.tls_cert/tls_key/tls_ca: {exc}") from None
-
-    async def _grpc_server(self, addresses: list[ListenAddress], credentials: grpc.ServerCredentials | None,
-                           predecessor_ports: dict[str, int] | None, renames: list[tuple[str, str]], gid: int, *,
-                           read_only: bool) -> grpc.aio.Server:
-        """One gRPC server on ``addresses``; a Unix socket is bound at a temporary name, added to
-        ``renames`` as (temporary, path) with its mode and group set (see _start_grpc)."""
-        limit = self.config.grpc.max_message_mib << 20
-        max_batch = self.config.grpc.max_batch
-        # The read-only listener receives no more than its largest allowed request: gRPC refuses
-        # the rest from their length prefix (kvcached.api.request_size).
-        receive = min(limit, largest_read_only_request(max_batch)) if read_only else limit
-        interceptors: list[grpc.aio.ServerInterceptor] = ([self._gate] if self._gate else []) + (
-            [ReadOnly()] if read_only else [])
-        server = grpc.aio.server(interceptors=interceptors or None, options=[
-            ("grpc.max_receive_message_length", receive),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 1),
-        ])
-        service = KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at,  # type: ignore[arg-type]
-                                 grpc_config=self.config.grpc)     # the store is set here later in a takeover
-        self._kv_services.append(service)
-        bounded(server, max_batch, functools.partial(kvcache_pb2_grpc.add_KvCacheServicer_to_server, service))
-        bounded(server, max_batch, functools.partial(kvcache_pb2_grpc.add_AdminServicer_to_server, AdminService(self)))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        for address in addresses:
-            tls = credentials is not None and address.unix_path is None
-            bind = address.text
-            if address.unix_path:
-                temporary = f"{address.unix_path}.{os.getpid()}.new"
-                bind = f"unix:{temporary}"
-            elif predecessor_ports is not None:
-                if not address.port and address.text in predecessor_ports:
-                    bind = f"{address.host}:{predecessor_ports[address.text]}"
-            else:
-                check_tcp_port_free(address.host or "", address.port or 0, f"grpc.listen {address.text}")
-            try:
-                port = (server.add_secure_port(bind, credentials) if tls else server.add_insecure_port(bind))
-            except RuntimeError as exc:
-                raise StartupError(f"grpc.listen {address.text}: cannot listen ({exc})") from None
-            if address.unix_path is None and port == 0:
-                raise StartupError(f"grpc.listen {address.text}: cannot listen (address in use?)")
-            if address.unix_path:
-                os.chmod(temporary, self.config.socket_mode_bits)
-                if gid >= 0:
-                    os.chown(temporary, -1, gid)
-                renames.append((temporary, address.unix_path))
-            else:
-                self._grpc_ports[address.text] = port
-            where = address.text if address.unix_path else f"{address.host}:{port}"
-            security = ("unix socket" if address.unix_path else
-                        "mutual TLS" if tls and not read_only else "TLS" if tls else "plaintext")
-            log.info("grpc listening", extra=fields(listen=where, security=security,
-                                                    calls="read-only" if read_only else "all"))
-            if address.unix_path is None and not tls and not address.is_loopback:
-                log.warning("plaintext gRPC on a non-loopback address (grpc.insecure): read-only calls, unencrypted",
-                            extra=fields(listen=where))
-        await server.start()
-        return server
-
     def _index_writable(self) -> bool:
         return self.index is not None and self.index.writable
 
@@ -547,7 +370,8 @@ class Daemon(Succession):
         if self.slot_directory is not None:
             self._step_sync("slot directory close", self.slot_directory.close)
             self.slot_directory = None
-        for path, inode in [] if self._handed_over else self._own_sockets:
+        own = self._own_sockets + (self.grpc.own_sockets if self.grpc is not None else [])
+        for path, inode in [] if self._handed_over else own:
             try:
                 if os.stat(path).st_ino == inode:     # a successor's socket under the same name stays
                     self._step_sync("socket removal", os.unlink, path)
@@ -567,11 +391,8 @@ class Daemon(Succession):
         work, write-back (not when handing over: the successor keeps the dirty blocks in RAM),
         last-seen times, policy state."""
         handing_over = self._handing_over
-        if self.health is not None and not handing_over:
-            await self._step("health", self.health.enter_graceful_shutdown())
-        for server in (self.server, self.read_only_server):
-            if server is not None:
-                await self._step("grpc", server.stop(self.config.grpc.grace_s))
+        if self.grpc is not None:
+            await self._step("grpc", self.grpc.stop(self.config.grpc.grace_s, graceful_health=not handing_over))
         if self.agents is not None:
             await self._step("agent socket", self.agents.stop())
         if self.membership is not None:         # leave the cluster first: the others stop asking at once

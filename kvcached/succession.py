@@ -25,6 +25,7 @@ from typing import Any
 
 from kvcached import __version__
 from kvcached.api.agent_server import AgentServer
+from kvcached.api.grpc_servers import GrpcServers
 from kvcached.config import Config
 from kvcached.handover import (
     HandoverBroken,
@@ -70,7 +71,7 @@ class Succession:
     peers: PeerTier | None
     restart_with: dict[str, int]
     _metrics_server: Any
-    _grpc_ports: dict[str, int]
+    grpc: GrpcServers | None
     _trusted_arena: bool
     _handing_over: bool
     _handed_over: bool
@@ -151,7 +152,7 @@ class Succession:
         try:
             assert self.arena is not None and self.slot_directory is not None
             own = {ARENA_FD_NAME: self.arena.fd, SLOTS_FD_NAME: self.slot_directory.fd}
-            info: dict[str, Any] = {"grpc_tcp": self._grpc_ports}
+            info: dict[str, Any] = {"grpc_tcp": self.grpc.ports if self.grpc is not None else {}}
             if self.agents is not None:
                 own["agent"], info["agent"] = self.agents.listening_fd, self.config.agent.socket
             if self._metrics_server is not None:
@@ -221,7 +222,7 @@ class Succession:
         return {"op": "failed", "pid": proc.pid, "reason": f"no handover within {UPGRADE_TIMEOUT_S:.0f} s"}
 
     def _tcp_listeners(self) -> bool:
-        return (bool(self._grpc_ports) or self._metrics_server is not None
+        return (bool(self.grpc is not None and self.grpc.ports) or self._metrics_server is not None
                 or (self.peers is not None and "lane" in self.peers.listening_fds))
 
 
