@@ -61,7 +61,16 @@ from kvcached.process import StartupError, claim_unix_socket, group_id, tune_mal
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.store.keeper import KeeperSettings, StoreKeeper
-from kvcached.succession import ARENA_FD_NAME, SLOTS_FD_NAME, Succession, exec_with_fds, nothing_passed, same_listeners
+from kvcached.succession import (
+    ARENA_FD_NAME,
+    SLOTS_FD_NAME,
+    Succession,
+    begin_takeover,
+    exec_with_fds,
+    nothing_passed,
+    open_arena,
+    same_listeners,
+)
 from kvcached.systemd import Notifier, listen_fds
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
@@ -79,7 +88,7 @@ PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get th
 INDEX_CHECK_S = 1.0        # how often an unwritable index is asked to recover (it backs off by itself)
 
 
-class Daemon(Succession):
+class Daemon:
     def __init__(self, config: Config, reload: Callable[[], Config] | None = None, *, takeover: bool = False,
                  argv: list[str] | None = None) -> None:
         """``takeover``: start by taking over from the daemon running on this configuration
@@ -97,7 +106,7 @@ class Daemon(Succession):
         self.agents: AgentServer | None = None
         self.peers: PeerTier | None = None
         self.membership: EtcdMembership | None = None
-        self._metrics_server: Any = None
+        self.metrics_server: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._own_sockets: list[tuple[str, int]] = []   # Unix sockets this process bound (path, inode): removed if still ours
         self._stop = asyncio.Event()
@@ -108,15 +117,11 @@ class Daemon(Succession):
         self._inherited_fds: dict[str, int] = {}          # passed by an upgrade's predecessor
         self._trusted_arena = False                       # a clean handover: its directory is true as passed
         self._takeover = takeover
-        self._argv = argv
         self._gate: Gate | None = None                    # gRPC calls held until the successor serves
         self._handover: HandoverServer | None = None
-        self._handing_over = False                        # a successor takes the RAM tier: no write-back at stop
-        self._handed_over = False                         # the successor owns the sockets now
         self._winding: asyncio.Future[None] | None = None   # the wind-down, once (a stop, or a handover)
-        self._handover_done: asyncio.Future[dict[str, Any]] | None = None
         self.exit_code = 0
-        self.restart_with: dict[str, int] = {}            # files to start this process again with (see serve)
+        self.succession = Succession(self, self._wind_down_once, self._stop.set, argv)   # handovers, upgrades
 
     @property
     def ssd_reconcile_summary(self) -> dict[str, Any]:
@@ -138,7 +143,7 @@ class Daemon(Succession):
         # Sockets first: a directory shared with the state (var/ of the default configuration)
         # is then created searchable for the sockets' clients; the state under it stays 0700.
         # A successor takes them over from the daemon that owns them instead.
-        takeover = await self._begin_takeover() if self._takeover else None
+        takeover = await begin_takeover(cfg) if self._takeover else None
         if takeover is None:
             if cfg.agent.socket:
                 claim_unix_socket(cfg.agent.socket, cfg.agent.mode_bits, agent_gid)
@@ -154,7 +159,8 @@ class Daemon(Succession):
             self._inherited_fds = {name: fd for name in (ARENA_FD_NAME, SLOTS_FD_NAME)
                                    if (fd := takeover.take(name)) is not None}
         kv = cfg.kv
-        self.arena, self.slot_directory, entries = self._open_arena(self._inherited_fds or listen_fds())
+        self.arena, self.slot_directory, entries = open_arena(cfg, self.notifier, self._inherited_fds or listen_fds(),
+                                                              self._trusted_arena)
         settings = PolicySettings(slru_ratio=kv.slru_ratio)
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory)
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
@@ -201,13 +207,14 @@ class Daemon(Succession):
                                                             group=cfg.agent.group or None))
         if cfg.metrics.listen:
             try:
-                self._metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"))
+                self.metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"))
             except OSError as exc:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))
         if takeover is not None:
             takeover.close_files()
-        self._handover = HandoverServer(handover_path(cfg.kv.index_dir), self._hand_over, self._upgrade)
+        self._handover = HandoverServer(handover_path(cfg.kv.index_dir), self.succession.hand_over,
+                                        self.succession.upgrade)
         self._handover.start()
         # The store's timed work; RAM adoption runs while serving (a request settles the blocks it names first).
         self.keeper.start(self.adoption)
@@ -363,7 +370,7 @@ class Daemon(Succession):
         done already and the sockets are the successor's: only the mappings are closed."""
         await self._wind_down_once()
         if self._handover is not None:
-            await self._step("handover socket", self._handover.stop(unlink=not self._handed_over))
+            await self._step("handover socket", self._handover.stop(unlink=not self.succession.handed_over))
         if self.arena is not None:
             self._step_sync("arena close", self.arena.close)
             self.arena = None
@@ -371,13 +378,13 @@ class Daemon(Succession):
             self._step_sync("slot directory close", self.slot_directory.close)
             self.slot_directory = None
         own = self._own_sockets + (self.grpc.own_sockets if self.grpc is not None else [])
-        for path, inode in [] if self._handed_over else own:
+        for path, inode in [] if self.succession.handed_over else own:
             try:
                 if os.stat(path).st_ino == inode:     # a successor's socket under the same name stays
                     self._step_sync("socket removal", os.unlink, path)
             except FileNotFoundError:
                 pass
-        log.info("stopped" if not self._handed_over else "handed over; exiting",
+        log.info("stopped" if not self.succession.handed_over else "handed over; exiting",
                  extra=fields(uptime_s=round(time.time() - self.started_at, 1)))
 
     async def _wind_down_once(self) -> None:
@@ -390,7 +397,7 @@ class Daemon(Succession):
         """Everything a stop does up to closing the index: listeners, agents, peers, background
         work, write-back (not when handing over: the successor keeps the dirty blocks in RAM),
         last-seen times, policy state."""
-        handing_over = self._handing_over
+        handing_over = self.succession.handing_over
         if self.grpc is not None:
             await self._step("grpc", self.grpc.stop(self.config.grpc.grace_s, graceful_health=not handing_over))
         if self.agents is not None:
@@ -410,9 +417,9 @@ class Daemon(Succession):
             self._step_sync("scan thread", self.keeper.close)
         if self.ssd is not None:                 # before the arena goes: SSD threads read from it
             await self._step("ssd close", self.ssd.close())
-        if self._metrics_server is not None:
-            self._step_sync("metrics", self._metrics_server.shutdown)
-            self._step_sync("metrics", self._metrics_server.server_close)
+        if self.metrics_server is not None:
+            self._step_sync("metrics", self.metrics_server.shutdown)
+            self._step_sync("metrics", self.metrics_server.server_close)
         if self.store is not None and self._index_writable():
             if handing_over:    # evictions the last request noted, not yet written
                 self._step_sync("index write", self.store.ledger.commit)
@@ -456,7 +463,7 @@ def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeove
     async def main() -> tuple[int, dict[str, int]]:
         daemon = Daemon(config, reload, takeover=takeover, argv=argv)
         await daemon.run()
-        return daemon.exit_code, daemon.restart_with
+        return daemon.exit_code, daemon.succession.restart_with
 
     try:
         code, restart_with = uvloop.run(main())

@@ -1,15 +1,16 @@
 """What outlives a daemon process, the daemon's side: the RAM arena it starts with, and both
 ends of an upgrade's handover.
 
-- :meth:`Succession._open_arena`: a new arena and slot directory, or those a predecessor left
-  (systemd's file descriptor store after a crash, an upgrade's handover), put in the fd store
-  either way; the store's keeper takes their blocks up (kvcached.store.keeper, adoption).
-- :meth:`Succession._begin_takeover`: the successor asks the running daemon to hand over;
-  :meth:`Succession._hand_over` is the running daemon's answer; :meth:`Succession._upgrade`
-  starts a successor for ``kvcached upgrade``. kvcached.handover carries the protocol; this
-  drives the daemon through it (docs/operations.md).
+- :func:`open_arena`: a new arena and slot directory, or those a predecessor left (systemd's
+  file descriptor store after a crash, an upgrade's handover), put in the fd store either way;
+  the store's keeper takes their blocks up (kvcached.store.keeper, adoption).
+- :func:`begin_takeover`: the successor asks the running daemon to hand over.
+- :class:`Succession`, a collaborator the daemon holds: :meth:`Succession.hand_over` is the
+  running daemon's answer to a successor, :meth:`Succession.upgrade` starts one for ``kvcached
+  upgrade``. It reads what it passes on through :class:`Predecessor` (the daemon is one) and
+  winds the daemon down through the callback it is given.
 
-A mixin of kvcached.daemon.Daemon: the state it reads is the daemon's, declared below.
+kvcached.handover carries the protocol; this drives the daemon through it (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import socket
 import subprocess
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable, Protocol
 
 from kvcached import __version__
 from kvcached.api.agent_server import AgentServer
@@ -38,7 +39,6 @@ from kvcached.handover import (
     wait_listening,
     wait_serving,
 )
-from kvcached.index import BlockIndex
 from kvcached.logs import fields
 from kvcached.peers.tier import PeerTier
 from kvcached.process import StartupError
@@ -48,7 +48,8 @@ from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory, SlotEntry
 
-__all__ = ["ARENA_FD_NAME", "SLOTS_FD_NAME", "Succession", "exec_with_fds", "nothing_passed", "same_listeners"]
+__all__ = ["ARENA_FD_NAME", "SLOTS_FD_NAME", "Predecessor", "Succession", "begin_takeover", "exec_with_fds",
+           "nothing_passed", "open_arena", "same_listeners"]
 
 log = logging.getLogger("kvcached.daemon")
 
@@ -57,109 +58,122 @@ HANDOVER_SETTLE_S = 0.05   # after the successor listens: what reached this daem
 UPGRADE_TIMEOUT_S = 300.0
 
 
-class Succession:
-    """The arena and handover half of kvcached.daemon.Daemon (see the module)."""
+class Predecessor(Protocol):
+    """What a handover passes on, read from the daemon when it happens."""
 
-    # the daemon's state these methods read and set
-    config: Config
-    notifier: Notifier
-    index: BlockIndex | None
-    store: Store | None
-    arena: SharedArena | None
-    slot_directory: SlotDirectory | None
-    agents: AgentServer | None
-    peers: PeerTier | None
-    restart_with: dict[str, int]
-    _metrics_server: Any
-    grpc: GrpcServers | None
-    _trusted_arena: bool
-    _handing_over: bool
-    _handed_over: bool
-    _handover_done: asyncio.Future[dict[str, Any]] | None
-    _argv: list[str] | None
-    _stop: asyncio.Event
+    @property
+    def config(self) -> Config: ...
+    @property
+    def arena(self) -> SharedArena | None: ...
+    @property
+    def slot_directory(self) -> SlotDirectory | None: ...
+    @property
+    def store(self) -> Store | None: ...
+    @property
+    def agents(self) -> AgentServer | None: ...
+    @property
+    def peers(self) -> PeerTier | None: ...
+    @property
+    def grpc(self) -> GrpcServers | None: ...
+    @property
+    def metrics_server(self) -> Any: ...
 
-    async def _wind_down_once(self) -> None:
-        raise NotImplementedError      # the daemon's
 
-    def _open_arena(self, inherited: dict[str, int]) -> tuple[SharedArena, SlotDirectory, list[SlotEntry]]:
-        """The RAM arena and its slot directory: those a previous process left (systemd's file
-        descriptor store, or an upgrade's handover) when they fit this configuration, with the
-        entries to take up; new ones otherwise. Either way they go into the fd store, so the
-        next start finds them (docs/operations.md)."""
-        cfg = self.config
-        geometry = RamTier.geometry(cfg.ram_bytes, cfg.max_block_bytes)
-        arena_fd, slots_fd = inherited.pop(ARENA_FD_NAME, None), inherited.pop(SLOTS_FD_NAME, None)
-        for name, fd in inherited.items():
-            log.warning("file descriptor passed at start not used", extra=fields(name=name))
-            os.close(fd)
-        arena = directory = None
-        if arena_fd is not None and slots_fd is not None:
-            try:
-                SharedArena.check_adoptable(arena_fd, cfg.ram_bytes)
-                directory = SlotDirectory.adopt(slots_fd, geometry)
-                arena = SharedArena(cfg.ram_bytes, fd=arena_fd)
-            except (ValueError, OSError) as exc:
-                log.warning("the RAM arena left by the previous process does not fit this configuration: "
-                            "starting with an empty RAM tier", extra=fields(reason=str(exc)))
-                if directory is not None:
-                    directory.close()
-                    directory = None
-                else:
-                    os.close(slots_fd)
-                os.close(arena_fd)
-        elif arena_fd is not None or slots_fd is not None:
-            log.warning("only one of the arena's two files was passed at start: starting with an empty RAM tier")
-            os.close(arena_fd if arena_fd is not None else slots_fd)  # type: ignore[arg-type]
-        if arena is None or directory is None:
-            arena, directory = SharedArena(cfg.ram_bytes), SlotDirectory.create(geometry)
-            for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
-                self.notifier.notify(fdstoreremove=1, fdname=name)   # an unusable one left there
-                self.notifier.store_fd(name, fd)
-            return arena, directory, []
-        for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
-            self.notifier.store_fd(name, fd)            # systemd keeps one copy of a file it holds already
-        entries = list(directory.committed_entries())
-        log.info("RAM arena taken over from the previous process", extra=fields(
-            blocks=len(entries), inode=arena.inode, checked="no (a clean handover)" if self._trusted_arena else "yes"))
-        return arena, directory, entries
-
-    async def _begin_takeover(self) -> Takeover | None:
-        """Ask the daemon running on this configuration to hand over (kvcached.handover). None
-        if it went away before it passed anything: this process then starts on its own."""
-        takeover = Takeover(handover_path(self.config.kv.index_dir))
-        log.info("asking the running daemon to hand over", extra=fields(socket=str(takeover.path)))
+def open_arena(cfg: Config, notifier: Notifier, inherited: dict[str, int],
+               trusted: bool) -> tuple[SharedArena, SlotDirectory, list[SlotEntry]]:
+    """The RAM arena and its slot directory: those a previous process left (systemd's file
+    descriptor store, or an upgrade's handover: ``trusted``, its directory true as passed) when
+    they fit this configuration, with the entries to take up; new ones otherwise. Either way
+    they go into the fd store, so the next start finds them (docs/operations.md)."""
+    geometry = RamTier.geometry(cfg.ram_bytes, cfg.max_block_bytes)
+    arena_fd, slots_fd = inherited.pop(ARENA_FD_NAME, None), inherited.pop(SLOTS_FD_NAME, None)
+    for name, fd in inherited.items():
+        log.warning("file descriptor passed at start not used", extra=fields(name=name))
+        os.close(fd)
+    arena = directory = None
+    if arena_fd is not None and slots_fd is not None:
         try:
-            await takeover.begin(__version__)
-        except HandoverBroken as exc:
-            connected = takeover.sock is not None
-            takeover.close()
-            if not connected:
-                raise StartupError(f"--takeover: {exc}") from None
-            log.warning("the daemon being taken over went away before it passed anything: starting on its own",
-                        extra=fields(reason=str(exc)))
-            if not await wait_gone(takeover.predecessor_pid):    # its sockets close as it exits
-                raise StartupError(f"--takeover: the daemon being taken over (pid {takeover.predecessor_pid}) "
-                                   "stopped answering but did not exit") from None
-            return None
-        log.warning("taking over from the running daemon", extra=fields(files=",".join(takeover.files)))
-        return takeover
+            SharedArena.check_adoptable(arena_fd, cfg.ram_bytes)
+            directory = SlotDirectory.adopt(slots_fd, geometry)
+            arena = SharedArena(cfg.ram_bytes, fd=arena_fd)
+        except (ValueError, OSError) as exc:
+            log.warning("the RAM arena left by the previous process does not fit this configuration: "
+                        "starting with an empty RAM tier", extra=fields(reason=str(exc)))
+            if directory is not None:
+                directory.close()
+                directory = None
+            else:
+                os.close(slots_fd)
+            os.close(arena_fd)
+    elif arena_fd is not None or slots_fd is not None:
+        log.warning("only one of the arena's two files was passed at start: starting with an empty RAM tier")
+        os.close(arena_fd if arena_fd is not None else slots_fd)  # type: ignore[arg-type]
+    if arena is None or directory is None:
+        arena, directory = SharedArena(cfg.ram_bytes), SlotDirectory.create(geometry)
+        for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
+            notifier.notify(fdstoreremove=1, fdname=name)   # an unusable one left there
+            notifier.store_fd(name, fd)
+        return arena, directory, []
+    for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
+        notifier.store_fd(name, fd)            # systemd keeps one copy of a file it holds already
+    entries = list(directory.committed_entries())
+    log.info("RAM arena taken over from the previous process", extra=fields(
+        blocks=len(entries), inode=arena.inode, checked="no (a clean handover)" if trusted else "yes"))
+    return arena, directory, entries
 
-    async def _hand_over(self, conn: socket.socket, request: dict[str, Any]) -> None:
+
+async def begin_takeover(config: Config) -> Takeover | None:
+    """Ask the daemon running on ``config`` to hand over (kvcached.handover). None if it went
+    away before it passed anything: this process then starts on its own."""
+    takeover = Takeover(handover_path(config.kv.index_dir))
+    log.info("asking the running daemon to hand over", extra=fields(socket=str(takeover.path)))
+    try:
+        await takeover.begin(__version__)
+    except HandoverBroken as exc:
+        connected = takeover.sock is not None
+        takeover.close()
+        if not connected:
+            raise StartupError(f"--takeover: {exc}") from None
+        log.warning("the daemon being taken over went away before it passed anything: starting on its own",
+                    extra=fields(reason=str(exc)))
+        if not await wait_gone(takeover.predecessor_pid):    # its sockets close as it exits
+            raise StartupError(f"--takeover: the daemon being taken over (pid {takeover.predecessor_pid}) "
+                               "stopped answering but did not exit") from None
+        return None
+    log.warning("taking over from the running daemon", extra=fields(files=",".join(takeover.files)))
+    return takeover
+
+
+class Succession:
+    """The running daemon's side of a handover, and ``kvcached upgrade`` (see the module).
+    ``daemon``: what is passed on; ``wind_down``: the daemon's wind-down (once: a stop during a
+    handover waits for the handover's); ``stop``: ends the daemon's run; ``argv``: the command
+    line an upgrade runs again with ``--takeover`` (None: upgrades are refused)."""
+
+    def __init__(self, daemon: Predecessor, wind_down: Callable[[], Awaitable[None]], stop: Callable[[], None],
+                 argv: list[str] | None) -> None:
+        self.daemon, self.wind_down, self.stop, self.argv = daemon, wind_down, stop, argv
+        self.handing_over = False            # a successor takes the RAM tier: no write-back at stop
+        self.handed_over = False             # the successor owns the sockets now
+        self.restart_with: dict[str, int] = {}   # files to start this process again with (kvcached.daemon.serve)
+        self._done: asyncio.Future[dict[str, Any]] | None = None
+
+    async def hand_over(self, conn: socket.socket, request: dict[str, Any]) -> None:
         """The predecessor's side of a handover (kvcached.handover): pass the files, wait until
         the successor listens, wind down, release the index, wait until it serves, exit."""
+        d, cfg = self.daemon, self.daemon.config
         files: dict[str, int] = {}
         try:
-            assert self.arena is not None and self.slot_directory is not None
-            own = {ARENA_FD_NAME: self.arena.fd, SLOTS_FD_NAME: self.slot_directory.fd}
-            info: dict[str, Any] = {"grpc_tcp": self.grpc.ports if self.grpc is not None else {}}
-            if self.agents is not None:
-                own["agent"], info["agent"] = self.agents.listening_fd, self.config.agent.socket
-            if self._metrics_server is not None:
-                own["metrics"], info["metrics"] = self._metrics_server.socket.fileno(), self.config.metrics.listen
-            if self.peers is not None:
-                own.update(self.peers.listening_fds)
-                info["quic"], info["lane"] = self.config.quic.listen, self.config.quic.lane
+            assert d.arena is not None and d.slot_directory is not None
+            own = {ARENA_FD_NAME: d.arena.fd, SLOTS_FD_NAME: d.slot_directory.fd}
+            info: dict[str, Any] = {"grpc_tcp": d.grpc.ports if d.grpc is not None else {}}
+            if d.agents is not None:
+                own["agent"], info["agent"] = d.agents.listening_fd, cfg.agent.socket
+            if d.metrics_server is not None:
+                own["metrics"], info["metrics"] = d.metrics_server.socket.fileno(), cfg.metrics.listen
+            if d.peers is not None:
+                own.update(d.peers.listening_fds)
+                info["quic"], info["lane"] = cfg.quic.listen, cfg.quic.lane
             files = {name: os.dup(fd) for name, fd in own.items()}
             await send_files(conn, files, info)
         finally:
@@ -167,16 +181,16 @@ class Succession:
                 os.close(fd)
         await wait_listening(conn)            # gone before this: nothing changed, serve on
         t0 = time.monotonic()
-        self._handing_over = True
+        self.handing_over = True
         if self._tcp_listeners() and not tcp_migrate_req():
             log.warning("net.ipv4.tcp_migrate_req is 0: TCP connections waiting in this daemon's accept queue "
                         "when it stops listening are reset instead of passed to the successor (docs/operations.md)")
         await asyncio.sleep(HANDOVER_SETTLE_S)   # connections queued just before the switch are accepted
-        blocks = len(self.store.ram) if self.store is not None else 0
-        await self._wind_down_once()
+        blocks = len(d.store.ram) if d.store is not None else 0
+        await self.wind_down()
         await send_released(conn, {"ram_blocks": blocks, "wind_down_s": round(time.monotonic() - t0, 3)})
         log.info("released the index to the successor", extra=fields(ram_blocks=blocks))
-        self._handed_over = True
+        self.handed_over = True
         try:
             await wait_serving(conn)
         except HandoverBroken as exc:
@@ -184,46 +198,47 @@ class Succession:
             # stays right) with the arena and its directory, every block checked: see serve().
             log.error("the successor went away before it served; starting again in this process, the RAM tier "
                       "checked block by block", extra=fields(reason=str(exc)))
-            assert self.arena is not None and self.slot_directory is not None
-            self.restart_with = {ARENA_FD_NAME: os.dup(self.arena.fd), SLOTS_FD_NAME: os.dup(self.slot_directory.fd)}
-        if self._handover_done is not None and not self._handover_done.done():
-            self._handover_done.set_result({"op": "upgraded", "ok": not self.restart_with,
-                                            "elapsed_s": round(time.monotonic() - t0, 3)})
-        self._stop.set()
+            assert d.arena is not None and d.slot_directory is not None
+            self.restart_with = {ARENA_FD_NAME: os.dup(d.arena.fd), SLOTS_FD_NAME: os.dup(d.slot_directory.fd)}
+        if self._done is not None and not self._done.done():
+            self._done.set_result({"op": "upgraded", "ok": not self.restart_with,
+                                   "elapsed_s": round(time.monotonic() - t0, 3)})
+        self.stop()
 
-    async def _upgrade(self) -> dict[str, Any]:
+    async def upgrade(self) -> dict[str, Any]:
         """``kvcached upgrade``: start this command line again with ``--takeover`` (the code now
         installed), in this service's process group and cgroup, and wait for the handover."""
-        if self._argv is None:
+        if self.argv is None:
             return {"op": "failed", "reason": "this daemon was not started by `kvcached serve`: start the successor "
                                               "with `kvcached serve --takeover` yourself"}
-        if self._handover_done is not None and not self._handover_done.done():
+        if self._done is not None and not self._done.done():
             return {"op": "failed", "reason": "an upgrade is under way already"}
         loop = asyncio.get_running_loop()
-        self._handover_done = loop.create_future()
+        self._done = loop.create_future()
         t0 = time.monotonic()
-        argv = [a for a in self._argv if a != "--takeover"] + ["--takeover"]
+        argv = [a for a in self.argv if a != "--takeover"] + ["--takeover"]
         # A plain Popen: asyncio's subprocess transport kills a child still running when it
         # closes, and the successor must outlive this process.
         # WATCHDOG_PID names this process: without it systemd's watchdog is the successor's to ping.
         env = {k: v for k, v in os.environ.items() if k != "WATCHDOG_PID"}
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
         log.warning("upgrade: successor started", extra=fields(pid=proc.pid))
-        done = self._handover_done
+        done = self._done
         deadline = time.monotonic() + UPGRADE_TIMEOUT_S
         while not done.done() and proc.poll() is None and time.monotonic() < deadline:
             await asyncio.wait([done], timeout=0.1)
         if done.done():
             return {**done.result(), "pid": proc.pid, "total_s": round(time.monotonic() - t0, 3)}
-        self._handover_done = None
+        self._done = None
         if proc.returncode is not None:
             return {"op": "failed", "pid": proc.pid,
                     "reason": f"the successor exited with {proc.returncode} before taking over (see its log)"}
         return {"op": "failed", "pid": proc.pid, "reason": f"no handover within {UPGRADE_TIMEOUT_S:.0f} s"}
 
     def _tcp_listeners(self) -> bool:
-        return (bool(self.grpc is not None and self.grpc.ports) or self._metrics_server is not None
-                or (self.peers is not None and "lane" in self.peers.listening_fds))
+        d = self.daemon
+        return (bool(d.grpc is not None and d.grpc.ports) or d.metrics_server is not None
+                or (d.peers is not None and "lane" in d.peers.listening_fds))
 
 
 def exec_with_fds(argv: list[str], files: dict[str, int]) -> None:
