@@ -169,13 +169,13 @@ from kvcached.peers.protocol import (  # noqa: E402
     Announce,
     Drop,
     Frame,
-    FrameDecoder,
     Locate,
     Located,
     Message,
     decode,
     encode,
 )
+from kvcached.peers.stream import FrameDecoder  # noqa: E402
 from tests.etcd_server import EtcdServer, etcd_binary  # noqa: E402
 
 T = TypeVar("T")

@@ -28,7 +28,7 @@ it hold, is kvcached.peers.lane_server; the client, kvcached.peers.lane_client.
 
 Receive side: :class:`LaneConnection` is a buffered protocol. While a Block's payload is coming,
 the buffer it hands the event loop is the arena slot the store reserved for it (the decoder's
-:meth:`~kvcached.peers.protocol.FrameDecoder.payload_target`), so the kernel (``mac``) or
+:meth:`~kvcached.peers.stream.FrameDecoder.payload_target`), so the kernel (``mac``) or
 OpenSSL (``tls``) writes the payload straight into the slot: no intermediate bytes object, no
 copy. The store checks the BLAKE3 checksum and only then commits. Send side: heads and payloads
 are written as memoryviews of the pinned slot; a pinned block is released only once the
@@ -45,6 +45,7 @@ from cryptography import x509
 
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 from kvcached.peers.session import PeerGone
 from kvcached.peers.tls import PeerAuth
 
@@ -94,10 +95,10 @@ class LaneConnection(asyncio.BufferedProtocol):
     next full garbage collection (a flood of refused connections would otherwise pile up in the
     oldest generation: tens of MiB a few thousand connections, docs/security.md)."""
 
-    def __init__(self, decoder: p.FrameDecoder, *, framed: bool) -> None:
+    def __init__(self, decoder: st.FrameDecoder, *, framed: bool) -> None:
         self.decoder = decoder
         self.framed = framed
-        self.on_event: Callable[[p.Event], None] = self._unexpected
+        self.on_event: Callable[[st.Event], None] = self._unexpected
         self.sealer: m.Sealer | None = None
         self.opener: m.Opener | None = None
         self.transport: asyncio.Transport | None = None
@@ -178,7 +179,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         """No answer is due (an idle lane kept for the next pull): any input is an error."""
         self.on_event = self._unexpected
 
-    def _unexpected(self, item: p.Event) -> None:
+    def _unexpected(self, item: st.Event) -> None:
         raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(item).__name__} when no answer was due")
 
     def _notify(self) -> None:
@@ -207,7 +208,7 @@ class LaneConnection(asyncio.BufferedProtocol):
 
     def _detach(self) -> None:
         self.on_event = _ignore
-        self.decoder = p.FrameDecoder(max_body=0, max_payload=1)   # holds no slot; reads go to scratch
+        self.decoder = st.FrameDecoder(max_body=0, max_payload=1)   # holds no slot; reads go to scratch
         self.framed = True
 
     @property
@@ -309,7 +310,7 @@ class LaneConnection(asyncio.BufferedProtocol):
             raise self.failure()
 
 
-def _ignore(item: p.Event) -> None:
+def _ignore(item: st.Event) -> None:
     """What a connection cut off from its pull does with input: nothing."""
 
 

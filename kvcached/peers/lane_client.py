@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 from kvcached.peers.lane import LANE_MODES, LaneConnection, client_context, peer_certificate
 from kvcached.peers.session import PeerGone, PullAnswers, PullSink, RequestIds
 from kvcached.peers.tls import PeerAuth, PeerRefused
@@ -54,7 +55,7 @@ class LaneClient:
         made: list[LaneConnection] = []
 
         def factory() -> LaneConnection:
-            conn = LaneConnection(p.FrameDecoder(max_payload=self.max_payload), framed=self.mode == "tls")
+            conn = LaneConnection(st.FrameDecoder(max_payload=self.max_payload), framed=self.mode == "tls")
             made.append(conn)
             return conn
 
@@ -179,7 +180,7 @@ class LaneClient:
         answers = PullAnswers(self.peer, conn.decoder, None, request_id=request_id)
         got: list[p.Located] = []
 
-        def on_event(item: p.Event) -> None:
+        def on_event(item: st.Event) -> None:
             message = answers.take(item)
             if not isinstance(message, p.Located) or got:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer a Locate")
@@ -197,7 +198,7 @@ class LaneClient:
         request_id = self._ids.next()
         answers = PullAnswers(self.peer, conn.decoder, sink, request_id=request_id, expected=len(addresses))
 
-        def on_event(item: p.Event) -> None:
+        def on_event(item: st.Event) -> None:
             message = answers.take(item)
             if message is not None:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer a Pull")

@@ -41,6 +41,7 @@ from typing import Callable, Hashable
 from blake3 import blake3
 
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 
 __all__ = ["KEY_BYTES", "KEY_ID_BYTES", "NONCE_BYTES", "TAG_BYTES", "HELLO", "CHALLENGE", "PROOF", "MAGIC",
            "CLIENT_TO_SERVER", "SERVER_TO_CLIENT", "MacRefused", "LaneSecrets", "derive", "LaneKeys",
@@ -178,12 +179,12 @@ class ServerHandshake:
         return peer, secrets
 
 
-def _frame_bytes(item: p.Frame | p.BlockHeader | p.BlocksHeader) -> bytes:
+def _frame_bytes(item: p.Frame | st.BlockHeader | st.BlocksHeader) -> bytes:
     """A frame's header and body as its sender wrote them (the header is canonical, and a Block
     head the decoder took encodes back to the bytes it came from)."""
-    if isinstance(item, p.BlockHeader):
+    if isinstance(item, st.BlockHeader):
         return p.encode(item.block, item.request_id)
-    if isinstance(item, p.BlocksHeader):
+    if isinstance(item, st.BlocksHeader):
         return p.HEADER.pack(len(item.body), p.VERSION, p.Blocks.TYPE, 0, item.request_id) + item.body
     return p.HEADER.pack(len(item.body), p.VERSION, item.type, 0, item.request_id) + item.body
 
@@ -214,8 +215,8 @@ class Opener:
         self._expected = Sealer(connection_key, direction)
         self._tag: bytes | None = None
 
-    def take(self, item: p.Event) -> bool:
-        if type(item) is p.BlockEnd or type(item) is p.PayloadChunk:
+    def take(self, item: st.Event) -> bool:
+        if type(item) is st.BlockEnd or type(item) is st.PayloadChunk:
             return False                   # payload bytes: bound through their sealed head
         if isinstance(item, p.Frame) and item.type == p.Seal.TYPE:
             if self._tag is not None:
@@ -227,7 +228,7 @@ class Opener:
             assert isinstance(seal, p.Seal)
             self._tag = seal.tag
             return True
-        if isinstance(item, (p.Frame, p.BlockHeader, p.BlocksHeader)):
+        if isinstance(item, (p.Frame, st.BlockHeader, st.BlocksHeader)):
             tag, self._tag = self._tag, None
             if tag is None:
                 raise MacRefused("a frame without a seal")

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence, cast
 
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 from kvcached.peers.handshakes import DISPLACED, FULL, TIMEOUT, HandshakeLimits, HandshakeTable, source_of
 from kvcached.peers.lane import LANE_MODES, WRITE_HIGH, LaneConnection, peer_certificate, server_context
 from kvcached.peers.session import REQUEST_BODY, PeerGone, PeerHandler, take_request
@@ -171,7 +172,7 @@ class LaneServer:
 
     async def _serve(self, sock: socket.socket) -> None:
         task = asyncio.current_task()
-        conn = LaneConnection(p.FrameDecoder(max_body=REQUEST_BODY, max_payload=1), framed=False)
+        conn = LaneConnection(st.FrameDecoder(max_body=REQUEST_BODY, max_payload=1), framed=False)
         try:
             who = await self._authenticate(sock, conn, task)
             if who is None:
@@ -231,7 +232,7 @@ class LaneServer:
         (``mac``) the QUIC session that granted its key ends."""
         requests: deque[p.Frame] = deque()
 
-        def on_event(item: p.Event) -> None:
+        def on_event(item: st.Event) -> None:
             if not isinstance(item, p.Frame):
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block or Blocks frame sent as a request", fatal=True)
             requests.append(item)

@@ -28,6 +28,7 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 from kvcached.peers.lane_mac import LaneKeys
 from kvcached.peers.session import REQUEST_BODY, PeerGone, PeerHandler, PullAnswers, PullSink, RequestIds, SendRoom, take_request
 from kvcached.peers.tls import PeerAuth, PeerRefused, ServerTickets
@@ -58,7 +59,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
         self.peer: str | None = None
         self.verified = False
         self._issued: SessionTicket | None = None
-        self._decoders: dict[int, p.FrameDecoder] = {}
+        self._decoders: dict[int, st.FrameDecoder] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.room = SendRoom(SEND_QUEUE_BYTES, SEND_STALL_S, time.monotonic)
         self.stalled = 0                       # answers given up because the peer stopped reading
@@ -178,7 +179,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
         sid = event.stream_id
         decoder = self._decoders.get(sid)
         if decoder is None:
-            decoder = self._decoders[sid] = p.FrameDecoder(max_body=REQUEST_BODY, max_payload=1)
+            decoder = self._decoders[sid] = st.FrameDecoder(max_body=REQUEST_BODY, max_payload=1)
         decoder.feed(event.data)
         try:
             for item in decoder:
@@ -379,7 +380,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
         sid = self._quic.get_next_available_stream_id()
         data = p.encode(message, request_id)
         expected = len(message.addresses) if isinstance(message, p.Pull) else None
-        answers = PullAnswers(self.peer, p.FrameDecoder(max_payload=self.max_payload), sink, request_id=request_id,
+        answers = PullAnswers(self.peer, st.FrameDecoder(max_payload=self.max_payload), sink, request_id=request_id,
                               expected=expected)
         request = _Request(sid, answers,
                            asyncio.get_running_loop().create_future(), early=not self.verified,
@@ -477,7 +478,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
                 else:
                     request.done.set_result(None)
 
-    def _answer(self, request: _Request, item: p.Event) -> None:
+    def _answer(self, request: _Request, item: st.Event) -> None:
         message = request.answers.take(item)
         if isinstance(message, p.ExistsResult):
             if not request.done.done():

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Callable
 
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 
 __all__ = ["REQUEST_BODY", "PeerGone", "PeerHandler", "PullSink", "PullAnswers", "RequestIds", "take_request"]
 
@@ -79,7 +80,7 @@ class PullAnswers:
     whole stream, is taken); with ``expected`` (the Pull's entry count), anything after the
     last entry's answer is refused. ProtocolError either way: the carrier ends the request."""
 
-    def __init__(self, peer: str, decoder: p.FrameDecoder, sink: PullSink | None, *,
+    def __init__(self, peer: str, decoder: st.FrameDecoder, sink: PullSink | None, *,
                  request_id: int | None = None, expected: int | None = None) -> None:
         self.peer, self.decoder, self.sink = peer, decoder, sink
         self.request_id, self.expected = request_id, expected
@@ -91,7 +92,7 @@ class PullAnswers:
         """Every entry of the Pull is answered (``expected`` given)."""
         return self.expected is not None and self.answered >= self.expected
 
-    def take(self, item: p.Event) -> p.Message | None:
+    def take(self, item: st.Event) -> p.Message | None:
         """Handle one decoded event; an answer that is neither a Block nor a Miss (an
         ExistsResult, a LaneKey) is returned for the caller to take."""
         if self.request_id is not None and item.request_id != self.request_id and not (
@@ -100,19 +101,19 @@ class PullAnswers:
         if self.complete:
             raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer} sent more than the answer")
         sink = self.sink
-        if isinstance(item, p.BlockEnd):
+        if isinstance(item, st.BlockEnd):
             block, skipped = self.blocks.popleft()
             self.answered += 1
             if not skipped and sink is not None:
                 sink.arrived(block)
-        elif isinstance(item, p.BlockHeader):
+        elif isinstance(item, st.BlockHeader):
             if sink is None:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block answers only a Pull")
             view = sink.slot(item.block)
             self.blocks.append((item.block, view is None))
             if view is not None:
                 self.decoder.receive_into(view)
-        elif isinstance(item, p.BlocksHeader):
+        elif isinstance(item, st.BlocksHeader):
             if sink is None:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "Blocks answer only a Pull")
             if self.expected is not None and self.answered + len(item.blocks) > self.expected:
@@ -121,7 +122,7 @@ class PullAnswers:
             self.blocks.extend((block, view is None) for block, view in zip(item.blocks, views))
             if any(view is not None for view in views):
                 self.decoder.receive_train(views)
-        elif isinstance(item, p.PayloadChunk):
+        elif isinstance(item, st.PayloadChunk):
             pass                       # a payload the sink skipped
         else:
             message = p.decode(item)

@@ -17,6 +17,7 @@ from kvcached.certs import make_cluster
 from kvcached.peers import lane as lane_module
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 from kvcached.peers.lane import LaneConnection, client_context
 from kvcached.peers.lane_client import LaneClient
 from kvcached.peers.session import PeerGone, PullSink
@@ -257,7 +258,7 @@ def test_bad_frames_on_a_lane_are_answered_with_errors_and_lose_nothing(tmp_path
             reader, writer = await asyncio.open_connection(*c.addr(A), ssl=client_context(lane.auth), server_hostname=A)
 
             async def answer(reader: asyncio.StreamReader = reader) -> p.Error:
-                decoder = p.FrameDecoder()
+                decoder = st.FrameDecoder()
                 while True:
                     data = await asyncio.wait_for(reader.read(1 << 16), 5)
                     assert data, "the lane closed without an Error"

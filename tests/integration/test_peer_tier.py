@@ -22,6 +22,7 @@ from kvcached.certs import make_cluster
 from kvcached.index import BlockIndex
 from kvcached.peers import protocol as p
 from kvcached.peers import quic as quic_layer
+from kvcached.peers import stream as st
 from kvcached.peers.directory import PeerState, wire_key
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
@@ -462,7 +463,7 @@ def test_state_changing_early_data_is_refused(tmp_path: Path) -> None:
                                               end_stream=True)
                 client.transmit()                       # goes out as 0-RTT data, before the handshake is done
                 await until(lambda: len(client.raw[sid]) >= p.HEADER.size + 4, "an answer", 5)
-                decoder = p.FrameDecoder()
+                decoder = st.FrameDecoder()
                 decoder.feed(bytes(client.raw[sid]))
                 frame = decoder.next_event()
                 assert isinstance(frame, p.Frame) and frame.request_id == 7

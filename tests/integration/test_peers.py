@@ -23,6 +23,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from kvcached.peers import protocol as pp
+from kvcached.peers import stream as ps
 from kvcached.peers.quic import PeerClientProtocol
 from kvcached.peers.tls import ALPN, PeerAuth, QuicOptions
 from kvcached.v1 import kvcache_pb2 as pb
@@ -378,7 +379,7 @@ def test_no_client_certificate_malformed_frames_and_resumption_against_a_live_da
         await asyncio.sleep(0.5)
         for sid, code in ((garbage, pp.ErrorCode.UNSUPPORTED_VERSION), (oversize, pp.ErrorCode.TOO_LARGE),
                           (unknown, pp.ErrorCode.UNKNOWN_TYPE)):
-            decoder = pp.FrameDecoder()
+            decoder = ps.FrameDecoder()
             decoder.feed(bytes(peer.raw[sid]))
             frame = decoder.next_event()
             assert isinstance(frame, pp.Frame), (sid, peer.raw[sid])
@@ -400,7 +401,7 @@ def test_no_client_certificate_malformed_frames_and_resumption_against_a_live_da
         await asyncio.wait_for(again.ready, 5)
         assert again.handshake is not None and again.handshake.session_resumed and again.handshake.early_data_accepted
         await asyncio.sleep(0.3)
-        decoder = pp.FrameDecoder()
+        decoder = ps.FrameDecoder()
         decoder.feed(bytes(again.raw[early_announce]))
         error = pp.decode(decoder.next_event())  # type: ignore[arg-type]
         assert isinstance(error, pp.Error) and error.code == pp.ErrorCode.EARLY_DATA, error

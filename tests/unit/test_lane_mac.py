@@ -9,6 +9,7 @@ import pytest
 
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 
 KEY = bytes(range(32))
 KEY_ID = bytes(range(0x40, 0x50))
@@ -72,8 +73,8 @@ def test_a_wrong_key_fails_the_proof_on_either_side() -> None:
         server.proof(m.derive(b"\x00" * 32, KEY_ID, CLIENT_NONCE, SERVER_NONCE).client_proof)
 
 
-def frames(data: bytes) -> list[p.Event]:
-    decoder = p.FrameDecoder()
+def frames(data: bytes) -> list[st.Event]:
+    decoder = st.FrameDecoder()
     decoder.feed(data)
     return list(decoder)
 
@@ -115,7 +116,7 @@ def test_a_changed_head_fails_its_seal() -> None:
         except (m.MacRefused, p.ProtocolError):       # the seal, or the framing itself
             continue
         # a longer length in the header: the frame is not whole yet, and nothing was taken
-        assert not any(isinstance(item, (p.Frame, p.BlockHeader)) for item in taken), at
+        assert not any(isinstance(item, (p.Frame, st.BlockHeader)) for item in taken), at
 
 
 def test_lane_keys_are_bounded_per_session_and_in_all() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 from kvcached_agent.integrity import payload_checksum
 
 D1 = bytes(range(32))
@@ -20,18 +21,18 @@ def header(length: int, type_: int, request_id: int, version: int = 1, flags: in
     return struct.pack("<IBBHI", length, version, type_, flags, request_id)
 
 
-def fatal(decoder: p.FrameDecoder) -> p.ProtocolError:
+def fatal(decoder: st.FrameDecoder) -> p.ProtocolError:
     with pytest.raises(p.ProtocolError) as err:
         decoder.next_event()
     assert err.value.fatal
     return err.value
 
 
-def normalized(events: list[p.Event]) -> list[Any]:
+def normalized(events: list[st.Event]) -> list[Any]:
     """Events with adjacent payload chunks joined (how the payload is cut depends on the feeding)."""
     out: list[Any] = []
     for event in events:
-        if isinstance(event, p.PayloadChunk):
+        if isinstance(event, st.PayloadChunk):
             if out and isinstance(out[-1], tuple):
                 out[-1] = ("payload", event.request_id, out[-1][2] + bytes(event.data))
             else:
@@ -97,13 +98,13 @@ def test_worked_example_of_the_spec() -> None:
 def test_every_message_round_trips(message: p.Message) -> None:
     frame = p.encode(message, 42)
     assert p.decode(p.Frame(message.TYPE, 42, frame[12:])) == message
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(frame)
     event = decoder.next_event()
     if isinstance(message, p.Block):
-        assert event == p.BlockHeader(42, message) and decoder.payload_remaining == message.payload_length
+        assert event == st.BlockHeader(42, message) and decoder.payload_remaining == message.payload_length
     elif isinstance(message, p.Blocks):
-        assert event == p.BlocksHeader(42, tuple(message.heads), frame[12:])
+        assert event == st.BlocksHeader(42, tuple(message.heads), frame[12:])
         assert decoder.payload_remaining == message.heads[0].payload_length
     else:
         assert event == p.Frame(message.TYPE, 42, frame[12:])
@@ -114,15 +115,15 @@ def test_every_message_round_trips(message: p.Message) -> None:
 
 SMALL = p.Block.of(D1, 3, "llama", PAYLOAD[:40])
 STREAM = p.encode(p.Exists(1, [D1]), 1) + p.encode(SMALL, 2) + PAYLOAD[:40] + p.encode(p.Miss(D2, 0, 1), 2)
-EXPECTED = [p.Frame(0x02, 1, p.encode(p.Exists(1, [D1]))[12:]), p.BlockHeader(2, SMALL),
-            ("payload", 2, PAYLOAD[:40]), p.BlockEnd(2), p.Frame(0x82, 2, p.encode(p.Miss(D2, 0, 1))[12:])]
+EXPECTED = [p.Frame(0x02, 1, p.encode(p.Exists(1, [D1]))[12:]), st.BlockHeader(2, SMALL),
+            ("payload", 2, PAYLOAD[:40]), st.BlockEnd(2), p.Frame(0x82, 2, p.encode(p.Miss(D2, 0, 1))[12:])]
 
 
 def test_decoder_in_one_piece_and_one_byte_at_a_time() -> None:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(STREAM)
     assert normalized(list(decoder)) == EXPECTED and decoder.buffered == 0
-    decoder, events = p.FrameDecoder(), []
+    decoder, events = st.FrameDecoder(), []
     for i in range(len(STREAM)):
         decoder.feed(STREAM[i:i + 1])
         events += list(decoder)
@@ -131,7 +132,7 @@ def test_decoder_in_one_piece_and_one_byte_at_a_time() -> None:
 
 def test_decoder_split_at_every_position() -> None:
     for cut in range(len(STREAM) + 1):
-        decoder = p.FrameDecoder()
+        decoder = st.FrameDecoder()
         decoder.feed(STREAM[:cut])
         events = list(decoder)
         decoder.feed(STREAM[cut:])
@@ -140,55 +141,55 @@ def test_decoder_split_at_every_position() -> None:
 
 def test_payload_comes_as_views_of_what_was_fed() -> None:
     fed = p.encode(BLOCK, 7) + PAYLOAD
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(fed)
-    assert decoder.next_event() == p.BlockHeader(7, BLOCK)
+    assert decoder.next_event() == st.BlockHeader(7, BLOCK)
     chunk = decoder.next_event()
-    assert isinstance(chunk, p.PayloadChunk) and chunk.request_id == 7
+    assert isinstance(chunk, st.PayloadChunk) and chunk.request_id == 7
     assert chunk.data.readonly and chunk.data.obj is fed and chunk.data == PAYLOAD    # no copy
-    assert decoder.next_event() == p.BlockEnd(7) and decoder.next_event() is None
+    assert decoder.next_event() == st.BlockEnd(7) and decoder.next_event() is None
 
 
 def test_mutable_input_is_copied() -> None:
     fed = bytearray(p.encode(BLOCK, 7) + PAYLOAD)
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(fed)
     fed[:] = bytes(len(fed))                    # the caller reuses its buffer
-    assert decoder.next_event() == p.BlockHeader(7, BLOCK)
+    assert decoder.next_event() == st.BlockHeader(7, BLOCK)
     chunk = decoder.next_event()
-    assert isinstance(chunk, p.PayloadChunk) and chunk.data == PAYLOAD
+    assert isinstance(chunk, st.PayloadChunk) and chunk.data == PAYLOAD
 
 
 @pytest.mark.parametrize("before", [0, 1, 500, 1024])
 def test_receive_into_a_slice_of_a_bigger_buffer(before: int) -> None:
     after = p.encode(p.ExistsResult(1), 8)
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(p.encode(BLOCK, 7) + PAYLOAD[:before])
-    assert decoder.next_event() == p.BlockHeader(7, BLOCK)
+    assert decoder.next_event() == st.BlockHeader(7, BLOCK)
     arena = bytearray(b"\xee" * 3000)
     decoder.receive_into(memoryview(arena)[100:100 + len(PAYLOAD)])
     assert decoder.payload_remaining == len(PAYLOAD) - before and decoder.buffered == 0
     rest = bytearray(PAYLOAD[before:] + after)
     decoder.feed(rest)
     rest[:] = bytes(len(rest))                  # what went past the payload was copied
-    assert decoder.next_event() == p.BlockEnd(7)
+    assert decoder.next_event() == st.BlockEnd(7)
     assert arena[100:100 + len(PAYLOAD)] == PAYLOAD and arena[:100] + arena[1124:] == b"\xee" * 1976
     assert decoder.next_event() == p.Frame(0x83, 8, after[12:]) and decoder.buffered == 0
 
 
 def test_receive_into_after_some_chunks() -> None:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(p.encode(BLOCK, 7) + PAYLOAD[:100])
-    assert isinstance(decoder.next_event(), p.BlockHeader)
-    assert isinstance(decoder.next_event(), p.PayloadChunk) and decoder.next_event() is None
+    assert isinstance(decoder.next_event(), st.BlockHeader)
+    assert isinstance(decoder.next_event(), st.PayloadChunk) and decoder.next_event() is None
     buf = bytearray(924)
     decoder.receive_into(buf)
     decoder.feed(PAYLOAD[100:])
-    assert decoder.next_event() == p.BlockEnd(7) and buf == PAYLOAD[100:]
+    assert decoder.next_event() == st.BlockEnd(7) and buf == PAYLOAD[100:]
 
 
 def test_payload_target_and_payload_written() -> None:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     assert len(decoder.payload_target()) == 0
     decoder.feed(p.encode(BLOCK, 7) + PAYLOAD[:10])
     decoder.next_event()
@@ -203,14 +204,14 @@ def test_payload_target_and_payload_written() -> None:
         decoder.payload_written(515)
     decoder.payload_target()[:] = PAYLOAD[510:]
     decoder.payload_written(514)
-    assert decoder.next_event() == p.BlockEnd(7) and buf == PAYLOAD
+    assert decoder.next_event() == st.BlockEnd(7) and buf == PAYLOAD
     assert len(decoder.payload_target()) == 0
     with pytest.raises(ValueError):
         decoder.payload_written(1)
 
 
 def test_receive_into_refusals() -> None:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     with pytest.raises(RuntimeError):
         decoder.receive_into(bytearray(1))      # no payload is coming
     decoder.feed(p.encode(BLOCK, 7))
@@ -236,7 +237,7 @@ def test_block_of_and_verify() -> None:
 # -- limits and errors ---------------------------------------------------------------------------
 
 def test_oversize_body_is_refused_from_the_header_alone() -> None:
-    for decoder, length in ((p.FrameDecoder(max_body=100), 101), (p.FrameDecoder(), p.MAX_BODY + 1)):
+    for decoder, length in ((st.FrameDecoder(max_body=100), 101), (st.FrameDecoder(), p.MAX_BODY + 1)):
         decoder.feed(header(length, 0x01, 7))    # 12 bytes: no body sent
         err = fatal(decoder)
         assert err.code == p.ErrorCode.TOO_LARGE and err.request_id == 7 and decoder.buffered == 0
@@ -253,7 +254,7 @@ def test_oversize_body_is_refused_from_the_header_alone() -> None:
     (header(1103, 0x81, 7), p.ErrorCode.MALFORMED),               # a head longer than any Block head
 ])
 def test_bad_block_heads_are_fatal(raw: bytes, code: p.ErrorCode) -> None:
-    decoder = p.FrameDecoder(max_payload=1023)
+    decoder = st.FrameDecoder(max_payload=1023)
     decoder.feed(raw)                           # no payload byte sent
     err = fatal(decoder)
     assert err.code == code and err.request_id == 7
@@ -265,7 +266,7 @@ def test_bad_block_heads_are_fatal(raw: bytes, code: p.ErrorCode) -> None:
     (header(4, 0x83, 7, flags=0x0100), p.ErrorCode.MALFORMED),
 ])
 def test_bad_headers_are_fatal_and_stay_fatal(raw: bytes, code: p.ErrorCode) -> None:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(raw)
     err = fatal(decoder)
     assert err.code == code and err.request_id == 7
@@ -289,7 +290,7 @@ def test_bad_headers_are_fatal_and_stay_fatal(raw: bytes, code: p.ErrorCode) -> 
     (0x5A, b"", p.ErrorCode.UNKNOWN_TYPE, "0x5a"),
 ])
 def test_bad_bodies_lose_only_their_request(type_: int, body: bytes, code: p.ErrorCode, text: str) -> None:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(header(len(body), type_, 7) + body + p.encode(p.ExistsResult(1), 8))
     frame = decoder.next_event()
     assert isinstance(frame, p.Frame)
@@ -355,7 +356,7 @@ def test_locate_and_located_byte_for_byte() -> None:
     assert frame.hex() == ("1d000000" "01" "86" "0000" "09000000"
                            "0200" "06" + b"node-a".hex() + "06" + b"node-b".hex()
                            + "03000000" "02" "0000" "0100" "00" "01" "0100")
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(frame)
     event = decoder.next_event()
     assert isinstance(event, p.Frame) and p.decode(event) == p.Located([("node-a", "node-b"), (), ("node-b",)])
@@ -421,41 +422,41 @@ def test_blocks_byte_for_byte() -> None:
 def test_blocks_train_into_buffers_split_at_every_position() -> None:
     stream = p.encode(p.Blocks([BLOCK, BLOCK2]), 9) + PAYLOAD + PAYLOAD2 + p.encode(p.ExistsResult(1), 10)
     for cut in range(len(stream) + 1):
-        decoder = p.FrameDecoder()
+        decoder = st.FrameDecoder()
         first, second = bytearray(len(PAYLOAD)), bytearray(len(PAYLOAD2))
-        events: list[p.Event] = []
+        events: list[st.Event] = []
         for piece in (stream[:cut], stream[cut:]):
             decoder.feed(piece)
             for event in decoder:
                 events.append(event)
-                if isinstance(event, p.BlocksHeader):
+                if isinstance(event, st.BlocksHeader):
                     decoder.receive_train([first, second])
-        assert [type(e) for e in events] == [p.BlocksHeader, p.BlockEnd, p.BlockEnd, p.Frame], cut
-        assert events[0] == p.BlocksHeader(9, (BLOCK, BLOCK2), stream[12:12 + len(events[0].body)])
-        assert first == PAYLOAD and second == PAYLOAD2 and events[1] == events[2] == p.BlockEnd(9)
+        assert [type(e) for e in events] == [st.BlocksHeader, st.BlockEnd, st.BlockEnd, p.Frame], cut
+        assert events[0] == st.BlocksHeader(9, (BLOCK, BLOCK2), stream[12:12 + len(events[0].body)])
+        assert first == PAYLOAD and second == PAYLOAD2 and events[1] == events[2] == st.BlockEnd(9)
         assert decoder.buffered == 0 and decoder.payload_remaining == 0
 
 
 def test_blocks_train_with_a_payload_skipped_and_through_payload_target() -> None:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(p.encode(p.Blocks([BLOCK, BLOCK2, BLOCK]), 9) + PAYLOAD[:10])
     head = decoder.next_event()
-    assert isinstance(head, p.BlocksHeader)
+    assert isinstance(head, st.BlocksHeader)
     last = bytearray(len(PAYLOAD))
     decoder.receive_train([None, bytearray(len(PAYLOAD2)), last])
     events = [decoder.next_event()]
     decoder.feed(PAYLOAD[10:] + PAYLOAD2)
     events += list(decoder)
-    assert normalized(events) == [("payload", 9, PAYLOAD), p.BlockEnd(9), p.BlockEnd(9)]
+    assert normalized(events) == [("payload", 9, PAYLOAD), st.BlockEnd(9), st.BlockEnd(9)]
     target = decoder.payload_target()                 # the third payload goes straight into ``last``
     assert len(target) == len(PAYLOAD)
     target[:] = PAYLOAD
     decoder.payload_written(len(PAYLOAD))
-    assert list(decoder) == [p.BlockEnd(9)] and last == PAYLOAD
+    assert list(decoder) == [st.BlockEnd(9)] and last == PAYLOAD
 
 
 def test_blocks_refusals() -> None:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(p.encode(p.Blocks([BLOCK, BLOCK2]), 9))
     with pytest.raises(RuntimeError):
         decoder.receive_train([None, None])           # no BlocksHeader out yet
@@ -469,11 +470,11 @@ def test_blocks_refusals() -> None:
     decoder.receive_train([None, None])
     with pytest.raises(RuntimeError):
         decoder.receive_train([None, None])           # only once
-    small = p.FrameDecoder(max_payload=len(PAYLOAD) - 1)
+    small = st.FrameDecoder(max_payload=len(PAYLOAD) - 1)
     small.feed(p.encode(p.Blocks([BLOCK2, BLOCK]), 9))
     assert fatal(small).code == p.ErrorCode.TOO_LARGE
     for count in (0, p.MAX_BATCH + 1, 3):             # none, too many, more than the body holds
         body = struct.pack("<I", count) + BLOCK.encode_body()
-        broken = p.FrameDecoder()
+        broken = st.FrameDecoder()
         broken.feed(header(len(body), 0x85, 9) + body)
         assert fatal(broken).code == (p.ErrorCode.TOO_LARGE if count > p.MAX_BATCH else p.ErrorCode.MALFORMED)

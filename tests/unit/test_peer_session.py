@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvcached.peers import protocol as p
+from kvcached.peers import stream as st
 from kvcached.peers.session import PullAnswers, PullSink, RequestIds, SendRoom, take_request
 
 DIGEST = bytes(range(32))
 
 
 def frame_of(message: p.Message, request_id: int = 7) -> p.Frame:
-    decoder = p.FrameDecoder()
+    decoder = st.FrameDecoder()
     decoder.feed(p.encode(message, request_id))
     item = next(decoder)
     assert isinstance(item, p.Frame)
@@ -66,7 +67,7 @@ class Buffers(PullSink):
 
 
 def answers_to(data: bytes, request_id: int = 5, expected: int = 2) -> tuple[PullAnswers, Buffers]:
-    decoder, sink = p.FrameDecoder(), Buffers()
+    decoder, sink = st.FrameDecoder(), Buffers()
     answers = PullAnswers("node-a", decoder, sink, request_id=request_id, expected=expected)
     decoder.feed(data)
     for item in decoder:
@@ -102,7 +103,7 @@ def test_a_run_with_a_payload_the_sink_skips_still_lands_the_others() -> None:
         def slot(self, block: p.Block) -> memoryview | None:      # type: ignore[override]
             return None if block.digest in self.got else super().slot(block)
 
-    decoder, sink = p.FrameDecoder(), Once()
+    decoder, sink = st.FrameDecoder(), Once()
     answers = PullAnswers("node-a", decoder, sink, request_id=5, expected=3)
     decoder.feed(p.encode(p.Blocks(heads), 5) + first + again + second)
     for item in decoder:
