@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import ipaddress
 import json
 import math
 import os
@@ -21,8 +20,27 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from kvcached.config_values import (
+    ListenAddress,
+    between,
+    count_1_to,
+    host_port_entry,
+    host_port_or_empty,
+    is_loopback,
+    listen_list,
+    non_negative,
+    octal_mode,
+    one_of,
+    parse_duration,
+    parse_listen,
+    path,
+    peers,
+    positive,
+    setting,
+    unix_path_or_empty,
+)
 from kvcached.policies import EVICTION_POLICIES
 from kvcached.policies.admission import ADMISSION_POLICIES
 from kvcached.policies.prefetch import PREFETCH_POLICIES
@@ -46,250 +64,51 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# value parsers
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
-
-
-def parse_duration(value: object) -> float:
-    """Seconds from a number or a string such as ``"90s"``, ``"15m"``, ``"24h"``, ``"7d"``."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration, got a boolean")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise ValueError(f"expected a duration such as 3600, \"90s\", \"24h\" or \"7d\", got {value!r}")
-    if not math.isfinite(seconds):
-        raise ValueError(f"a duration must be finite, got {value!r}")
-    if seconds < 0:
-        raise ValueError(f"a duration cannot be negative, got {value!r}")
-    return seconds
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (as a listener names it, IPv6 in brackets or not) can only be reached from
-    this machine: ``localhost`` or a loopback address, which is all of 127.0.0.0/8 (RFC 1122
-    3.2.1.3) and ::1 (RFC 4291 2.5.3), also written IPv4-mapped (::ffff:127.x.y.z)."""
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host.lower() == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False             # another name: it may resolve to anything
-    mapped = getattr(address, "ipv4_mapped", None)
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
-@dataclass(frozen=True, slots=True)
-class ListenAddress:
-    """A listener in gRPC's own syntax: ``unix:PATH`` or ``HOST:PORT``."""
-
-    text: str
-    unix_path: str | None = None
-    host: str | None = None
-    port: int | None = None
-
-    @property
-    def is_unix(self) -> bool:
-        return self.unix_path is not None
-
-    @property
-    def is_loopback(self) -> bool:
-        """A Unix socket, or a host only this machine reaches (:func:`is_loopback`)."""
-        return self.is_unix or is_loopback(self.host or "")
-
-
-def parse_listen(text: str) -> ListenAddress:
-    """Parse ``unix:path``, ``unix:///abs/path``, ``host:port`` or ``[v6]:port``."""
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"expected a listener such as \"unix:var/kvcached.sock\" or \"127.0.0.1:7400\", got {text!r}")
-    if text.startswith("unix:"):
-        path = text[len("unix:"):]
-        if path.startswith("//"):
-            path = path[2:]
-        if not path:
-            raise ValueError(f"empty Unix socket path in {text!r}")
-        if len(os.fsencode(os.path.abspath(path))) > 107:
-            raise ValueError(f"Unix socket path too long (max 107 bytes): {path!r}")
-        return ListenAddress(text, unix_path=path)
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"expected \"unix:PATH\" or \"HOST:PORT\", got {text!r}")
-    port = int(port_text)
-    if port > 65535:
-        raise ValueError(f"port out of range 0..65535 in {text!r}")
-    if host.startswith("[") != host.endswith("]"):
-        raise ValueError(f"unbalanced brackets in {text!r}")
-    return ListenAddress(text, host=host, port=port)
-
-
-# ---------------------------------------------------------------------------------------------
-# checks (each raises ValueError with the problem; the loader adds the key)
-
-
-def _positive(v: float) -> None:
-    if v <= 0:
-        raise ValueError(f"must be greater than 0, got {v}")
-
-
-def _non_negative(v: float) -> None:
-    if v < 0:
-        raise ValueError(f"must be 0 or more, got {v}")
-
-
-def _path(v: str) -> None:
-    if not v.strip():
-        raise ValueError("must be a path, got an empty string")
-    if "\0" in v:
-        raise ValueError("a path cannot contain a NUL byte")
-
-
-def _unix_path_or_empty(v: str) -> None:
-    if v:
-        _path(v)
-        if len(os.fsencode(os.path.abspath(v))) > 107:
-            raise ValueError(f"Unix socket path too long (max 107 bytes): {v!r}")
-
-
-def _octal_mode(v: str) -> None:
-    if not re.fullmatch(r"0?[0-7]{3}", v):
-        raise ValueError(f"must be octal permission bits such as \"0660\", got {v!r}")
-
-
-def _one_of(*choices: str) -> Callable[[str], None]:
-    def check(v: str) -> None:
-        if v not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}; got {v!r}")
-
-    return check
-
-
-def _listen_list(v: list[str]) -> None:
-    if not v:
-        raise ValueError("needs at least one listener")
-    seen = [_same_place(parse_listen(item)) for item in v]
-    if len(set(seen)) != len(seen):
-        raise ValueError("lists the same listener twice")
-
-
-def _same_place(address: ListenAddress) -> str:
-    """A form in which two spellings of one listener compare equal."""
-    return os.path.abspath(address.unix_path) if address.unix_path else address.text
-
-
-def _listen_or_empty(v: str) -> None:
-    if v:
-        parse_listen(v)
-
-
-def _host_port_or_empty(v: str) -> None:
-    if v and parse_listen(v).is_unix:
-        raise ValueError(f"must be HOST:PORT (UDP/TCP), not a Unix socket: {v!r}")
-
-
-def _peers(v: list[Any]) -> None:
-    names = set()
-    for i, peer in enumerate(v):
-        if not isinstance(peer, dict) or set(peer) != {"name", "address"}:
-            raise ValueError(f"entry {i} must be a table {{ name = \"...\", address = \"HOST:PORT\" }}, got {peer!r}")
-        if not isinstance(peer["name"], str) or not peer["name"]:
-            raise ValueError(f"entry {i}: name must be a non-empty string")
-        if peer["name"] in names:
-            raise ValueError(f"peer name {peer['name']!r} appears twice")
-        names.add(peer["name"])
-        _host_port_entry(i, peer["address"])
-
-
-def _host_port_entry(i: int, address: object) -> None:
-    """Entry ``i`` of a list of HOST:PORT addresses."""
-    if not isinstance(address, str) or not address:
-        raise ValueError(f"entry {i}: address must be HOST:PORT, got {address!r}")
-    try:
-        _host_port_or_empty(address)
-    except ValueError as exc:
-        raise ValueError(f"entry {i}: {exc}") from None
-
-
-def _between(least: float, most: float, unit: str = "", *, zero: str | None = None) -> Callable[[float], None]:
-    """The check of a number that must lie in [least, most] (``unit``: what follows the bounds
-    in the message); with ``zero``, 0 is allowed too and ``zero`` says what it means."""
-    def check(v: float) -> None:
-        if zero is not None and v == 0:
-            return
-        if not least <= v <= most:
-            either = f"{zero} or " if zero is not None else ""
-            raise ValueError(f"must be {either}between {_number(least)} and {_number(most)}{unit}, got {v}")
-
-    return check
-
-
-def _number(x: float) -> str:
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
-def _count_1_to(most: int) -> Callable[[float], None]:
-    return _between(1, most)
-
-
-def _key(doc: str, default: Any, check: Callable[[Any], None] | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
-    meta = {"doc": doc, "check": check, "kind": kind}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-# ---------------------------------------------------------------------------------------------
 # sections
 
 
 @dataclass(frozen=True)
 class KvSection:
-    ram_gib: float = _key("Size of the shared-memory RAM arena that holds block bytes, GiB.", 1.0, _positive, (int, float))
-    max_block_mib: float = _key("Largest block payload accepted, MiB; also the arena's slab size.", 16.0, _positive, (int, float))
-    ram_policy: str = _key("Eviction policy of the RAM tier (registry key).", "slru")
-    slru_ratio: float = _key("Age ratio of the slru policy: a block used once is evicted at 1/ratio of the age a "
+    ram_gib: float = setting("Size of the shared-memory RAM arena that holds block bytes, GiB.", 1.0, positive, (int, float))
+    max_block_mib: float = setting("Largest block payload accepted, MiB; also the arena's slab size.", 16.0, positive, (int, float))
+    ram_policy: str = setting("Eviction policy of the RAM tier (registry key).", "slru")
+    slru_ratio: float = setting("Age ratio of the slru policy: a block used once is evicted at 1/ratio of the age a "
                              "reused block may reach (1: plain LRU); 0 tunes it online.", 0.0,
-                             _between(1, MAX_RATIO, zero="0 (tuned online)"), (int, float))
-    ssd_dir: str = _key("Directory of SSD block files (SSD tier).", "var/ssd", _path)
-    ssd_gib: float = _key("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, _non_negative, (int, float))
-    ssd_ttl: float = _key("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", 7 * 86400.0)
-    ssd_policy: str = _key("Capacity eviction order of the SSD tier: lru (the index's own queue) or an in-memory "
+                             between(1, MAX_RATIO, zero="0 (tuned online)"), (int, float))
+    ssd_dir: str = setting("Directory of SSD block files (SSD tier).", "var/ssd", path)
+    ssd_gib: float = setting("SSD tier capacity, GiB (0 disables the SSD tier).", 16.0, non_negative, (int, float))
+    ssd_ttl: float = setting("Blocks unused this long leave the SSD tier (seconds or \"90s\", \"24h\", \"7d\").", 7 * 86400.0)
+    ssd_policy: str = setting("Capacity eviction order of the SSD tier: lru (the index's own queue) or an in-memory "
                            "ram_policy name.", "lru")
-    write_policy: str = _key("When new blocks go to SSD: write_back (soon after the Put), write_through (before it "
+    write_policy: str = setting("When new blocks go to SSD: write_back (soon after the Put), write_through (before it "
                              "returns) or write_through_selective (once hit write_through_threshold times).",
-                             "write_back", _one_of(*WRITE_POLICIES))
-    write_through_threshold: int = _key("Hits a new block needs before it goes to SSD under "
-                                        "write_through_selective.", 2, _positive, int)
-    admission: str = _key("Which offered new blocks are stored: always, or reuse (on the admission_threshold-th "
-                          "offer within admission_window offers).", "always", _one_of(*ADMISSION_POLICIES))
-    admission_threshold: int = _key("Offers a block needs before it is stored under admission = reuse (1..255).", 2,
-                                    _between(1, 255, " (the sketch counts up to 255)"), int)
-    admission_window: int = _key("Offers after which admission = reuse halves its counts (16 bytes of memory each).",
-                                 100_000, _between(1000, 1_000_000_000, " offers"), int)
-    ssd_write_budget_gib: float = _key("Most bytes written to the SSD tier in any 24 hours, GiB (0: no budget).",
-                                       0.0, _non_negative, (int, float))
-    policy_save_s: float = _key("How often what the policies learned is saved to the index, seconds (0: on a clean "
-                                "stop only).", 60.0, _between(1, 86400, " seconds", zero="0 (save on a clean stop only)"), (int, float))
-    ssd_durability: str = _key("How SSD block files are made durable: always, batch or none.", "batch",
-                               _one_of("always", "batch", "none"))
-    ssd_commit_ms: float = _key("Longest wait to gather a group commit (ssd_durability = batch), ms.", 10.0,
-                                _between(0, 1000, " ms"), (int, float))
-    ssd_direct_io: str = _key("O_DIRECT for SSD reads and writes: auto, on or off.", "auto", _one_of("auto", "on", "off"))
-    ssd_io_threads: int = _key("Threads doing SSD I/O (blocks in flight at once).", 8, _between(1, 256), int)
-    index_dir: str = _key("RocksDB directory of the persistent block index.", "var/index", _path)
-    mirror_pulls: bool = _key("Keep a local copy of blocks pulled from peers.", True)
-    prefetch_policy: str = _key("How long a load waits for SSD reads and peer pulls: wait_complete, best_effort (not at "
+                             "write_back", one_of(*WRITE_POLICIES))
+    write_through_threshold: int = setting("Hits a new block needs before it goes to SSD under "
+                                        "write_through_selective.", 2, positive, int)
+    admission: str = setting("Which offered new blocks are stored: always, or reuse (on the admission_threshold-th "
+                          "offer within admission_window offers).", "always", one_of(*ADMISSION_POLICIES))
+    admission_threshold: int = setting("Offers a block needs before it is stored under admission = reuse (1..255).", 2,
+                                    between(1, 255, " (the sketch counts up to 255)"), int)
+    admission_window: int = setting("Offers after which admission = reuse halves its counts (16 bytes of memory each).",
+                                 100_000, between(1000, 1_000_000_000, " offers"), int)
+    ssd_write_budget_gib: float = setting("Most bytes written to the SSD tier in any 24 hours, GiB (0: no budget).",
+                                       0.0, non_negative, (int, float))
+    policy_save_s: float = setting("How often what the policies learned is saved to the index, seconds (0: on a clean "
+                                "stop only).", 60.0, between(1, 86400, " seconds", zero="0 (save on a clean stop only)"), (int, float))
+    ssd_durability: str = setting("How SSD block files are made durable: always, batch or none.", "batch",
+                               one_of("always", "batch", "none"))
+    ssd_commit_ms: float = setting("Longest wait to gather a group commit (ssd_durability = batch), ms.", 10.0,
+                                between(0, 1000, " ms"), (int, float))
+    ssd_direct_io: str = setting("O_DIRECT for SSD reads and writes: auto, on or off.", "auto", one_of("auto", "on", "off"))
+    ssd_io_threads: int = setting("Threads doing SSD I/O (blocks in flight at once).", 8, between(1, 256), int)
+    index_dir: str = setting("RocksDB directory of the persistent block index.", "var/index", path)
+    mirror_pulls: bool = setting("Keep a local copy of blocks pulled from peers.", True)
+    prefetch_policy: str = setting("How long a load waits for SSD reads and peer pulls: wait_complete, best_effort (not at "
                                 "all) or timeout (prefetch_timeout_ms).", "wait_complete",
-                                _one_of(*PREFETCH_POLICIES))
-    prefetch_timeout_ms: float = _key("Longest wait of a load for its reads under prefetch_policy = timeout, ms.", 50.0,
-                                      _positive, (int, float))
-    gone_ttl: float = _key("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", 3600.0)
+                                one_of(*PREFETCH_POLICIES))
+    prefetch_timeout_ms: float = setting("Longest wait of a load for its reads under prefetch_policy = timeout, ms.", 50.0,
+                                      positive, (int, float))
+    gone_ttl: float = setting("How long the index remembers blocks whose bytes are gone (evicted, lost at restart).", 3600.0)
 
 
 def _tcp_listen_list(v: list[str]) -> None:
@@ -302,39 +121,40 @@ def _tcp_listen_list(v: list[str]) -> None:
 
 @dataclass(frozen=True)
 class GrpcSection:
-    listen: list[str] = _key("gRPC listeners in gRPC syntax: \"unix:PATH\" and/or \"HOST:PORT\".", ["unix:var/kvcached.sock"], _listen_list)
-    socket_mode: str = _key("Permission bits of the gRPC Unix sockets, octal (who may call the API).", "0660", _octal_mode)
-    socket_group: str = _key("Group that owns the gRPC Unix sockets (name or number); \"\" keeps the daemon's group.", "")
-    tls: bool = _key("TCP listeners of grpc.listen serve mutual TLS: a client certificate from the CA is required.", False)
-    tls_cert: str = _key("PEM certificate of the TCP listeners (tls = true); \"\": quic.cert.", "")
-    tls_key: str = _key("PEM private key of tls_cert; \"\": quic.key.", "")
-    tls_ca: str = _key("PEM CA that signs the clients' certificates; \"\": quic.ca (the cluster CA).", "")
-    read_only_listen: list[str] = _key("TCP listeners for read-only calls by anyone who reaches them (TLS without client "
+    listen: list[str] = setting("gRPC listeners in gRPC syntax: \"unix:PATH\" and/or \"HOST:PORT\".",
+                                ["unix:var/kvcached.sock"], listen_list)
+    socket_mode: str = setting("Permission bits of the gRPC Unix sockets, octal (who may call the API).", "0660", octal_mode)
+    socket_group: str = setting("Group that owns the gRPC Unix sockets (name or number); \"\" keeps the daemon's group.", "")
+    tls: bool = setting("TCP listeners of grpc.listen serve mutual TLS: a client certificate from the CA is required.", False)
+    tls_cert: str = setting("PEM certificate of the TCP listeners (tls = true); \"\": quic.cert.", "")
+    tls_key: str = setting("PEM private key of tls_cert; \"\": quic.key.", "")
+    tls_ca: str = setting("PEM CA that signs the clients' certificates; \"\": quic.ca (the cluster CA).", "")
+    read_only_listen: list[str] = setting("TCP listeners for read-only calls by anyone who reaches them (TLS without client "
                                        "certificates when tls = true).", [], _tcp_listen_list)
-    insecure: bool = _key("Allow plaintext TCP listeners on non-loopback addresses (read-only calls only).", False)
-    max_message_mib: int = _key("Largest gRPC message either way, MiB; bigger payloads use GetStream/PutStream.", 64, None, int)
-    grace_s: float = _key("Seconds in-flight requests get to finish on SIGTERM/SIGINT.", 5.0, _non_negative, (int, float))
-    max_batch: int = _key("Most entries in one request: digests of Lookup, Overlap and Evict, addresses of Get, "
+    insecure: bool = setting("Allow plaintext TCP listeners on non-loopback addresses (read-only calls only).", False)
+    max_message_mib: int = setting("Largest gRPC message either way, MiB; bigger payloads use GetStream/PutStream.", 64, None, int)
+    grace_s: float = setting("Seconds in-flight requests get to finish on SIGTERM/SIGINT.", 5.0, non_negative, (int, float))
+    max_batch: int = setting("Most entries in one request: digests of Lookup, Overlap and Evict, addresses of Get, "
                           "GetStream and Delete, blocks of Put; more is refused with INVALID_ARGUMENT (at most "
-                          "65536, the agent socket's limit).", MAX_BATCH, _count_1_to(MAX_BATCH), int)
-    batch_slice: int = _key("Entries of a longer list decoded, fetched (Get, GetStream) or evicted at a time: other "
+                          "65536, the agent socket's limit).", MAX_BATCH, count_1_to(MAX_BATCH), int)
+    batch_slice: int = setting("Entries of a longer list decoded, fetched (Get, GetStream) or evicted at a time: other "
                             "requests get the event loop between slices, so one request holds it for a slice's work, "
-                            "not the whole batch's.", 64, _count_1_to(MAX_BATCH), int)
-    lookup_slice: int = _key("Digests of a longer Lookup or Overlap taken at a time (a digest costs a Lookup several "
-                             "times less than an address costs a Get).", 512, _count_1_to(MAX_BATCH), int)
+                            "not the whole batch's.", 64, count_1_to(MAX_BATCH), int)
+    lookup_slice: int = setting("Digests of a longer Lookup or Overlap taken at a time (a digest costs a Lookup several "
+                             "times less than an address costs a Get).", 512, count_1_to(MAX_BATCH), int)
 
 
 @dataclass(frozen=True)
 class AgentSection:
-    socket: str = _key("Unix socket of the agent endpoint (engine-side agents); \"\" disables it.", "var/agent.sock",
-                       _unix_path_or_empty)
-    mode: str = _key("Permission bits of the agent socket, octal (who may connect).", "0660", _octal_mode)
-    group: str = _key("Group that owns the agent socket (name or number); \"\" keeps the daemon's group.", "")
-    heartbeat_s: float = _key("Agents send a heartbeat when idle this long; one silent for three intervals is dropped.",
-                              5.0, _between(0.05, 3600, " seconds"), (int, float))
-    max_agents: int = _key("Most agents connected at once.", 256, _between(1, 65536), int)
-    max_gpu_blocks: int = _key("Most blocks the GPU view keeps per agent (pinned events beyond are refused).",
-                               1_000_000, _between(1, 100_000_000), int)
+    socket: str = setting("Unix socket of the agent endpoint (engine-side agents); \"\" disables it.", "var/agent.sock",
+                       unix_path_or_empty)
+    mode: str = setting("Permission bits of the agent socket, octal (who may connect).", "0660", octal_mode)
+    group: str = setting("Group that owns the agent socket (name or number); \"\" keeps the daemon's group.", "")
+    heartbeat_s: float = setting("Agents send a heartbeat when idle this long; one silent for three intervals is dropped.",
+                              5.0, between(0.05, 3600, " seconds"), (int, float))
+    max_agents: int = setting("Most agents connected at once.", 256, between(1, 65536), int)
+    max_gpu_blocks: int = setting("Most blocks the GPU view keeps per agent (pinned events beyond are refused).",
+                               1_000_000, between(1, 100_000_000), int)
 
     @property
     def mode_bits(self) -> int:
@@ -343,62 +163,62 @@ class AgentSection:
 
 @dataclass(frozen=True)
 class MetricsSection:
-    listen: str = _key("Prometheus /metrics HTTP listener HOST:PORT; \"\" disables it.", "127.0.0.1:9464", _host_port_or_empty)
+    listen: str = setting("Prometheus /metrics HTTP listener HOST:PORT; \"\" disables it.", "127.0.0.1:9464", host_port_or_empty)
 
 
 @dataclass(frozen=True)
 class QuicSection:
-    listen: str = _key("QUIC (UDP) listener for peer pulls HOST:PORT; \"\" disables the peer tier.", "", _host_port_or_empty)
-    peers: list[dict[str, str]] = _key("Peer daemons: [{ name = \"node-b\", address = \"HOST:PORT\" }, ...].", [], _peers)
-    ca: str = _key("PEM file of the cluster CA that signs every daemon's certificate.", "")
-    cert: str = _key("PEM certificate of this daemon, signed by the cluster CA.", "")
-    key: str = _key("PEM private key of this daemon's certificate.", "")
-    max_datagram_size: int = _key("Largest UDP datagram QUIC sends, bytes: 1350 fits any 1500-byte MTU path; "
-                                  "raise it on jumbo-frame networks.", 1350, _between(1200, 16000, " bytes (1200: QUIC's minimum)"), int)
-    max_data_mib: float = _key("Connection flow-control window, MiB (bytes in flight per peer).", 64.0,
-                               _between(0.0625, 1024, " MiB"), (int, float))
-    max_stream_data_mib: float = _key("Stream flow-control window, MiB (bytes in flight per pull).", 16.0,
-                                      _between(0.0625, 1024, " MiB"), (int, float))
-    lane: str = _key("Pull payloads over a TCP lane on the QUIC port's number: tls (TLS 1.3, the cluster "
+    listen: str = setting("QUIC (UDP) listener for peer pulls HOST:PORT; \"\" disables the peer tier.", "", host_port_or_empty)
+    peers: list[dict[str, str]] = setting("Peer daemons: [{ name = \"node-b\", address = \"HOST:PORT\" }, ...].", [], peers)
+    ca: str = setting("PEM file of the cluster CA that signs every daemon's certificate.", "")
+    cert: str = setting("PEM certificate of this daemon, signed by the cluster CA.", "")
+    key: str = setting("PEM private key of this daemon's certificate.", "")
+    max_datagram_size: int = setting("Largest UDP datagram QUIC sends, bytes: 1350 fits any 1500-byte MTU path; "
+                                  "raise it on jumbo-frame networks.", 1350, between(1200, 16000, " bytes (1200: QUIC's minimum)"), int)
+    max_data_mib: float = setting("Connection flow-control window, MiB (bytes in flight per peer).", 64.0,
+                               between(0.0625, 1024, " MiB"), (int, float))
+    max_stream_data_mib: float = setting("Stream flow-control window, MiB (bytes in flight per pull).", 16.0,
+                                      between(0.0625, 1024, " MiB"), (int, float))
+    lane: str = setting("Pull payloads over a TCP lane on the QUIC port's number: tls (TLS 1.3, the cluster "
                      "certificates) or mac (plain TCP, keyed BLAKE3 seals with a key granted over QUIC: "
                      "authenticated, not encrypted, for a fabric nobody else can read); QUIC where the lane "
-                     "cannot be had. quic: no lane.", "tls", _one_of("tls", "mac", "quic"))
-    lane_stripes: int = _key("Lane connections one large pull (16 blocks or more) is split over at once. 1 "
+                     "cannot be had. quic: no lane.", "tls", one_of("tls", "mac", "quic"))
+    lane_stripes: int = setting("Lane connections one large pull (16 blocks or more) is split over at once. 1 "
                              "(no striping) measured fastest on 2 cores; more may pay on hosts with many.", 1,
-                             _between(1, 16), int)
-    lane_max_connections: int = _key("Verified lanes the lane server keeps open at once (connections in handshake "
+                             between(1, 16), int)
+    lane_max_connections: int = setting("Verified lanes the lane server keeps open at once (connections in handshake "
                                      "are bounded apart, by max_handshakes and max_handshakes_per_source).", 256,
-                                     _count_1_to(65536), int)
-    pull_timeout_s: float = _key("Deadline of a pull from peers: what has not arrived by then is a miss.", 2.0,
-                                 _between(0.01, 300, " seconds"), (int, float))
-    hedge_ms: float = _key("A pull not finished after this long is also asked of the next peer holding the "
-                           "blocks; 0 asks both at once.", 50.0, _non_negative, (int, float))
-    fail_limit: int = _key("Failed requests in a row that mark a peer down.", 3, _between(1, 1000), int)
-    backoff_s: float = _key("How long a peer marked down is left alone at first; doubles on each failed retry.",
-                            1.0, _positive, (int, float))
-    backoff_max_s: float = _key("Longest time a peer marked down is left alone.", 60.0, _positive, (int, float))
-    retry: str = _key("Address validation before any connection state (docs/security.md): always (a stateless "
+                                     count_1_to(65536), int)
+    pull_timeout_s: float = setting("Deadline of a pull from peers: what has not arrived by then is a miss.", 2.0,
+                                 between(0.01, 300, " seconds"), (int, float))
+    hedge_ms: float = setting("A pull not finished after this long is also asked of the next peer holding the "
+                           "blocks; 0 asks both at once.", 50.0, non_negative, (int, float))
+    fail_limit: int = setting("Failed requests in a row that mark a peer down.", 3, between(1, 1000), int)
+    backoff_s: float = setting("How long a peer marked down is left alone at first; doubles on each failed retry.",
+                            1.0, positive, (int, float))
+    backoff_max_s: float = setting("Longest time a peer marked down is left alone.", 60.0, positive, (int, float))
+    retry: str = setting("Address validation before any connection state (docs/security.md): always (a stateless "
                       "Retry answers every new connection's first packet) or under_load (only once a quarter of "
-                      "max_handshakes is taken; keeps 0-RTT resumption).", "always", _one_of("always", "under_load"))
-    max_handshakes: int = _key("Connections in handshake (no verified certificate or lane key yet) the QUIC server, "
+                      "max_handshakes is taken; keeps 0-RTT resumption).", "always", one_of("always", "under_load"))
+    max_handshakes: int = setting("Connections in handshake (no verified certificate or lane key yet) the QUIC server, "
                                "and apart the lane server, holds at once; when full, the oldest gives way to a "
-                               "newer one (about 90 KiB each).", 64, _count_1_to(65536), int)
-    max_handshakes_per_source: int = _key("Connections in handshake from one source address (IPv6: one /64) at "
+                               "newer one (about 90 KiB each).", 64, count_1_to(65536), int)
+    max_handshakes_per_source: int = setting("Connections in handshake from one source address (IPv6: one /64) at "
                                           "once, at each server (a peer opens at most 4 lanes at once).", 8,
-                                          _count_1_to(65536), int)
-    max_connections: int = _key("Connections the server holds at once, verified peers included.", 1024,
-                                _count_1_to(1 << 20), int)
-    handshake_timeout_s: float = _key("A connection (QUIC or lane) that has not proved its certificate or key this "
-                                      "long after its first packet is dropped, with all it held.", 5.0, _positive,
+                                          count_1_to(65536), int)
+    max_connections: int = setting("Connections the server holds at once, verified peers included.", 1024,
+                                count_1_to(1 << 20), int)
+    handshake_timeout_s: float = setting("A connection (QUIC or lane) that has not proved its certificate or key this "
+                                      "long after its first packet is dropped, with all it held.", 5.0, positive,
                                       (int, float))
-    stateless_replies_per_s: float = _key("Replies to packets that hold no connection (Retry, version negotiation), "
-                                          "per second; past it they are dropped unanswered.", 5000.0, _positive,
+    stateless_replies_per_s: float = setting("Replies to packets that hold no connection (Retry, version negotiation), "
+                                          "per second; past it they are dropped unanswered.", 5000.0, positive,
                                           (int, float))
 
 
 def _endpoints(v: list[Any]) -> None:
     for i, endpoint in enumerate(v):
-        _host_port_entry(i, endpoint)
+        host_port_entry(i, endpoint)
 
 
 def _member_name(v: str) -> None:
@@ -413,27 +233,27 @@ def _prefix(v: str) -> None:
 
 @dataclass(frozen=True)
 class ClusterSection:
-    etcd: list[str] = _key("etcd endpoints HOST:PORT of the cluster's membership; [] (the default): no cluster, "
+    etcd: list[str] = setting("etcd endpoints HOST:PORT of the cluster's membership; [] (the default): no cluster, "
                            "the static quic.peers list.", [], _endpoints)
-    name: str = _key("This daemon's member name: the name its certificate (quic.cert) carries. Required with etcd.",
+    name: str = setting("This daemon's member name: the name its certificate (quic.cert) carries. Required with etcd.",
                      "", _member_name)
-    advertise: str = _key("Host (name or address) the other daemons dial this one at; \"\": quic.listen's host, "
+    advertise: str = setting("Host (name or address) the other daemons dial this one at; \"\": quic.listen's host, "
                           "which must then not be a wildcard.", "")
-    prefix: str = _key("etcd key prefix of the cluster (several clusters may share one etcd).", "/kvcached", _prefix)
-    lease_s: int = _key("Lease of this daemon's registration, seconds: a daemon that dies is out of every view "
-                        "this long after (2..300).", 10, _between(2, 300), int)
-    replicas: int = _key("Home nodes that keep the location of each block (1..8).", 2, _count_1_to(8), int)
-    placement_bits: int = _key("2**bits placement buckets (8..24): more balance the location records better "
-                               "and cost 12 bytes of table each.", 18, _between(8, 24), int)
-    etcd_ca: str = _key("PEM CA that signs etcd's certificate: etcd over TLS. \"\": plaintext etcd.", "")
-    etcd_cert: str = _key("PEM client certificate for etcd (with etcd_key: mutual TLS).", "")
-    etcd_key: str = _key("PEM private key of etcd_cert.", "")
+    prefix: str = setting("etcd key prefix of the cluster (several clusters may share one etcd).", "/kvcached", _prefix)
+    lease_s: int = setting("Lease of this daemon's registration, seconds: a daemon that dies is out of every view "
+                        "this long after (2..300).", 10, between(2, 300), int)
+    replicas: int = setting("Home nodes that keep the location of each block (1..8).", 2, count_1_to(8), int)
+    placement_bits: int = setting("2**bits placement buckets (8..24): more balance the location records better "
+                               "and cost 12 bytes of table each.", 18, between(8, 24), int)
+    etcd_ca: str = setting("PEM CA that signs etcd's certificate: etcd over TLS. \"\": plaintext etcd.", "")
+    etcd_cert: str = setting("PEM client certificate for etcd (with etcd_key: mutual TLS).", "")
+    etcd_key: str = setting("PEM private key of etcd_cert.", "")
 
 
 @dataclass(frozen=True)
 class LogSection:
-    level: str = _key("Log level: debug, info, warning or error.", "info", _one_of("debug", "info", "warning", "error"))
-    format: str = _key("Log format: text (key=value) or json (one object a line).", "text", _one_of("text", "json"))
+    level: str = setting("Log level: debug, info, warning or error.", "info", one_of("debug", "info", "warning", "error"))
+    format: str = setting("Log format: text (key=value) or json (one object a line).", "text", one_of("text", "json"))
 
 
 SECTIONS: dict[str, type] = {

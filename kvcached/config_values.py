@@ -1,0 +1,221 @@
+"""What one configuration value may be (the rest of the configuration is kvcached.config's):
+durations, listen addresses, and the checks each declared key runs, with :func:`setting`, the
+declaration of a key (its documentation, default, check and type).
+
+A check raises ValueError with the problem in words ("must be between 1 and 16, got 0");
+kvcached.config names the key in front of it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["ListenAddress", "parse_listen", "parse_duration", "is_loopback", "setting", "between", "count_1_to",
+           "positive", "non_negative", "path", "unix_path_or_empty", "octal_mode", "one_of", "listen_list",
+           "same_place", "listen_or_empty", "host_port_or_empty", "peers", "host_port_entry"]
+
+
+# ---------------------------------------------------------------------------------------------
+# value parsers
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a string such as ``"90s"``, ``"15m"``, ``"24h"``, ``"7d"``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration, got a boolean")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise ValueError(f"expected a duration such as 3600, \"90s\", \"24h\" or \"7d\", got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"a duration must be finite, got {value!r}")
+    if seconds < 0:
+        raise ValueError(f"a duration cannot be negative, got {value!r}")
+    return seconds
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as a listener names it, IPv6 in brackets or not) can only be reached from
+    this machine: ``localhost`` or a loopback address, which is all of 127.0.0.0/8 (RFC 1122
+    3.2.1.3) and ::1 (RFC 4291 2.5.3), also written IPv4-mapped (::ffff:127.x.y.z)."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False             # another name: it may resolve to anything
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    """A listener in gRPC's own syntax: ``unix:PATH`` or ``HOST:PORT``."""
+
+    text: str
+    unix_path: str | None = None
+    host: str | None = None
+    port: int | None = None
+
+    @property
+    def is_unix(self) -> bool:
+        return self.unix_path is not None
+
+    @property
+    def is_loopback(self) -> bool:
+        """A Unix socket, or a host only this machine reaches (:func:`is_loopback`)."""
+        return self.is_unix or is_loopback(self.host or "")
+
+
+def parse_listen(text: str) -> ListenAddress:
+    """Parse ``unix:path``, ``unix:///abs/path``, ``host:port`` or ``[v6]:port``."""
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"expected a listener such as \"unix:var/kvcached.sock\" or \"127.0.0.1:7400\", got {text!r}")
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path:
+            raise ValueError(f"empty Unix socket path in {text!r}")
+        if len(os.fsencode(os.path.abspath(path))) > 107:
+            raise ValueError(f"Unix socket path too long (max 107 bytes): {path!r}")
+        return ListenAddress(text, unix_path=path)
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"expected \"unix:PATH\" or \"HOST:PORT\", got {text!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port out of range 0..65535 in {text!r}")
+    if host.startswith("[") != host.endswith("]"):
+        raise ValueError(f"unbalanced brackets in {text!r}")
+    return ListenAddress(text, host=host, port=port)
+
+
+# ---------------------------------------------------------------------------------------------
+# checks (each raises ValueError with the problem; the loader adds the key)
+
+
+def positive(v: float) -> None:
+    if v <= 0:
+        raise ValueError(f"must be greater than 0, got {v}")
+
+
+def non_negative(v: float) -> None:
+    if v < 0:
+        raise ValueError(f"must be 0 or more, got {v}")
+
+
+def path(v: str) -> None:
+    if not v.strip():
+        raise ValueError("must be a path, got an empty string")
+    if "\0" in v:
+        raise ValueError("a path cannot contain a NUL byte")
+
+
+def unix_path_or_empty(v: str) -> None:
+    if v:
+        path(v)
+        if len(os.fsencode(os.path.abspath(v))) > 107:
+            raise ValueError(f"Unix socket path too long (max 107 bytes): {v!r}")
+
+
+def octal_mode(v: str) -> None:
+    if not re.fullmatch(r"0?[0-7]{3}", v):
+        raise ValueError(f"must be octal permission bits such as \"0660\", got {v!r}")
+
+
+def one_of(*choices: str) -> Callable[[str], None]:
+    def check(v: str) -> None:
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {v!r}")
+
+    return check
+
+
+def listen_list(v: list[str]) -> None:
+    if not v:
+        raise ValueError("needs at least one listener")
+    seen = [same_place(parse_listen(item)) for item in v]
+    if len(set(seen)) != len(seen):
+        raise ValueError("lists the same listener twice")
+
+
+def same_place(address: ListenAddress) -> str:
+    """A form in which two spellings of one listener compare equal."""
+    return os.path.abspath(address.unix_path) if address.unix_path else address.text
+
+
+def listen_or_empty(v: str) -> None:
+    if v:
+        parse_listen(v)
+
+
+def host_port_or_empty(v: str) -> None:
+    if v and parse_listen(v).is_unix:
+        raise ValueError(f"must be HOST:PORT (UDP/TCP), not a Unix socket: {v!r}")
+
+
+def peers(v: list[Any]) -> None:
+    names = set()
+    for i, peer in enumerate(v):
+        if not isinstance(peer, dict) or set(peer) != {"name", "address"}:
+            raise ValueError(f"entry {i} must be a table {{ name = \"...\", address = \"HOST:PORT\" }}, got {peer!r}")
+        if not isinstance(peer["name"], str) or not peer["name"]:
+            raise ValueError(f"entry {i}: name must be a non-empty string")
+        if peer["name"] in names:
+            raise ValueError(f"peer name {peer['name']!r} appears twice")
+        names.add(peer["name"])
+        host_port_entry(i, peer["address"])
+
+
+def host_port_entry(i: int, address: object) -> None:
+    """Entry ``i`` of a list of HOST:PORT addresses."""
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"entry {i}: address must be HOST:PORT, got {address!r}")
+    try:
+        host_port_or_empty(address)
+    except ValueError as exc:
+        raise ValueError(f"entry {i}: {exc}") from None
+
+
+def between(least: float, most: float, unit: str = "", *, zero: str | None = None) -> Callable[[float], None]:
+    """The check of a number that must lie in [least, most] (``unit``: what follows the bounds
+    in the message); with ``zero``, 0 is allowed too and ``zero`` says what it means."""
+    def check(v: float) -> None:
+        if zero is not None and v == 0:
+            return
+        if not least <= v <= most:
+            either = f"{zero} or " if zero is not None else ""
+            raise ValueError(f"must be {either}between {number(least)} and {number(most)}{unit}, got {v}")
+
+    return check
+
+
+def number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def count_1_to(most: int) -> Callable[[float], None]:
+    return between(1, most)
+
+
+def setting(doc: str, default: Any, check: Callable[[Any], None] | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
+    meta = {"doc": doc, "check": check, "kind": kind}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
