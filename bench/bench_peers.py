@@ -354,18 +354,27 @@ def make_bare_client_class() -> type:
     return BareClient
 
 
-class _StubIndex:
-    def present_wire_keys(self) -> list[bytes]:
-        return []                 # this side holds nothing: its snapshot to A is empty
-
-
 class _StubStore:
-    """What PeerTier asks of a store while it only pulls (no listener, nothing held)."""
+    """What PeerTier asks of a store (kvcached.peers.store_link.StoreLink) while it only pulls:
+    nothing held, nothing served."""
 
-    index = _StubIndex()
+    def present_wire_keys(self) -> list[bytes]:
+        return []
 
     def local_prefix(self, digests: Sequence[bytes], layer: int) -> int:
         return 0
+
+    async def pin(self, addresses: Sequence[Any], *, allow_partial: bool = False, peers: bool = True) -> list[Any]:
+        raise RuntimeError("this stub serves no pulls")
+
+    def unpin(self, pinned: Any) -> None:
+        pass
+
+    def models(self, keys: list[bytes]) -> list[str | None]:
+        return [None] * len(keys)
+
+    def view(self, block: Any) -> memoryview:
+        raise RuntimeError("this stub holds no blocks")
 
 
 @dataclass
@@ -432,7 +441,7 @@ class Clients:
 
     def announce(self, digests: Sequence[bytes]) -> None:
         """Tell the tier's directory that A holds these (what A's snapshot says to daemon B)."""
-        self.tier.directory.announce("node-a", [wire(d) for d in digests])
+        self.tier.locator.directory.announce("node-a", [wire(d) for d in digests])
 
     async def tier_batch(self, digests: Sequence[bytes], size: int) -> float:
         from kvcached_agent.address import BlockAddress
