@@ -63,7 +63,7 @@ class BareKvCache(pb_grpc.KvCacheServicer):
 
 
 async def serve(target: str, cap_bytes: int, max_message_bytes: int) -> None:
-    # Same options as kvcached.daemon.Daemon._start_grpc.
+    # Same options as kvcached.lifecycle.daemon.Daemon._start_grpc.
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),

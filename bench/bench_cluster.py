@@ -155,12 +155,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench_core import Row, progress  # noqa: E402
 
-from kvcached.certs import CA_CERT, create_ca, issue_node  # noqa: E402
 from kvcached.cluster.location import MOVE_GRACE_S, HomeRecords, LookupPlan, Publisher  # noqa: E402
 from kvcached.cluster.member import Member, member_key, members_prefix  # noqa: E402
 from kvcached.cluster.placement import Move, Placement  # noqa: E402
 from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier  # noqa: E402
 from kvcached.cluster.view import Change, MembershipView  # noqa: E402
+from kvcached.peers.certs import CA_CERT, create_ca, issue_node  # noqa: E402
 from kvcached.peers.directory import PeerDirectory, wire_key  # noqa: E402
 from kvcached.peers.protocol import (  # noqa: E402
     HEADER,

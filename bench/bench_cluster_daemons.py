@@ -6,7 +6,7 @@ cluster on one real etcd, loopback, against a single pull round trip on the same
 Issue 24's target: "lookup of a 64-block prefix held remotely: one round trip per home, p50 <= 2x
 a single pull round trip on the same link".
 
-Setup: a cluster CA and four node certificates (kvcached.certs.make_cluster, what ``kvcached
+Setup: a cluster CA and four node certificates (kvcached.peers.certs.make_cluster, what ``kvcached
 certs`` does) and a real etcd (tests/etcd_server.py, the Debian ``etcd`` binary) in a temp dir;
 four daemons node-a .. node-d (bench_core.start_kvcached: ``config/kvcached.toml``, all state in
 the temp dir, gRPC on a Unix socket, RAM only) with ``cluster.etcd`` that etcd,
@@ -195,7 +195,7 @@ def wait_until(what: str, ok: Callable[[], bool], timeout: float, daemons: dict[
 
 
 def run(quick: bool) -> tuple[list[Row], list[str], dict[str, Any]]:
-    from kvcached.certs import make_cluster
+    from kvcached.peers.certs import make_cluster
     from kvcached.v1 import kvcache_pb2 as pb
     from tests.etcd_server import EtcdServer, etcd_binary
 

@@ -4,7 +4,7 @@ same bytes in the same run.
 
     python bench/bench_lane.py [--quick] [--json PATH]
 
-Setup: a cluster CA and node certificates (kvcached.certs.make_cluster) in a temp dir; two
+Setup: a cluster CA and node certificates (kvcached.peers.certs.make_cluster) in a temp dir; two
 daemons A, ``kvcached serve`` subprocesses (bench_peers.start_daemon: RAM only), one with
 ``quic.lane="tls"`` and one with ``quic.lane="mac"``, each holding the same 64 KiB and 1 MiB blocks
 put through gRPC; in this process, on one uvloop loop in a thread (bench_peers.Clients), a
@@ -301,8 +301,8 @@ def prefill_ms(utilisation: float) -> float:
 
 
 def run(quick: bool) -> tuple[list[Row], list[str]]:
-    from kvcached.certs import make_cluster
     from kvcached.client import KvCacheClient
+    from kvcached.peers.certs import make_cluster
 
     blocks = {64 * KiB: 128, 1 * MiB: 64} if quick else {64 * KiB: 256, 1 * MiB: 128}
     rounds, seconds, calls = (1, 0.2, 50) if quick else (3, 1.0, 300)

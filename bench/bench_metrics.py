@@ -3,7 +3,7 @@
     python bench/bench_metrics.py [--quick] [--json PATH]
 
 With metrics on ([metrics] listen set), every read also reads the clock twice and drops its
-duration into a lock-free histogram (kvcached.reads); every read counts per-tier hits and misses
+duration into a lock-free histogram (kvcached.store.reads); every read counts per-tier hits and misses
 either way. Two measurements, each as interleaved rounds (on, off, then off, on, ...), each
 side's figure its median round, the ratio the median of the per-round ratios:
 
@@ -48,7 +48,7 @@ from bench_core import KiB, MiB, Row, print_table, progress, start_kvcached  # n
 TARGET = 1.05
 CHAIN = 16
 PAYLOAD = 4 * KiB
-TITLES = {0: "0. One latency observation: kvcached.reads' histogram vs prometheus_client's (per call; why the daemon keeps its own)",
+TITLES = {0: "0. One latency observation: kvcached.store.reads' histogram vs prometheus_client's (per call; why the daemon keeps its own)",
           1: "1. In process: Store.lookup / Store.get of RAM blocks, read timing on vs off (per call)",
           2: "2. Through the daemon: gRPC Lookup / Get on a Unix socket, metrics on vs off (per call)"}
 
@@ -87,7 +87,7 @@ def observe_rows(rounds: int, calls: int) -> list[Row]:
     Histogram (a bound child, as a careful caller would use it), same buckets, same value."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from kvcached.reads import LATENCY_BUCKETS, LatencyHistogram
+    from kvcached.store.reads import LATENCY_BUCKETS, LatencyHistogram
 
     ours = LatencyHistogram()
     theirs = Histogram("bench_seconds", "bench", ["tier"], buckets=LATENCY_BUCKETS,

@@ -4,7 +4,7 @@ a pull goes.
 
     python bench/bench_peers.py [--json PATH] [--quick]
 
-Setup: a cluster CA and two node certificates (kvcached.certs.make_cluster, what ``kvcached
+Setup: a cluster CA and two node certificates (kvcached.peers.certs.make_cluster, what ``kvcached
 certs`` does) in a temp dir; redis-server and the blocks it holds are started and put once for
 the whole run. Then, for each datagram size (DATAGRAMS: 1350, the daemon's default
 ``quic.max_datagram_size``, right for any path with a 1500-byte MTU; 16000, the largest aioquic
@@ -1175,7 +1175,7 @@ def print_figures(rows: list[Row], header: str) -> None:
 
 
 def run(s: Settings) -> tuple[list[Row], list[str], dict[str, Any], dict[int, dict[str, Any]]]:
-    from kvcached.certs import make_cluster
+    from kvcached.peers.certs import make_cluster
 
     rows: list[Row] = []
     notes: list[str] = []

@@ -280,7 +280,7 @@ def slru_vs_lru_rows(costs: dict[str, dict[str, float]], how: str, details: dict
 
 def state_rows(name: str, universe: list[bytes]) -> list[Row]:
     """What keeping and saving a policy's state costs: the snapshot copy the event loop pays
-    (kvcached.policy_state), against a bare list() of a dict of the same keys, and the memory per
+    (kvcached.index.policy_state), against a bare list() of a dict of the same keys, and the memory per
     key (the SSD tier's in-memory policies pay it per block, through KeyedPolicy: the key's id
     and the policy's columns), against a bare dict of them."""
     keys = len(universe)

@@ -46,7 +46,7 @@ last minutes, which a one-file-per-block tier pays and fio does not.
 2. Boot reconcile of ``--reconcile-files`` block files (default 100,000, 4 KiB payloads): the
    files are written through SsdTier (durability "none", to be quick) with a BlockIndex record
    each (tiers = SSD, written with ``BlockIndex.write``), then a fresh SsdTier is opened (as
-   after a restart) and :func:`kvcached.ssd_reconcile.reconcile_ssd` is timed, open included.
+   after a restart) and :func:`kvcached.store.ssd_reconcile.reconcile_ssd` is timed, open included.
    Baseline: a bare scan of the same tree in one thread (os.scandir of every leaf; open, fstat,
    pread of the 4 KiB header page, close of every file), the least file work any reconcile must
    do. The header pages are dropped from the page cache (posix_fadvise DONTNEED, untimed) before
@@ -89,7 +89,7 @@ from typing import Any, Callable, Coroutine, Sequence, TypeVar
 import blake3
 
 from kvcached.index import BlockIndex, BlockRecord, Tier, queue_entry
-from kvcached.ssd_reconcile import ReconcileReport, reconcile_ssd
+from kvcached.store.ssd_reconcile import ReconcileReport, reconcile_ssd
 from kvcached.tiers.ssd import Durability, SsdTier, SsdWrite
 from kvcached.tiers.ssd_format import PAGE, TMP_MARK, BlockHeader, block_dir, block_name, leaf_dirs, padded
 from kvcached_agent.address import index_key

@@ -119,8 +119,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(as_mapping(config), indent=2))
         return 0
-    from kvcached.daemon import serve
-    from kvcached.logs import setup_logging
+    from kvcached.host.logs import setup_logging
+    from kvcached.lifecycle.daemon import serve
 
     setup_logging(config.log.level, config.log.format)
     argv = [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]]
@@ -129,7 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _upgrade(args: argparse.Namespace) -> int:
     """Ask the running daemon to start its successor and hand over; print how it went."""
-    from kvcached.handover import HandoverBroken, handover_path, request_upgrade
+    from kvcached.lifecycle.handover import HandoverBroken, handover_path, request_upgrade
 
     config = _load(args)
     try:
@@ -149,7 +149,7 @@ def _upgrade(args: argparse.Namespace) -> int:
 def _certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvcached.certs import CertError, make_cluster
+    from kvcached.peers.certs import CertError, make_cluster
 
     extra: dict[str, list[str]] = {}
     for item in args.san:

@@ -6,9 +6,9 @@ import datetime
 import shutil
 from pathlib import Path
 
-from kvcached.certs import CA_CERT, CA_KEY, issue_node, make_cluster
 from kvcached.cluster.member import Member, member_key
 from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier
+from kvcached.peers.certs import CA_CERT, CA_KEY, issue_node, make_cluster
 
 
 def expired_certificate(ca_dir: Path, into: Path, name: str) -> tuple[Path, Path]:

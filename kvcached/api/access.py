@@ -52,7 +52,7 @@ class ReadOnly(grpc.aio.ServerInterceptor):
 
 class Gate(grpc.aio.ServerInterceptor):
     """Holds every call until :meth:`open`: an upgrade's successor listens beside its
-    predecessor before it can serve (kvcached.handover), so a client that connects then waits a
+    predecessor before it can serve (kvcached.lifecycle.handover), so a client that connects then waits a
     moment instead of being refused."""
 
     def __init__(self) -> None:

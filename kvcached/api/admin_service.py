@@ -20,7 +20,7 @@ import grpc
 from kvcached.api.grpc_service import check_batch, check_digests, errors_to_status
 from kvcached.config import Config, to_toml
 from kvcached.errors import FailedPrecondition, InvalidArgument
-from kvcached.logs import set_level
+from kvcached.host.logs import set_level
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.tiers.ssd import SsdTier
@@ -38,7 +38,7 @@ class PeerStats(Protocol):
 
 
 class Operated(Protocol):
-    """What the Admin service reads of the daemon it operates (kvcached.daemon.Daemon is one),
+    """What the Admin service reads of the daemon it operates (kvcached.lifecycle.daemon.Daemon is one),
     each read when a call needs it: SIGHUP replaces the configuration, the peer tier and the
     reconcile reports arrive after the service starts."""
 

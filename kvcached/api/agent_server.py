@@ -25,7 +25,7 @@ from typing import Any, cast
 
 from kvcached import __version__
 from kvcached.api.agent_session import WAITING, AgentSession, PeerCredentials, check_hello
-from kvcached.logs import fields
+from kvcached.host.logs import fields
 from kvcached.store import Store
 from kvcached_agent import protocol as p
 
@@ -62,7 +62,7 @@ class AgentServer:
     async def start(self, fd: int | None = None) -> None:
         """Bind (mode and group set before listen), listen, start the heartbeat watchdog. With
         ``fd``: accept on that listening socket instead (a predecessor's, passed at an upgrade:
-        kvcached.handover), which this server then owns."""
+        kvcached.lifecycle.handover), which this server then owns."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if fd is None else socket.socket(fileno=fd)
         try:
             if fd is None:

@@ -16,8 +16,8 @@ from itertools import count
 from typing import Iterator, Sequence
 
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
-from kvcached.gpu_view import GpuViewFull
 from kvcached.store import CommitOutcome, Miss, Pinned, SlotRefusal, Store
+from kvcached.store.gpu_view import GpuViewFull
 from kvcached.tiers.ram import RamBlock
 from kvcached_agent import protocol as p
 from kvcached_agent.address import BlockAddress

@@ -5,7 +5,7 @@ the mutual-TLS TCP listeners; read-only calls on plaintext TCP listeners and
 ``grpc.read_only_listen``. Both carry the KvCache and Admin services (their requests measured
 before they are parsed: kvcached.api.request_size), health and reflection (grpcurl).
 
-So that a successor can listen beside this daemon at an upgrade (kvcached.handover), TCP
+So that a successor can listen beside this daemon at an upgrade (kvcached.lifecycle.handover), TCP
 listeners set SO_REUSEPORT (a start that is not a takeover first checks that no other process
 holds the port), and a Unix socket is bound under a temporary name and renamed into place: the
 successor's rename replaces it atomically, and gRPC's removal of the name it bound, at this
@@ -28,8 +28,8 @@ from kvcached.api.admin_service import AdminService, Operated
 from kvcached.api.grpc_service import KvCacheService
 from kvcached.api.request_size import bounded, largest_read_only_request
 from kvcached.config import Config, ListenAddress, parse_listen
-from kvcached.logs import fields
-from kvcached.process import StartupError, check_tcp_port_free
+from kvcached.host.logs import fields
+from kvcached.host.process import StartupError, check_tcp_port_free
 from kvcached.store import Store
 from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
 

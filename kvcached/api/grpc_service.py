@@ -32,9 +32,9 @@ from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.api.convert import address_from_pb, address_to_pb, tier_name
 from kvcached.config import GrpcSection
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
-from kvcached.gpu_view import GpuView
 from kvcached.index import BlockRecord, Tier
 from kvcached.store import LookupResult, Miss, Pinned, PutItem, Store
+from kvcached.store.gpu_view import GpuView
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, DIGEST_BYTES, BlockAddress

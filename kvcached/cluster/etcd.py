@@ -37,10 +37,10 @@ from typing import Any, Callable
 
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 
-from kvcached.aio import cancel_and_wait
 from kvcached.cluster.member import Member, member_key, members_prefix
 from kvcached.cluster.proof import RegistrationSigner
 from kvcached.cluster.view import Change, MembershipView
+from kvcached.host.aio import cancel_and_wait
 
 __all__ = ["EtcdMembership", "EtcdSettings", "EtcdCounters"]
 

@@ -100,7 +100,7 @@ class LaneServer:
 
     async def start(self, host: str, port: int, fd: int | None = None) -> None:
         """Listen on TCP ``host``:``port`` (the QUIC port's number). OSError if it is taken.
-        With ``fd``: accept on that listening socket (a predecessor's, kvcached.handover)."""
+        With ``fd``: accept on that listening socket (a predecessor's, kvcached.lifecycle.handover)."""
         if fd is not None:
             listener = socket.socket(fileno=fd)
         else:

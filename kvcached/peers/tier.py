@@ -122,7 +122,7 @@ class PeerTier(PeerHandler):
 
     async def start(self, quic_fd: int | None = None, lane_fd: int | None = None) -> None:
         """Listen (QUIC, and the lane's TCP port) and dial the peers. ``quic_fd``, ``lane_fd``:
-        listening sockets a predecessor passed at an upgrade (kvcached.handover), used instead
+        listening sockets a predecessor passed at an upgrade (kvcached.lifecycle.handover), used instead
         of binding; QUIC connections to the predecessor are not carried over (peers dial again)."""
         loop = asyncio.get_running_loop()
         if self.settings.listen is not None:

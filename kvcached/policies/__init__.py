@@ -9,7 +9,7 @@ block that is being written or read is skipped and stays where the policy keeps 
 
 What a policy has learned (its order, its frequency bits, its ghost lists and adaptive target)
 can be taken as a :class:`PolicySnapshot` and given to a fresh instance after a restart
-(kvcached.policy_state keeps snapshots in the index), so a restarted daemon evicts as the old
+(kvcached.index.policy_state keeps snapshots in the index), so a restarted daemon evicts as the old
 one would have.
 """
 

@@ -12,7 +12,7 @@ tier may write.
   publish, and a block it refuses is kept in RAM only.
 
 No I/O here; the store calls these on the event loop and persists their state
-(kvcached.policy_state).
+(kvcached.index.policy_state).
 """
 
 from __future__ import annotations

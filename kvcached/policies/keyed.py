@@ -4,7 +4,7 @@ The RAM tier names its blocks by record id and drives :class:`EvictionPolicy` di
 tier's in-memory order ([kv] ssd_policy) and the policy simulator name blocks by key only:
 :class:`KeyedPolicy` gives them the same policies with the key calls they expect, handing out the
 ids itself (:class:`~kvcached.policies.links.KeyIds`: a dict entry and an int per key, about what
-the OrderedDict of keys it replaced cost). :class:`PolicyState` is what kvcached.policy_state
+the OrderedDict of keys it replaced cost). :class:`PolicyState` is what kvcached.index.policy_state
 needs of either: a snapshot in keys, and a restore from one.
 """
 
@@ -19,7 +19,7 @@ __all__ = ["KeyedPolicy", "PolicyState"]
 
 
 class PolicyState(Protocol):
-    """What a tier's policy learned, in keys (kvcached.policy_state saves and restores it)."""
+    """What a tier's policy learned, in keys (kvcached.index.policy_state saves and restores it)."""
 
     def snapshot(self) -> PolicySnapshot: ...
 

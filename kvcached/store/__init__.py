@@ -28,21 +28,20 @@ import asyncio
 import time
 from typing import Callable, Iterable, Sequence
 
-from kvcached.gpu_view import GpuView
 from kvcached.index import BlockIndex, BlockRecord
 from kvcached.policies import KeyedPolicy
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit, SsdWriteBudget
 from kvcached.policies.prefetch import PrefetchPolicy
 from kvcached.policies.write import WritePolicy, make_write_policy
-from kvcached.reads import ReadStats
-from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.store import admin
 from kvcached.store.adoption import SETTLE_BYTES, AdoptionReport, RamAdoption
+from kvcached.store.gpu_view import GpuView
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
 from kvcached.store.parts import StoreParts, StoreSettings
 from kvcached.store.peer_pulls import PeerPulls, PeerTierLike
 from kvcached.store.read_path import ReadPath
+from kvcached.store.reads import ReadStats
 from kvcached.store.results import (
     CommitOutcome,
     Counters,
@@ -56,6 +55,7 @@ from kvcached.store.results import (
 )
 from kvcached.store.ssd_evictor import SsdEvictor
 from kvcached.store.ssd_mover import SsdMover, load_budget
+from kvcached.store.ssd_reconcile import ReconcileReport
 from kvcached.store.write_path import WritePath
 from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.ssd import SsdTier

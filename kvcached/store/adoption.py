@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from kvcached.index import BlockIndex, GoneReason, Tier
-from kvcached.index_format import CHECKSUM_AT, F64, LAST_SEEN_AT, NBYTES_AT, RECORD, SCHEMA_VERSION, TIERS_AT, U64
+from kvcached.index.format import CHECKSUM_AT, F64, LAST_SEEN_AT, NBYTES_AT, RECORD, SCHEMA_VERSION, TIERS_AT, U64
 from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.slot_directory import SlotEntry
 from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
@@ -119,7 +119,7 @@ class RamAdoption:
     def _decide(self, blocks: list[RamBlock], records: list[bytes | None],
                 sums: list[bytes] | list[None]) -> list[bytes]:
         """Commit or drop each of ``blocks`` by its raw record (and checksum); the keys dropped.
-        Raw: three fields read in place (kvcached.index_format), not a record decoded, per block."""
+        Raw: three fields read in place (kvcached.index.format), not a record decoded, per block."""
         report, ram = self.report, self.ram
         lost = []
         for block, raw, checksum in zip(blocks, records, sums):

@@ -35,14 +35,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvcached import policy_state
-from kvcached.aio import cancel_and_wait
-from kvcached.index import BlockIndex
-from kvcached.logs import fields
+from kvcached.host.aio import cancel_and_wait
+from kvcached.host.logs import fields
+from kvcached.index import BlockIndex, policy_state
 from kvcached.policies import PolicySettings
-from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
+from kvcached.store.ssd_reconcile import reconcile_ssd
 
 __all__ = ["StoreKeeper", "KeeperSettings"]
 
@@ -118,7 +117,7 @@ class StoreKeeper:
         self.stopping.set()
         self.scanner.shutdown(wait=True)
 
-    # -- the policies' state (kvcached.policy_state) --
+    # -- the policies' state (kvcached.index.policy_state) --
 
     def restore_policies(self) -> None:
         """At boot, before any block is stored: what the policies learned before the restart.

@@ -9,7 +9,7 @@
   the first miss, per tier and across all tiers (a block in RAM and on SSD counts for both).
   Its hot path (a chain held in RAM) reads no index record per block.
 
-Every read is counted in ``reads`` (kvcached.reads: per tier reached, latency). Runs on the
+Every read is counted in ``reads`` (kvcached.store.reads: per tier reached, latency). Runs on the
 event loop; index reads block it briefly (RocksDB point reads).
 """
 
@@ -21,11 +21,11 @@ import time
 from typing import Sequence
 
 from kvcached.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvcached.gpu_view import GpuView
 from kvcached.index import Tier
-from kvcached.reads import ReadStats, outcome
+from kvcached.store.gpu_view import GpuView
 from kvcached.store.parts import Room, StoreParts
 from kvcached.store.peer_pulls import PeerPulls
+from kvcached.store.reads import ReadStats, outcome
 from kvcached.store.results import Fetched, LookupResult, Miss, Pinned, Reached
 from kvcached.store.ssd_mover import SsdMover
 from kvcached.store.write_path import WritePath

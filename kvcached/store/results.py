@@ -2,7 +2,7 @@
 
 ``Counters`` are the store's running totals (read by Stats and the Prometheus collector, also
 from its scrape thread: plain ints, read without a lock). ``Reached`` says how far one read had
-to go, for read accounting (kvcached.reads).
+to go, for read accounting (kvcached.store.reads).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from typing import Sequence
 
 from kvcached.index import BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
 from kvcached.policies import KeyedPolicy
-from kvcached.ssd_reconcile import ReconcileReport
 from kvcached.store.parts import Room, StoreParts
+from kvcached.store.ssd_reconcile import ReconcileReport
 from kvcached.tiers.ssd import SsdTier
 from kvcached.tiers.ssd_format import BlockHeader, file_bytes
 

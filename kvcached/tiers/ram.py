@@ -498,12 +498,12 @@ class RamTier:
     # -- policy state -------------------------------------------------------------------------
 
     def policy_state(self) -> "RamPolicyState":
-        """The policy's state in keys, for kvcached.policy_state."""
+        """The policy's state in keys, for kvcached.index.policy_state."""
         return RamPolicyState(self.policy, self._ids)
 
 
 class RamPolicyState:
-    """The RAM tier's policy as kvcached.policy_state sees it: snapshot and restore in keys
+    """The RAM tier's policy as kvcached.index.policy_state sees it: snapshot and restore in keys
     (kvcached.policies.PolicyState), translated through the tier's record ids."""
 
     def __init__(self, policy: EvictionPolicy, ids: KeyIds) -> None:

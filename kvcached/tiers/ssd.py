@@ -48,7 +48,7 @@ from typing import Any, Awaitable, Callable, Iterator, Literal
 
 import blake3
 
-from kvcached.fsmodes import make_dirs
+from kvcached.host.fsmodes import make_dirs
 from kvcached.tiers.ssd_format import (
     HEADER_BYTES,
     PAGE,
@@ -222,7 +222,7 @@ class SsdTier:
         """Create the top of the tree (leaf directories come with their first block) and decide
         on O_DIRECT. Raises OSError (unusable directory) or ValueError (``direct_io = "on"``
         where the filesystem refuses it)."""
-        make_dirs(self.blocks_dir)              # 0700 whatever the umask (kvcached.fsmodes)
+        make_dirs(self.blocks_dir)              # 0700 whatever the umask (kvcached.host.fsmodes)
         make_dirs(self.quarantine_dir)
         fsync_dir(self.directory)
         if self.direct_io_setting == "off":

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from kvcached.api.access import STATE_CHANGING
-from kvcached.certs import make_cluster
 from kvcached.client import KvCacheClient
+from kvcached.peers.certs import make_cluster
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import BlockAddress

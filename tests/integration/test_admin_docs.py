@@ -9,7 +9,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from kvcached.certs import make_cluster
+from kvcached.peers.certs import make_cluster
 from tests.integration.conftest import ROOT, grpcurl_binary
 from tests.integration.test_operations import free_tcp_port
 

@@ -1098,7 +1098,7 @@ def test_agent_package_stays_out_of_the_daemon_and_the_daemon_out_of_torch() -> 
         "print(bad); sys.exit(1 if bad else 0)")], capture_output=True, text=True, timeout=120)
     assert agent.returncode == 0, agent.stdout + agent.stderr
     daemon = subprocess.run([sys.executable, "-c", (
-        "import sys, kvcached.daemon;"
+        "import sys, kvcached.lifecycle.daemon;"
         "sys.exit(1 if 'torch' in sys.modules else 0)")], capture_output=True, text=True, timeout=120)
     assert daemon.returncode == 0, daemon.stdout + daemon.stderr
 

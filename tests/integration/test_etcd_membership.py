@@ -13,10 +13,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
-from kvcached.certs import make_cluster
 from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
 from kvcached.cluster.member import Member, member_fields, member_key
 from kvcached.cluster.view import Change, MembershipView
+from kvcached.peers.certs import make_cluster
 from tests.certificates import Registrar
 from tests.etcd_server import EtcdServer, etcd_binary
 

@@ -13,11 +13,11 @@ from typing import Any, Callable
 
 import pytest
 
-from kvcached.certs import make_cluster
 from kvcached.peers import lane as lane_module
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
 from kvcached.peers import stream as st
+from kvcached.peers.certs import make_cluster
 from kvcached.peers.lane import LaneConnection, client_context
 from kvcached.peers.lane_client import LaneClient
 from kvcached.peers.session import PeerGone, PullSink

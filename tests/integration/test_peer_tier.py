@@ -1,5 +1,5 @@
 """The peer tier end to end in one process: real Stores (memfd arena, RocksDB index), each with a
-real PeerTier over QUIC on 127.0.0.1 and mutual TLS with certificates from kvcached.certs.
+real PeerTier over QUIC on 127.0.0.1 and mutual TLS with certificates from kvcached.peers.certs.
 Tests run their own event loop (asyncio.run). In one process, but over real sockets: an integration test."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-from kvcached.certs import make_cluster
 from kvcached.index import BlockIndex
 from kvcached.peers import protocol as p
 from kvcached.peers import quic as quic_layer
 from kvcached.peers import stream as st
+from kvcached.peers.certs import make_cluster
 from kvcached.peers.directory import PeerState, wire_key
 from kvcached.peers.handshakes import HandshakeLimits
 from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
@@ -592,7 +592,7 @@ def test_peer_metrics_count_pulls_and_show_peers_up(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvcached.metrics import StoreCollector
+    from kvcached.api.metrics import StoreCollector
 
     async def body() -> None:
         async with cluster(tmp_path, (A, B)) as c:

@@ -1,4 +1,4 @@
-"""sd_notify (kvcached.systemd.Notifier) against a real datagram socket."""
+"""sd_notify (kvcached.lifecycle.systemd.Notifier) against a real datagram socket."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import socket
 from pathlib import Path
 
-from kvcached.systemd import Notifier
+from kvcached.lifecycle.systemd import Notifier
 
 
 def listener(address: str) -> socket.socket:

@@ -1,5 +1,5 @@
 """Upgrades: ``kvcached upgrade`` hands the RAM arena and the listening sockets to a successor
-(kvcached.handover), with clients in other processes working the whole time."""
+(kvcached.lifecycle.handover), with clients in other processes working the whole time."""
 
 from __future__ import annotations
 

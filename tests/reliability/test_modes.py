@@ -18,7 +18,7 @@ import pytest
 
 from kvcached.client import KvCacheClient
 from kvcached.config import ConfigError, load_config
-from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, socket_dir_mode
+from kvcached.host.fsmodes import UnsafeDirectory, check_state_dir, make_dirs, socket_dir_mode
 from kvcached_agent.address import BlockAddress
 from tests.integration.conftest import DaemonProcess
 
@@ -51,7 +51,7 @@ def state_tree(*tops: Path) -> tuple[list[Path], list[Path]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# kvcached.fsmodes on its own
+# kvcached.host.fsmodes on its own
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077, 0o277])

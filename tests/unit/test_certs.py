@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from kvcached.certs import CertError, create_ca, issue_node, make_cluster, verify_node
 from kvcached.cli import main
+from kvcached.peers.certs import CertError, create_ca, issue_node, make_cluster, verify_node
 
 
 @pytest.fixture

@@ -98,7 +98,7 @@ def test_maintenance_prunes_tombstones_past_the_gone_ttl_by_the_clock_it_is_give
 def test_the_policy_saver_and_a_stop_save_what_the_policies_learned(
         ram: RamTier, index: BlockIndex, tmp_path: Path, clock: FakeClock) -> None:
     async def body() -> None:
-        from kvcached import policy_state
+        from kvcached.index import policy_state
         store, ssd = await made(ram, index, tmp_path, clock)
         keeper = StoreKeeper(store, index, KeeperSettings(policy_save_s=0.05, ram_policy="clock"), clock=clock)
         keeper.start()

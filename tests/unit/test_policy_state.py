@@ -1,4 +1,4 @@
-"""Policy state in the index (kvcached.policy_state) and the SSD tier's in-memory eviction
+"""Policy state in the index (kvcached.index.policy_state) and the SSD tier's in-memory eviction
 order ([kv] ssd_policy): real RocksDB, real SSD files, a store restarted over the same index."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from typing import Callable
 
 import pytest
 
-from kvcached import policy_state
-from kvcached.index import BlockIndex, Tier
+from kvcached.index import BlockIndex, Tier, policy_state
 from kvcached.policies import EVICTION_POLICIES, PolicySettings, PolicySnapshot, make_eviction_policy
 from kvcached.policies.admission import ReuseAdmission
 from kvcached.policies.arc import ArcPolicy

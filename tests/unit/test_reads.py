@@ -1,10 +1,10 @@
-"""Read accounting (kvcached.reads): per-tier hits and misses, and the latency histograms."""
+"""Read accounting (kvcached.store.reads): per-tier hits and misses, and the latency histograms."""
 
 from __future__ import annotations
 
 import time
 
-from kvcached.reads import LATENCY_BUCKETS, LatencyHistogram, ReadStats, outcome
+from kvcached.store.reads import LATENCY_BUCKETS, LatencyHistogram, ReadStats, outcome
 
 
 def test_a_block_counts_once_per_tier_it_reached() -> None:

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from kvcached.lifecycle.systemd import LISTEN_FDS_START, listen_fds
 from kvcached.policies.clock import ClockPolicy
-from kvcached.systemd import LISTEN_FDS_START, listen_fds
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory

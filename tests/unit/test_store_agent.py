@@ -10,9 +10,9 @@ from typing import Iterator
 import pytest
 
 from kvcached.errors import FailedPrecondition
-from kvcached.gpu_view import GpuView, GpuViewFull
 from kvcached.index import BlockIndex, Tier
 from kvcached.store import Pinned, PutItem, Store
+from kvcached.store.gpu_view import GpuView, GpuViewFull
 from kvcached.tiers.ram import WRITING, RamBlock, RamTier
 from kvcached.tiers.ssd import SsdTier
 from kvcached_agent.integrity import payload_checksum

@@ -12,8 +12,8 @@ import pytest
 
 from kvcached.errors import NotFound, ResourceExhausted
 from kvcached.index import BlockIndex, GoneReason, Tier
-from kvcached.ssd_reconcile import reconcile_ssd
 from kvcached.store import PutItem, Store
+from kvcached.store.ssd_reconcile import reconcile_ssd
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.ssd import SsdFull, SsdSpace, SsdTier, SsdTooLarge
 from kvcached.tiers.ssd_format import HEADER_BYTES, file_bytes

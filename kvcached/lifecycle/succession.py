@@ -10,7 +10,7 @@ ends of an upgrade's handover.
   upgrade``. It reads what it passes on through :class:`Predecessor` (the daemon is one) and
   winds the daemon down through the callback it is given.
 
-kvcached.handover carries the protocol; this drives the daemon through it (docs/operations.md).
+kvcached.lifecycle.handover carries the protocol; this drives the daemon through it (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from kvcached import __version__
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_servers import GrpcServers
 from kvcached.config import Config
-from kvcached.handover import (
+from kvcached.host.logs import fields
+from kvcached.host.process import StartupError
+from kvcached.lifecycle.handover import (
     HandoverBroken,
     Takeover,
     handover_path,
@@ -39,11 +41,9 @@ from kvcached.handover import (
     wait_listening,
     wait_serving,
 )
-from kvcached.logs import fields
+from kvcached.lifecycle.systemd import LISTEN_FDS_START, Notifier
 from kvcached.peers.tier import PeerTier
-from kvcached.process import StartupError
 from kvcached.store import Store
-from kvcached.systemd import LISTEN_FDS_START, Notifier
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory, SlotEntry
@@ -123,7 +123,7 @@ def open_arena(cfg: Config, notifier: Notifier, inherited: dict[str, int],
 
 
 async def begin_takeover(config: Config) -> Takeover | None:
-    """Ask the daemon running on ``config`` to hand over (kvcached.handover). None if it went
+    """Ask the daemon running on ``config`` to hand over (kvcached.lifecycle.handover). None if it went
     away before it passed anything: this process then starts on its own."""
     takeover = Takeover(handover_path(config.kv.index_dir))
     log.info("asking the running daemon to hand over", extra=fields(socket=str(takeover.path)))
@@ -155,11 +155,11 @@ class Succession:
         self.daemon, self.wind_down, self.stop, self.argv = daemon, wind_down, stop, argv
         self.handing_over = False            # a successor takes the RAM tier: no write-back at stop
         self.handed_over = False             # the successor owns the sockets now
-        self.restart_with: dict[str, int] = {}   # files to start this process again with (kvcached.daemon.serve)
+        self.restart_with: dict[str, int] = {}   # files to start this process again with (kvcached.lifecycle.daemon.serve)
         self._done: asyncio.Future[dict[str, Any]] | None = None
 
     async def hand_over(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        """The predecessor's side of a handover (kvcached.handover): pass the files, wait until
+        """The predecessor's side of a handover (kvcached.lifecycle.handover): pass the files, wait until
         the successor listens, wind down, release the index, wait until it serves, exit."""
         d, cfg = self.daemon, self.daemon.config
         files: dict[str, int] = {}
@@ -244,7 +244,7 @@ class Succession:
 def exec_with_fds(argv: list[str], files: dict[str, int]) -> None:
     """Replace this process with ``argv``, passing ``files`` as systemd does (fd 3 on, with
     LISTEN_PID, LISTEN_FDS and LISTEN_FDNAMES): the new program finds them with
-    kvcached.systemd.listen_fds. Returns only if the exec failed (logged)."""
+    kvcached.lifecycle.systemd.listen_fds. Returns only if the exec failed (logged)."""
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in files.values()]   # out of the way of 3, 4, ...
     for i, fd in enumerate(high):
         os.dup2(fd, LISTEN_FDS_START + i, inheritable=True)
@@ -260,7 +260,7 @@ def nothing_passed(name: str) -> None:
 
 
 def same_listeners(info: dict[str, Any], config: Config) -> dict[str, bool]:
-    """Which of a predecessor's listening sockets (kvcached.handover: ``info`` says where each
+    """Which of a predecessor's listening sockets (kvcached.lifecycle.handover: ``info`` says where each
     listens) this configuration listens on too, by name."""
     q = config.quic
     quic = bool(q.listen) and info.get("quic") == q.listen

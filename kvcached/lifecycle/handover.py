@@ -25,7 +25,7 @@ If the predecessor goes away before ``released`` (it crashed), the successor sti
 was sent: it waits for the index lock (freed when that process died) and takes up the arena as
 after a crash, every block checked against its checksum first; with nothing sent it starts
 clean. If the successor goes away before ``listening``, the predecessor serves on; after
-``released``, the predecessor starts again in place with the arena (kvcached.daemon.serve).
+``released``, the predecessor starts again in place with the arena (kvcached.lifecycle.daemon.serve).
 """
 
 from __future__ import annotations

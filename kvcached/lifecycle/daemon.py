@@ -1,10 +1,10 @@
 """The daemon process: wires config, index, tiers, store and listeners; runs until a signal.
 
-Start-up order: the umask (kvcached.fsmodes: state 0700/0600 whatever the caller's umask), a
+Start-up order: the umask (kvcached.host.fsmodes: state 0700/0600 whatever the caller's umask), a
 check that no other daemon owns our sockets (their missing directories created first, searchable
 by whom the sockets admit; a successor taking over asks the running daemon instead and listens
-beside it: kvcached.succession), the state directories (created 0700, or checked: refused if
-others can write to them), the RAM arena (new, or the previous process's: kvcached.succession),
+beside it: kvcached.lifecycle.succession), the state directories (created 0700, or checked: refused if
+others can write to them), the RAM arena (new, or the previous process's: kvcached.lifecycle.succession),
 the index (its lock: no other daemon; its boot reconcile), the SSD tier's directory, the gRPC
 listeners (KvCache, health, reflection), the agent socket, metrics, background tasks:
 maintenance, index recovery, taking up the previous process's RAM tier, the SSD reconcile (it
@@ -31,37 +31,26 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvcached import __version__
-from kvcached.aio import cancel_and_wait
 from kvcached.api.access import Gate
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_servers import GrpcServers
-from kvcached.certs import certificate_names
+from kvcached.api.metrics import start_metrics
 from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
 from kvcached.cluster.member import Member
 from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier
 from kvcached.cluster.view import Change, MembershipView
 from kvcached.config import RELOADABLE, Config, ConfigError, changed_keys, parse_listen, with_reloaded
-from kvcached.fsmodes import set_daemon_umask
-from kvcached.handover import (
+from kvcached.host.aio import cancel_and_wait
+from kvcached.host.fsmodes import set_daemon_umask
+from kvcached.host.logs import fields, set_level
+from kvcached.host.process import StartupError, claim_unix_socket, group_id, tune_malloc
+from kvcached.index import BlockIndex
+from kvcached.lifecycle.handover import (
     HandoverServer,
     handover_path,
 )
-from kvcached.index import BlockIndex
-from kvcached.logs import fields, set_level
-from kvcached.metrics import start_metrics
-from kvcached.opening import open_index, open_ssd, prepare_state_dirs
-from kvcached.peers.handshakes import HandshakeLimits
-from kvcached.peers.tier import PeerSettings, PeerTier
-from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
-from kvcached.policies import PolicySettings, make_eviction_policy, make_keyed_policy
-from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
-from kvcached.policies.prefetch import make_prefetch_policy
-from kvcached.policies.write import make_write_policy
-from kvcached.process import StartupError, claim_unix_socket, group_id, tune_malloc
-from kvcached.store import Store
-from kvcached.store.adoption import RamAdoption
-from kvcached.store.keeper import KeeperSettings, StoreKeeper
-from kvcached.succession import (
+from kvcached.lifecycle.opening import open_index, open_ssd, prepare_state_dirs
+from kvcached.lifecycle.succession import (
     ARENA_FD_NAME,
     SLOTS_FD_NAME,
     Succession,
@@ -71,7 +60,18 @@ from kvcached.succession import (
     open_arena,
     same_listeners,
 )
-from kvcached.systemd import Notifier, listen_fds
+from kvcached.lifecycle.systemd import Notifier, listen_fds
+from kvcached.peers.certs import certificate_names
+from kvcached.peers.handshakes import HandshakeLimits
+from kvcached.peers.tier import PeerSettings, PeerTier
+from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
+from kvcached.policies import PolicySettings, make_eviction_policy, make_keyed_policy
+from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
+from kvcached.policies.prefetch import make_prefetch_policy
+from kvcached.policies.write import make_write_policy
+from kvcached.store import Store
+from kvcached.store.adoption import RamAdoption
+from kvcached.store.keeper import KeeperSettings, StoreKeeper
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory
@@ -92,7 +92,7 @@ class Daemon:
     def __init__(self, config: Config, reload: Callable[[], Config] | None = None, *, takeover: bool = False,
                  argv: list[str] | None = None) -> None:
         """``takeover``: start by taking over from the daemon running on this configuration
-        (kvcached.handover); ``argv``: this process's command line, which an upgrade runs again
+        (kvcached.lifecycle.handover); ``argv``: this process's command line, which an upgrade runs again
         with ``--takeover`` (None: upgrades are refused)."""
         self.config = config
         self._load_config = reload

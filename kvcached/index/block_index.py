@@ -4,7 +4,7 @@ The index is the source of truth for block metadata; tiers hold only bytes. One 
 stored block, keyed by the 32-byte index key (kvcached_agent.address.index_key), in the column
 family ``blocks``; the ``meta`` family holds the schema version; ``ssd_age`` is the SSD tier's
 eviction queue (see :meth:`BlockIndex.ssd_queue`); ``policy`` holds what the cache policies
-learned (kvcached.policy_state), so it survives a restart.
+learned (kvcached.index.policy_state), so it survives a restart.
 
 A record whose tier set is empty is a *tombstone*: the bytes are gone (evicted, or lost when
 the daemon restarted and they lived only in RAM), the metadata stays for ``kv.gone_ttl`` so a
@@ -12,7 +12,7 @@ Get can say why it misses, and a later fetch from a peer can still be checked ag
 stored checksum.
 
 The record format (BlockRecord, Tier, GoneReason, the byte layout, the SSD queue's entries) is
-kvcached.index_format's.
+kvcached.index.format's.
 
 Writes go through the WAL without fsync: a daemon crash loses nothing the OS has. Writes that
 publish SSD blocks under a durable mode pass ``sync=True`` (one WAL fsync per group commit), so
@@ -41,8 +41,8 @@ from typing import Any, Callable, Iterable, Iterator, cast
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvcached.errors import Unavailable
-from kvcached.fsmodes import make_dirs
-from kvcached.index_format import (
+from kvcached.host.fsmodes import make_dirs
+from kvcached.index.format import (
     AGE,
     CHECKSUM_AT,
     F64,
@@ -125,7 +125,7 @@ class BlockIndex:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         try:
-            make_dirs(self.path)          # 0700 whatever the umask (kvcached.fsmodes)
+            make_dirs(self.path)          # 0700 whatever the umask (kvcached.host.fsmodes)
         except OSError as exc:
             raise IndexError_(f"cannot create index directory {self.path}: {exc.strerror or exc}") from None
         #: False from a failed write until :meth:`recover` succeeds: writes are refused, reads go on.
@@ -201,7 +201,7 @@ class BlockIndex:
 
     def raw_many(self, keys: list[bytes]) -> list[bytes | None]:
         """The raw records of ``keys`` in one multi-get (None where absent): for hot loops that
-        read a few fields (kvcached.index_format.raw_ssd_view) instead of decoding records. rocksdict's stubs
+        read a few fields (kvcached.index.format.raw_ssd_view) instead of decoding records. rocksdict's stubs
         type a multi-get key list as a list of its key union, which a list[bytes] is not."""
         return cast("list[bytes | None]", self._blocks[cast(Any, keys)])
 

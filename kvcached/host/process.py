@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
-from kvcached.fsmodes import make_dirs, socket_dir_mode
+from kvcached.host.fsmodes import make_dirs, socket_dir_mode
 
 __all__ = ["StartupError", "claim_unix_socket", "group_id", "tune_malloc"]
 
@@ -45,7 +45,7 @@ def claim_unix_socket(path: str, mode: int = 0o660, gid: int = -1) -> None:
     """Make ``path`` free for a new listener of permission bits ``mode`` and group ``gid`` (-1:
     the daemon's): refuse if a live server answers on it, remove a stale socket file left by a
     crash, refuse to clobber anything that is not a socket. Missing directories are created
-    with :func:`kvcached.fsmodes.socket_dir_mode` (search only for whom ``mode`` admits)."""
+    with :func:`kvcached.host.fsmodes.socket_dir_mode` (search only for whom ``mode`` admits)."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         make_dirs(directory, socket_dir_mode(mode), gid)

@@ -1,7 +1,7 @@
 """Prometheus metrics on ``[metrics] listen`` (prometheus_client).
 
 Everything is read from the store when Prometheus scrapes (a custom collector): gauges and
-counters from the store's own counters, read latencies from kvcached.reads histograms, so the
+counters from the store's own counters, read latencies from kvcached.store.reads histograms, so the
 hot path pays an integer add, or a bisect for a latency, and never a label lookup or a lock.
 Only tiers this daemon runs are exported. docs/metrics.md lists every metric.
 """

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from kvcached.config_values import (
+from kvcached.config.values import (
     ListenAddress,
     between,
     count_1_to,

@@ -9,10 +9,10 @@ import time
 from typing import Any, Callable
 
 from kvcached.config import Config
-from kvcached.fsmodes import UnsafeDirectory, check_state_dir, make_dirs
+from kvcached.host.fsmodes import UnsafeDirectory, check_state_dir, make_dirs
+from kvcached.host.logs import fields
+from kvcached.host.process import StartupError
 from kvcached.index import BlockIndex, IndexError_
-from kvcached.logs import fields
-from kvcached.process import StartupError
 from kvcached.tiers.ssd import SsdTier
 
 __all__ = ["prepare_state_dirs", "open_index", "open_ssd", "SSD_DIR_LEVELS"]
@@ -25,7 +25,7 @@ INDEX_PROGRESS_GRACE_S = 60.0  # each index reconcile progress line asks systemd
 
 def prepare_state_dirs(config: Config) -> None:
     """Create the index and SSD directories (0700, missing parents too) or check the ones
-    that exist (kvcached.fsmodes.check_state_dir): refuse a directory others could write to
+    that exist (kvcached.host.fsmodes.check_state_dir): refuse a directory others could write to
     or that another user owns, tighten wider modes of our own directories to 0700."""
     kv = config.kv
     dirs = [("kv.index_dir", kv.index_dir, 0)] + ([("kv.ssd_dir", kv.ssd_dir, SSD_DIR_LEVELS)] if kv.ssd_gib else [])

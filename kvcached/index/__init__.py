@@ -1,0 +1,31 @@
+"""The block index: where every block is, in RocksDB (docs/index.md).
+
+``format`` is the record codec (no I/O), ``block_index`` the database and its recovery,
+``policy_state`` the tiers' policy snapshots kept beside the records. The names below are
+the index's public face; the rest of the daemon imports them from here.
+"""
+
+from kvcached.index.block_index import (
+    KEEP_LOG_FILES,
+    MAX_WAL_BYTES,
+    MEMTABLE_BYTES,
+    RECOVERY_HEADROOM,
+    RETRY_FIRST_S,
+    BlockIndex,
+    IndexError_,
+    IndexUnwritable,
+    PresenceFeed,
+)
+from kvcached.index.format import (
+    SCHEMA_VERSION,
+    BlockRecord,
+    GoneReason,
+    Tier,
+    queue_entry,
+    queue_time,
+    raw_ssd_view,
+)
+
+__all__ = ["BlockIndex", "PresenceFeed", "BlockRecord", "Tier", "GoneReason", "IndexError_", "IndexUnwritable", "queue_entry",
+           "queue_time", "raw_ssd_view", "SCHEMA_VERSION", "KEEP_LOG_FILES", "MAX_WAL_BYTES", "MEMTABLE_BYTES",
+           "RECOVERY_HEADROOM", "RETRY_FIRST_S"]
