@@ -169,27 +169,25 @@ class Daemon:
             cfg, self.notifier.status, self.adoption.placed_keys if self.adoption else frozenset(),
             reconcile=not self._trusted_arena)
         self.ssd = open_ssd(cfg)
+        ssd_order = make_keyed_policy(kv.ssd_policy, settings) if self.ssd and kv.ssd_policy != "lru" else None
+        peer_tier = bool(cfg.quic.listen or cfg.quic.peers)
         self.store = Store(ram, self.index, ssd=self.ssd, write_policy=make_write_policy(kv.write_policy, kv.write_through_threshold),
                            ssd_ttl=kv.ssd_ttl, gone_ttl=kv.gone_ttl, max_gpu_blocks=cfg.agent.max_gpu_blocks,
                            admission=make_admission_policy(kv.admission, kv.admission_threshold, kv.admission_window),
                            ssd_budget=SsdWriteBudget(int(kv.ssd_write_budget_gib * (1 << 30))),
-                           ssd_order=(make_keyed_policy(kv.ssd_policy, settings) if self.ssd and kv.ssd_policy != "lru"
-                                      else None))
-        self.store.ssd_order_ready = self.store.ssd_order is None   # rebuilt after the reconcile
-        self.store.adoption = self.adoption
+                           ssd_order=ssd_order, rebuild_ssd_order=ssd_order is not None,   # after the reconcile
+                           adoption=self.adoption, mirror_pulls=kv.mirror_pulls,
+                           prefetch=make_prefetch_policy(kv.prefetch_policy, kv.prefetch_timeout_ms / 1000),
+                           timed_tiers=(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)   # read latencies
+                                        + ["peer"] * peer_tier) if cfg.metrics.listen else ())
         self.keeper = StoreKeeper(self.store, self.index, KeeperSettings(
             kv.policy_save_s, kv.ram_policy, kv.ssd_policy, kv.slru_ratio, cfg.grpc.grace_s), status=self.notifier.status)
         self.keeper.restore_policies()
-        self.store.mirror_pulls = cfg.kv.mirror_pulls
-        self.store.prefetch = make_prefetch_policy(cfg.kv.prefetch_policy, cfg.kv.prefetch_timeout_ms / 1000)
         if takeover is not None:              # the predecessor's listening sockets where ours are the same
             takeover.keep(same_listeners(takeover.info, cfg))
         passed = takeover.take if takeover is not None else nothing_passed
-        if cfg.quic.listen or cfg.quic.peers:
+        if peer_tier:
             await self._start_peers(passed)
-        if cfg.metrics.listen:              # read latencies, for the tiers this daemon runs
-            self.store.reads.time_reads(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)
-                                        + ["peer"] * bool(self.peers))
         if self.grpc is None:
             self.grpc = GrpcServers(cfg, self, self.store, self.started_at)
             await self.grpc.start(listeners, grpc_gid)

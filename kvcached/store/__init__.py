@@ -67,15 +67,24 @@ __all__ = ["CommitOutcome", "Fetched", "LookupResult", "Miss", "Pinned", "PutIte
 class Store:
     """Blocks across the RAM tier, the SSD tier (optional), peers (optional) and the index.
 
-    The daemon builds it, then sets what [kv] and [quic] say and SIGHUP may change
-    (``ssd_ttl``, ``gone_ttl``, ``prefetch``, ``mirror_pulls``) and, once the peer tier is up,
-    ``peers``."""
+    Built complete by its constructor, from what [kv] says. Two things change after it:
+    what SIGHUP may change (``ssd_ttl``, ``gone_ttl``, ``prefetch``, ``mirror_pulls``, the
+    write policy and SSD budget: their setters), and ``peers``, a late binding: the peer tier
+    is built over the store (it serves peers' pulls from it), so the daemon binds it here once
+    the peer tier is up. Until then, and without [quic], reads reach RAM and SSD only.
+
+    ``rebuild_ssd_order``: the SSD order given starts empty and is rebuilt from the index
+    after the boot reconcile (the keeper does it); until :meth:`adopt_ssd_order` the index's
+    own queue orders SSD eviction. ``adoption``: the previous process's RAM tier being taken
+    up. ``timed_tiers``: the tiers whose read latencies are timed (none: reads are counted, not timed)."""
 
     def __init__(self, ram: RamTier, index: BlockIndex, *, ssd: SsdTier | None = None,
                  write_policy: WritePolicy | str = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
                  max_gpu_blocks: int = 1_000_000, clock: Callable[[], float] = time.time,
                  admission: AdmissionPolicy | None = None, ssd_budget: SsdWriteBudget | None = None,
-                 ssd_order: KeyedPolicy | None = None) -> None:
+                 ssd_order: KeyedPolicy | None = None, rebuild_ssd_order: bool = False,
+                 adoption: RamAdoption | None = None, mirror_pulls: bool = True,
+                 prefetch: PrefetchPolicy | None = None, timed_tiers: Sequence[str] = ()) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
@@ -84,13 +93,17 @@ class Store:
         budget = ssd_budget or SsdWriteBudget(0)
         self.counters = Counters()
         self.reads = ReadStats()
+        if timed_tiers:
+            self.reads.time_reads(timed_tiers)
         self.gpu = GpuView(max_gpu_blocks)
         #: The previous process's RAM tier, being taken up (kvcached.store.adoption), if any: the
         #: entry points below settle the blocks they name first (:meth:`_settle`).
-        self.adoption: RamAdoption | None = None
+        self.adoption = adoption
         self.settings = StoreSettings(
             writes=make_write_policy(write_policy) if isinstance(write_policy, str) else write_policy,
-            dirty_limit=ram.capacity // 2, ssd_ttl=ssd_ttl, gone_ttl=gone_ttl)
+            dirty_limit=ram.capacity // 2, ssd_ttl=ssd_ttl, gone_ttl=gone_ttl, mirror_pulls=mirror_pulls)
+        if prefetch is not None:
+            self.settings.prefetch = prefetch
         ram.prefer_clean = ssd is not None
         self.ledger = RecordLedger(ram, index, clock)
         # Readers and agents may hold at most half the RAM tier, so a stalled one can never
@@ -101,13 +114,13 @@ class Store:
         self.evictor: SsdEvictor | None = None
         self.mover: SsdMover | None = None
         if ssd is not None:
-            self.evictor = SsdEvictor(parts, ssd, ssd_order)
+            self.evictor = SsdEvictor(parts, ssd, ssd_order, order_ready=not rebuild_ssd_order)
             self.mover = SsdMover(parts, ssd, self.evictor, budget)
         self.writer = WritePath(parts, ssd, self.mover, self.admission)
         self.pulls = PeerPulls(parts, self.writer, self.mover)
         self.reader = ReadPath(parts, self.writer, self.mover, self.pulls, self.gpu, self.reads)
 
-    # -- settings and parts the daemon sets ------------------------------------------------------
+    # -- what SIGHUP changes, the peer tier's late binding, views ----------------------------------
 
     @property
     def write_policy(self) -> str:
@@ -179,11 +192,6 @@ class Store:
     def ssd_order_ready(self) -> bool:
         """False while a rebuilt SSD order is awaited (boot): until then the index queue decides."""
         return self.evictor.order_ready if self.evictor is not None else True
-
-    @ssd_order_ready.setter
-    def ssd_order_ready(self, ready: bool) -> None:
-        if self.evictor is not None:
-            self.evictor.order_ready = ready
 
     @property
     def ssd_reconciled(self) -> bool:

@@ -43,13 +43,13 @@ class SsdEvictor(Room):
     """Drops SSD copies (see the module). ``wanted`` is set when the tier is over capacity (the
     daemon's evictor loop waits on it)."""
 
-    def __init__(self, parts: StoreParts, ssd: SsdTier, order: KeyedPolicy | None) -> None:
+    def __init__(self, parts: StoreParts, ssd: SsdTier, order: KeyedPolicy | None, *, order_ready: bool = True) -> None:
         super().__init__(parts)
         self.ssd = ssd
         # The SSD tier's eviction order ([kv] ssd_policy): None is "lru", the index's own queue
         # (no memory per block); a policy here orders the SSD blocks in memory.
         self.order = order
-        self.order_ready = True        # False while a rebuilt order is awaited (boot): the index queue decides
+        self.order_ready = order_ready   # False while a rebuilt order is awaited (boot): the index queue decides
         self.reconciled = False        # capacity eviction waits for the boot reconcile's count
         self.wanted = asyncio.Event()
 
