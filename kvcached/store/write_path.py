@@ -5,7 +5,8 @@
   them to the admission policy and writes the admitted ones into RAM. Under ``write_through``
   they are on SSD before it returns; under ``write_back`` the demoter publishes them soon after
   and a Put waits while too much of the RAM tier is dirty; ``write_through_selective`` holds a
-  new block in RAM until its N-th hit (:meth:`on_hit`, called by the read path).
+  new block in RAM until its N-th hit (:meth:`on_hit`, called by the read path). What the write
+  policy does with a new block is kvcached.store.write_policy's, for both halves.
 - Agents (kvcached.api.agent_session) :meth:`reserve` slots, write them, and
   :meth:`commit_written` makes the written blocks visible at once; a background thread checksums
   them and their records are written after (a read, delete or publish of such a block waits,
@@ -22,15 +23,16 @@ import concurrent.futures
 import logging
 from typing import Sequence
 
-from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, ResourceExhausted, Unavailable
+from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from kvcached.index import BlockRecord, Tier
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit
 from kvcached.store.inflight import release_view
 from kvcached.store.parts import Room, StoreParts
 from kvcached.store.results import CommitOutcome, PutItem, PutResult, SlotRefusal
 from kvcached.store.ssd_mover import SsdMover
+from kvcached.store.write_policy import DIRTY_WAIT_S, AppliedWritePolicy
 from kvcached.tiers.ram import WRITING, RamBlock, RamFull
-from kvcached.tiers.ssd import SsdFull, SsdTier, SsdTooLarge, SsdWriteError
+from kvcached.tiers.ssd import SsdTier
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress
 from kvcached_agent.integrity import payload_checksums
 
@@ -39,14 +41,11 @@ __all__ = ["DIRTY_WAIT_S", "MAX_MODEL_BYTES", "WritePath"]
 log = logging.getLogger("kvcached.store")
 
 MAX_MODEL_BYTES = 256        # a model label is a name, not a payload
-DIRTY_WAIT_S = 10.0          # longest a write-back Put waits for the demoter (see _throttle_dirty)
-
-Failed = list[tuple[RamBlock, BlockRecord, SsdWriteError]]
 
 
 class WritePath(Room):
     """Puts and agents' slot writes (see the module). ``ssd`` and ``mover`` are None without
-    an SSD tier."""
+    an SSD tier; ``policy`` applies kv.write_policy to the new blocks of both."""
 
     def __init__(self, parts: StoreParts, ssd: SsdTier | None, mover: SsdMover | None,
                  admission: AdmissionPolicy) -> None:
@@ -54,6 +53,7 @@ class WritePath(Room):
         self.ssd = ssd
         self.mover = mover
         self.admission = admission
+        self.policy = AppliedWritePolicy(parts, ssd, mover)
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-hash")
 
     def close(self) -> None:
@@ -75,75 +75,20 @@ class WritePath(Room):
         if through:
             # Blocks of this batch already in RAM but not on SSD yet (another Put of the same
             # block is publishing it, or it was put under write-back) are made durable too.
-            new += await self._dirty_keys(list({i.address.key for i in items} - own))
+            new += await self.policy.dirty_blocks(list({i.address.key for i in items} - own))
         if through and new:
-            failed, refused = await self._write_through(new, own)
+            failed, refused = await self.policy.write_through(new, own)
             result.stored -= len(refused)
             result.declined += len(refused)
             if failed:
                 result.stored -= len(failed)
-                raise self._publish_error(failed, result, len(items))
+                raise self.policy.publish_error(failed, result, len(items))
         elif new and self.mover is not None:
             self.mover.demote_wanted.set()
-            await self._throttle_dirty()
+            await self.policy.throttle_dirty()
         if full is not None:
             raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {full}")
         return result
-
-    async def _write_through(self, new: list[tuple[RamBlock, BlockRecord]], own: set[bytes]) -> tuple[
-            Failed, list[RamBlock]]:
-        """Publish pinned blocks on SSD and unpin them; those that fail, and those of ``own``
-        (this request's new blocks) that the SSD write budget refuses, are not kept (a
-        write-through store acknowledges only what is on SSD). A refused block stored earlier
-        stays in RAM only, as write-back keeps it. Returns (failed, refused)."""
-        assert self.mover is not None
-        failed: Failed = []
-        refused: list[tuple[RamBlock, BlockRecord]] = []
-        try:
-            allowed, refused = self.mover.within_budget(new)
-            if allowed:
-                failed = await asyncio.shield(self.mover.publish(allowed))
-        finally:
-            for block, _ in new:
-                self.ram.unpin(block)
-        for block, _ in refused:
-            if block.key not in own and self.ram.holds(block):
-                self.ram.mark_clean(block)
-        refused = [(b, r) for b, r in refused if b.key in own]
-        gone = [b for b, _, _ in failed] + [b for b, _ in refused]
-        for block in gone:
-            if self.ram.busy_reason(block.key) is None:
-                self.ram.delete(block.key)
-        if gone:
-            self.ledger.delete_records([b.key for b in gone])
-        return failed, [b for b, _ in refused]
-
-    async def _dirty_keys(self, keys: list[bytes]) -> list[tuple[RamBlock, BlockRecord]]:
-        """The blocks of ``keys`` in RAM that are still dirty once any publish of them in
-        progress is over; returned pinned, with their records."""
-        await self.inflight.published(keys)
-        dirty = [b for k in keys if (b := self.ram.get(k)) is not None and not b.clean]
-        out = []
-        for block, record in zip(dirty, self.index.get_many([b.key for b in dirty])):
-            if record is not None and record.present:
-                self.ram.hold(block)
-                out.append((block, record))
-        return out
-
-    async def _throttle_dirty(self) -> None:
-        """Write-back backpressure: while more than half the RAM tier is dirty (not yet on SSD),
-        a Put waits for the demoter, so a writer faster than the disk slows to the disk's pace
-        instead of pushing unwritten blocks out of RAM. A failing SSD, or a wait past
-        ``DIRTY_WAIT_S``, lets the Put go: dirty blocks may then be dropped, and are counted."""
-        mover = self.mover
-        assert mover is not None
-        deadline = self.clock() + DIRTY_WAIT_S
-        while self.ram.dirty_bytes > self.settings.dirty_limit and not mover.ssd_failing and self.clock() < deadline:
-            mover.demote_wanted.set()
-            try:
-                await asyncio.wait_for(mover.round_done.wait(), DIRTY_WAIT_S)
-            except TimeoutError:
-                return
 
     def _put_ram(self, items: Sequence[PutItem], hold: bool) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]],
                                                                       RamFull | None]:
@@ -168,7 +113,7 @@ class WritePath(Room):
                 raise FailedPrecondition(f"block {i} ({item.address}) is being written by an agent right now "
                                          "(reserved, not committed yet); nothing was stored: retry shortly")
         if hold and todo:
-            self._check_ssd_room(todo)
+            self.policy.check_room(todo)
         checksums = payload_checksums([item.payload for _, item in todo])
         for (i, item), checksum in zip(todo, checksums):
             if item.checksum and item.checksum != checksum:
@@ -227,16 +172,6 @@ class WritePath(Room):
         # a block of this batch may have been evicted by a later one of the same batch (not if held)
         return result, [(b, r) for b, r in new if self.ram.committed(b)], full
 
-    def _check_ssd_room(self, todo: list[tuple[int, PutItem]]) -> None:
-        """Write-through: a new block the SSD tier cannot take, however much it evicts
-        (kvcached.tiers.ssd.SsdSpace.refusal), fails the Put with ResourceExhausted before
-        anything is stored or evicted."""
-        assert self.ssd is not None
-        for (i, item), refusal in zip(todo, self.ssd.refusals([len(item.payload) for _, item in todo])):
-            if refusal is not None:
-                raise ResourceExhausted(f"block {i} ({item.address}): {refusal.strerror}; nothing was stored "
-                                        "(kv.write_policy = write_through keeps only blocks published on SSD)")
-
     def _admitted(self, todo: list[tuple[int, PutItem]]) -> list[bool]:
         """Per new block of a Put, whether the admission policy takes it; one offer per block
         per batch."""
@@ -252,32 +187,13 @@ class WritePath(Room):
         return keep
 
     def commit_new(self, block: RamBlock) -> None:
-        """Commit a block new to this daemon. Under write_through_selective it is held in RAM
-        (clean: nothing wants it on SSD yet) until its hits earn it a write, see :meth:`on_hit`."""
-        held = self.ssd is not None and self.settings.writes.hits_before_ssd > 0
-        self.ram.commit(block, clean=held)
-        if held:
-            block.hits_to_ssd = self.settings.writes.hits_before_ssd
+        """Commit a block new to this daemon, as the write policy has it
+        (:meth:`AppliedWritePolicy.commit_new`; peer pulls commit theirs here too)."""
+        self.policy.commit_new(block)
 
     def on_hit(self, block: RamBlock) -> None:
-        """A read used ``block``: its last-seen time is due, and a block held back by
-        write_through_selective is one hit closer to its SSD write."""
-        self.ledger.touched(block.key)
-        if block.hits_to_ssd > 0:
-            block.hits_to_ssd -= 1
-            if block.hits_to_ssd == 0:
-                self.ram.mark_dirty(block)
-                self.counters.held_written += 1
-                if self.mover is not None:
-                    self.mover.demote_wanted.set()
-
-    def _publish_error(self, failed: Failed, result: PutResult, n: int) -> KvError:
-        first = failed[0][2]
-        text = (f"stored {result.stored} of {n} blocks; {len(failed)} could not be written to the SSD tier "
-                f"(kv.write_policy = write_through) and were not kept: {first.strerror or first}")
-        if isinstance(first, (SsdFull, SsdTooLarge)):      # no room: the messages name the directory and sizes
-            return ResourceExhausted(text)
-        return Unavailable(text)
+        """A read used ``block`` (:meth:`AppliedWritePolicy.on_hit`)."""
+        self.policy.on_hit(block)
 
     def _check_put(self, i: int, item: PutItem) -> None:
         n = len(item.payload)
@@ -346,14 +262,14 @@ class WritePath(Room):
     async def throttle_writes(self) -> None:
         """Back-pressure for agents' writes: an Allocate waits while committed blocks still
         waiting for their checksum hold a quarter of the RAM tier (they cannot be evicted yet),
-        and under write_back while the tier is too dirty (see _throttle_dirty), as a Put does.
+        and under write_back while the tier is too dirty (AppliedWritePolicy.throttle_dirty), as a Put does.
         A writer faster than the checksums or the disk slows to their pace instead of being
         refused for lack of room."""
         hashing = self.inflight.hashing
         while self.inflight.hashing_bytes > self.ram.capacity // 4 and hashing:
             await asyncio.wait({id(f): f for f in hashing.values()}.values(), return_when=asyncio.FIRST_COMPLETED)
         if self.mover is not None and not self.settings.writes.synchronous:
-            await self._throttle_dirty()
+            await self.policy.throttle_dirty()
 
     def abort_reserved(self, block: RamBlock) -> None:
         """Give back a reserved slot that was not committed (the agent gave up or went away)."""
@@ -398,9 +314,9 @@ class WritePath(Room):
         refused: list[RamBlock] = []
         try:
             await asyncio.shield(task)
-            new = await self._dirty_keys([b.key for _, b in batch])
+            new = await self.policy.dirty_blocks([b.key for _, b in batch])
             if new:
-                _, refused = await self._write_through(new, {b.key for _, b in batch})
+                _, refused = await self.policy.write_through(new, {b.key for _, b in batch})
         finally:
             durable = [self.ram.holds(b) and b.clean for _, b in batch]
             for (_, block), ok in zip(batch, durable):
