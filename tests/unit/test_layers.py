@@ -1,9 +1,11 @@
 """The rooms of kvcached/ as stated contracts: every entry of the package sits in a layer of
-the import-linter contract (``make lint`` enforces the layers themselves), and no module imports
-its way back to itself, imports made only for type checking included."""
+the import-linter contract (``make lint`` enforces the layers themselves), no module imports
+its way back to itself, imports made only for type checking included, and every module and
+class stays short enough to read at once."""
 
 from __future__ import annotations
 
+import ast
 import sys
 import tomllib
 from pathlib import Path
@@ -12,6 +14,8 @@ import grimp
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = {"v1"}     # protobuf's output (make proto): imports nothing of kvcached
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 400
 
 
 def _layer_names() -> set[str]:
@@ -79,3 +83,20 @@ def test_no_import_cycle() -> None:
     modules = sorted(graph.modules)
     assert len(modules) > 100, "the graph was not built from the sources"
     assert _cycles(graph, modules) == []
+
+
+def test_modules_and_classes_stay_short_enough_to_read_at_once() -> None:
+    too_long = []
+    for package in (ROOT / "kvcached", ROOT / "agent" / "kvcached_agent"):
+        for path in sorted(package.rglob("*.py")):
+            if GENERATED & set(path.relative_to(package).parts):
+                continue
+            text = path.read_text()
+            if text.count("\n") > MAX_MODULE_LINES:
+                too_long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_CLASS_LINES:
+                        too_long.append(f"{path.relative_to(ROOT)}: class {node.name}: {lines} lines")
+    assert too_long == [], "split these rooms (docs/architecture.md)"
