@@ -21,9 +21,11 @@ from prometheus_client.registry import Collector
 
 from kvcached import __version__
 from kvcached.config import parse_listen
+from kvcached.host.loop_lag import LoopLag
 from kvcached.store import Store
+from kvcached.store.keeper import StoreKeeper
 
-__all__ = ["StoreCollector", "start_metrics"]
+__all__ = ["StoreCollector", "LoopLagCollector", "KeeperCollector", "start_metrics"]
 
 log = logging.getLogger("kvcached.metrics")
 
@@ -248,6 +250,47 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         yield limited
 
 
+class LoopLagCollector(Collector):
+    """How late the event loop ran its watcher's ticks (kvcached.host.loop_lag): how long
+    requests waited behind other work on the loop."""
+
+    def __init__(self, lag: LoopLag) -> None:
+        self.lag = lag
+
+    def collect(self) -> Iterator[Metric]:
+        buckets, total = self.lag.cumulative()
+        histogram = HistogramMetricFamily("kvcached_event_loop_lag_seconds", "How late the event loop ran a tick "
+                                          f"due every {self.lag.period_s * 1000:g} ms: the longest any request "
+                                          "waited behind other work on the loop, at that moment")
+        histogram.add_metric([], buckets, total)
+        yield histogram
+        yield GaugeMetricFamily("kvcached_event_loop_lag_max_seconds", "The longest event loop lag since the "
+                                "daemon started", value=self.lag.max)
+        yield CounterMetricFamily("kvcached_event_loop_stalls", f"Event loop lags of {self.lag.stall_s:g} s or "
+                                  "more (each also logged, at most one line every few seconds)", value=self.lag.stalls)
+
+
+class KeeperCollector(Collector):
+    """The store keeper's periodic saves of the policies' state (kvcached.store.keeper)."""
+
+    def __init__(self, keeper: StoreKeeper) -> None:
+        self.keeper = keeper
+
+    def collect(self) -> Iterator[Metric]:
+        keeper = self.keeper
+        yield CounterMetricFamily("kvcached_policy_saves", "Periodic saves of what the policies learned "
+                                  "(kv.policy_save_s)", value=keeper.saves)
+        last = keeper.last_save
+        if last is None:
+            return
+        yield GaugeMetricFamily("kvcached_policy_save_last_timestamp_seconds", "When the last periodic policy save "
+                                "ended (Unix time)", value=last.ended_at)
+        yield GaugeMetricFamily("kvcached_policy_save_last_seconds", "How long the last periodic policy save took, "
+                                "its write included", value=last.seconds)
+        yield GaugeMetricFamily("kvcached_policy_save_last_loop_seconds", "Of which on the event loop: its slices "
+                                "together (requests run between them)", value=last.loop_seconds)
+
+
 class _QuietHandler(WSGIRequestHandler):
     """No access log line per scrape."""
 
@@ -255,12 +298,18 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def start_metrics(listen: str, store: Store, fd: int | None = None) -> Any:
+def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: LoopLag | None = None,
+                  keeper: StoreKeeper | None = None) -> Any:
     """Serve /metrics in a background thread; returns the HTTP server (``.shutdown()`` stops it).
-    With ``fd``: serve on that listening socket (a predecessor's, passed at an upgrade)."""
+    With ``fd``: serve on that listening socket (a predecessor's, passed at an upgrade); with
+    ``loop_lag`` and ``keeper``: the event loop's lag and the keeper's saves too."""
     address = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))
+    if loop_lag is not None:
+        registry.register(LoopLagCollector(loop_lag))
+    if keeper is not None:
+        registry.register(KeeperCollector(keeper))
     host = (address.host or "").strip("[]")
     if fd is None:
         httpd, _thread = start_http_server(address.port or 0, addr=host, registry=registry)

@@ -43,7 +43,8 @@ from kvcached.config import RELOADABLE, Config, ConfigError, changed_keys, parse
 from kvcached.host.aio import cancel_and_wait
 from kvcached.host.fsmodes import set_daemon_umask
 from kvcached.host.logs import fields, set_level
-from kvcached.host.process import StartupError, claim_unix_socket, group_id, tune_malloc
+from kvcached.host.loop_lag import LoopLag, watch_loop
+from kvcached.host.process import StartupError, claim_unix_socket, group_id, tune_malloc, tune_switch_interval
 from kvcached.index import BlockIndex
 from kvcached.lifecycle.handover import (
     HandoverServer,
@@ -107,6 +108,7 @@ class Daemon:
         self.peers: PeerTier | None = None
         self.membership: EtcdMembership | None = None
         self.metrics_server: Any = None
+        self.loop_lag = LoopLag()                         # how late the event loop runs (metrics)
         self._tasks: list[asyncio.Task[None]] = []
         self._own_sockets: list[tuple[str, int]] = []   # Unix sockets this process bound (path, inode): removed if still ours
         self._stop = asyncio.Event()
@@ -205,7 +207,8 @@ class Daemon:
                                                             group=cfg.agent.group or None))
         if cfg.metrics.listen:
             try:
-                self.metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"))
+                self.metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"), self.loop_lag,
+                                                   self.keeper)
             except OSError as exc:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))
@@ -216,6 +219,7 @@ class Daemon:
         self._handover.start()
         # The store's timed work; RAM adoption runs while serving (a request settles the blocks it names first).
         self.keeper.start(self.adoption)
+        self._tasks.append(asyncio.create_task(watch_loop(self.loop_lag), name="loop-lag"))
         log.info("ready", extra=fields(version=__version__, ram_bytes=ram.capacity, pid=os.getpid(),
                                        ssd_bytes=self.ssd.capacity if self.ssd else 0,
                                        ssd_direct_io=self.ssd.direct if self.ssd else False,
@@ -457,6 +461,7 @@ def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeove
     set_daemon_umask()      # what this process creates is private whatever umask it was started under
     if not tune_malloc():
         log.warning("mallopt unavailable (not glibc?): large calls will page-fault their buffers")
+    tune_switch_interval()   # a worker thread running Python holds the event loop's callbacks 0.5 ms, not 5
 
     async def main() -> tuple[int, dict[str, int]]:
         daemon = Daemon(config, reload, takeover=takeover, argv=argv)

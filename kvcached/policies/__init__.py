@@ -16,7 +16,17 @@ one would have.
 from __future__ import annotations
 
 from kvcached.policies.arc import ArcPolicy
-from kvcached.policies.base import EvictionPolicy, PolicySettings, PolicySnapshot, SnapshotError, resident_keys
+from kvcached.policies.base import (
+    EvictionPolicy,
+    PolicySettings,
+    PolicySnapshot,
+    SnapshotError,
+    Steps,
+    blob,
+    finished,
+    resident_keys,
+    through,
+)
 from kvcached.policies.clock import ClockPolicy
 from kvcached.policies.keyed import KeyedPolicy, PolicyState
 from kvcached.policies.lru import LruPolicy
@@ -24,7 +34,7 @@ from kvcached.policies.s3fifo import S3FifoPolicy
 from kvcached.policies.slru import SlruPolicy
 
 __all__ = ["EVICTION_POLICIES", "EvictionPolicy", "KeyedPolicy", "PolicySettings", "PolicySnapshot", "PolicyState",
-           "SnapshotError",
+           "SnapshotError", "Steps", "blob", "finished", "through",
            "make_eviction_policy", "make_keyed_policy", "resident_keys"]
 
 #: config string -> policy class ([kv] ram_policy)

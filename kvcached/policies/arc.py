@@ -16,11 +16,12 @@ entry); the ghosts are keys, since their ids went back to the tier. O(1) per ope
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from kvcached.policies.base import EvictionPolicy, PolicySnapshot, resident_keys
-from kvcached.policies.links import IdLinks, IdQueue
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot, Steps, finished, resident_keys
+from kvcached.policies.links import IdLinks, IdQueue, gathered
 
 __all__ = ["ArcPolicy"]
 
@@ -112,9 +113,23 @@ class ArcPolicy(EvictionPolicy):
         return self._links.tag_of(entry) != 0
 
     def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
-        return PolicySnapshot("arc", {"t1": [key_of(e) for e in self.t1], "t2": [key_of(e) for e in self.t2],
-                                      "b1": list(self.b1), "b2": list(self.b2)},
-                              numbers={"p": self.p, "c": float(self.c)})
+        return finished(self.snapshot_steps(key_of))
+
+    def snapshot_steps(self, key_of: Callable[[int], bytes]) -> Steps[PolicySnapshot]:
+        """T1 and T2 from a copy of their links, walked in steps; the ghosts copied now (their
+        keys: one C-level pass over each)."""
+        links = self._links.frozen()
+        queues = {"t1": self.t1.frozen(links), "t2": self.t2.frozen(links)}
+        lists: dict[str, list[bytes]] = {"t1": [], "t2": [], "b1": list(self.b1), "b2": list(self.b2)}
+        numbers = {"p": self.p, "c": float(self.c)}
+
+        def steps() -> Steps[PolicySnapshot]:
+            for name, queue in queues.items():
+                entries = array("i")
+                yield from queue.entries_steps(entries)
+                yield from gathered(entries, key_of, lists[name])
+            yield PolicySnapshot("arc", lists, numbers=numbers)
+        return steps()
 
     def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
         """Lists, target and size as they were. A T1 (T2) key that is not resident any more

@@ -8,12 +8,49 @@ import json
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Generator, Iterable, Iterator, Optional, TypeVar, cast
 
-__all__ = ["EvictionPolicy", "PolicySettings", "PolicySnapshot", "SnapshotError", "resident_keys"]
+__all__ = ["EvictionPolicy", "PolicySettings", "PolicySnapshot", "SnapshotError", "Steps", "blob", "finished",
+           "resident_keys", "through"]
 
 _MAGIC = b"KVPS1"
 _HEAD = struct.Struct("<5sI")
+_PIECE = 2048           # keys joined (or values packed) in one step of an encoding
+T = TypeVar("T")
+
+#: Work done in steps, so that a caller on the event loop can let requests run between them:
+#: the iterator yields None after each step (a few thousand entries: well under a millisecond),
+#: then the result, last. :func:`finished` runs it all at once; kvcached.host.aio.run_in_slices
+#: runs it on the loop a slice at a time.
+Steps = Iterator[Optional[T]]
+
+
+def blob(view: memoryview) -> bytes:
+    """``view`` where a snapshot's list takes a key: the big ones (slru's last uses, a ghost
+    filter's cells: tens of MB at a million entries) are built a slice at a time in memory of
+    their own rather than as one ``bytes``, whose allocation alone faults in all its pages at
+    once (some 17 ms for 36 MB here). Read-only, and bytes-like for all a snapshot does with
+    its keys (len, slicing, indexing, comparison with bytes, joining, encoding); not hashable."""
+    return cast(bytes, view.toreadonly())
+
+
+def finished(steps: Iterator[T | None]) -> T:
+    """Run ``steps`` (see :data:`Steps`) to the end now; their result."""
+    for item in steps:
+        if item is not None:
+            return item
+    raise ValueError("the steps ended without a result")
+
+
+def through(steps: Iterator[T | None]) -> Generator[None, None, T]:
+    """``result = yield from through(steps)`` in steps of one's own: their Nones passed on,
+    their result returned."""
+    for item in steps:
+        if item is None:
+            yield None
+        else:
+            return item
+    raise ValueError("the steps ended without a result")
 
 
 class SnapshotError(ValueError):
@@ -44,23 +81,43 @@ class PolicySnapshot:
         it has values), then per list its keys back to back and its values, one byte each.
         Keys of one list share a size (BLAKE3 index keys are 32 bytes); a list whose keys do
         not (tests) stores one length byte before each key."""
+        return b"".join(finished(self.encode_steps()))
+
+    def encode_steps(self) -> Steps[list[bytes]]:
+        """:meth:`encode` in steps (:data:`Steps`), each joining a few thousand keys or values
+        (a million keys joined at once hold the interpreter some 40 ms); the result is the
+        encoding in parts, whose concatenation is :meth:`encode`'s bytes."""
         heads = []
         parts: list[bytes] = []
         for name, keys in self.lists.items():
             size = len(keys[0]) if keys else 0
             # Fixed-size only for keys of one size above 0: a list of empty keys (an idle slru's
             # one empty tick string) is not "no keys", so it keeps its length bytes.
-            fixed = size > 0 and all(len(k) == size for k in keys) or not keys
+            fixed = size > 0 or not keys
+            for start in range(0, len(keys) if fixed else 0, _PIECE):
+                if set(map(len, keys[start:start + _PIECE])) != {size}:
+                    fixed = False
+                    break
+                yield None
             values = self.values.get(name)
             heads.append([name, len(keys), size if fixed else -1, values is not None])
-            parts.append(b"".join(keys) if fixed else b"".join(bytes((len(k),)) + k for k in keys))
-            if values is not None:
+            for start in range(0, len(keys), _PIECE):
+                piece = keys[start:start + _PIECE]
+                if fixed and len(piece) == 1:       # as it is: a big blob is not copied (see blob)
+                    parts.append(piece[0])
+                else:
+                    parts.append(b"".join(piece) if fixed else b"".join(bytes((len(k),)) + k for k in piece))
+                yield None
+            for start in range(0, len(values) if values is not None else 0, _PIECE):
+                assert values is not None
+                piece_values = values[start:start + _PIECE]
                 try:
-                    parts.append(bytes(values))          # small ints and bools: one C-level pass
+                    parts.append(bytes(piece_values))    # small ints and bools: one C-level pass
                 except ValueError:
-                    parts.append(bytes(min(255, max(0, int(v))) for v in values))
+                    parts.append(bytes(min(255, max(0, int(v))) for v in piece_values))
+                yield None
         head = json.dumps({"kind": self.kind, "numbers": self.numbers, "lists": heads}).encode()
-        return b"".join([_HEAD.pack(_MAGIC, len(head)), head, *parts])
+        yield [_HEAD.pack(_MAGIC, len(head)), head, *parts]
 
     @classmethod
     def decode(cls, raw: bytes) -> "PolicySnapshot":
@@ -172,6 +229,16 @@ class EvictionPolicy(ABC):
     def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
         """Everything the policy has learned, resident order and ghosts included, in keys
         (``key_of`` names a resident entry's key)."""
+
+    def snapshot_steps(self, key_of: Callable[[int], bytes]) -> Steps[PolicySnapshot]:
+        """:meth:`snapshot` in steps (:data:`Steps`), for a snapshot taken while the tier
+        serves: what the policy knows is copied now, in this call (bulk copies of its columns,
+        a few milliseconds for a million entries), and the copy is walked in the steps, so the
+        policy may change between them. ``key_of`` must name the entries as they were at this
+        call until the steps end (kvcached.policies.links.KeyIds.frozen_keys, taken together
+        with this call). By default one step, taken now: :meth:`snapshot` (the in-tree policies
+        walk in steps of kvcached.policies.links.STEP)."""
+        return iter((self.snapshot(key_of),))
 
     @abstractmethod
     def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:

@@ -9,10 +9,11 @@ chance form here has the same behaviour and O(1) amortised steps. The ring is an
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable, Iterator
 
-from kvcached.policies.base import EvictionPolicy, PolicySnapshot
-from kvcached.policies.links import IdLinks, IdQueue
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot, Steps, finished
+from kvcached.policies.links import IdLinks, IdQueue, gathered
 
 
 class ClockPolicy(EvictionPolicy):
@@ -59,8 +60,21 @@ class ClockPolicy(EvictionPolicy):
         return entry in self._ring
 
     def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
-        entries, bits = list(self._ring), self._links.value
-        return PolicySnapshot("clock", {"ring": [key_of(e) for e in entries]}, {"ring": [bits[e] for e in entries]})
+        return finished(self.snapshot_steps(key_of))
+
+    def snapshot_steps(self, key_of: Callable[[int], bytes]) -> Steps[PolicySnapshot]:
+        links = self._links.frozen()
+        ring = self._ring.frozen(links)
+
+        def steps() -> Steps[PolicySnapshot]:
+            entries = array("i")
+            yield from ring.entries_steps(entries)
+            keys: list[bytes] = []
+            bits: list[int] = []
+            yield from gathered(entries, key_of, keys)
+            yield from gathered(entries, links.value.__getitem__, bits)
+            yield PolicySnapshot("clock", {"ring": keys}, {"ring": bits})
+        return steps()
 
     def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
         """The ring and reference bits of the keys still resident (CLOCK keeps no ghosts)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Protocol
 
-from kvcached.policies.base import EvictionPolicy, PolicySnapshot
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot, Steps
 from kvcached.policies.links import KeyIds
 
 __all__ = ["KeyedPolicy", "PolicyState"]
@@ -22,6 +22,11 @@ class PolicyState(Protocol):
     """What a tier's policy learned, in keys (kvcached.index.policy_state saves and restores it)."""
 
     def snapshot(self) -> PolicySnapshot: ...
+
+    def snapshot_steps(self) -> Steps[PolicySnapshot]:
+        """:meth:`snapshot` in steps (kvcached.policies.base.Steps): copied now, walked in the
+        steps, while the tier goes on changing."""
+        ...
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         """Take up ``snapshot``; ``resident(key)``: whether the tier holds that key now."""
@@ -72,6 +77,9 @@ class KeyedPolicy:
 
     def snapshot(self) -> PolicySnapshot:
         return self.policy.snapshot(self._ids.key_getter)
+
+    def snapshot_steps(self) -> Steps[PolicySnapshot]:
+        return self.policy.snapshot_steps(self._ids.frozen_keys())
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         """See :meth:`EvictionPolicy.restore`; ids are handed out to the resident keys the

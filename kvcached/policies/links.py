@@ -16,6 +16,15 @@ Where the most ids there can ever be is known (the RAM tier: one per arena slot)
 are laid out for all of them at once in anonymous memory (:func:`column`) whose pages the
 kernel backs only once touched: no copy as they fill, and no heap left in holes by the copies
 (which cost some 35 bytes a block at a million blocks). Elsewhere they grow as ``array``s.
+
+A snapshot of a million entries cannot be walked in one step of the event loop (some 0.1 s a
+million). :meth:`IdLinks.frozen` copies the columns a walk reads (one C-level copy each, a few
+milliseconds for a million ids), and :meth:`IdQueue.frozen` gives the queue over the copy: the
+copy never changes, so it can be walked a slice at a time (:meth:`IdQueue.entries_steps`, which
+yields every ``STEP`` entries, into an ``array`` of ids: a list of a million ints costs some
+10 ms to free) while the live queue goes on changing. The keys of the ids walked come from
+:meth:`KeyIds.frozen_keys`: the live key table, with the keys of the ids given back since kept
+aside (copying the table, and freeing the copy, cost some 8 ms each a million ids).
 """
 
 from __future__ import annotations
@@ -23,15 +32,17 @@ from __future__ import annotations
 import mmap
 import struct
 from array import array
-from typing import Callable, Iterator, Literal, Union, cast
+from typing import Callable, Iterator, Literal, Sequence, TypeVar, Union, cast
 
-__all__ = ["KeyIds", "IdLinks", "IdQueue", "column", "grown"]
+__all__ = ["KeyIds", "FrozenKeys", "IdLinks", "IdQueue", "column", "grown", "frozen", "gathered", "STEP"]
 
 Column = Union["array[int]", bytearray, memoryview]
 Format = Literal["B", "i", "I", "q"]
 _LINK_FORMATS: tuple[tuple[str, Format], ...] = (("prev", "i"), ("next", "i"), ("where", "B"), ("value", "B"))
 
 NONE = -1
+T = TypeVar("T")
+STEP = 2048        # entries a walk or a gather handles between two yields (a few tenths of a millisecond)
 
 
 def column(fmt: Format, size: int) -> memoryview:
@@ -39,6 +50,26 @@ def column(fmt: Format, size: int) -> memoryview:
     anonymous memory: pages cost RAM once written, so a column sized for every id a tier can
     hand out costs only what the ids in use touch."""
     return memoryview(mmap.mmap(-1, max(1, size) * struct.calcsize(fmt), flags=mmap.MAP_PRIVATE)).cast(fmt)
+
+
+def frozen(col: Column) -> memoryview:
+    """A copy of ``col``, indexable as ints as it is: one C-level copy of its bytes."""
+    view = memoryview(col)
+    return memoryview(bytes(view.cast("B"))).cast(cast(Format, view.format))
+
+
+def gathered(entries: Sequence[int], of: Callable[[int], T], out: list[T]) -> Iterator[None]:
+    """Append ``of(entry)`` for each of ``entries`` to ``out``, ``STEP`` entries a step (yields
+    between steps): keys (:class:`FrozenKeys`), values of a frozen column. ``of`` must give what
+    it gave when the steps began."""
+    many = of.many if isinstance(of, FrozenKeys) else None
+    for start in range(0, len(entries), STEP):
+        piece = entries[start:start + STEP]
+        if many is not None:
+            many(piece, cast(list[bytes], out))
+        else:
+            out.extend(map(of, piece))
+        yield None
 
 
 def grown(column: array[int], size: int) -> None:
@@ -51,12 +82,13 @@ def grown(column: array[int], size: int) -> None:
 class KeyIds:
     """Keys to dense ids and back: a dict, a list and a stack of freed ids."""
 
-    __slots__ = ("index", "keys", "_free")
+    __slots__ = ("index", "keys", "_free", "_watches")
 
     def __init__(self) -> None:
         self.index: dict[bytes, int] = {}      # key -> id (read it directly on hot paths)
         self.keys: list[bytes | None] = []      # id -> key (None: free)
         self._free: list[int] = []
+        self._watches: list[dict[int, bytes]] = []   # of FrozenKeys: ids given back since, their keys
 
     def get(self, key: bytes) -> int | None:
         return self.index.get(key)
@@ -79,9 +111,15 @@ class KeyIds:
         """Forget ``key``; its id (returned, None if it had none) may be handed out again."""
         entry = self.index.pop(key, None)
         if entry is not None:
+            for gone in self._watches:
+                gone.setdefault(entry, key)
             self.keys[entry] = None
             self._free.append(entry)
         return entry
+
+    def frozen_keys(self) -> "FrozenKeys":
+        """The key of each id in use now, for as long as the result lives (see FrozenKeys)."""
+        return FrozenKeys(self.keys, self._watches)
 
     @property
     def key_getter(self) -> Callable[[int], bytes]:
@@ -115,6 +153,46 @@ class KeyIds:
 
     def items(self) -> Iterator[tuple[bytes, int]]:
         return iter(self.index.items())
+
+
+class FrozenKeys:
+    """The keys of the ids a :class:`KeyIds` had in use when this was made, while the table goes
+    on giving ids back and handing them out again: the live key table, and the keys of the ids
+    given back since (the table keeps them aside while this lives: :meth:`close`, or its end).
+    Call it for one key; :meth:`many` for many, at C speed."""
+
+    __slots__ = ("_keys", "_watches", "_gone")
+
+    def __init__(self, keys: list[bytes | None], watches: list[dict[int, bytes]]) -> None:
+        """``keys``: the table's id -> key list; ``watches``: where the table looks for the
+        dicts to note the ids it gives back in (KeyIds.frozen_keys passes both)."""
+        self._keys, self._watches = keys, watches
+        self._gone: dict[int, bytes] = {}
+        watches.append(self._gone)
+
+    def __call__(self, entry: int) -> bytes:
+        key = self._gone.get(entry)
+        return key if key is not None else cast(bytes, self._keys[entry])
+
+    def many(self, entries: Sequence[int], out: list[bytes]) -> None:
+        """Append the keys of ``entries`` (ids in use when this was made) to ``out``."""
+        start = len(out)
+        out.extend(cast(Iterator[bytes], map(self._keys.__getitem__, entries)))
+        gone = self._gone
+        if gone and any(map(gone.__contains__, entries)):    # C-level, over these entries only
+            for i, entry in enumerate(entries):
+                key = gone.get(entry)
+                if key is not None:
+                    out[start + i] = key
+
+    def close(self) -> None:
+        """Stop keeping the keys of ids given back (at once; also when this is freed)."""
+        watches = self._watches
+        if any(w is self._gone for w in watches):
+            watches[:] = [w for w in watches if w is not self._gone]
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class IdLinks:
@@ -158,6 +236,14 @@ class IdLinks:
         """The tag of the queue holding ``entry`` (0: none)."""
         return self.where[entry] if entry < len(self.where) else 0
 
+    def frozen(self) -> "IdLinks":
+        """A copy of the columns a walk reads (``next``, ``where``, ``value``; not ``prev``), as
+        they are now: queues over it (:meth:`IdQueue.frozen`) can be walked in steps."""
+        copy = IdLinks()
+        copy.next, copy.where, copy.value = frozen(self.next), frozen(self.where), frozen(self.value)
+        copy._fixed = True
+        return copy
+
 
 class IdQueue:
     """One FIFO list of ids (oldest first) over shared :class:`IdLinks`; ``tag`` (1..255)
@@ -196,6 +282,26 @@ class IdQueue:
             append(entry)
             entry = following[entry]
         return out
+
+    def frozen(self, links: IdLinks) -> "IdQueue":
+        """This queue as it is now, over ``links``, a :meth:`IdLinks.frozen` copy of its links
+        taken at the same time."""
+        copy = IdQueue(links, self.tag)
+        copy.head, copy.tail, copy.size = self.head, self.tail, self.size
+        return copy
+
+    def entries_steps(self, out: array[int]) -> Iterator[None]:
+        """:meth:`entries` into ``out``, yielding every ``STEP`` entries: for a queue over frozen
+        links only (the walk spans several steps, so the links must not change between them)."""
+        append, following = out.append, self.links.next
+        entry = self.head
+        while entry != NONE:
+            for _ in range(STEP):
+                append(entry)
+                entry = following[entry]
+                if entry == NONE:
+                    break
+            yield None
 
     # The three changes are written out, not built on shared helpers: a Python call costs
     # about as much as the whole change, and these run once or twice per block per request.

@@ -7,10 +7,11 @@ young end, eviction takes from the old end. O(1) per operation, 9 bytes an entry
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable, Iterator
 
-from kvcached.policies.base import EvictionPolicy, PolicySnapshot
-from kvcached.policies.links import IdLinks, IdQueue
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot, Steps, finished
+from kvcached.policies.links import IdLinks, IdQueue, gathered
 
 
 class LruPolicy(EvictionPolicy):
@@ -53,7 +54,18 @@ class LruPolicy(EvictionPolicy):
         return entry in self._order
 
     def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
-        return PolicySnapshot("lru", {"order": [key_of(e) for e in self._order]})
+        return finished(self.snapshot_steps(key_of))
+
+    def snapshot_steps(self, key_of: Callable[[int], bytes]) -> Steps[PolicySnapshot]:
+        order = self._order.frozen(self._order.links.frozen())
+
+        def steps() -> Steps[PolicySnapshot]:
+            entries = array("i")
+            yield from order.entries_steps(entries)
+            keys: list[bytes] = []
+            yield from gathered(entries, key_of, keys)
+            yield PolicySnapshot("lru", {"order": keys})
+        return steps()
 
     def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
         """Recency of the keys still resident; LRU has no ghosts, so nothing of the others."""

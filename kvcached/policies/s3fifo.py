@@ -20,11 +20,12 @@ O(1) per operation; ``candidates`` is amortised O(1) per eviction.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from kvcached.policies.base import EvictionPolicy, PolicySnapshot, resident_keys
-from kvcached.policies.links import IdLinks, IdQueue
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot, Steps, finished, resident_keys
+from kvcached.policies.links import IdLinks, IdQueue, gathered
 
 __all__ = ["S3FifoPolicy"]
 
@@ -112,10 +113,25 @@ class S3FifoPolicy(EvictionPolicy):
         return self._links.tag_of(entry) != 0
 
     def snapshot(self, key_of: Callable[[int], bytes]) -> PolicySnapshot:
-        small, main, hits = list(self.small), list(self.main), self._links.value
-        return PolicySnapshot("s3fifo", {"small": [key_of(e) for e in small], "main": [key_of(e) for e in main],
-                                         "ghost": list(self.ghost)},
-                              {"small": [hits[e] for e in small], "main": [hits[e] for e in main]})
+        return finished(self.snapshot_steps(key_of))
+
+    def snapshot_steps(self, key_of: Callable[[int], bytes]) -> Steps[PolicySnapshot]:
+        """S and M with their counters from a copy of their links, walked in steps; the ghost
+        FIFO's keys copied now."""
+        links = self._links.frozen()
+        queues = {"small": self.small.frozen(links), "main": self.main.frozen(links)}
+        lists: dict[str, list[bytes]] = {"small": [], "main": [], "ghost": list(self.ghost)}
+        values: dict[str, list[int]] = {"small": [], "main": []}
+
+        def steps() -> Steps[PolicySnapshot]:
+            for name, queue in queues.items():
+                entries = array("i")
+                yield from queue.entries_steps(entries)
+                yield from gathered(entries, key_of, lists[name])
+                yield from gathered(entries, links.value.__getitem__, values[name])
+            yield PolicySnapshot("s3fifo", {"small": lists["small"], "main": lists["main"], "ghost": lists["ghost"]},
+                                 values)
+        return steps()
 
     def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
         """Queues and counters as they were. A key of S or M that is not resident any more

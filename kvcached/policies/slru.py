@@ -36,11 +36,12 @@ per copy.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left, bisect_right
 from typing import Callable, Iterator
 
-from kvcached.policies.base import EvictionPolicy, PolicySettings, PolicySnapshot
+from kvcached.policies.base import EvictionPolicy, PolicySettings, PolicySnapshot, Steps, blob, finished, through
 from kvcached.policies.ghosts import GhostFilter
-from kvcached.policies.links import IdLinks, IdQueue, column, grown
+from kvcached.policies.links import STEP, IdLinks, IdQueue, column, frozen, gathered, grown
 from kvcached.policies.tuning import RatioTuner
 
 __all__ = ["SlruPolicy", "MAX_RATIO"]
@@ -181,16 +182,39 @@ class SlruPolicy(EvictionPolicy):
         1 probation, 2 protected), the tick of each use (``ticks``: one string of 8-byte
         native integers, in the same order), the ghosts, the ratio in use, ``c`` and the tick
         now: a restored policy with its keys resident decides as this one would. The tuner's
-        copies are not kept: they learn again, from the ratio saved. Built with C-level calls
-        (each list is already in last-use order, so the sort is one merge)."""
-        last, where = self._last, self._links.where
-        entries = self.probation.entries() + self.protected.entries()
-        entries.sort(key=last.__getitem__)
-        return PolicySnapshot("slru", {"order": list(map(key_of, entries)),
-                                       "ticks": [array("q", map(last.__getitem__, entries)).tobytes()],
-                                       "ghosts": [self.ghosts.state()]},
-                              values={"order": list(map(where.__getitem__, entries))},
-                              numbers={"ratio": self.ratio, "c": float(self.c), "tick": float(self.tick)})
+        copies are not kept: they learn again, from the ratio saved."""
+        return finished(self.snapshot_steps(key_of))
+
+    def snapshot_steps(self, key_of: Callable[[int], bytes]) -> Steps[PolicySnapshot]:
+        """The lists, last uses and numbers are copied now; the lists are walked and merged by
+        last use in steps (each list is already in last-use order, so the order is one merge,
+        done a slice at a time); the ghost filter's cells are copied in a step of their own
+        (tens of MB at a million entries: a key evicted in between is in both, which a restore
+        takes as it took it before)."""
+        links = self._links.frozen()
+        probation, protected = self.probation.frozen(links), self.protected.frozen(links)
+        last = frozen(self._last)
+        numbers = {"ratio": self.ratio, "c": float(self.c), "tick": float(self.tick)}
+        ghosts = self.ghosts
+
+        def steps() -> Steps[PolicySnapshot]:
+            older, younger, entries = array("i"), array("i"), array("i")
+            yield from probation.entries_steps(older)
+            yield from protected.entries_steps(younger)
+            yield from _merged(older, younger, last.__getitem__, entries)
+            keys: list[bytes] = []
+            tags: list[int] = []
+            yield from gathered(entries, key_of, keys)
+            yield from gathered(entries, links.where.__getitem__, tags)
+            ticks = column("q", len(entries))        # filled a step at a time (see base.blob)
+            for start in range(0, len(entries), STEP):
+                ticks[start:start + STEP] = array("q", map(last.__getitem__, entries[start:start + STEP]))
+                yield None
+            state = yield from through(ghosts.state_steps())
+            yield PolicySnapshot("slru", {"order": keys, "ticks": [blob(ticks.cast("B")[:8 * len(entries)])],
+                                          "ghosts": [blob(state)]},
+                                 values={"order": tags}, numbers=numbers)
+        return steps()
 
     def restore(self, snapshot: PolicySnapshot, entry_of: Callable[[bytes], int | None]) -> None:
         """Lists, last uses, ghosts, ratio and ``c`` as they were. A listed key that is not
@@ -204,8 +228,8 @@ class SlruPolicy(EvictionPolicy):
         for raw in snapshot.lists.get("ghosts", ())[:1]:
             self.ghosts.restore(raw)
         ticks = array("q")
-        for blob in snapshot.lists.get("ticks", ()):
-            ticks.frombytes(blob[:len(blob) // 8 * 8])
+        for stamps in snapshot.lists.get("ticks", ()):
+            ticks.frombytes(stamps[:len(stamps) // 8 * 8])
         self.tick = max(self.tick, int(numbers.get("tick", 0)), *ticks[-1:])
         for i, (key, tag) in enumerate(snapshot.items("order")):
             entry = entry_of(key)
@@ -215,3 +239,23 @@ class SlruPolicy(EvictionPolicy):
                 (self.protected if tag == 2 else self.probation).push(entry)
                 self._grow(entry)
                 self._last[entry] = ticks[i] if i < len(ticks) else self.tick
+
+
+def _merged(first: array[int], then: array[int], tick: Callable[[int], int], out: array[int]) -> Iterator[None]:
+    """``first + then`` sorted by ``tick``, stably (``first``'s entries before ``then``'s on a
+    tie), into ``out``, a slice at a time (yields between slices): both are in ``tick`` order
+    already, so each slice takes a run of one and what of the other comes before its end, and
+    sorts only those (C-level, a few thousand entries)."""
+    i = j = 0
+    while i < len(first) or j < len(then):
+        a, b = first[i:i + STEP], then[j:j + STEP]
+        if a and b and tick(a[-1]) <= tick(b[-1]):
+            # all of a; of b, what comes before a's last (strictly older: first wins a tie)
+            b = b[:bisect_left(list(map(tick, b)), tick(a[-1]))]
+        elif a and b:
+            # all of b; of a, what comes before b's last (as old or older)
+            a = a[:bisect_right(list(map(tick, a)), tick(b[-1]))]
+        out.extend(sorted(a + b, key=tick))
+        i += len(a)
+        j += len(b)
+        yield None

@@ -11,18 +11,23 @@ other half, each job in a task of its own, started by :meth:`StoreKeeper.start` 
   over (woken by ``evict_wanted``);
 - **the SSD reconcile** (``ssd-reconcile``): the boot reconcile of the tier against the index,
   then the SSD policy's order rebuilt from the index, both in the scan thread;
-- **maintenance**: last-seen times flushed every few seconds; expired tombstones pruned now and
+- **maintenance**: last-seen times flushed every second; expired tombstones pruned now and
   then (found in the scan thread, deleted in slices that yield to requests);
 - **index recovery**: an index that cannot be written (its disk full) is asked to recover every
   second, and the status line says puts are refused meanwhile;
-- **the policy saver**: what the policies learned, captured on the loop and written in a worker
-  thread, every ``policy_save_s``;
+- **the policy saver**: what the policies learned, every ``policy_save_s``: captured on the loop
+  in slices of half a millisecond with rests between them (each policy copied in one step, then
+  walked and encoded a few thousand keys a step), written in a worker thread a chunk at a time,
+  the cyclic garbage collector held off meanwhile (kvcached.host.heap);
 - **RAM adoption**: the blocks a predecessor left in the arena, checked and committed while
   serving (kvcached.store.adoption).
 
 Every job whose work grows with the blocks held does it in a worker thread or in slices, never
-in one step on the event loop. ``status`` tells the service manager's status line (the daemon
-passes systemd's); ``clock`` is wall time (TTLs, tombstones).
+in one step on the event loop (bench/bench_loop.py measures the loop's lag while they run). What
+boot built, and the SSD policy once rebuilt, is frozen out of the cyclic collector's walks
+(kvcached.host.heap): a full collection over a million blocks' key tables held the loop some
+100 ms. ``status`` tells the service manager's status line (the daemon passes systemd's);
+``clock`` is wall time (TTLs, tombstones).
 """
 
 from __future__ import annotations
@@ -35,24 +40,29 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvcached.host.aio import cancel_and_wait
+from kvcached.host import heap
+from kvcached.host.aio import SliceStats, cancel_and_wait, run_in_slices
 from kvcached.host.logs import fields
 from kvcached.index import BlockIndex, policy_state
-from kvcached.policies import PolicySettings
+from kvcached.policies import PolicySettings, Steps, finished
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.store.ssd_reconcile import reconcile_ssd
 
-__all__ = ["StoreKeeper", "KeeperSettings"]
+__all__ = ["StoreKeeper", "KeeperSettings", "SaveRecord"]
 
 log = logging.getLogger("kvcached.daemon")
 
-MAINTENANCE_PERIOD_S = 5.0
+MAINTENANCE_PERIOD_S = 1.0  # last-seen flushes: one reads and writes a record per block read since the last
 DEMOTE_PERIOD_S = 1.0
 EVICT_PERIOD_S = 1.0
-PRUNE_SLICE = 10_000       # tombstones deleted per slice before requests get the loop back
+PRUNE_SLICE = 1_000        # tombstones deleted per slice (some 3 ms) before requests get the loop back
 INDEX_CHECK_S = 1.0        # how often an unwritable index is asked to recover (it backs off by itself)
 ROUNDS = ("ssd-demoter", "ssd-evictor")   # jobs whose round in progress a stop lets finish
+SAVE_SLICE_S = 0.0005      # a policy save's slice on the loop (its steps are 2,048 keys, a few tenths of a ms)...
+REST_S = 0.002             # ... and the rest after each (also between tombstone slices), in which requests run
+SAVE_WRITE_BYTES_S = 64 << 20  # a save writes its chunks at this pace at most: the loop's own index writes
+                               # wait for each, and a burst of 100 MB would outrun RocksDB's memtable flushes
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,17 @@ class KeeperSettings:
     ssd_policy: str = "lru"
     slru_ratio: float = 0.0
     grace_s: float = 5.0            # a stop's grace for the write-back of what is dirty
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """A periodic save of the policies' state: when it ended (wall clock), how long it took in
+    all and on the event loop (its slices together), and the bytes it wrote."""
+
+    ended_at: float
+    seconds: float
+    loop_seconds: float
+    bytes: int
 
 
 class StoreKeeper:
@@ -80,6 +101,8 @@ class StoreKeeper:
         self.saving: asyncio.Future[int] | None = None  # a policy save in its worker thread
         self.ssd_reconcile_summary: dict[str, Any] = {}
         self.ram_adoption_summary: dict[str, Any] = {}
+        self.saves = 0                                 # periodic policy saves done (metrics)
+        self.last_save: SaveRecord | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle --
@@ -96,6 +119,9 @@ class StoreKeeper:
             jobs += [("ssd-reconcile", self._reconcile_ssd()), ("ssd-demoter", self._demoter()),
                      ("ssd-evictor", self._ssd_evictor())]
         self._tasks += [asyncio.create_task(coro, name=name) for name, coro in jobs]
+        # What boot built (the RAM tier's key table among it) lives as long as the daemon: out
+        # of the cyclic collector's walks (kvcached.host.heap).
+        heap.freeze("booted", collect=True)
 
     async def stop(self, handing_over: bool = False) -> None:
         """End every job: the write-back and eviction rounds in progress finish their I/O, the
@@ -130,31 +156,42 @@ class StoreKeeper:
             log.info("policy state restored", extra=fields(ram_policy=s.ram_policy, ram_keys=ram_keys,
                                                            admission=store.admission.name if admission else None))
 
-    def capture_policies(self) -> list[Any]:
-        """The policies' state, on the loop. The SSD policy is left out until it was rebuilt
-        after the boot reconcile: before that it orders only blocks written since boot, and
-        saving it would replace the whole saved order with that part."""
+    def capture_steps(self) -> Steps[policy_state.Captured]:
+        """The policies' state, taken in steps on the loop (policy_state.capture_steps). The
+        SSD policy is left out until it was rebuilt after the boot reconcile: before that it
+        orders only blocks written since boot, and saving it would replace the whole saved
+        order with that part."""
         store = self.store
-        return policy_state.capture(store.ram.policy_state(), store.ssd_order if store.ssd_order_ready else None,
-                                    store.admission)
+        return policy_state.capture_steps(store.ram.policy_state(),
+                                          store.ssd_order if store.ssd_order_ready else None, store.admission)
 
     def save_policies(self) -> int:
-        """Capture and save the policies' state now (at a clean stop); returns bytes written."""
-        return policy_state.write_captured(self.index, self.capture_policies())
+        """Capture and save the policies' state now, in one go (at a clean stop, the loop serving
+        nothing any more); returns bytes written."""
+        return policy_state.write_parts(self.index, finished(self.capture_steps()))
 
     async def _policy_saver(self, every_s: float) -> None:
-        """Every ``every_s``: capture the policies' state on the loop, encode and write it in a
-        worker thread (off the hot path)."""
+        """Every ``every_s``: capture the policies' state on the loop in slices of SAVE_SLICE_S
+        with REST_S between them, then write it in a worker thread, a chunk at a time."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(every_s)
             if not self.index.writable:
                 continue
             try:
-                captured = self.capture_policies()
+                t0 = time.monotonic()
+                on_loop = SliceStats()
+                with heap.paused():      # the snapshot's young lists of keys: not walked by every young collection
+                    captured = await run_in_slices(self.capture_steps(), SAVE_SLICE_S, REST_S, on_loop)
+                t1 = time.monotonic()
                 # shielded: a stop cancels this task, never the thread's write (stop waits for it)
-                self.saving = loop.run_in_executor(None, policy_state.write_captured, self.index, captured)
-                await asyncio.shield(self.saving)
+                self.saving = loop.run_in_executor(None, policy_state.write_parts, self.index, captured, _write_pause)
+                written = await asyncio.shield(self.saving)
+                self.saves += 1
+                self.last_save = SaveRecord(time.time(), time.monotonic() - t0, on_loop.busy_s, written)
+                log.debug("policy state saved", extra=fields(
+                    bytes=written, capture_s=round(t1 - t0, 4), loop_s=round(on_loop.busy_s, 4),
+                    longest_slice_s=round(on_loop.longest_s, 4), elapsed_s=round(time.monotonic() - t0, 4)))
             except Exception:
                 log.exception("saving the policy state failed; will retry")
 
@@ -187,6 +224,7 @@ class StoreKeeper:
                               "until a restart")
             else:
                 store.adopt_ssd_order(built)
+                heap.freeze("SSD policy rebuilt")     # its key table: a reference per block on SSD
                 log.info("SSD policy rebuilt", extra=fields(ssd_policy=kind, blocks=len(built),
                                                             elapsed_s=round(time.monotonic() - t0, 3)))
         while not index.writable:      # it writes the index: wait until it recovers
@@ -246,7 +284,9 @@ class StoreKeeper:
     # -- the index --
 
     async def _maintenance(self) -> None:
-        """About every few seconds: flush last-seen times; now and then prune old tombstones.
+        """Every second: flush last-seen times (the flush's work grows with the blocks read since
+        the last one: at 1,000 reads a second, flushed every 5 s, it held the loop 20-32 ms; every
+        second, a fifth of that); now and then prune old tombstones.
 
         The tombstone scan runs in the scan thread (it reads raw records and stops early when
         the daemon stops); deletions run here in slices, yielding to requests in between."""
@@ -266,7 +306,7 @@ class StoreKeeper:
                     pruned = 0
                     for i in range(0, len(keys), PRUNE_SLICE):
                         pruned += index.delete_expired(keys[i:i + PRUNE_SLICE], clock(), ttl)
-                        await asyncio.sleep(0)
+                        await asyncio.sleep(REST_S)
                     if pruned:
                         log.info("pruned tombstones", extra=fields(count=pruned))
                     next_prune = clock() + min(ttl / 2, 600)
@@ -306,6 +346,10 @@ class StoreKeeper:
             return
         self.ram_adoption_summary = report.summary()
         log.info("RAM tier taken over", extra=fields(**self.ram_adoption_summary))
+
+
+def _write_pause(nbytes: int) -> None:
+    time.sleep(nbytes / SAVE_WRITE_BYTES_S)
 
 
 async def _woken_or_after(event: asyncio.Event, seconds: float, stop: asyncio.Event) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Sequence
 
-from kvcached.policies import EvictionPolicy, PolicySnapshot
+from kvcached.policies import EvictionPolicy, PolicySnapshot, Steps
 from kvcached.policies.links import IdLinks, IdQueue, KeyIds, column
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.slabs import SlabAllocator
@@ -512,6 +512,11 @@ class RamPolicyState:
 
     def snapshot(self) -> PolicySnapshot:
         return self._policy.snapshot(self._ids.key_getter)
+
+    def snapshot_steps(self) -> Steps[PolicySnapshot]:
+        """The policy copied now, with the tier's key table, and walked in steps while the
+        tier serves (kvcached.policies.base.Steps)."""
+        return self._policy.snapshot_steps(self._ids.frozen_keys())
 
     def restore(self, snapshot: PolicySnapshot, resident: Callable[[bytes], bool]) -> None:
         ids = self._ids
