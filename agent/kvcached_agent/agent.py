@@ -247,6 +247,20 @@ class Agent:
         return p.LookupResult(join(first.longest, rest.longest), join(first.gpu, rest.gpu), join(first.ram, rest.ram),
                               join(first.ssd, rest.ssd), join(first.peer, rest.peer))
 
+    def present(self, digests: Sequence[bytes], layer: int = CROSS_LAYER) -> bytes:
+        """Per digest, the protocol's HELD_* flags of the tiers holding that block, each block on
+        its own (not a chain's prefix); all 0 while the daemon is away (reconnect mode)."""
+        return self._guarded(lambda: self._present(digests, layer), bytes(len(digests)))
+
+    def _present(self, digests: Sequence[bytes], layer: int) -> bytes:
+        assert self.client is not None
+        out = b""
+        for start in range(0, len(digests), p.MAX_BATCH):
+            answer = self.client.call(p.Present(layer, list(digests[start:start + p.MAX_BATCH])))
+            assert isinstance(answer, p.PresentResult)
+            out += answer.held
+        return out
+
     def save(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], *, confirm: bool = True) -> SaveResult:
         """Store each tensor's bytes (or a list of tensors' bytes, in order) as the block at the
         same position. Blocks the daemon has already are not copied again. Returns what was

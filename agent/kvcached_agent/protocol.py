@@ -33,8 +33,9 @@ from kvcached_agent.framing import frame as frame_bytes
 __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "ErrorCode", "Status", "ProtocolError", "Frame",
     "FrameDecoder", "encode", "decode", "Message",
-    "Hello", "Allocate", "Commit", "Lookup", "Load", "Release", "Overlap", "Pinned", "Evicted", "Heartbeat",
-    "Welcome", "Slots", "Committed", "LookupResult", "Loaded", "Released", "OverlapResult", "AgentPrefix", "Error",
+    "Hello", "Allocate", "Commit", "Lookup", "Present", "Load", "Release", "Overlap", "Pinned", "Evicted",
+    "Heartbeat", "Welcome", "Slots", "Committed", "LookupResult", "PresentResult", "Loaded", "Released",
+    "OverlapResult", "AgentPrefix", "Error", "HELD_GPU", "HELD_RAM", "HELD_SSD", "HELD_PEER",
 ]
 
 VERSION = 1
@@ -198,20 +199,33 @@ class Release(_Handles):
 
 
 @dataclass(frozen=True, slots=True)
-class Lookup:
-    """Longest prefix of a chain held per tier (this agent's GPU, RAM, SSD, peers)."""
-
-    TYPE: ClassVar[int] = 0x04
+class _LayerDigests:
     layer: int
     digests: Sequence[bytes]
 
     def encode_body(self) -> bytes:
-        return _U32.pack(self.layer) + _digests_body(self.digests, "Lookup")
+        return _U32.pack(self.layer) + _digests_body(self.digests, type(self).__name__)
 
     @classmethod
-    def decode_body(cls, r: BodyReader) -> "Lookup":
+    def decode_body(cls, r: BodyReader) -> Any:
         layer = r.u32()
         return cls(layer, _read_digests(r))
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup(_LayerDigests):
+    """Longest prefix of a chain held per tier (this agent's GPU, RAM, SSD, peers)."""
+
+    TYPE: ClassVar[int] = 0x04
+
+
+@dataclass(frozen=True, slots=True)
+class Present(_LayerDigests):
+    """Which of these blocks are held, each on its own rather than as a chain's prefix: for
+    blocks that only some positions have, such as a hybrid model's sliding-window blocks and
+    state snapshots (kvcached_agent.engines.hybrid). Answered by PresentResult."""
+
+    TYPE: ClassVar[int] = 0x08
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +374,27 @@ class LookupResult:
         return cls(*r.unpack(cls.FIXED))
 
 
+# PresentResult's flags: where a block is held (several may be set).
+HELD_GPU, HELD_RAM, HELD_SSD, HELD_PEER = 1, 2, 4, 8
+
+
+@dataclass(frozen=True, slots=True)
+class PresentResult:
+    """Answer to Present: per digest, in order, the HELD_* flags of the tiers holding it (0:
+    nowhere). HELD_GPU is the asking agent's own GPU."""
+
+    TYPE: ClassVar[int] = 0x88
+    held: bytes
+
+    def encode_body(self) -> bytes:
+        return _batch(len(self.held), "PresentResult") + bytes(self.held)
+
+    @classmethod
+    def decode_body(cls, r: BodyReader) -> "PresentResult":
+        n = r.count(1)
+        return cls(bytes(r.take(n)))
+
+
 @dataclass(frozen=True, slots=True)
 class Loaded:
     """Answer to Load, entry by entry: (status, handle, arena offset, length)."""
@@ -442,8 +477,8 @@ class Error:
         return cls(r.u16(), r.text("message"))
 
 
-Message = Union[Hello, Allocate, Commit, Lookup, Load, Release, Overlap, Pinned, Evicted, Heartbeat,
-                Welcome, Slots, Committed, LookupResult, Loaded, Released, OverlapResult, Error]
+Message = Union[Hello, Allocate, Commit, Lookup, Present, Load, Release, Overlap, Pinned, Evicted, Heartbeat,
+                Welcome, Slots, Committed, LookupResult, PresentResult, Loaded, Released, OverlapResult, Error]
 
 class _Decodable(Protocol):
     """A message class as the decoder sees it: its type byte and how its body is read."""
@@ -455,8 +490,8 @@ class _Decodable(Protocol):
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
-    Hello, Allocate, Commit, Lookup, Load, Release, Overlap, Pinned, Evicted, Heartbeat,
-    Welcome, Slots, Committed, LookupResult, Loaded, Released, OverlapResult, Error)}
+    Hello, Allocate, Commit, Lookup, Present, Load, Release, Overlap, Pinned, Evicted, Heartbeat,
+    Welcome, Slots, Committed, LookupResult, PresentResult, Loaded, Released, OverlapResult, Error)}
 EVENTS = frozenset({Pinned.TYPE, Evicted.TYPE, Heartbeat.TYPE})   # requests that get no reply (unless an Error)
 
 

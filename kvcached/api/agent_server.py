@@ -204,7 +204,7 @@ class AgentConnection(asyncio.Protocol):
         if self.session is None:
             self._hello(message, frame.request_id)
             return
-        if isinstance(message, WAITING) or (isinstance(message, p.Lookup) and self.server.store.asks_homes):
+        if isinstance(message, WAITING) or (isinstance(message, (p.Lookup, p.Present)) and self.server.store.asks_homes):
             task = asyncio.ensure_future(self._answer_later(message, frame.request_id))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
@@ -219,7 +219,8 @@ class AgentConnection(asyncio.Protocol):
         if answer is not None:
             self._send(answer, frame.request_id)
 
-    async def _answer_later(self, message: p.Allocate | p.Commit | p.Load | p.Lookup, request_id: int) -> None:
+    async def _answer_later(self, message: p.Allocate | p.Commit | p.Load | p.Lookup | p.Present,
+                            request_id: int) -> None:
         assert self.session is not None
         try:
             answer = await self.session.handle_waiting(message)

@@ -16,7 +16,7 @@ from itertools import count
 from typing import Iterator, Sequence
 
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
-from kvcached.store import CommitOutcome, Miss, Pinned, SlotRefusal, Store
+from kvcached.store import CommitOutcome, Miss, Pinned, Presence, SlotRefusal, Store
 from kvcached.store.gpu_view import GpuViewFull
 from kvcached.tiers.ram import RamBlock
 from kvcached_agent import protocol as p
@@ -68,6 +68,13 @@ def check_hello(hello: p.Hello, max_block_bytes: int) -> str | None:
     return None
 
 
+def present_result(presence: Presence) -> p.PresentResult:
+    """A Present's answer: the HELD_* flags of each block."""
+    return p.PresentResult(bytes(
+        (p.HELD_GPU if gpu else 0) | (p.HELD_RAM if ram else 0) | (p.HELD_SSD if ssd else 0) | (p.HELD_PEER if peer else 0)
+        for gpu, ram, ssd, peer in zip(presence.gpu, presence.ram, presence.ssd, presence.peer)))
+
+
 class AgentSession:
     def __init__(self, store: Store, session: int, hello: p.Hello, peer: PeerCredentials) -> None:
         self.store = store
@@ -92,6 +99,8 @@ class AgentSession:
             if isinstance(message, p.Lookup):
                 r = self.store.lookup(message.digests, message.layer, agent=self.session)
                 return p.LookupResult(r.longest, r.gpu, r.ram, r.ssd, r.peer)
+            if isinstance(message, p.Present):
+                return present_result(self.store.present(message.digests, message.layer, agent=self.session))
             if isinstance(message, p.Release):
                 return self._release(message)
             if isinstance(message, (p.Pinned, p.Evicted)):
@@ -106,11 +115,11 @@ class AgentSession:
         except KvError as exc:
             return p.Error(error_code(exc), str(exc))
 
-    async def handle_waiting(self, message: p.Allocate | p.Commit | p.Load | p.Lookup) -> p.Message:
+    async def handle_waiting(self, message: p.Allocate | p.Commit | p.Load | p.Lookup | p.Present) -> p.Message:
         """The answer to an Allocate (it may wait for write-back back-pressure), a Commit or a
         Load (they may wait for checksums, the SSD, promotions), or, in a cluster, a Lookup (it
         asks the home nodes where remote blocks are first)."""
-        if isinstance(message, p.Lookup):
+        if isinstance(message, (p.Lookup, p.Present)):
             await self.store.locate(message.digests, message.layer)
             answer = self.handle(message)
             assert answer is not None

@@ -49,6 +49,7 @@ from kvcached.store.results import (
     LookupResult,
     Miss,
     Pinned,
+    Presence,
     PutItem,
     PutResult,
     SlotRefusal,
@@ -61,7 +62,7 @@ from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.ssd import SsdTier
 from kvcached_agent.address import BlockAddress, index_key
 
-__all__ = ["CommitOutcome", "Fetched", "LookupResult", "Miss", "Pinned", "PutItem", "PutResult", "SlotRefusal", "Store"]
+__all__ = ["CommitOutcome", "Fetched", "LookupResult", "Miss", "Pinned", "Presence", "PutItem", "PutResult", "SlotRefusal", "Store"]
 
 
 class Store:
@@ -293,6 +294,11 @@ class Store:
     def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> LookupResult:
         self._settle_chain(digests, layer)
         return self.reader.lookup(digests, layer, agent)
+
+    def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> Presence:
+        """Which tiers hold each block, each on its own (ReadPath.present)."""
+        self._settle_chain(digests, layer)
+        return self.reader.present(digests, layer, agent)
 
     async def locate(self, digests: Sequence[bytes], layer: int) -> None:
         """Before a Lookup, in a cluster: ask where remote blocks are (ReadPath.locate)."""

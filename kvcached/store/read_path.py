@@ -26,7 +26,7 @@ from kvcached.store.gpu_view import GpuView
 from kvcached.store.parts import Room, StoreParts
 from kvcached.store.peer_pulls import PeerPulls
 from kvcached.store.reads import ReadStats, outcome
-from kvcached.store.results import Fetched, LookupResult, Miss, Pinned, Reached
+from kvcached.store.results import Fetched, LookupResult, Miss, Pinned, Presence, Reached
 from kvcached.store.ssd_mover import SsdMover
 from kvcached.store.write_path import WritePath
 from kvcached.tiers.ram import RamBlock
@@ -300,9 +300,7 @@ class ReadPath(Room):
         can return (RAM, SSD, peers)."""
         started = time.perf_counter()
         self.counters.lookups += 1
-        if digests and set(map(len, digests)) != {DIGEST_BYTES}:
-            i, digest = next((i, d) for i, d in enumerate(digests) if len(d) != DIGEST_BYTES)
-            raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
+        self._check_digests(digests)
         gpu = self.gpu.prefix(agent, digests) if agent is not None else self.gpu.longest(digests) if self.gpu else 0
         cache = self._lookup_keys.get(layer)
         if cache is None or len(cache) > LOOKUP_KEYS:
@@ -333,6 +331,31 @@ class ReadPath(Room):
                 else "ssd" if ssd_on else "ram")
         self.reads.took(tier, outcome(len(keys), longest), started)
         return LookupResult(longest=longest, ram=ram, ssd=ssd, gpu=gpu, peer=peer)
+
+    def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> Presence:
+        """Which tiers hold each block, each on its own (not a chain's prefix): the resume
+        points of a hybrid model, whose sliding-window blocks and state snapshots exist at some
+        positions only. Counted as a lookup; one batched index read for the SSD column."""
+        started = time.perf_counter()
+        self.counters.lookups += 1
+        self._check_digests(digests)
+        keys = [index_key(d, layer) for d in digests]
+        ram = [key in self.ram for key in keys]
+        ssd = ([bool(t & Tier.SSD) for t in self.index.tiers_of(keys)] if self.mover is not None
+               else [False] * len(keys))
+        peers = self.pulls.peers
+        peer = peers.held(digests, layer) if peers is not None else [False] * len(keys)
+        on_gpu = self.gpu.held(agent, digests) if agent is not None else set()
+        gpu = [d in on_gpu for d in digests]
+        found = sum(map(any, zip(ram, ssd, peer, gpu)))
+        self.reads.took("ram", outcome(len(keys), found), started)
+        return Presence(gpu=gpu, ram=ram, ssd=ssd, peer=peer)
+
+    @staticmethod
+    def _check_digests(digests: Sequence[bytes]) -> None:
+        if digests and set(map(len, digests)) != {DIGEST_BYTES}:
+            i, digest = next((i, d) for i, d in enumerate(digests) if len(d) != DIGEST_BYTES)
+            raise InvalidArgument(f"digests[{i}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes (BLAKE3-256)")
 
     def _ssd_prefix_in_ram(self, keys: list[bytes]) -> int:
         """How many of ``keys``, all resident in RAM, from the first, also have an SSD copy

@@ -81,6 +81,17 @@ class LookupResult:
     peer: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Presence:
+    """Per block of a Present, each on its own: whether each tier holds it (``gpu``: the asking
+    agent's GPU)."""
+
+    gpu: list[bool]
+    ram: list[bool]
+    ssd: list[bool]
+    peer: list[bool]
+
+
 @dataclass(slots=True)
 class Counters:
     puts: int = 0

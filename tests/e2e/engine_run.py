@@ -5,8 +5,9 @@ own prefix cache is empty).
     python -m tests.e2e.engine_run PLAN.json RESULT.json
 
 The plan (JSON): ``model`` (a folder), ``block_size`` (vLLM's; its CPU attention wants a multiple
-of 32), ``max_model_len``, ``eager`` (true: vLLM's ``enforce_eager``, no torch.compile: an engine
-starts in about 12 s instead of 19 here; the KV connector's path is the same), ``connector``: null (no connector), or ``{"kind": "kvcached",
+of 32; null: vLLM's own choice, as hybrid models need), ``max_model_len``, ``eager`` (true: vLLM's
+``enforce_eager``, no torch.compile: an engine starts in about 12 s instead of 19 here; the KV
+connector's path is the same), ``connector``: null (no connector), or ``{"kind": "kvcached",
 "socket": ..., "extra": {...}}`` (KvcachedConnector) or ``{"kind": "offloading", "cpu_gib":
 ...}`` (vLLM's own CPU offloading), and ``rounds``: a list of rounds, each ``{"prompts": [[token
 ids]...], "max_tokens": N, "reset_prefix_cache": bool, "wait_for": path, "signal": path}``,
@@ -15,7 +16,8 @@ vLLM's own prefix cache first, as a new engine's is; ``wait_for`` waits until th
 and ``signal`` creates that file as the round starts: how a test does something to the daemon
 at a known point of the engine's work).
 
-The result (JSON): per round, its wall time and per prompt the generated ``token_ids``, the
+The result (JSON): ``hybrid_manager`` (whether vLLM kept its hybrid KV cache manager on: it turns
+it off for a connector that does not support it), and per round, its wall time and per prompt the generated ``token_ids``, the
 chosen tokens' ``logprobs`` (exact floats: JSON keeps every bit of a double) and
 ``num_cached_tokens`` (prompt tokens the engine did not compute: its own prefix cache's and
 the connector's). Greedy sampling, EOS ignored, no tokenizer.
@@ -60,11 +62,14 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
-    llm = LLM(model=plan["model"], skip_tokenizer_init=True, dtype="auto", block_size=plan.get("block_size", 32),
+    block_size = plan.get("block_size", 32)
+    llm = LLM(model=plan["model"], skip_tokenizer_init=True, dtype="auto",
+              **({"block_size": block_size} if block_size else {}),
               max_model_len=plan.get("max_model_len", 4096), enable_prefix_caching=True, seed=0,
               enforce_eager=bool(plan.get("eager", False)),
               kv_transfer_config=transfer_config(plan.get("connector")))
-    result: dict[str, Any] = {"start_s": time.perf_counter() - started, "rounds": []}
+    hybrid = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    result: dict[str, Any] = {"start_s": time.perf_counter() - started, "hybrid_manager": hybrid, "rounds": []}
     for round_ in plan["rounds"]:
         params = SamplingParams(max_tokens=round_.get("max_tokens", 8), temperature=0.0, logprobs=0,
                                 ignore_eos=True, detokenize=False)

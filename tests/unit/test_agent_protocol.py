@@ -57,6 +57,8 @@ def test_lookup_load_and_event_bytes() -> None:
     assert p.encode(p.Overlap([D1, D2]), 5) == header(len(body), 0x07, 5) + body
     assert p.encode(p.Pinned([D1, D2]), 0) == header(len(body), 0x10, 0) + body
     assert p.encode(p.Evicted([D1, D2]), 0) == header(len(body), 0x11, 0) + body
+    body = struct.pack("<II", 7, 2) + D1 + D2
+    assert p.encode(p.Present(7, [D1, D2]), 6) == header(len(body), 0x08, 6) + body
 
 
 def test_reply_bytes() -> None:
@@ -74,6 +76,8 @@ def test_reply_bytes() -> None:
     assert p.encode(p.Released(3, 1), 6) == header(len(body), 0x86, 6) + body
     body = struct.pack("<I", 1) + struct.pack("<QII", 2, 4321, 7) + b"\x03\x00vl0"
     assert p.encode(p.OverlapResult([p.AgentPrefix(2, 4321, 7, "vl0")]), 7) == header(len(body), 0x87, 7) + body
+    body = struct.pack("<I", 3) + bytes([0, p.HELD_RAM | p.HELD_SSD, p.HELD_PEER])
+    assert p.encode(p.PresentResult(bytes([0, 6, 8])), 9) == header(len(body), 0x88, 9) + body
     body = struct.pack("<H", 6) + b"\x03\x00bad"
     assert p.encode(p.Error(6, "bad"), 8) == header(len(body), 0xFF, 8) + body
 
@@ -86,6 +90,7 @@ def test_reply_bytes() -> None:
     p.Load([(D2, 1)]), p.Overlap([]), p.Pinned([D1]), p.Evicted([D2]), p.Heartbeat(),
     p.Welcome(1, 2, 3, 4, "v"), p.Slots([(0, 1, 2)]), p.Committed([0]), p.LookupResult(1, 2, 3, 4, 5),
     p.Loaded([(4, 0, 0, 0)]), p.Released(0, 0), p.OverlapResult([p.AgentPrefix(1, 2, 3, "é")]), p.Error(1, "x"),
+    p.Present(0xFFFFFFFF, [D1, D2]), p.PresentResult(b""), p.PresentResult(bytes([1, 15])),
 ])
 def test_every_message_round_trips(message: p.Message) -> None:
     back = roundtrip(message)

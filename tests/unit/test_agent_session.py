@@ -88,3 +88,20 @@ def test_requests_an_agent_may_not_send(store: SyncStore) -> None:
     for message, code in ((HELLO, p.ErrorCode.HANDSHAKE), (p.Welcome(1, 1, 1, 1, "x"), p.ErrorCode.UNKNOWN_TYPE)):
         answer = s.handle(message)
         assert isinstance(answer, p.Error) and answer.code == code
+
+
+def test_present_answers_each_block_on_its_own(store: SyncStore) -> None:
+    """Present, unlike Lookup, is not a prefix: a block after a missing one is still found, and
+    the asking agent's own GPU blocks are flagged as such."""
+    s = session(store)
+    slots = allocate(store, s, [2, 4])
+    for n, (_, _, offset) in zip((2, 4), slots.entries):
+        store.ram.arena.write(offset, payload(n, 8 * KIB))
+    run(store, s.handle_waiting(p.Commit([h for _, h, _ in slots.entries])))
+    run(store, asyncio.sleep(0.05))              # the commit's index write ends
+    s.handle(p.Pinned([digest(3)]))
+    answer = s.handle(p.Present(0, [digest(n) for n in range(1, 6)]))
+    assert answer == p.PresentResult(bytes([0, p.HELD_RAM, p.HELD_GPU, p.HELD_RAM, 0]))
+    assert s.handle(p.Lookup(0, [digest(n) for n in range(1, 6)])).longest == 0      # type: ignore[union-attr]
+    bad = s.handle(p.Present(0, [b"short"]))
+    assert isinstance(bad, p.Error) and "32 bytes" in bad.message

@@ -8,6 +8,11 @@ vLLM builds one instance in the scheduler (role SCHEDULER) and one per worker (r
 class only routes vLLM's calls to :class:`~kvcached_agent.engines.vllm_scheduler.SchedulerSide`
 and :class:`~kvcached_agent.engines.vllm_worker.WorkerSide`. ``kv_connector_extra_config`` takes
 the keys of :class:`~kvcached_agent.engines.common.PluginSettings`; anything else is an error.
+
+It supports vLLM's hybrid KV cache manager (``SupportsHMA``), so vLLM keeps it on for hybrid
+models: full-attention (MLA included), sliding-window and Mamba-style state groups, each kind
+stored as kvcached_agent.engines.hybrid describes. Other kinds of group are refused at start,
+with their name.
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace  # noqa: E402
 from kvcached_agent.engines.fingerprint import name_model  # noqa: E402
+from kvcached_agent.engines.hybrid import FULL, SLIDING, STATE, GroupKind, kind_root  # noqa: E402
 from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp, SchedulerSide  # noqa: E402
 from kvcached_agent.engines.vllm_worker import WorkerSide, page_views  # noqa: E402
 
@@ -61,14 +70,47 @@ def _ranks(worker: bool) -> tuple[int, int]:
     return 0, 0
 
 
-def _model_name(vllm_config: "VllmConfig", spec: Any) -> str:
+def _model_name(vllm_config: "VllmConfig", specs: list[Any]) -> str:
     """The model's name in every address: its folder's name and a fingerprint of its config,
     weights and KV layout (kvcached_agent.engines.fingerprint), never the path string alone."""
     mc = vllm_config.model_config
-    return name_model(mc.model, mc.revision, (type(spec).__name__, repr(spec)), config=mc.hf_config.to_dict())
+    layout = ((type(specs[0]).__name__, repr(specs[0])) if len(specs) == 1
+              else (tuple(type(s).__name__ for s in specs), tuple(repr(s) for s in specs)))
+    return name_model(mc.model, mc.revision, layout, config=mc.hf_config.to_dict())
 
 
-class KvcachedConnector(KVConnectorBase_V1):
+def group_kinds(specs: list[Any]) -> list[GroupKind]:
+    """The kinds of block of a model whose KV cache groups have these specs (vLLM's; groups of
+    equal specs are one kind, as vLLM's hybrid coordinator looks them up together). ValueError
+    for a kind of group kvcached does not store, naming it."""
+    kinds: list[tuple[Any, GroupKind]] = []
+    for group, spec in enumerate(specs):
+        for i, (known, kind) in enumerate(kinds):
+            if known == spec:
+                kinds[i] = (known, GroupKind(kind.name, kind.kind, kind.group_ids + (group,), kind.window_blocks))
+                break
+        else:
+            kinds.append((spec, _kind_of(spec, group, sum(k.kind == STATE for _, k in kinds))))
+    return [kind for _, kind in kinds]
+
+
+def _kind_of(spec: Any, group: int, states: int) -> GroupKind:
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        return GroupKind("full", FULL, (group,))
+    if isinstance(spec, SlidingWindowSpec) and spec.sliding_window > 0:
+        need = -(-(spec.sliding_window - 1) // spec.block_size)     # vLLM's blocks for a sliding-window hit
+        return GroupKind(f"sliding{spec.sliding_window}", SLIDING, (group,), max(1, need))
+    if isinstance(spec, MambaSpec):
+        if spec.mamba_cache_mode != "align":
+            raise ValueError(f"KV cache group {group} holds state (Mamba) layers in cache mode "
+                             f"{spec.mamba_cache_mode!r}: kvcached stores a state taken exactly at a block "
+                             "boundary, which vLLM keeps in mode 'align' (prefix caching on)")
+        return GroupKind(f"state{states}" if states else "state", STATE, (group,))
+    raise ValueError(f"KV cache group {group} is of a kind kvcached does not store ({type(spec).__name__}); "
+                     "supported: full attention, MLA, sliding window and Mamba-style state layers")
+
+
+class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector interface over the kvcached agent (see the module docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
@@ -76,30 +118,40 @@ class KvcachedConnector(KVConnectorBase_V1):
         settings = PluginSettings.from_mapping(self._kv_transfer_config.kv_connector_extra_config,
                                                "kv_connector_extra_config")
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"the kvcached connector supports models with one KV cache group (every layer full "
-                             f"attention); this model has {len(groups)}")
-        spec = groups[0].kv_cache_spec
-        self._layers = list(groups[0].layer_names)
+        if not groups:
+            raise ValueError("the kvcached connector needs a model with a KV cache (this one has no KV cache groups)")
+        specs = [g.kv_cache_spec for g in groups]
+        kinds = group_kinds(specs)
+        self._groups = [list(g.layer_names) for g in groups]
+        self._page_bytes = [spec.page_size_bytes for spec in specs]
         self._num_pages = kv_cache_config.num_blocks
-        self._page_bytes = spec.page_size_bytes
-        page_tokens = spec.block_size
+        page_tokens = specs[0].block_size
+        if any(spec.block_size != page_tokens for spec in specs):
+            raise ValueError(f"the KV cache groups of this model have different block sizes "
+                             f"({sorted({spec.block_size for spec in specs})}); kvcached needs one")
         block_tokens = settings.block_tokens or page_tokens
         per_block = block_tokens // page_tokens if block_tokens % page_tokens == 0 else 0
         if not per_block:
             raise ValueError(f"kv_connector_extra_config: block_tokens ({block_tokens}) must be a multiple of "
                              f"vLLM's block size ({page_tokens})")
-        model = _model_name(vllm_config, spec)
-        dtype = str(spec.dtype).removeprefix("torch.")
+        if len(kinds) > 1 and per_block != 1:
+            raise ValueError(f"kv_connector_extra_config: block_tokens ({block_tokens}) must be vLLM's block size "
+                             f"({page_tokens}) for a hybrid model (its hits end on vLLM's blocks)")
+        model = _model_name(vllm_config, specs)
+        # The KV dtype of the first group that has one (a state group has one per state tensor).
+        dtype = str(next((s.dtype for s in specs if hasattr(s, "dtype")), vllm_config.model_config.dtype))
+        dtype = dtype.removeprefix("torch.")
         parallel = vllm_config.parallel_config
         rank, pp_rank = _ranks(role == KVConnectorRole.WORKER)
         namespace = rank_namespace(settings.namespace, rank, parallel.tensor_parallel_size, pp_rank,
                                    parallel.pipeline_parallel_size)
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else f"rank{rank}"
         agent = open_agent(settings, agent_id=f"vllm-{self._kv_transfer_config.engine_id}-{who}", model=model,
-                           dtype=dtype, block_tokens=block_tokens, num_layers=len(self._layers),
-                           layer_block_bytes=self._page_bytes * per_block, namespace=namespace)
+                           dtype=dtype, block_tokens=block_tokens, num_layers=sum(map(len, self._groups)),
+                           layer_block_bytes=max(self._page_bytes) * per_block, namespace=namespace)
         root = agent.root                 # the chain root of this rank's addresses (model, dtype, size, namespace)
+        roots = [kind_root(model, dtype, block_tokens, namespace, kind) for kind in kinds]
+        self.kinds = kinds
         self.agent = agent
         self.model_name = model           # what the daemon knows this model as (Admin Evict, chain_digests)
         self.scheduler_side: SchedulerSide | None = None
@@ -111,10 +163,11 @@ class KvcachedConnector(KVConnectorBase_V1):
                 log.warning("kvcached sets kv_load_failure_policy to 'recompute': a block that cannot be "
                             "loaded is computed again, never an error for the request")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.scheduler_side = SchedulerSide(agent, root, block_tokens=block_tokens, page_tokens=page_tokens)
+            self.scheduler_side = SchedulerSide(agent, root, block_tokens=block_tokens, page_tokens=page_tokens,
+                                                kinds=kinds, roots=roots)
         else:
             self.worker_side = WorkerSide(agent, root, block_tokens=block_tokens, pages_per_block=per_block,
-                                          reports_gpu=rank == 0 and pp_rank == 0)
+                                          reports_gpu=rank == 0 and pp_rank == 0, kinds=kinds, roots=roots)
 
     # -- worker role ---------------------------------------------------------------------------
 
@@ -128,7 +181,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         return meta
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register(page_views(kv_caches, self._layers, self._num_pages, self._page_bytes))
+        self._worker().register({g: page_views(kv_caches, layers, self._num_pages, self._page_bytes[g])
+                                 for g, layers in enumerate(self._groups)})
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._metadata()
@@ -149,6 +203,12 @@ class KvcachedConnector(KVConnectorBase_V1):
         done = self._worker().finished(finished_req_ids)
         return None, done or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads done, and (a hybrid model's) loads that failed: vLLM takes block-level errors
+        from a model with one KV cache group only, and recomputes a failed request whole."""
+        done = self._worker().finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=self._worker().failed())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors()
 
@@ -168,7 +228,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         return self._scheduler().matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler().after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler().after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KvcachedConnectorMetadata(*self._scheduler().build(scheduler_output))
@@ -177,6 +237,11 @@ class KvcachedConnector(KVConnectorBase_V1):
         self._scheduler().transfers_done(connector_output.finished_recving)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().finished(request), None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """As request_finished, for every group at once (vLLM's hybrid manager calls this one)."""
         return self._scheduler().finished(request), None
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
