@@ -1,6 +1,7 @@
 """Time to first token of a real vLLM engine with kvcached, against recomputing, in the same run.
 
     .venv-e2e/bin/python bench/bench_e2e.py [--json PATH] [--quick] [--lengths 2048,8192] [--set KEY=VALUE ...]
+        [--no-hybrid | --only-hybrid]
 
 Runs in the end-to-end environment (``make bench`` builds it and runs this there): vLLM's CPU
 build serves a Llama-architecture model built here from a fixed seed (tests/e2e/model.py, 8
@@ -31,6 +32,15 @@ on each side is the median over its engines' pairs. Engine-to-engine spread on t
 calls at under 0.2% of the decode samples), so a single pair of engines cannot tell 0.95x from
 1.0x. Targets: RAM hit <= 0.1x recompute at 2,048 tokens, SSD hit <= 0.25x, decode with the
 connector >= 0.95x without.
+Hybrid models (``--hybrid``, on by default; ``--no-hybrid`` leaves them out): a Gemma 3
+(sliding-window layers, window 512, beside full attention) and a Qwen3-Next (Mamba-style state
+layers beside full attention), 8 layers, 768 wide, built here the same way, vLLM's hybrid KV
+cache manager on. Per kind, a prompt of 2,049 tokens: time to first token of a kvcached RAM hit
+(a new engine) against recomputing and against vLLM's own prefix hit (both in one engine without
+the connector), same run; and the bytes the daemon stores for the prompt, per prompt token,
+against a plain model of the same width (every layer full attention at the model's KV heads and
+head size: what vLLM holds with its hybrid manager off): sliding-window layers must store no more
+than their window, state layers one snapshot.
 --quick: 2,048 tokens only and fewer decode tokens (a smoke test). Progress goes to stderr, the
 table to stdout.
 """
@@ -54,13 +64,17 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from bench_core import progress, start_kvcached  # noqa: E402
 
-from tests.e2e.model import TinyLlama  # noqa: E402
+from kvcached.client import KvCacheClient  # noqa: E402
+from tests.e2e.model import TinyLlama, TinyModel  # noqa: E402
 
 BLOCK = 32
 DECODE_PROMPT = 128
 DECODE_TOKENS = 256
 DECODE_REPEATS = 3          # decode pairs per engine; the median rate is reported
 BENCH_MODEL = TinyLlama(layers=8, hidden=768, seed=0)
+HYBRID_MODELS = {"gemma3": TinyModel("gemma3", layers=8, hidden=768, window=512),
+                 "qwen3next": TinyModel("qwen3next", layers=8, hidden=768)}
+HYBRID_PROMPT = 2049            # a replay boundary of 2,048 tokens: a whole number of blocks of any size vLLM picks
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -69,12 +83,12 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def engine(tmp: Path, model: Path, rounds: list[dict[str, Any]], connector: dict[str, Any] | None,
-           max_model_len: int) -> list[dict[str, Any]]:
+           max_model_len: int, block_size: int | None = BLOCK) -> list[dict[str, Any]]:
     """One engine process through ``rounds``; returns its rounds' results."""
     n = len(list(tmp.glob("plan-*.json")))
     plan, result = tmp / f"plan-{n}.json", tmp / f"result-{n}.json"
     plan.write_text(json.dumps({"model": str(model), "connector": connector, "rounds": rounds,
-                                "max_model_len": max_model_len, "block_size": BLOCK}))
+                                "max_model_len": max_model_len, "block_size": block_size}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "KVCACHED_FINGERPRINT_CACHE": str(tmp / "weights.json")}
     proc = subprocess.run([sys.executable, "-m", "tests.e2e.engine_run", str(plan), str(result)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
@@ -151,6 +165,67 @@ def measure(tmp: Path, lengths: list[int], decode_tokens: int, settings: list[st
     return figures
 
 
+def plain_bytes_per_token(model: Path) -> int:
+    """KV bytes per token of a model of this width with every layer full attention (bfloat16):
+    K and V of every KV head in every layer."""
+    config = json.loads((model / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head * 2
+
+
+def measure_hybrid(tmp: Path) -> dict[str, Any]:
+    """Per hybrid kind: TTFT of recompute, vLLM's own prefix hit and a kvcached RAM hit, and the
+    bytes stored for the prompt against a plain model of the same width."""
+    out: dict[str, Any] = {}
+    prompt = tokens(7, HYBRID_PROMPT)
+    warm = one(tokens(1, 256))
+    max_len = HYBRID_PROMPT + 64
+    for kind, spec in HYBRID_MODELS.items():
+        model = spec.build(tmp / kind)
+        progress(f"{kind}: recompute and vLLM's own prefix hit, no connector")
+        plain = engine(tmp, model, [warm, one(prompt), one(prompt)], None, max_len, None)
+        with contextlib.ExitStack() as stack:
+            state = tmp / f"daemon-{kind}"
+            state.mkdir()
+            start_kvcached(stack, state, 2, ["kv.max_block_mib=64"])
+            connector = {"kind": "kvcached", "socket": str(state / "agent.sock")}
+            progress(f"{kind}: storing, with the connector")
+            engine(tmp, model, [one(prompt)], connector, max_len, None)
+            with KvCacheClient(f"unix:{state}/kvcached.sock") as client:
+                stored = client.stats().tiers[0].bytes
+            progress(f"{kind}: kvcached RAM hit, a new engine")
+            hit = engine(tmp, model, [warm, one(prompt)], connector, max_len, None)
+        out[kind] = {
+            "ttft": {"recompute": plain[1]["seconds"], "vllm_prefix_hit": plain[2]["seconds"],
+                     "kvcached_ram_hit": hit[1]["seconds"]},
+            "cached_tokens": {"vllm_prefix_hit": plain[2]["outputs"][0]["num_cached_tokens"],
+                              "kvcached_ram_hit": hit[1]["outputs"][0]["num_cached_tokens"]},
+            "stored_bytes_per_token": stored / len(prompt),
+            "plain_bytes_per_token": plain_bytes_per_token(model),
+        }
+    return out
+
+
+def report_hybrid(hybrid: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    print(f"\nhybrid models, {HYBRID_PROMPT}-token prompt")
+    print(f"{'model':<10} {'case':<18} {'TTFT':>9} {'cached':>7} {'x recompute':>12}")
+    for kind, f in hybrid.items():
+        t = f["ttft"]
+        for name in ("recompute", "vllm_prefix_hit", "kvcached_ram_hit"):
+            cached = f["cached_tokens"].get(name, 0)
+            print(f"{kind:<10} {name:<18} {t[name] * 1000:>7.0f} ms {cached:>7} {t[name] / t['recompute']:>11.3f}x")
+        stored, plain = f["stored_bytes_per_token"], f["plain_bytes_per_token"]
+        print(f"{kind:<10} kvcached RAM hit / vLLM's own prefix hit: {t['kvcached_ram_hit'] / t['vllm_prefix_hit']:.2f}x;"
+              f" stored {stored:.0f} bytes per prompt token, {stored / plain:.3f}x a plain model of its width "
+              f"({plain} bytes)")
+        rows.append({"model": kind, "ttft": t, "ratio_ram_hit": t["kvcached_ram_hit"] / t["recompute"],
+                     "ratio_vs_vllm_hit": t["kvcached_ram_hit"] / t["vllm_prefix_hit"],
+                     "stored_bytes_per_token": stored, "plain_bytes_per_token": plain,
+                     "stored_ratio": stored / plain, "cached_tokens": f["cached_tokens"]})
+    return rows
+
+
 def report(figures: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     targets = {"kvcached_ram_hit": 0.1, "kvcached_ssd_hit": 0.25}
@@ -181,15 +256,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the hybrid models (sliding window, Mamba-style state)")
+    parser.add_argument("--only-hybrid", action="store_true", help="the hybrid models alone")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a daemon setting on top of the benchmark's (e.g. kv.write_policy=\"write_back\")")
     args = parser.parse_args()
     lengths = [2048] if args.quick else [int(x) for x in args.lengths.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-e2e-") as tmp:
-        figures = measure(Path(tmp), lengths, 32 if args.quick else DECODE_TOKENS, args.set)
-    rows = report(figures)
+        figures = {} if args.only_hybrid else measure(Path(tmp), lengths, 32 if args.quick else DECODE_TOKENS,
+                                                      args.set)
+        hybrid = measure_hybrid(Path(tmp)) if args.hybrid or args.only_hybrid else {}
+    rows = report(figures) if figures else []
+    if hybrid:
+        rows += report_hybrid(hybrid)
     if args.json:
-        args.json.write_text(json.dumps({"figures": rows, "raw": figures}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"figures": rows, "raw": figures, "hybrid": hybrid}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

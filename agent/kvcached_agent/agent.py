@@ -32,7 +32,7 @@ import torch
 
 from kvcached_agent import protocol as p
 from kvcached_agent.address import CROSS_LAYER, BlockAddress, chain_digests, chain_root
-from kvcached_agent.client import AgentClient, AgentError, ConnectionClosed
+from kvcached_agent.client import AgentClient, AgentError, ConnectionClosed, unreachable_reason
 from kvcached_agent.copy import ArenaCopier, PageRows, Piece
 
 __all__ = ["Agent", "Block", "SaveResult", "LoadResult", "Lookup"]
@@ -128,7 +128,9 @@ class Agent:
         except (OSError, ConnectionClosed) as exc:
             if not reconnect:
                 raise
-            log.warning("kvcached daemon not reachable; serving without it until it is", extra={"error": str(exc)})
+            reason = unreachable_reason(path, exc) if isinstance(exc, OSError) else f"{path}: {exc}"
+            log.warning("kvcached daemon not reachable (%s); serving without it until it is", reason,
+                        extra={"socket": path, "error": str(exc)})
             agent = cls(None, hello, **options)  # type: ignore[arg-type]
             agent._retry_at = agent._clock() + retry_s
             return agent

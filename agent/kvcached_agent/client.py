@@ -20,7 +20,7 @@ from typing import Deque
 
 from kvcached_agent import protocol as p
 
-__all__ = ["AgentClient", "AgentError", "ConnectionClosed"]
+__all__ = ["AgentClient", "AgentError", "ConnectionClosed", "unreachable_reason"]
 
 log = logging.getLogger("kvcached_agent")
 
@@ -45,6 +45,32 @@ class ConnectionClosed(AgentError):
 
     def __init__(self, message: str) -> None:
         super().__init__(p.ErrorCode.UNAVAILABLE, message)
+
+
+def unreachable_reason(path: str, exc: BaseException) -> str:
+    """Why the agent socket at ``path`` could not be opened, in words an operator can act on: a
+    typo in the path reads otherwise as a daemon that is down forever."""
+    if isinstance(exc, FileNotFoundError):
+        return (f"no socket at {path}: is the daemon running, and is this the path it listens on "
+                "(agent.socket in its config)?")
+    if isinstance(exc, PermissionError):
+        return (f"permission denied opening {path} (this process runs as uid {os.getuid()}, gid {os.getgid()}): "
+                "the socket's group and mode decide who may connect (agent.group, agent.mode in the daemon's config)")
+    if isinstance(exc, ConnectionRefusedError):
+        return f"nothing accepts connections at {path}: the daemon is down or restarting"
+    if isinstance(exc, NotADirectoryError) or (isinstance(exc, OSError) and exc.errno == 88):   # ENOTSOCK
+        return f"{path} is not a socket"
+    return f"{path}: {exc}"
+
+
+def _what_answered(data: bytes) -> str:
+    """A guess at what answered a Hello, from its first bytes (for the error that says the socket
+    is not an agent socket)."""
+    if data.startswith(b"HTTP/"):
+        return "an HTTP server"
+    if len(data) >= 9 and data[3] == 0x04 and data[5:9] == bytes(4):     # an HTTP/2 SETTINGS frame on stream 0
+        return "an HTTP/2 server, such as the daemon's gRPC socket (grpc.listen)"
+    return f"something else: it answered {data[:16].hex()}"
 
 
 class AgentClient:
@@ -83,6 +109,7 @@ class AgentClient:
 
     def _handshake(self, hello: p.Hello) -> p.Welcome:
         self._sock.sendall(p.encode(hello, 0))
+        first = b""                 # the answer's first bytes: what answered, if not a daemon
         while True:
             data, fds, _, _ = socket.recv_fds(self._sock, _RECV, 1)
             for fd in fds:
@@ -92,8 +119,17 @@ class AgentClient:
                     os.close(fd)
             if not data:
                 raise ConnectionClosed(f"the daemon at {self.path} closed the connection during the handshake")
+            first = first or bytes(data[:16])
             self._decoder.feed(data)
-            frame = self._decoder.next_frame()
+            try:
+                frame = self._decoder.next_frame()
+            except p.ProtocolError as exc:
+                # Version 0 was never spoken; a frame of a later version is a real version mismatch.
+                if exc.code != p.ErrorCode.UNSUPPORTED_VERSION or first[4] == 0:
+                    raise AgentError(p.ErrorCode.HANDSHAKE, f"{self.path} is not a kvcached agent socket (it looks "
+                                     f"like {_what_answered(first)}); the agent socket is agent.socket in the "
+                                     "daemon's config") from exc
+                raise
             if frame is None:
                 continue
             message = p.decode(frame)

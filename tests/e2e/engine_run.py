@@ -10,11 +10,11 @@ of 32; null: vLLM's own choice, as hybrid models need), ``max_model_len``, ``eag
 connector's path is the same), ``connector``: null (no connector), or ``{"kind": "kvcached",
 "socket": ..., "extra": {...}}`` (KvcachedConnector) or ``{"kind": "offloading", "cpu_gib":
 ...}`` (vLLM's own CPU offloading), and ``rounds``: a list of rounds, each ``{"prompts": [[token
-ids]...], "max_tokens": N, "reset_prefix_cache": bool, "wait_for": path, "signal": path}``,
+ids]...], "max_tokens": N, "reset_prefix_cache": bool, "wait_for": path, "signal": path, "signal_after": path}``,
 served one round after the other (each round one ``generate``; ``reset_prefix_cache`` empties
 vLLM's own prefix cache first, as a new engine's is; ``wait_for`` waits until that file exists
-and ``signal`` creates that file as the round starts: how a test does something to the daemon
-at a known point of the engine's work).
+and ``signal`` creates that file as the round starts, ``signal_after`` once it has ended: how a
+test does something to the daemon at a known point of the engine's work).
 
 The result (JSON): ``hybrid_manager`` (whether vLLM kept its hybrid KV cache manager on: it turns
 it off for a connector that does not support it), and per round, its wall time and per prompt the generated ``token_ids``, the
@@ -87,6 +87,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             open(round_["signal"], "w").close()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         took = time.perf_counter() - t
+        if round_.get("signal_after"):
+            open(round_["signal_after"], "w").close()
         result["rounds"].append({"seconds": took, "outputs": [{
             "token_ids": list(o.outputs[0].token_ids),
             "logprobs": [step[tok].logprob for tok, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],

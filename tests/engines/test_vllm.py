@@ -76,6 +76,21 @@ def test_a_prefix_saved_by_one_request_is_matched_and_loaded_bit_exact_by_the_ne
     loads_bit_exact(e, "second", 12)
 
 
+def test_mlas_single_latent_cache_is_saved_and_loaded_bit_exact(daemon: DaemonProcess, model: Path,
+                                                                 make_engine) -> None:
+    """MLA (DeepSeek's attention): one tensor per layer holding one latent vector per token, no
+    separate K and V. Its blocks are stored and loaded as a full-attention group's, bit-exact
+    (the end-to-end test runs a real MLA model where vLLM keeps prefix caching on for it)."""
+    e = make_engine(daemon, model, mla=True)
+    assert [k.kind for k in e.connector.kinds] == ["full"]
+    e.add("first", PROMPT)
+    e.run()
+    assert e.worker.worker_side.saved_blocks == 12
+    assert e.scheduler.reset_prefix_cache()
+    e.add("second", PROMPT + [5, 6, 7])
+    loads_bit_exact(e, "second", 12)
+
+
 def test_a_partly_cached_prompt_matches_only_its_cached_blocks(daemon: DaemonProcess, model: Path, make_engine) -> None:
     e = make_engine(daemon, model)
     e.add("first", PROMPT[:100])

@@ -31,7 +31,13 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -65,9 +71,11 @@ class MiniEngine:
 
     def __init__(self, model_dir: Path, extra_config: dict[str, Any], *, num_pages: int = 256,
                  max_tokens_per_step: int = 2048, engine_id: str = "test", layers: int = LAYERS,
-                 kv_heads: int = KV_HEADS, head_size: int = HEAD_SIZE) -> None:
+                 kv_heads: int = KV_HEADS, head_size: int = HEAD_SIZE, mla: bool = False) -> None:
         """The model at ``model_dir`` must have the given geometry (tiny_llama writes it); the
-        stand-in forward and its checks need the default one."""
+        stand-in forward and its checks need the default one. ``mla``: the KV cache is MLA's, one
+        latent vector per token in one tensor per layer (no separate K and V), as vLLM lays out
+        DeepSeek's."""
         transfer = KVTransferConfig(kv_connector="KvcachedConnector",
                                     kv_connector_module_path="kvcached_agent.engines.vllm_connector",
                                     kv_role="kv_both", engine_id=engine_id, kv_connector_extra_config=extra_config)
@@ -79,16 +87,22 @@ class MiniEngine:
             kv_transfer_config=transfer)
         self.config.cache_config.num_gpu_blocks = num_pages      # what the engine core sets after profiling
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-        spec = FullAttentionSpec(block_size=PAGE_TOKENS, num_kv_heads=kv_heads, head_size=head_size, dtype=DTYPE)
+        self.mla = mla
+        spec: FullAttentionSpec = (
+            MLAAttentionSpec(block_size=PAGE_TOKENS, num_kv_heads=1, head_size=2 * kv_heads * head_size, dtype=DTYPE)
+            if mla else FullAttentionSpec(block_size=PAGE_TOKENS, num_kv_heads=kv_heads, head_size=head_size,
+                                          dtype=DTYPE))
         page = spec.page_size_bytes
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_pages,
             kv_cache_tensors=[KVCacheTensor(size=page * num_pages, layers=[name], layer_stride=0, block_stride=page)
                               for name in self.layers],
             kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)])
-        # vLLM's layout: per layer, pages along dimension 0; a page holds K then V of its tokens.
-        self.caches = {name: torch.zeros((num_pages, 2, PAGE_TOKENS, kv_heads, head_size), dtype=DTYPE)
-                       for name in self.layers}
+        # vLLM's layout: per layer, pages along dimension 0; a page holds K then V of its tokens
+        # (MLA: the latent vector of each token).
+        shape = (num_pages, PAGE_TOKENS, 2 * kv_heads * head_size) if mla else (num_pages, 2, PAGE_TOKENS, kv_heads,
+                                                                                 head_size)
+        self.caches = {name: torch.zeros(shape, dtype=DTYPE) for name in self.layers}
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=PAGE_TOKENS)
         self.connector = self.scheduler.connector
@@ -160,6 +174,10 @@ class MiniEngine:
     def _slot(self, pages: list[int], position: int) -> tuple[int, int]:
         return pages[position // PAGE_TOKENS], position % PAGE_TOKENS
 
+    def _token(self, name: str, page: int, offset: int) -> torch.Tensor:
+        """One token's KV in a layer's cache (a view)."""
+        return self.caches[name][page, offset] if self.mla else self.caches[name][page, :, offset]
+
     def _forward(self, req_id: str, start: int, count: int) -> None:
         request = self.requests[req_id]
         tokens = list(request.all_token_ids)
@@ -167,7 +185,8 @@ class MiniEngine:
         for position in range(start, start + count):
             page, offset = self._slot(pages, position)
             for layer, name in enumerate(self.layers):
-                self.caches[name][page, :, offset] = token_kv(tokens, position, layer)
+                self._token(name, page, offset).copy_(token_kv(tokens, position, layer).reshape(self._token(
+                    name, page, offset).shape))
 
     def _check_loaded(self, req_id: str, computed: int) -> None:
         """Every token before ``computed`` (vLLM's prefix cache or a kvcached load) holds exactly
@@ -181,6 +200,6 @@ class MiniEngine:
         for position in range(checked, computed):
             page, offset = self._slot(pages, position)
             for layer, name in enumerate(self.layers):
-                got = self.caches[name][page, :, offset]
-                want = token_kv(tokens, position, layer)
+                got = self._token(name, page, offset)
+                want = token_kv(tokens, position, layer).reshape(got.shape)
                 assert torch.equal(got, want), f"{req_id}: KV of token {position}, layer {layer} differs"

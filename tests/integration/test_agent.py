@@ -1154,3 +1154,30 @@ def test_a_refused_hello_is_an_error_even_when_reconnecting(daemon) -> None:
     assert not isinstance(refused.value, ConnectionClosed)
     with daemon.client() as c:
         assert c.stats().agents == 0
+
+
+def test_a_wrong_socket_says_which_path_and_why(daemon, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """What a new user meets with a wrong socket: a path with no socket, or one nothing listens
+    on, is named with its reason (an engine serves on, connecting later); the daemon's gRPC
+    socket is refused at once as not an agent socket, never as a protocol version mismatch."""
+    from kvcached_agent.client import unreachable_reason
+
+    def connect(path: Path, **kw: Any) -> Agent:
+        return Agent.connect(str(path), agent_id="engine", model="test/model", dtype="bfloat16", block_tokens=16,
+                             num_layers=1, layer_block_bytes=8 * KIB, timeout=5, **kw)
+
+    typo = tmp_path / "agnet.sock"
+    with caplog.at_level("WARNING", logger="kvcached_agent"), connect(typo, reconnect=True) as agent:
+        assert not agent.connected
+    assert f"no socket at {typo}" in caplog.text and "agent.socket" in caplog.text
+    dead = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(dead))                                   # a socket file nothing listens on
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvcached_agent"), connect(dead, reconnect=True):
+        pass
+    assert f"nothing accepts connections at {dead}" in caplog.text
+    assert "permission denied opening /x" in unreachable_reason("/x", PermissionError(13, "Permission denied"))
+    with pytest.raises(AgentError, match="not a kvcached agent socket") as wrong:
+        connect(daemon.socket, reconnect=True)
+    assert "HTTP/2" in str(wrong.value) and "version" not in str(wrong.value)

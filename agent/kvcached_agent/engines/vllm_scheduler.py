@@ -138,7 +138,14 @@ class SchedulerSide:
         full = first + found.longest if found is not None else usable
         blocks = self._hybrid_hit(digests, first, usable, full) if self.hybrid else full
         if self.hybrid and full > blocks and not state.junction:
-            state.junction = full       # a prefix stored by another prompt ends here: resume there later
+            # A prefix stored by another prompt ends here (the full-attention blocks reach it, the
+            # other kinds cannot resume there yet): keep this request's state there, as vLLM's
+            # prefix cache keeps a shared-prefix junction, so the next prompt sharing it resumes.
+            # vLLM's scheduler ends a prefill chunk at its request's junction (the state exists
+            # only at a chunk's end); the one it found itself, if any, comes first.
+            state.junction = full
+            if getattr(request, "shared_prefix_boundary", None) == 0:
+                request.shared_prefix_boundary = full * self.block_tokens
         external = blocks * self.block_tokens - num_computed
         if blocks <= first or external <= 0:
             return 0, False
