@@ -17,7 +17,8 @@ and ``signal`` creates that file as the round starts, ``signal_after`` once it h
 test does something to the daemon at a known point of the engine's work).
 
 The result (JSON): ``hybrid_manager`` (whether vLLM kept its hybrid KV cache manager on: it turns
-it off for a connector that does not support it), and per round, its wall time and per prompt the generated ``token_ids``, the
+it off for a connector that does not support it), ``prefix_caching`` (whether it kept prefix
+caching on: some platforms turn it off for some models), and per round, its wall time and per prompt the generated ``token_ids``, the
 chosen tokens' ``logprobs`` (exact floats: JSON keeps every bit of a double) and
 ``num_cached_tokens`` (prompt tokens the engine did not compute: its own prefix cache's and
 the connector's). Greedy sampling, EOS ignored, no tokenizer.
@@ -68,8 +69,10 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
               max_model_len=plan.get("max_model_len", 4096), enable_prefix_caching=True, seed=0,
               enforce_eager=bool(plan.get("eager", False)),
               kv_transfer_config=transfer_config(plan.get("connector")))
-    hybrid = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-    result: dict[str, Any] = {"start_s": time.perf_counter() - started, "hybrid_manager": hybrid, "rounds": []}
+    config = llm.llm_engine.vllm_config
+    result: dict[str, Any] = {"start_s": time.perf_counter() - started, "rounds": [],
+                              "hybrid_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+                              "prefix_caching": bool(config.cache_config.enable_prefix_caching)}
     for round_ in plan["rounds"]:
         params = SamplingParams(max_tokens=round_.get("max_tokens", 8), temperature=0.0, logprobs=0,
                                 ignore_eos=True, detokenize=False)

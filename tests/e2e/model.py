@@ -13,7 +13,8 @@ Three kinds: ``llama`` (every layer full attention: one KV cache group in vLLM),
 (sliding-window and full-attention layers alternating: vLLM's hybrid manager keeps two groups,
 the sliding one freeing blocks outside its window) and ``qwen3next`` (gated delta-net linear
 attention, a Mamba-style state, beside full attention every other layer: a state group and an
-attention group).
+attention group), and ``deepseekv2`` (MLA: one latent cache per layer, kv_lora_rank 512 and
+qk_rope_head_dim 64, the head size vLLM's CPU MLA backend takes).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 VOCAB = 4096
 LOGIT_SCALE = 24.0          # output layer x this: the top token's probability is near 1 most of the time
-KINDS = ("llama", "gemma3", "qwen3next")
+KINDS = ("llama", "gemma3", "qwen3next", "deepseekv2")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ class TinyModel:
                                    num_experts_per_tok=2, moe_intermediate_size=self.hidden,
                                    shared_expert_intermediate_size=self.hidden, decoder_sparse_step=1,
                                    full_attention_interval=2, **common)
+        if self.kind == "deepseekv2":
+            from transformers import DeepseekV2Config
+
+            return DeepseekV2Config(num_key_value_heads=heads, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                                    qk_nope_head_dim=64, v_head_dim=64, head_dim=64, n_routed_experts=4,
+                                    n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=self.hidden,
+                                    n_group=1, topk_group=1, first_k_dense_replace=1, **common)
         raise ValueError(f"unknown model kind {self.kind!r} (known: {', '.join(KINDS)})")
 
     def build(self, out: Path) -> Path:

@@ -9,8 +9,9 @@ the same length with the same output, and a prompt that shares only part of a st
 get the length vLLM's own prefix cache gives it (the groups that keep less than every block
 resume only where their blocks or state were kept: kvcached_agent.engines.hybrid).
 
-MLA (DeepSeek's attention) has a test of its own that runs where vLLM keeps prefix caching on
-for MLA; its interface test (tests/engines/test_vllm.py) runs everywhere.
+MLA (DeepSeek's attention: one latent cache per layer) has a test of its own, which skips where
+the platform turns prefix caching off for MLA (vLLM's CPU build has done so on CPUs without AMX);
+its interface test (tests/engines/test_vllm.py) runs everywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.timeout(900)
 # picks the block size of a hybrid model (128 for this Gemma 3, whose sliding window is 128
 # tokens; 256 for this Qwen3-Next, the attention block grown to hold a state page).
 SHAPES = {"gemma3": (1000, 500), "qwen3next": (1025, 600)}
+MLA_PROMPT = 600
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +111,23 @@ def test_a_hybrid_model_resumes_from_kvcached_as_from_vllms_own_prefix_cache(
     assert same_output(hit_partial, junction), (hit_partial, junction)
     with d.client() as client:
         assert client.stats().promotions > 0, "the blocks came from the SSD tier"
+
+
+def test_an_mla_model_resumes_from_kvcached_as_from_vllms_own_prefix_cache(
+        daemon: DaemonProcess, engine: EngineRun, tmp_path: Path) -> None:
+    """DeepSeek V2's MLA (kv_lora_rank 512, qk_rope_head_dim 64): a prompt stored by one engine
+    resumes in a fresh one at vLLM's own hit length, bit-identical."""
+    from tests.e2e.model import TinyModel
+
+    model = TinyModel("deepseekv2", layers=2).build(tmp_path / "deepseek")
+    p = prompt(43, MLA_PROMPT)
+    first = engine(model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2, kvcached(daemon), block_size=None)
+    if not first["prefix_caching"]:
+        pytest.skip("vLLM's platform turned prefix caching off for MLA here (vLLM's CPU build does on CPUs "
+                    "without AMX): there is no prefix-cache hit to resume from or to compare with")
+    own = first["rounds"][1]["outputs"][0]
+    assert own["num_cached_tokens"] > 0
+    hit = engine(model, [{"prompts": [p], "max_tokens": MAX_TOKENS}], kvcached(daemon),
+                 block_size=None)["rounds"][0]["outputs"][0]
+    assert hit["num_cached_tokens"] == own["num_cached_tokens"]
+    assert same_output(hit, own), (hit, own)
