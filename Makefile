@@ -43,10 +43,14 @@ test: setup lint
 	$(ENGINES_PY) -m pytest -q tests/engines
 	$(E2E_PY) -m pytest -q tests/e2e
 
-# The engine plug-ins' tests need vLLM and SGLang: their own environment (about 3.3 GB), built
+# The engine plug-ins' tests need vLLM and SGLang: their own environment (about 8 GB), built
 # once and kept: the engines at the pins of agent/kvcached_agent/engines/versions.py and the small
-# packages their plug-in modules import, all --no-deps (no second torch, no CUDA), then the agent
-# and the daemon (the tests start real daemons).
+# packages their plug-in modules import, all --no-deps (no second torch), then the agent and the
+# daemon (the tests start real daemons). Its torch is 2.14.1 with torchvision 0.29.1 (a CUDA
+# build that runs on the CPU, both on this kind of machine's local disk): SGLang's host pool,
+# which the zero-copy path copies to and from, imports torchvision, and no torchvision matches
+# the CPU build 2.13.0.
+ENGINES_TORCH := torch==2.14.1 torchvision==0.29.1
 ENGINES_VENV  := .venv-engines
 ENGINES_PY    := $(ENGINES_VENV)/bin/python
 ENGINES_STAMP := $(ENGINES_VENV)/.installed
@@ -54,19 +58,20 @@ ENGINE_PINS    = $(shell $(PYTHON) agent/kvcached_agent/engines/versions.py)
 
 engines-venv: $(ENGINES_STAMP) $(PROTO_OUT)
 
-# $(call engine_venv,DIR,PINS,REQUIREMENTS): torch first (the CPU build), then the engine and
-# what it imports --no-deps, then the agent and the daemon; the stamp last.
+# $(call engine_venv,DIR,PINS,REQUIREMENTS,TORCH): torch first (TORCH, the CPU build 2.13.0
+# unless given), then the engine and what it imports --no-deps, then the agent and the daemon;
+# the stamp last.
 define engine_venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet torch==2.13.0
+	$(1)/bin/python -m pip install --quiet $(or $(4),torch==2.13.0)
 	$(1)/bin/python -m pip install --quiet --no-deps $(2) -r $(3)
 	$(1)/bin/python -m pip install --quiet -e ./agent -e '.[dev]'
 	touch $(1)/.installed
 endef
 
-$(ENGINES_STAMP): pyproject.toml agent/pyproject.toml tests/engines/requirements.txt agent/kvcached_agent/engines/versions.py
-	$(call engine_venv,$(ENGINES_VENV),$(ENGINE_PINS),tests/engines/requirements.txt)
+$(ENGINES_STAMP): pyproject.toml agent/pyproject.toml tests/engines/requirements.txt agent/kvcached_agent/engines/versions.py Makefile
+	$(call engine_venv,$(ENGINES_VENV),$(ENGINE_PINS),tests/engines/requirements.txt,$(ENGINES_TORCH))
 
 # The end-to-end tests run a real engine on a real (small, locally built) model: vLLM's CPU
 # build, which runs without a GPU, at the pin of versions.py END_TO_END. It installs the module

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from tests.engines.test_vllm import evict_ram
@@ -134,12 +136,52 @@ def test_a_down_daemon_is_an_empty_cache_and_the_backend_reconnects(make_daemon,
 def test_bad_backend_settings_fail_when_sglang_builds_the_backend(daemon: DaemonProcess) -> None:
     with pytest.raises(ValueError, match="unknown kvcached setting 'sokcet'"):
         backend(daemon, sokcet="/x")
-    with pytest.raises(ValueError, match="interface_v1"):
-        backend(daemon, interface_v1=1)
     with pytest.raises(ValueError, match="a number > 0"):
         backend(daemon, timeout_s=0)
     with pytest.raises(ValueError, match="block_tokens does not apply"):
         backend(daemon, block_tokens=32)
+
+
+def host_pool(layout: str, seed: int = 0) -> MHATokenToKVPoolHost:
+    """SGLang's own host pool (its MHA one, on the CPU) over its own device pool, holding random
+    KV: what a HiCache server hands its storage backend."""
+    device = MHATokenToKVPool(size=256, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
+                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    host = MHATokenToKVPoolHost(info, host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout,
+                                pin_memory=False, device="cpu", device_capacity_tokens=256, start_layer=0,
+                                end_layer=LAYERS)
+    g = torch.Generator().manual_seed(seed)
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=g).to(torch.bfloat16))
+    return host
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_zero_copy_pages_go_straight_between_the_host_pool_and_the_daemon(daemon: DaemonProcess, layout: str) -> None:
+    """interface_v1 (SGLang's zero-copy batch_set_v1/batch_get_v1): pages are copied between the
+    host pool's own memory and the daemon's arena, no flat copy in between, bit-exact in each of
+    the pool's layouts, and a page stored this way is the same bytes as SGLang's flat page (a
+    server on the flat path reads it)."""
+    host = host_pool(layout)
+    b = backend(daemon, interface_v1=1)
+    try:
+        b.register_mem_pool_host(host)
+        k = keys(4, layout)
+        indices = torch.arange(2 * PAGE, 6 * PAGE)                 # pages 2 to 5 of the pool
+        views = b.host_page_views(2 * PAGE)
+        assert views and all(v.untyped_storage().data_ptr() == host.kv_buffer.untyped_storage().data_ptr()
+                             for v in views), "the page is taken as views of the pool's memory"
+        assert b.batch_set_v1(k, indices) == [True] * 4
+        flat = b.batch_get(k, empty_pages(4))
+        assert all(f is not None and torch.equal(f, host.get_data_page(i * PAGE, flat=True))
+                   for f, i in zip(flat, range(2, 6))), "the flat path reads the same bytes"
+        stored = [host.get_data_page(i * PAGE, flat=True).clone() for i in range(2, 6)]
+        host.kv_buffer.zero_()
+        assert b.batch_get_v1(k + keys(1, "missing"), torch.arange(2 * PAGE, 7 * PAGE)) == [True] * 4 + [False]
+        assert all(torch.equal(host.get_data_page(i * PAGE, flat=True), page) for i, page in zip(range(2, 6), stored))
+        assert not host.get_data_page(1 * PAGE).any() and not host.get_data_page(6 * PAGE).any()
+    finally:
+        b.close()
 
 
 def test_mismatched_pages_are_refused_and_nothing_is_stored(daemon: DaemonProcess) -> None:

@@ -62,3 +62,6 @@ def test_each_kind_has_addresses_of_its_own() -> None:
     swa, state = kind_digests(roots["sliding128"], SWA, chain, [1]), kind_digests(roots["state"], MAMBA, chain, [1])
     assert len({chain[1], swa[0], state[0]}) == 3
     assert len(set(roots.values())) == 3
+    # A second full-attention kind (another spec) is not the chain's own: addresses of its own.
+    other = GroupKind("full1", FULL, (2,))
+    assert kind_digests(kind_root("m", "bfloat16", 128, "tp0of1", other), other, chain, [1]) != chain[1:2]

@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 from kvcached_agent.address import chain_root
 from kvcached_agent.engines.common import key_digests
 
-__all__ = ["FULL", "SLIDING", "STATE", "GroupKind", "hit_length", "kind_digests", "kind_root", "resume_points"]
+__all__ = ["FULL", "PRIMARY", "SLIDING", "STATE", "GroupKind", "hit_length", "kind_digests", "kind_root",
+           "resume_points"]
 
 FULL, SLIDING, STATE = "full", "sliding", "state"
 
@@ -57,18 +58,22 @@ class GroupKind:
         return range(end - 1, end) if end > 0 else range(0)
 
 
+PRIMARY = "full"          # the name of the first full-attention kind: its blocks are the token chain's own
+
+
 def kind_root(model: str, dtype: str, block_tokens: int, namespace: str, kind: GroupKind) -> bytes:
-    """The address root of a kind's blocks: the agent's root for full attention (a model with
-    full-attention layers only keeps its addresses), one of its own for the others."""
-    suffix = "" if kind.kind == FULL else f"|{kind.name}"
+    """The address root of a kind's blocks: the agent's root for the first full-attention kind
+    (a model with full-attention layers only keeps its addresses), one of its own for the others."""
+    suffix = "" if kind.name == PRIMARY else f"|{kind.name}"
     return chain_root(model, dtype, block_tokens, namespace + suffix)
 
 
 def kind_digests(root: bytes, kind: GroupKind, chain: Sequence[bytes], positions: Sequence[int]) -> list[bytes]:
-    """The digests of a kind's blocks at ``positions``, from the token chain's digests: a full
-    block is the chain's own; the others are BLAKE3(root, the chain digest there)."""
+    """The digests of a kind's blocks at ``positions``, from the token chain's digests: a block
+    of the first full-attention kind is the chain's own; the others are BLAKE3(root, the chain
+    digest there)."""
     picked = [chain[k] for k in positions]
-    return picked if kind.kind == FULL else key_digests(root, picked)
+    return picked if kind.name == PRIMARY else key_digests(root, picked)
 
 
 def resume_points(num_prompt_tokens: int, block_tokens: int, junction: int = 0) -> list[int]:
@@ -89,7 +94,7 @@ def hit_length(kinds: Sequence[GroupKind], limit: int, full_prefix: int,
     none does), over what is held.
 
     ``limit``: the most blocks a hit may have; ``full_prefix``: how many blocks from the start
-    the full-attention kinds hold (their hit for any candidate is the candidate capped by it);
+    every full-attention kind holds (their hit for any candidate is the candidate capped by it);
     ``held(kind, position)``: whether a block of a sliding or state kind is held (at a
     position, or for a state kind at the end of block ``position``)."""
     candidate = min(limit, full_prefix) if any(k.kind == FULL for k in kinds) else limit

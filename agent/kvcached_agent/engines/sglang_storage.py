@@ -3,7 +3,7 @@
     python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
         '{"backend_name": "kvcached", "module_path": "kvcached_agent.engines.sglang_storage",
-          "class_name": "KvcachedStorage", "socket": "/run/kvcached/agent.sock"}'
+          "class_name": "KvcachedStorage", "socket": "/run/kvcached/agent.sock", "interface_v1": 1}'
 
 SGLang names each page by a key it derives from the page's tokens and every page before it, so a
 key is already a prefix chain; kvcached addresses the page as BLAKE3(root, key), where the root
@@ -13,9 +13,14 @@ The model is named by its fingerprint (kvcached_agent.engines.fingerprint: confi
 weights of ``--model-path``, or the hub id and ``--revision``), never by the served name SGLang
 passes: new weights at an old path are another model, and two servers of one model share blocks
 whatever names they serve it under.
-Pages travel as SGLang hands them over: its flat data pages (``batch_set``/``batch_get``, the path
-a dynamic backend gets by default). A daemon that is down is an empty cache: ``batch_exists``
-finds nothing, gets miss, sets report failure, and SGLang serves on.
+Pages travel two ways, as SGLang asks: its flat data pages (``batch_set``/``batch_get``, the
+path a dynamic backend gets by default: SGLang copies each page out of its host pool first), or
+zero-copy (``batch_set_v1``/``batch_get_v1``, with ``"interface_v1": 1`` in the extra config): the
+agent copies straight between the host pool's memory and the daemon's arena, a page taken as
+views of the pool's buffer in the flat page's byte order, so a block is the same bytes either
+way and engines of both kinds share it. A host pool whose page is not a view of its memory gets
+the flat copy. A daemon that is down is an empty cache: ``batch_exists`` finds nothing, gets
+miss, sets report failure, and SGLang serves on.
 
 Extra-config keys besides SGLang's own are those of
 :class:`~kvcached_agent.engines.common.PluginSettings` (``block_tokens`` excepted: a kvcached
@@ -28,6 +33,7 @@ from kvcached_agent.engines import versions
 
 versions.require("sglang")
 
+import itertools  # noqa: E402
 import logging  # noqa: E402
 import threading  # noqa: E402
 from typing import Any, List, Optional  # noqa: E402
@@ -62,14 +68,23 @@ def served_model(storage_config: HiCacheStorageConfig) -> tuple[str, Optional[st
     return str(args.model_path), getattr(args, "revision", None)
 
 
+def contiguous_runs(view: torch.Tensor) -> list[torch.Tensor]:
+    """``view``'s elements in row-major order as the fewest contiguous 1-D views its strides
+    allow (no copy): the trailing dimensions that are laid out densely form one run each."""
+    inner, dense = view.dim(), 1
+    while inner > 0 and (view.shape[inner - 1] == 1 or view.stride(inner - 1) == dense):
+        dense *= view.shape[inner - 1]
+        inner -= 1
+    if inner == 0:
+        return [view.view(-1)]
+    return [view[index].view(-1) for index in itertools.product(*map(range, view.shape[:inner]))]
+
+
 class KvcachedStorage(HiCacheStorage):
     """HiCacheStorage over the kvcached agent (see the module docstring)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        if extra.get("interface_v1"):
-            raise ValueError("--hicache-storage-backend-extra-config: kvcached takes SGLang's flat data pages; "
-                             "leave interface_v1 unset")
         settings = PluginSettings.from_mapping(extra, "--hicache-storage-backend-extra-config", ignore=_SGLANG_KEYS)
         if settings.block_tokens:
             raise ValueError("--hicache-storage-backend-extra-config: block_tokens does not apply to SGLang "
@@ -172,6 +187,64 @@ class KvcachedStorage(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
+
+    # -- zero-copy pages (interface_v1) ---------------------------------------------------------
+
+    def host_page_views(self, index: int) -> list[torch.Tensor] | None:
+        """The host pool's page at token ``index`` as views of the pool's memory, in the flat
+        page's byte order; None where the pool hands out its page as a copy (not a view)."""
+        pool = self.mem_pool_host
+        view = pool.get_data_page(index, flat=False)
+        buffer = getattr(pool, "kv_buffer", None)
+        if not isinstance(buffer, torch.Tensor) or view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+            return None
+        return contiguous_runs(view)
+
+    def _indices(self, keys: List[str], host_indices: torch.Tensor) -> list[int]:
+        page = self.mem_pool_host.page_size
+        if len(host_indices) < len(keys) * page:
+            raise ValueError(f"{len(keys)} pages need {len(keys) * page} host indices, got {len(host_indices)}")
+        return [int(host_indices[i * page]) for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        """Store each page straight from the host pool's memory (no flat copy), per key whether
+        it is in kvcached now."""
+        if not keys:
+            return []
+        if not self.writer:
+            return [True] * len(keys)            # an MLA page: the writing rank stores the shared copy
+        if self._agent is None:
+            return [False] * len(keys)
+        pages: list[Any] = []
+        for index in self._indices(keys, host_indices):
+            views = self.host_page_views(index)
+            pages.append(views if views is not None else self.mem_pool_host.get_data_page(index, flat=True))
+        skipped = set(self._agent.save(self._addresses(keys), pages).skipped)
+        return [i not in skipped for i in range(len(keys))]
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        """Load each page straight into the host pool's memory (no flat copy), per key whether
+        it was found; SGLang uses the pages up to the first miss."""
+        if not keys:
+            return []
+        if self._agent is None:
+            return [False] * len(keys)
+        pool = self.mem_pool_host
+        targets: list[Any] = []
+        copied: list[tuple[int, int, torch.Tensor]] = []       # pages the pool takes as flat copies
+        for i, index in enumerate(self._indices(keys, host_indices)):
+            views = self.host_page_views(index)
+            if views is None:
+                flat = pool.get_dummy_flat_data_page()
+                copied.append((i, index, flat))
+                targets.append(flat)
+            else:
+                targets.append(views)
+        missing = set(self._agent.load(self._addresses(keys), targets).missing)
+        for i, index, flat in copied:
+            if i not in missing:
+                pool.set_from_flat_data_page(index, flat)
+        return [i not in missing for i in range(len(keys))]
 
     def clear(self) -> None:
         """Nothing: the daemon's cache is shared by every engine of the node; an operator drops

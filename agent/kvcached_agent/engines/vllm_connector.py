@@ -90,13 +90,15 @@ def group_kinds(specs: list[Any]) -> list[GroupKind]:
                 kinds[i] = (known, GroupKind(kind.name, kind.kind, kind.group_ids + (group,), kind.window_blocks))
                 break
         else:
-            kinds.append((spec, _kind_of(spec, group, sum(k.kind == STATE for _, k in kinds))))
+            kinds.append((spec, _kind_of(spec, group, [k.kind for _, k in kinds])))
     return [kind for _, kind in kinds]
 
 
-def _kind_of(spec: Any, group: int, states: int) -> GroupKind:
+def _kind_of(spec: Any, group: int, before: list[str]) -> GroupKind:
+    """The kind of a group whose spec no group before it has (``before``: their kinds)."""
+    states, fulls = before.count(STATE), before.count(FULL)
     if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-        return GroupKind("full", FULL, (group,))
+        return GroupKind(f"full{fulls}" if fulls else "full", FULL, (group,))
     if isinstance(spec, SlidingWindowSpec) and spec.sliding_window > 0:
         need = -(-(spec.sliding_window - 1) // spec.block_size)     # vLLM's blocks for a sliding-window hit
         return GroupKind(f"sliding{spec.sliding_window}", SLIDING, (group,), max(1, need))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from kvcached_agent.engines.common import TokenChain
-from kvcached_agent.engines.hybrid import FULL, STATE, GroupKind, hit_length, kind_digests, resume_points
+from kvcached_agent.engines.hybrid import FULL, PRIMARY, STATE, GroupKind, hit_length, kind_digests, resume_points
 
 __all__ = ["KindPages", "LoadOp", "SaveOp", "SchedulerSide"]
 
@@ -100,11 +100,13 @@ class SchedulerSide:
         self.block_tokens = block_tokens
         self.page_tokens = page_tokens
         self.per_block = block_tokens // page_tokens
-        self.kinds = list(kinds or [GroupKind("full", FULL, (0,))])
+        self.kinds = list(kinds or [GroupKind(PRIMARY, FULL, (0,))])
         self.roots = list(roots or [root] * len(self.kinds))
-        self.hybrid = any(k.kind != FULL for k in self.kinds)
-        fulls = [k for k in self.kinds if k.kind == FULL]
-        self._gpu_group = fulls[0].group_ids[0] if fulls else None   # whose pages the residency events follow
+        # More than one KV cache group: a hit is asked of every kind, and loads are asynchronous
+        # (vLLM takes a failed load of such a model only as the whole request's).
+        self.hybrid = sum(len(k.group_ids) for k in self.kinds) > 1
+        primary = [k for k in self.kinds if k.name == PRIMARY]
+        self._gpu_group = primary[0].group_ids[0] if primary else None   # whose pages the residency events follow
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadOp] = []
         self._page_digest: dict[int, bytes] = {}          # vLLM page -> the block it holds (saved or loaded)
@@ -157,19 +159,26 @@ class SchedulerSide:
         return external, state.hit[1]
 
     def _hybrid_hit(self, chain: list[bytes], first: int, usable: int, full: int) -> int:
-        """The hit every kind can resume from (hybrid.hit_length): one Present for the sliding-
-        window and state blocks at positions [first, full); blocks before ``first`` are vLLM's
-        own hit, which it has every kind of."""
+        """The hit every kind can resume from (hybrid.hit_length): one Present for the blocks of
+        every kind but the first full-attention one (whose chain the Lookup followed) at
+        positions [first, full); blocks before ``first`` are vLLM's own hit, which it has every
+        kind of. Another full-attention kind caps ``full`` at its own prefix."""
         asked: list[tuple[int, int]] = []       # (kind, position) in the order asked
         digests: list[bytes] = []
         for i, kind in enumerate(self.kinds):
-            if kind.kind == FULL:
+            if kind.name == PRIMARY:
                 continue
             positions = range(first, full)
             asked += [(i, k) for k in positions]
             digests += kind_digests(self.roots[i], kind, chain, positions)
         flags = self.agent.present(digests) if digests else b""
         held = {key for key, flag in zip(asked, flags) if flag}
+        for i, kind in enumerate(self.kinds):
+            if kind.kind == FULL and kind.name != PRIMARY:
+                reach = first
+                while reach < full and (i, reach) in held:
+                    reach += 1
+                full = reach
         index = {id(kind): i for i, kind in enumerate(self.kinds)}
         return hit_length(self.kinds, usable, full, lambda kind, k: k < first or (index[id(kind)], k) in held)
 

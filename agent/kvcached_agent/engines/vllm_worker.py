@@ -27,7 +27,7 @@ import torch
 
 from kvcached_agent.copy import PageRows
 from kvcached_agent.engines.common import TokenChain
-from kvcached_agent.engines.hybrid import FULL, GroupKind, kind_digests
+from kvcached_agent.engines.hybrid import FULL, PRIMARY, GroupKind, kind_digests
 from kvcached_agent.engines.vllm_scheduler import KindPages, LoadOp, SaveOp
 
 __all__ = ["WorkerSide", "page_views"]
@@ -76,9 +76,9 @@ class WorkerSide:
         self.root = root
         self.block_tokens = block_tokens
         self.per_block = pages_per_block
-        self.kinds = list(kinds or [GroupKind("full", FULL, (0,))])
+        self.kinds = list(kinds or [GroupKind(PRIMARY, FULL, (0,))])
         self.roots = list(roots or [root] * len(self.kinds))
-        self.hybrid = any(k.kind != FULL for k in self.kinds)
+        self.hybrid = sum(len(k.group_ids) for k in self.kinds) > 1     # more than one KV cache group
         self.views: dict[int, list[torch.Tensor]] = {}         # per vLLM group, its layers' page views
         self._chains: dict[str, TokenChain] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcached-load")
