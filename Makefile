@@ -11,13 +11,17 @@ PROTO_OUT := kvcached/v1/kvcache_pb2.py
 
 install: $(STAMP) $(PROTO_OUT)
 
+# The environments build side by side (make setup), but their editable installs of this tree
+# write its *.egg-info folders: one at a time.
+EDITABLE := flock .editable.lock
+
 # torch first, at the version whose CPU build these machines' pip finds (a plain `pip install
 # torch` from PyPI would take the CUDA build); the agent's range admits it, so nothing more comes.
 $(STAMP): pyproject.toml agent/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ./agent -e '.[dev]'
+	$(EDITABLE) $(PIP) install --quiet -e ./agent -e '.[dev]'
 	touch $@
 
 proto $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
@@ -66,7 +70,7 @@ define engine_venv
 	$(1)/bin/python -m pip install --quiet --upgrade pip
 	$(1)/bin/python -m pip install --quiet $(or $(4),torch==2.13.0)
 	$(1)/bin/python -m pip install --quiet --no-deps $(2) -r $(3)
-	$(1)/bin/python -m pip install --quiet -e ./agent -e '.[dev]'
+	$(EDITABLE) $(1)/bin/python -m pip install --quiet -e ./agent -e '.[dev]'
 	touch $(1)/.installed
 endef
 
