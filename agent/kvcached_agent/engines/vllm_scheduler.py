@@ -107,6 +107,9 @@ class SchedulerSide:
         self.hybrid = sum(len(k.group_ids) for k in self.kinds) > 1
         primary = [k for k in self.kinds if k.name == PRIMARY]
         self._gpu_group = primary[0].group_ids[0] if primary else None   # whose pages the residency events follow
+        # Kinds whose blocks a Lookup of the token chain does not find (all of them for a model
+        # of sliding-window or state layers only): asked with Present.
+        self._present_kinds = any(k.name != PRIMARY for k in self.kinds)
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadOp] = []
         self._page_digest: dict[int, bytes] = {}          # vLLM page -> the block it holds (saved or loaded)
@@ -138,8 +141,8 @@ class SchedulerSide:
         digests = state.chain.upto(request.all_token_ids, usable)
         found = self.agent.lookup(digests[first:]) if self._gpu_group is not None else None
         full = first + found.longest if found is not None else usable
-        blocks = self._hybrid_hit(digests, first, usable, full) if self.hybrid else full
-        if self.hybrid and full > blocks and not state.junction:
+        blocks = self._hybrid_hit(digests, first, usable, full) if self._present_kinds else full
+        if self._present_kinds and full > blocks and not state.junction:
             # A prefix stored by another prompt ends here (the full-attention blocks reach it, the
             # other kinds cannot resume there yet): keep this request's state there, as vLLM's
             # prefix cache keeps a shared-prefix junction, so the next prompt sharing it resumes.
@@ -154,7 +157,7 @@ class SchedulerSide:
         longest = blocks - first
         ram = min(found.ram, longest) if found is not None else 0
         ssd = min(max(found.ssd, ram), longest) - ram if found is not None else 0
-        state.hit = (blocks, self.hybrid or ram < longest)
+        state.hit = (blocks, self._present_kinds or self.hybrid or ram < longest)
         state.hit_tiers = (ram, ssd, longest - ram - ssd)
         return external, state.hit[1]
 

@@ -78,7 +78,12 @@ class WorkerSide:
         self.per_block = pages_per_block
         self.kinds = list(kinds or [GroupKind(PRIMARY, FULL, (0,))])
         self.roots = list(roots or [root] * len(self.kinds))
-        self.hybrid = sum(len(k.group_ids) for k in self.kinds) > 1     # more than one KV cache group
+        # A failed load is the whole request's (vLLM recomputes it) for a model of more than one
+        # KV cache group (vLLM takes no block-level errors from one) and for one whose blocks are
+        # not a chain (sliding window, state: recomputing from the first failed block would lack
+        # the window or state before it).
+        self.hybrid = (sum(len(k.group_ids) for k in self.kinds) > 1
+                       or any(k.name != PRIMARY for k in self.kinds))
         self.views: dict[int, list[torch.Tensor]] = {}         # per vLLM group, its layers' page views
         self._chains: dict[str, TokenChain] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcached-load")
@@ -156,9 +161,9 @@ class WorkerSide:
         if not missing:
             return set()
         pages = [p for copy in op.copies for group in copy.pages for p in group]
-        if self.hybrid or not op.copies:
+        if self.hybrid:
             return set(pages) or {-1}
-        full = [c for c in op.copies if self.kinds[c.kind].kind == FULL][0]
+        full = op.copies[0]
         first_bad = full_at[missing[0]] * self.per_block + (op.skip_pages if full_at[missing[0]] == 0 else 0)
         return set(full.pages[0][first_bad:])
 
