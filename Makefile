@@ -42,7 +42,9 @@ lint: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: setup lint
+# The lint runs beside the engines' environments as they build (it needs only .venv).
+test:
+	$(MAKE) --no-print-directory -j4 lint engines-venv e2e-venv system-deps
 	$(PY) -m pytest -q tests
 	$(ENGINES_PY) -m pytest -q tests/engines
 	$(E2E_PY) -m pytest -q tests/e2e
