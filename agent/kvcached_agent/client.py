@@ -11,6 +11,7 @@ engine stays connected and a stopped one is dropped by the daemon.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import socket
@@ -47,7 +48,7 @@ class ConnectionClosed(AgentError):
         super().__init__(p.ErrorCode.UNAVAILABLE, message)
 
 
-def unreachable_reason(path: str, exc: BaseException) -> str:
+def unreachable_reason(path: str, exc: OSError) -> str:
     """Why the agent socket at ``path`` could not be opened, in words an operator can act on: a
     typo in the path reads otherwise as a daemon that is down forever."""
     if isinstance(exc, FileNotFoundError):
@@ -58,7 +59,7 @@ def unreachable_reason(path: str, exc: BaseException) -> str:
                 "the socket's group and mode decide who may connect (agent.group, agent.mode in the daemon's config)")
     if isinstance(exc, ConnectionRefusedError):
         return f"nothing accepts connections at {path}: the daemon is down or restarting"
-    if isinstance(exc, NotADirectoryError) or (isinstance(exc, OSError) and exc.errno == 88):   # ENOTSOCK
+    if exc.errno == errno.ENOTSOCK:
         return f"{path} is not a socket"
     return f"{path}: {exc}"
 

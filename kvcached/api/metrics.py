@@ -258,7 +258,7 @@ class LoopLagCollector(Collector):
         self.lag = lag
 
     def collect(self) -> Iterator[Metric]:
-        buckets, total = self.lag.cumulative()
+        buckets, total = self.lag.lags.cumulative()
         histogram = HistogramMetricFamily("kvcached_event_loop_lag_seconds", "How late the event loop ran a tick "
                                           f"due every {self.lag.period_s * 1000:g} ms: the longest any request "
                                           "waited behind other work on the loop, at that moment")

@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable
+
+from kvcached.host.histogram import Histogram
 
 __all__ = ["LoopLag", "Stalls", "watch_loop", "LAG_BUCKETS"]
 
@@ -53,8 +54,7 @@ class LoopLag:
         self.period_s = period_s
         self.stall_s = stall_s
         self.report_every_s = report_every_s
-        self.counts = [0] * (len(LAG_BUCKETS) + 1)
-        self.sum = 0.0
+        self.lags = Histogram(LAG_BUCKETS)
         self.max = 0.0               # the longest lag seen
         self.stalls = 0              # ticks late by stall_s or more
         self.due: float | None = None
@@ -75,8 +75,7 @@ class LoopLag:
             return None
         lag = max(0.0, now - self.due)
         self.due = now + self.period_s
-        self.counts[bisect_left(LAG_BUCKETS, lag)] += 1
-        self.sum += lag
+        self.lags.observe(lag)
         if lag > self.max:
             self.max = lag
         if lag < self.stall_s:
@@ -92,17 +91,7 @@ class LoopLag:
 
     @property
     def ticks(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> tuple[list[tuple[str, int]], float]:
-        """(upper bound as Prometheus writes it, ticks at or under it) per bucket, +Inf last;
-        and the sum of the lags."""
-        counts, total = list(self.counts), self.sum
-        out, running = [], 0
-        for bound, n in zip([*map(repr, LAG_BUCKETS), "+Inf"], counts):
-            running += n
-            out.append((bound, running))
-        return out, total
+        return self.lags.total
 
 
 async def watch_loop(lag: LoopLag, clock: Callable[[], float] = time.monotonic) -> None:

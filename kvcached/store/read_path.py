@@ -348,7 +348,9 @@ class ReadPath(Room):
         on_gpu = self.gpu.held(agent, digests) if agent is not None else set()
         gpu = [d in on_gpu for d in digests]
         found = sum(map(any, zip(ram, ssd, peer, gpu)))
-        self.reads.took("ram", outcome(len(keys), found), started)
+        # The slowest source asked, as Lookup labels its reads.
+        self.reads.took("peer" if peers is not None else "ssd" if self.mover is not None else "ram",
+                        outcome(len(keys), found), started)
         return Presence(gpu=gpu, ram=ram, ssd=ssd, peer=peer)
 
     @staticmethod

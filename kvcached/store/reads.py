@@ -14,7 +14,7 @@ Buckets resolve the latency targets: a GPU-view lookup under 30 us, RAM under 20
 5 ms.
 
 Plain classes, no I/O; the store records from the event loop thread only and the metrics
-collector reads from its scrape thread (see LatencyHistogram for why no lock is needed).
+collector reads from its scrape thread (kvcached.host.histogram says why no lock is needed).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from time import perf_counter
 from typing import Iterable
+
+from kvcached.host.histogram import Histogram
 
 __all__ = ["LATENCY_BUCKETS", "OUTCOMES", "TIERS", "LatencyHistogram", "ReadStats", "outcome"]
 
@@ -32,33 +34,14 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0, 2.5)
 
 
-class LatencyHistogram:
-    """Counts of durations per bucket (upper bounds LATENCY_BUCKETS, then +Inf) and their sum.
+class LatencyHistogram(Histogram):
+    """Durations of reads, in seconds (kvcached.host.histogram: no lock per observation, a
+    tenth of an agent's lookup otherwise)."""
 
-    ``observe`` is a bisect and two additions, with no lock: prometheus_client's Histogram
-    takes a lock per observation (bench_metrics.py figure 0: about 1.7 us against 0.3), a tenth of an
-    agent's lookup. Only the event loop thread writes; a scrape copies the counts and may see
-    one observation in the counts but not yet in the sum, which Prometheus tolerates."""
-
-    __slots__ = ("counts", "sum")
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self.sum += seconds
-
-    def cumulative(self) -> tuple[list[tuple[str, int]], float]:
-        """(upper bound as Prometheus writes it, observations at or under it) per bucket, +Inf
-        last; and the sum."""
-        counts, total = list(self.counts), self.sum
-        out, running = [], 0
-        for bound, n in zip([*map(repr, LATENCY_BUCKETS), "+Inf"], counts):
-            running += n
-            out.append((bound, running))
-        return out, total
+        super().__init__(LATENCY_BUCKETS)
 
 
 def outcome(asked: int, found: int) -> str:

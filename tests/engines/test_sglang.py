@@ -171,6 +171,8 @@ def test_zero_copy_pages_go_straight_between_the_host_pool_and_the_daemon(daemon
         views = b.host_page_views(2 * PAGE)
         assert views and all(v.untyped_storage().data_ptr() == host.kv_buffer.untyped_storage().data_ptr()
                              for v in views), "the page is taken as views of the pool's memory"
+        with pytest.raises(ValueError, match="4 pages need 64 host indices, got 63"):
+            b.batch_set_v1(k, indices[:-1])
         assert b.batch_set_v1(k, indices) == [True] * 4
         flat = b.batch_get(k, empty_pages(4))
         assert all(f is not None and torch.equal(f, host.get_data_page(i * PAGE, flat=True))

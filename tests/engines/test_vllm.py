@@ -254,3 +254,42 @@ def test_an_engine_started_before_its_daemon_serves_and_connects_later(make_daem
     e.add("second", PROMPT[:100])
     e.run()
     assert e.worker.worker_side.saved_blocks > 0
+
+
+def test_kinds_of_kv_cache_groups_and_what_is_refused_at_start() -> None:
+    """vLLM's group specs map to kvcached's kinds of block (equal specs one kind, a second
+    full-attention spec a kind of its own); what kvcached cannot store is refused with a reason
+    that names it, before any agent is opened."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from kvcached_agent.engines.vllm_connector import block_geometry
+
+    def full(block: int = 16, heads: int = 2) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=32, dtype=torch.bfloat16)
+
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=40)
+
+    def mamba(mode: str) -> MambaSpec:
+        return MambaSpec(block_size=16, shapes=((3, 64), (2, 32, 32)), dtypes=(torch.bfloat16, torch.float32),
+                         mamba_cache_mode=mode)
+
+    kinds, page, per_block = block_geometry([swa, full(), swa, mamba("align"), full(heads=4)], 0)
+    assert [(k.name, k.kind, k.group_ids, k.window_blocks) for k in kinds] == [
+        ("sliding40", "sliding", (0, 2), 3), ("full", "full", (1,), 0), ("state", "state", (3,), 0),
+        ("full1", "full", (4,), 0)]
+    assert (page, per_block) == (16, 1)
+    assert block_geometry([full()], 32)[1:] == (16, 2)             # a plain model: blocks of two pages
+    with pytest.raises(ValueError, match="cache mode 'none'.*'align'"):
+        block_geometry([full(), mamba("none")], 0)
+    with pytest.raises(ValueError, match="ChunkedLocalAttentionSpec"):
+        block_geometry([ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                                                  attention_chunk_size=64)], 0)
+    with pytest.raises(ValueError, match=r"different block sizes \(\[16, 32\]\)"):
+        block_geometry([full(), full(block=32, heads=4)], 0)
+    with pytest.raises(ValueError, match="must be vLLM's block size .*sliding-window or state"):
+        block_geometry([swa, full()], 32)
+    with pytest.raises(ValueError, match="must be vLLM's block size"):
+        block_geometry([swa], 32)                                  # one group, but no chain of full blocks
+    with pytest.raises(ValueError, match="no KV cache groups"):
+        block_geometry([], 0)

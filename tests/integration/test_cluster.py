@@ -299,6 +299,7 @@ def test_an_agent_load_pulls_blocks_found_through_their_homes(cluster: Cluster) 
     import torch
 
     from kvcached_agent import Agent
+    from kvcached_agent import protocol as p
 
     a, b, c = start_all(cluster, NODES[:3])
     layer_bytes = 32 * KIB
@@ -310,6 +311,9 @@ def test_an_agent_load_pulls_blocks_found_through_their_homes(cluster: Cluster) 
                    for _ in addresses]
         assert not writer.save(addresses, tensors).skipped
     with Agent.connect(str(c.state / "agent.sock"), agent_id="reader", **shape) as reader:   # type: ignore[arg-type]
+        # Present (each block on its own) asks the homes as Lookup does: every block held at a peer.
+        wait_for(lambda: reader.present([x.digest for x in addresses]) == bytes([p.HELD_PEER]) * len(addresses),
+                 timeout=10, text="the agent's Present finds a's blocks (c asked their homes)")
         wait_for(lambda: reader.lookup([x.digest for x in addresses]).peer == len(addresses), timeout=10,
                  text="the agent's Lookup counts a's blocks (c asked their homes)")
         out = [torch.zeros_like(t) for t in tensors]

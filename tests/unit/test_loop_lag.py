@@ -22,8 +22,8 @@ def test_each_tick_records_how_late_it_ran_and_the_next_is_due_a_period_after() 
     lag.woke(100.018 + 0.040)                    # 40 ms late
     assert lag.ticks == 3
     assert lag.max == pytest.approx(0.040)
-    assert lag.sum == pytest.approx(0.043)
-    buckets, total = lag.cumulative()
+    assert lag.lags.sum == pytest.approx(0.043)
+    buckets, total = lag.lags.cumulative()
     assert total == pytest.approx(0.043)
     by_bound = dict(buckets)
     assert by_bound["0.001"] == 1 and by_bound["0.002"] == 1 and by_bound["0.005"] == 2
@@ -35,7 +35,7 @@ def test_a_clock_that_ran_early_counts_as_no_lag_and_a_first_wake_without_start_
     lag = LoopLag(period_s=0.01)
     assert lag.woke(5.0) is None and lag.ticks == 0 and lag.due == pytest.approx(5.01)
     lag.woke(5.0)                                # woke before it was due
-    assert lag.ticks == 1 and lag.max == 0.0 and lag.sum == 0.0
+    assert lag.ticks == 1 and lag.max == 0.0 and lag.lags.sum == 0.0
 
 
 def test_stalls_are_counted_each_and_reported_at_most_once_per_interval_with_the_longest() -> None:

@@ -38,7 +38,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace  # noqa: E402
 from kvcached_agent.engines.fingerprint import name_model  # noqa: E402
-from kvcached_agent.engines.hybrid import FULL, SLIDING, STATE, GroupKind, kind_root  # noqa: E402
+from kvcached_agent.engines.hybrid import FULL, PRIMARY, SLIDING, STATE, GroupKind, kind_root  # noqa: E402
 from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp, SchedulerSide  # noqa: E402
 from kvcached_agent.engines.vllm_worker import WorkerSide, page_views  # noqa: E402
 
@@ -98,7 +98,7 @@ def _kind_of(spec: Any, group: int, before: list[str]) -> GroupKind:
     """The kind of a group whose spec no group before it has (``before``: their kinds)."""
     states, fulls = before.count(STATE), before.count(FULL)
     if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-        return GroupKind(f"full{fulls}" if fulls else "full", FULL, (group,))
+        return GroupKind(f"full{fulls}" if fulls else PRIMARY, FULL, (group,))
     if isinstance(spec, SlidingWindowSpec) and spec.sliding_window > 0:
         need = -(-(spec.sliding_window - 1) // spec.block_size)     # vLLM's blocks for a sliding-window hit
         return GroupKind(f"sliding{spec.sliding_window}", SLIDING, (group,), max(1, need))
@@ -112,6 +112,28 @@ def _kind_of(spec: Any, group: int, before: list[str]) -> GroupKind:
                      "supported: full attention, MLA, sliding window and Mamba-style state layers")
 
 
+def block_geometry(specs: list[Any], block_tokens: int) -> tuple[list[GroupKind], int, int]:
+    """The kinds of block of a model with these KV cache group specs, vLLM's block size (a page,
+    in tokens) and the pages in one kvcached block (``block_tokens`` of the plug-in settings, 0:
+    one page). ValueError, saying why, for what kvcached cannot store."""
+    if not specs:
+        raise ValueError("the kvcached connector needs a model with a KV cache (this one has no KV cache groups)")
+    kinds = group_kinds(specs)
+    page_tokens = specs[0].block_size
+    if any(spec.block_size != page_tokens for spec in specs):
+        raise ValueError(f"the KV cache groups of this model have different block sizes "
+                         f"({sorted({spec.block_size for spec in specs})}); kvcached needs one")
+    block_tokens = block_tokens or page_tokens
+    if block_tokens % page_tokens:
+        raise ValueError(f"kv_connector_extra_config: block_tokens ({block_tokens}) must be a multiple of "
+                         f"vLLM's block size ({page_tokens})")
+    if block_tokens != page_tokens and (len(specs) > 1 or kinds[0].name != PRIMARY):
+        raise ValueError(f"kv_connector_extra_config: block_tokens ({block_tokens}) must be vLLM's block size "
+                         f"({page_tokens}) for a model with sliding-window or state layers (its hits end on "
+                         "vLLM's blocks)")
+    return kinds, page_tokens, block_tokens // page_tokens
+
+
 class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector interface over the kvcached agent (see the module docstring)."""
 
@@ -120,25 +142,12 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         settings = PluginSettings.from_mapping(self._kv_transfer_config.kv_connector_extra_config,
                                                "kv_connector_extra_config")
         groups = kv_cache_config.kv_cache_groups
-        if not groups:
-            raise ValueError("the kvcached connector needs a model with a KV cache (this one has no KV cache groups)")
         specs = [g.kv_cache_spec for g in groups]
-        kinds = group_kinds(specs)
+        kinds, page_tokens, per_block = block_geometry(specs, settings.block_tokens)
+        block_tokens = page_tokens * per_block
         self._groups = [list(g.layer_names) for g in groups]
         self._page_bytes = [spec.page_size_bytes for spec in specs]
         self._num_pages = kv_cache_config.num_blocks
-        page_tokens = specs[0].block_size
-        if any(spec.block_size != page_tokens for spec in specs):
-            raise ValueError(f"the KV cache groups of this model have different block sizes "
-                             f"({sorted({spec.block_size for spec in specs})}); kvcached needs one")
-        block_tokens = settings.block_tokens or page_tokens
-        per_block = block_tokens // page_tokens if block_tokens % page_tokens == 0 else 0
-        if not per_block:
-            raise ValueError(f"kv_connector_extra_config: block_tokens ({block_tokens}) must be a multiple of "
-                             f"vLLM's block size ({page_tokens})")
-        if len(kinds) > 1 and per_block != 1:
-            raise ValueError(f"kv_connector_extra_config: block_tokens ({block_tokens}) must be vLLM's block size "
-                             f"({page_tokens}) for a hybrid model (its hits end on vLLM's blocks)")
         model = _model_name(vllm_config, specs)
         # The KV dtype of the first group that has one (a state group has one per state tensor).
         dtype = str(next((s.dtype for s in specs if hasattr(s, "dtype")), vllm_config.model_config.dtype))
@@ -200,10 +209,6 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             self._worker().save(self._metadata().saves)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = self._worker().finished(finished_req_ids)
-        return None, done or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Loads done, and (a hybrid model's) loads that failed: vLLM takes block-level errors
