@@ -108,6 +108,8 @@ class Agent:
         self.client: AgentClient | None = None
         self.session = 0
         self.reconnects = 0
+        #: The daemon publishes KV events and wants the engine's keys of saved blocks (save's ``routes``).
+        self.wants_routes = False
         if client is not None:
             self._attach(client)
 
@@ -152,6 +154,13 @@ class Agent:
         self.copier = ArenaCopier(self._map, size, use_cuda=self._use_cuda)
         self.client = client
         self.session = client.welcome.session
+        try:
+            features = client.call(p.Features())
+            self.wants_routes = isinstance(features, p.FeatureSet) and bool(features.flags & p.FeatureSet.ROUTE_KEYS)
+        except AgentError as exc:
+            if exc.code != p.ErrorCode.UNKNOWN_TYPE:      # a daemon older than Features asks for nothing
+                raise
+            self.wants_routes = False
 
     def _detach(self) -> None:
         client, self.client = self.client, None
@@ -263,7 +272,8 @@ class Agent:
             out += answer.held
         return out
 
-    def save(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], *, confirm: bool = True) -> SaveResult:
+    def save(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], *, confirm: bool = True,
+             routes: Sequence[bytes | None] | None = None) -> SaveResult:
         """Store each tensor's bytes (or a list of tensors' bytes, in order) as the block at the
         same position. Blocks the daemon has already are not copied again. Returns what was
         stored; blocks it could not take now (busy, no room, the daemon away) are listed in
@@ -275,9 +285,14 @@ class Agent:
         could not keep in the end is then not reported here (the daemon counts it); ``stored``
         counts the commits sent. For a cache in an engine's step, where a block not kept is
         merely computed again later. The daemon's limit of 64 waiting requests per agent still
-        applies: past it the next call waits, which is the back-pressure a writer needs."""
+        applies: past it the next call waits, which is the back-pressure a writer needs.
+
+        ``routes``: per block, the engine's keys of it (kvcached_agent.route.encode_routes; None
+        where none), sent only while :attr:`wants_routes` (the daemon's KV events carry them)."""
         if len(addresses) != len(tensors):
             raise ValueError(f"{len(addresses)} addresses but {len(tensors)} tensors")
+        if routes is not None and len(routes) != len(addresses):
+            raise ValueError(f"{len(addresses)} addresses but {len(routes)} route keys")
         result = SaveResult()
         done = 0
 
@@ -285,12 +300,37 @@ class Agent:
             nonlocal done
             for start in range(0, len(addresses), p.MAX_BATCH):
                 end = start + p.MAX_BATCH
+                if routes is not None and self.wants_routes:
+                    self._send_routes(addresses[start:end], routes[start:end])
                 self._save_batch(addresses[start:end], tensors[start:end], start, result, confirm)
                 done = min(end, len(addresses))
             return True
         if not self._guarded(work, False):
             result.skipped = sorted(set(result.skipped) | set(range(done, len(addresses))))
         return result
+
+    def send_routes(self, addresses: Sequence[BlockAddress], routes: Sequence[bytes | None]) -> None:
+        """Tell the daemon the engine's keys of blocks about to be saved, perhaps by another agent
+        (the vLLM connector's scheduler names the blocks its workers save). Only while
+        :attr:`wants_routes`; nothing while the daemon is away."""
+        if not self.wants_routes:
+            return
+        self._guarded(lambda: self._send_routes(addresses, routes), None)
+
+    def _send_routes(self, addresses: Sequence[BlockAddress], routes: Sequence[bytes | None]) -> None:
+        assert self.client is not None
+        frame: list[tuple[bytes, int, bytes]] = []
+        size = 4
+        for a, blob in zip(addresses, routes):
+            if not blob:
+                continue
+            if size + 40 + len(blob) > p.MAX_BODY:          # one frame's body at most
+                self.client.send(p.Route(frame))
+                frame, size = [], 4
+            frame.append((a.digest, a.layer, blob))
+            size += 40 + len(blob)
+        if frame:
+            self.client.send(p.Route(frame))
 
     def _save_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], base: int,
                     result: SaveResult, confirm: bool = True) -> None:

@@ -23,101 +23,54 @@ handles only.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
-from enum import IntEnum
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Protocol, Sequence, Union
 
-from kvcached_agent.framing import HEADER, BodyReader, Frame, Limits, ProtocolError, count_field, header_problem, text_field
+from kvcached_agent.codes import (
+    _U16,
+    _U32,
+    DIGEST,
+    LIMITS,
+    MAX_BATCH,
+    MAX_BODY,
+    MAX_TEXT,
+    VERSION,
+    ErrorCode,
+    Status,
+    _batch,
+    _digests_body,
+    _entries,
+    _read_digests,
+    _read_entries,
+    _text,
+)
+from kvcached_agent.framing import HEADER, BodyReader, Frame, ProtocolError, header_problem
 from kvcached_agent.framing import frame as frame_bytes
+from kvcached_agent.replies import (
+    HELD_GPU,
+    HELD_PEER,
+    HELD_RAM,
+    HELD_SSD,
+    AgentPrefix,
+    Committed,
+    Error,
+    FeatureSet,
+    Loaded,
+    LookupResult,
+    OverlapResult,
+    PresentResult,
+    Released,
+    Slots,
+    Welcome,
+)
 
 __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "ErrorCode", "Status", "ProtocolError", "Frame",
     "FrameDecoder", "encode", "decode", "Message",
     "Hello", "Allocate", "Commit", "Lookup", "Present", "Load", "Release", "Overlap", "Pinned", "Evicted",
-    "Heartbeat", "Welcome", "Slots", "Committed", "LookupResult", "PresentResult", "Loaded", "Released",
+    "Heartbeat", "Route", "Features", "FeatureSet", "Welcome", "Slots", "Committed", "LookupResult", "PresentResult", "Loaded", "Released",
     "OverlapResult", "AgentPrefix", "Error", "HELD_GPU", "HELD_RAM", "HELD_SSD", "HELD_PEER",
 ]
-
-VERSION = 1
-MAX_BODY = 8 << 20          # bytes after the header
-MAX_BATCH = 65536           # entries in one request or reply
-MAX_TEXT = 1024             # bytes of one text field (UTF-8)
-
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-DIGEST = 32
-
-
-class ErrorCode(IntEnum):
-    """Why a request (or the whole connection) failed; carried by :class:`Error`."""
-
-    MALFORMED = 1            # the body does not parse (counts, lengths, text)
-    UNSUPPORTED_VERSION = 2  # header version or Hello version this side does not speak
-    UNKNOWN_TYPE = 3         # a message type this side does not know
-    TOO_LARGE = 4            # body over MAX_BODY, batch over MAX_BATCH, text over MAX_TEXT
-    HANDSHAKE = 5            # a request before Hello, or a second Hello
-    INVALID_ARGUMENT = 6
-    RESOURCE_EXHAUSTED = 7
-    UNAVAILABLE = 8
-    NOT_FOUND = 9
-    FAILED_PRECONDITION = 10
-    DATA_LOSS = 11
-    INTERNAL = 12
-
-
-class Status(IntEnum):
-    """Outcome of one entry of a batch (Slots, Committed, Loaded)."""
-
-    OK = 0
-    PRESENT = 1         # Allocate: the daemon has this block already; nothing to copy
-    BUSY = 2            # Allocate: another writer is writing it right now
-    FULL = 3            # no room: every block that could make room is in use
-    MISS = 4            # Load: no tier of this daemon holds it
-    INVALID = 5         # the entry itself is wrong (size outside the limits, ...)
-    FAILED = 6          # Commit under write_through: it could not be made durable; not kept
-    UNKNOWN_HANDLE = 7  # Commit/Release: not a handle of this connection (or used up)
-    DECLINED = 8        # Allocate: the admission policy does not store this block yet (nothing to copy);
-                        # Commit under write_through: the SSD write budget refused it (not kept)
-
-
-LIMITS = Limits(VERSION, MAX_BODY, MAX_BATCH, MAX_TEXT, ErrorCode)
-
-
-# -- body helpers ----------------------------------------------------------------------------
-
-def _text(value: str | bytes, name: str) -> bytes:
-    return text_field(value, name, LIMITS)
-
-
-def _batch(n: int, what: str) -> bytes:
-    return count_field(n, what, LIMITS)
-
-
-def _digests_body(digests: Sequence[bytes], what: str) -> bytes:
-    for d in digests:
-        if len(d) != DIGEST:
-            raise ValueError(f"{what}: a digest is {len(d)} bytes, not {DIGEST}")
-    return _batch(len(digests), what) + b"".join(digests)
-
-
-def _read_digests(r: BodyReader) -> list[bytes]:
-    n = r.count(DIGEST)
-    body, pos = r.body, r.pos
-    r.pos = end = pos + n * DIGEST
-    return [body[i:i + DIGEST] for i in range(pos, end, DIGEST)]
-
-
-def _entries(fmt: struct.Struct, rows: Sequence[tuple[int | bytes, ...]], what: str) -> bytes:
-    return _batch(len(rows), what) + b"".join(fmt.pack(*row) for row in rows)
-
-
-def _read_entries(r: BodyReader, fmt: struct.Struct) -> list[tuple[int | bytes, ...]]:
-    n = r.count(fmt.size)
-    out = list(fmt.iter_unpack(r.body[r.pos:r.pos + n * fmt.size])) if n else []
-    r.pos += n * fmt.size
-    return out
-
 
 # -- requests (agent -> daemon) --------------------------------------------------------------
 
@@ -294,191 +247,56 @@ class Heartbeat:
         return cls()
 
 
-# -- replies (daemon -> agent) ---------------------------------------------------------------
-
 @dataclass(frozen=True, slots=True)
-class Welcome:
-    """Answer to Hello; the frame carries the arena's file descriptor (SCM_RIGHTS)."""
+class Route:
+    """Event (no reply): the engine's keys of blocks about to be saved (kvcached_agent.route), as
+    (digest, layer, encoded route keys); sent before their Allocate, only to a daemon whose
+    FeatureSet asks for them."""
 
-    TYPE: ClassVar[int] = 0x81
-    session: int
-    arena_bytes: int
-    max_block_bytes: int
-    heartbeat_ms: int
-    daemon_version: str
-    version: int = VERSION
-    FIXED: ClassVar[struct.Struct] = struct.Struct("<HQQQI")
+    TYPE: ClassVar[int] = 0x13
+    entries: Sequence[tuple[bytes, int, bytes]]
+    _HEAD: ClassVar[struct.Struct] = struct.Struct("<32sII")
 
     def encode_body(self) -> bytes:
-        return (self.FIXED.pack(self.version, self.session, self.arena_bytes, self.max_block_bytes, self.heartbeat_ms)
-                + _text(self.daemon_version, "daemon_version"))
+        parts = [_batch(len(self.entries), "Route")]
+        for digest, layer, blob in self.entries:
+            if len(digest) != DIGEST:
+                raise ValueError(f"Route: a digest is {len(digest)} bytes, not {DIGEST}")
+            parts.append(self._HEAD.pack(digest, layer, len(blob)))
+            parts.append(blob)
+        return b"".join(parts)
 
     @classmethod
-    def decode_body(cls, r: BodyReader) -> "Welcome":
-        version, session, arena, max_block, heartbeat = r.unpack(cls.FIXED)
-        return cls(session, arena, max_block, heartbeat, r.text("daemon_version"), version)
-
-
-@dataclass(frozen=True, slots=True)
-class Slots:
-    """Answer to Allocate, entry by entry: (status, handle, arena offset); handle and offset
-    are 0 unless the status is OK."""
-
-    TYPE: ClassVar[int] = 0x82
-    entries: Sequence[tuple[int, int, int]]
-    _ENTRY: ClassVar[struct.Struct] = struct.Struct("<BQQ")
-
-    def encode_body(self) -> bytes:
-        return _entries(self._ENTRY, self.entries, "Slots")
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "Slots":
-        return cls(_read_entries(r, cls._ENTRY))  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True, slots=True)
-class Committed:
-    """Answer to Commit: one status per handle."""
-
-    TYPE: ClassVar[int] = 0x83
-    statuses: Sequence[int]
-
-    def encode_body(self) -> bytes:
-        return _batch(len(self.statuses), "Committed") + bytes(self.statuses)
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "Committed":
-        n = r.count(1)
-        out = list(r.take(n))
-        return cls(out)
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """Answer to Lookup: blocks from the start held per tier, and ``longest`` where each block
-    is in some tier (this agent's GPU included)."""
-
-    TYPE: ClassVar[int] = 0x84
-    longest: int
-    gpu: int
-    ram: int
-    ssd: int
-    peer: int
-    FIXED: ClassVar[struct.Struct] = struct.Struct("<5I")
-
-    def encode_body(self) -> bytes:
-        return self.FIXED.pack(self.longest, self.gpu, self.ram, self.ssd, self.peer)
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "LookupResult":
-        return cls(*r.unpack(cls.FIXED))
-
-
-# PresentResult's flags: where a block is held (several may be set).
-HELD_GPU, HELD_RAM, HELD_SSD, HELD_PEER = 1, 2, 4, 8
-
-
-@dataclass(frozen=True, slots=True)
-class PresentResult:
-    """Answer to Present: per digest, in order, the HELD_* flags of the tiers holding it (0:
-    nowhere). HELD_GPU is the asking agent's own GPU."""
-
-    TYPE: ClassVar[int] = 0x88
-    held: bytes
-
-    def encode_body(self) -> bytes:
-        return _batch(len(self.held), "PresentResult") + bytes(self.held)
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "PresentResult":
-        n = r.count(1)
-        return cls(bytes(r.take(n)))
-
-
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    """Answer to Load, entry by entry: (status, handle, arena offset, length)."""
-
-    TYPE: ClassVar[int] = 0x85
-    entries: Sequence[tuple[int, int, int, int]]
-    _ENTRY: ClassVar[struct.Struct] = struct.Struct("<BQQI")
-
-    def encode_body(self) -> bytes:
-        return _entries(self._ENTRY, self.entries, "Loaded")
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "Loaded":
-        return cls(_read_entries(r, cls._ENTRY))  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True, slots=True)
-class Released:
-    """Answer to Release: how many handles were released, how many were not this connection's."""
-
-    TYPE: ClassVar[int] = 0x86
-    released: int
-    unknown: int
-    FIXED: ClassVar[struct.Struct] = struct.Struct("<II")
-
-    def encode_body(self) -> bytes:
-        return self.FIXED.pack(self.released, self.unknown)
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "Released":
-        return cls(*r.unpack(cls.FIXED))
-
-
-@dataclass(frozen=True, slots=True)
-class AgentPrefix:
-    session: int
-    pid: int
-    prefix: int
-    agent_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class OverlapResult:
-    """Answer to Overlap: every connected agent with the prefix it holds, longest first."""
-
-    TYPE: ClassVar[int] = 0x87
-    agents: Sequence[AgentPrefix] = field(default_factory=list)
-    _ENTRY: ClassVar[struct.Struct] = struct.Struct("<QII")
-
-    def encode_body(self) -> bytes:
-        return _batch(len(self.agents), "OverlapResult") + b"".join(
-            self._ENTRY.pack(a.session, a.pid, a.prefix) + _text(a.agent_id, "agent_id") for a in self.agents)
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "OverlapResult":
+    def decode_body(cls, r: BodyReader) -> "Route":
         n = r.u32()
-        if n > MAX_BATCH:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"OverlapResult: {n} entries, over the limit of {MAX_BATCH}")
-        out = []
+        if n > MAX_BATCH or n * cls._HEAD.size > len(r.body) - r.pos:
+            raise ProtocolError(ErrorCode.TOO_LARGE if n > MAX_BATCH else ErrorCode.MALFORMED,
+                                f"Route: {n} entries do not fit its {len(r.body)} bytes or the limit of {MAX_BATCH}")
+        entries = []
         for _ in range(n):
-            session, pid, prefix = r.unpack(cls._ENTRY)
-            out.append(AgentPrefix(session, pid, prefix, r.text("agent_id")))
-        return cls(out)
+            digest, layer, size = r.unpack(cls._HEAD)
+            entries.append((digest, layer, r.take(size)))
+        return cls(entries)
 
 
 @dataclass(frozen=True, slots=True)
-class Error:
-    """A request (or the connection) failed; the request id says which request."""
+class Features:
+    """What the daemon wants of this agent beyond the base protocol (answered by FeatureSet; a
+    daemon older than this request answers UNKNOWN_TYPE, which means none)."""
 
-    TYPE: ClassVar[int] = 0xFF
-    code: int
-    message: str
+    TYPE: ClassVar[int] = 0x0A
 
     def encode_body(self) -> bytes:
-        raw = self.message.encode("utf-8")[:MAX_TEXT].decode("utf-8", "ignore")   # long messages are cut, not refused
-        return _U16.pack(self.code) + _text(raw, "message")
+        return b""
 
     @classmethod
-    def decode_body(cls, r: BodyReader) -> "Error":
-        return cls(r.u16(), r.text("message"))
+    def decode_body(cls, r: BodyReader) -> "Features":
+        return cls()
 
 
-Message = Union[Hello, Allocate, Commit, Lookup, Present, Load, Release, Overlap, Pinned, Evicted, Heartbeat,
-                Welcome, Slots, Committed, LookupResult, PresentResult, Loaded, Released, OverlapResult, Error]
+Message = Union[Hello, Allocate, Commit, Lookup, Present, Load, Release, Overlap, Pinned, Evicted, Heartbeat, Route, Features,
+                FeatureSet, Welcome, Slots, Committed, LookupResult, PresentResult, Loaded, Released, OverlapResult, Error]
+
 
 class _Decodable(Protocol):
     """A message class as the decoder sees it: its type byte and how its body is read."""
@@ -490,9 +308,9 @@ class _Decodable(Protocol):
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
-    Hello, Allocate, Commit, Lookup, Present, Load, Release, Overlap, Pinned, Evicted, Heartbeat,
-    Welcome, Slots, Committed, LookupResult, PresentResult, Loaded, Released, OverlapResult, Error)}
-EVENTS = frozenset({Pinned.TYPE, Evicted.TYPE, Heartbeat.TYPE})   # requests that get no reply (unless an Error)
+    Hello, Allocate, Commit, Lookup, Present, Load, Release, Overlap, Pinned, Evicted, Heartbeat, Route, Features,
+    FeatureSet, Welcome, Slots, Committed, LookupResult, PresentResult, Loaded, Released, OverlapResult, Error)}
+EVENTS = frozenset({Pinned.TYPE, Evicted.TYPE, Heartbeat.TYPE, Route.TYPE})   # requests that get no reply (unless an Error)
 
 
 # -- framing ---------------------------------------------------------------------------------

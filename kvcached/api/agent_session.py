@@ -21,6 +21,7 @@ from kvcached.store.gpu_view import GpuViewFull
 from kvcached.tiers.ram import RamBlock
 from kvcached_agent import protocol as p
 from kvcached_agent.address import BlockAddress
+from kvcached_agent.route import decode_routes
 
 __all__ = ["WAITING", "AgentSession", "PeerCredentials", "check_hello", "error_code"]
 
@@ -107,6 +108,10 @@ class AgentSession:
                 return self._gpu_event(message)
             if isinstance(message, p.Heartbeat):
                 return None
+            if isinstance(message, p.Route):
+                return self._routes(message)
+            if isinstance(message, p.Features):
+                return p.FeatureSet(p.FeatureSet.ROUTE_KEYS if self.store.wants_routes else 0)
             if isinstance(message, p.Overlap):
                 return overlap_result(self.store, message.digests)
             if isinstance(message, p.Hello):
@@ -185,6 +190,19 @@ class AgentSession:
             else:
                 unknown += 1
         return p.Released(released, unknown)
+
+    def _routes(self, message: p.Route) -> p.Error | None:
+        """Keep the engine's keys of blocks about to be saved (their KV events carry them): each
+        checked first, so no undecodable bytes are ever published; any bad one refuses the frame."""
+        if not self.store.wants_routes:
+            return None
+        for digest, _, blob in message.entries:
+            try:
+                decode_routes(blob)
+            except ValueError as exc:
+                return p.Error(p.ErrorCode.INVALID_ARGUMENT, f"Route of block {digest.hex()[:16]}: {exc}")
+        self.store.keep_routes(message.entries)
+        return None
 
     def _gpu_event(self, message: p.Pinned | p.Evicted) -> p.Error | None:
         if isinstance(message, p.Evicted):

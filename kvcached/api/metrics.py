@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from kvcached import __version__
 from kvcached.config import parse_listen
+from kvcached.events import EventCounters
 from kvcached.host.loop_lag import LoopLag
 from kvcached.store import Store
 from kvcached.store.keeper import StoreKeeper
@@ -298,8 +299,29 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+class EventsCollector(Collector):
+    """The KV event publisher's counters (kvcached.events)."""
+
+    def __init__(self, counters: EventCounters) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.counters
+        for name, value, doc in (
+                ("events_published", c.events, "KV events published (vLLM's schema, docs/events.md)"),
+                ("events_batches", c.batches, "KV event batches published (each a sequence number)"),
+                ("events_dropped_hwm", c.dropped_hwm, "KV event batches that at least one subscriber missed: its "
+                                                     "queue was at the high-water mark (it may ask the replay endpoint)"),
+                ("events_dropped_feed", c.dropped_feed, "tier changes lost before publishing (the feed was full)"),
+                ("events_replays", c.replays, "KV event replay requests answered"),
+                ("events_replays_refused", c.replays_refused, "replay requests malformed or asking for batches not kept"),
+                ("events_replays_cut", c.replays_cut, "replay answers cut short: the client's queue was full")):
+            yield CounterMetricFamily(f"kvcached_{name}", doc, value=value)
+        yield GaugeMetricFamily("kvcached_events_subscriptions", "KV event subscriptions open now", value=c.subscriptions)
+
+
 def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: LoopLag | None = None,
-                  keeper: StoreKeeper | None = None) -> Any:
+                  keeper: StoreKeeper | None = None, events: EventCounters | None = None) -> Any:
     """Serve /metrics in a background thread; returns the HTTP server (``.shutdown()`` stops it).
     With ``fd``: serve on that listening socket (a predecessor's, passed at an upgrade); with
     ``loop_lag`` and ``keeper``: the event loop's lag and the keeper's saves too."""
@@ -310,6 +332,8 @@ def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: Lo
         registry.register(LoopLagCollector(loop_lag))
     if keeper is not None:
         registry.register(KeeperCollector(keeper))
+    if events is not None:
+        registry.register(EventsCollector(events))
     host = (address.host or "").strip("[]")
     if fd is None:
         httpd, _thread = start_http_server(address.port or 0, addr=host, registry=registry)

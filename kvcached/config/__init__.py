@@ -26,6 +26,8 @@ from kvcached.config.values import (
     ListenAddress,
     between,
     count_1_to,
+    event_medium,
+    event_topic,
     host_port_entry,
     host_port_or_empty,
     is_loopback,
@@ -40,6 +42,8 @@ from kvcached.config.values import (
     positive,
     setting,
     unix_path_or_empty,
+    zmq_endpoint_is_local,
+    zmq_endpoint_or_empty,
 )
 from kvcached.policies import EVICTION_POLICIES
 from kvcached.policies.admission import ADMISSION_POLICIES
@@ -251,6 +255,27 @@ class ClusterSection:
 
 
 @dataclass(frozen=True)
+class EventsSection:
+    endpoint: str = setting("ZMQ PUB endpoint of the KV events (vLLM's schema: docs/events.md), \"tcp://HOST:PORT\" or "
+                         "\"ipc://PATH\"; \"\" (the default) publishes none.", "", zmq_endpoint_or_empty)
+    replay_endpoint: str = setting("ZMQ ROUTER endpoint where subscribers ask for batches they missed, by sequence "
+                                "number; \"\": none.", "", zmq_endpoint_or_empty)
+    remote: bool = setting("Allow endpoints other machines can reach (a non-loopback or wildcard address): the events "
+                        "name every block this daemon holds, to anyone who connects.", False)
+    topic: str = setting("Topic of each batch; {node} and {model} are filled in (llm-d reads kv@<pod>@<model>).",
+                      "kv@{node}@{model}", event_topic)
+    node: str = setting("This daemon's name in topics and ownership; \"\": cluster.name, else the host name.", "")
+    batch_ms: float = setting("Milliseconds between batches: a block's event reaches subscribers within about one.",
+                           50.0, between(1, 10_000, " ms"), (int, float))
+    hwm: int = setting("Batches queued per subscriber; past it a slow subscriber misses batches (counted), never "
+                    "slowing the daemon.", 10_000, between(1, 10_000_000), int)
+    replay_batches: int = setting("Last batches kept for replay.", 10_000, between(1, 10_000_000), int)
+    replay_mib: int = setting("Most MiB of batches kept for replay (the oldest go first).", 64, between(1, 65536), int)
+    ram_medium: str = setting("medium of events about the RAM tier ({node} filled in).", "CPU", event_medium)
+    ssd_medium: str = setting("medium of events about the SSD tier ({node} filled in).", "STORAGE", event_medium)
+
+
+@dataclass(frozen=True)
 class LogSection:
     level: str = setting("Log level: debug, info, warning or error.", "info", one_of("debug", "info", "warning", "error"))
     format: str = setting("Log format: text (key=value) or json (one object a line).", "text", one_of("text", "json"))
@@ -263,6 +288,7 @@ SECTIONS: dict[str, type] = {
     "metrics": MetricsSection,
     "quic": QuicSection,
     "cluster": ClusterSection,
+    "events": EventsSection,
     "log": LogSection,
 }
 
@@ -275,6 +301,7 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     quic: QuicSection = field(default_factory=QuicSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    events: EventsSection = field(default_factory=EventsSection)
     log: LogSection = field(default_factory=LogSection)
 
     @property
@@ -437,6 +464,7 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
     if quic.backoff_max_s < quic.backoff_s:
         raise ConfigError("quic.backoff_max_s", f"{quic.backoff_max_s:g} is less than quic.backoff_s = {quic.backoff_s:g}")
     _check_grpc_security(config)
+    _check_events(config)
     unix_paths = [os.path.abspath(a.unix_path) for a in config.listeners if a.unix_path]
     if config.agent.socket and os.path.abspath(config.agent.socket) in unix_paths:
         raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")
@@ -462,6 +490,20 @@ def _check_cluster(config: Config) -> None:
         value = getattr(c, name)
         if value and not (os.path.isfile(value) and os.access(value, os.R_OK)):
             raise ConfigError(f"cluster.{name}", f"no such readable file: {value}")
+
+
+def _check_events(config: Config) -> None:
+    """Events go to loopback or a Unix path unless events.remote says otherwise; a replay
+    endpoint needs the stream it replays."""
+    e = config.events
+    if e.replay_endpoint and not e.endpoint:
+        raise ConfigError("events.replay_endpoint", "set events.endpoint too: a replay endpoint replays its stream")
+    if e.endpoint and e.endpoint == e.replay_endpoint:
+        raise ConfigError("events.replay_endpoint", "must differ from events.endpoint")
+    for key, value in (("endpoint", e.endpoint), ("replay_endpoint", e.replay_endpoint)):
+        if value and not e.remote and not zmq_endpoint_is_local(value):
+            raise ConfigError(f"events.{key}", f"{value} can be reached from other machines, and the events name every "
+                              "block this daemon holds: bind loopback or ipc://, or set events.remote = true")
 
 
 def _check_grpc_security(config: Config) -> None:

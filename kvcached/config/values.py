@@ -219,3 +219,40 @@ def setting(doc: str, default: Any, check: Callable[[Any], None] | None = None, 
     return field(default=default, metadata=meta)
 
 
+
+
+def zmq_endpoint_or_empty(v: str) -> None:
+    """A ZMQ endpoint the daemon binds: ``tcp://HOST:PORT`` (``*`` for every address) or
+    ``ipc://PATH``; "" for none."""
+    if v == "":
+        return
+    if v.startswith("ipc://") and len(v) > len("ipc://"):
+        return
+    if v.startswith("tcp://"):
+        host, sep, port = v[len("tcp://"):].rpartition(":")
+        if sep and host and port.isdigit() and int(port) < 65536:
+            return
+    raise ValueError(f"expected a ZMQ endpoint such as \"tcp://127.0.0.1:5557\" or \"ipc:///run/kvcached/events\", got {v!r}")
+
+
+def zmq_endpoint_is_local(v: str) -> bool:
+    """Whether only this machine can reach the ZMQ endpoint ``v`` (ipc, or tcp on loopback)."""
+    if v.startswith("ipc://"):
+        return True
+    host = v[len("tcp://"):].rpartition(":")[0]
+    return host != "*" and is_loopback(host)
+
+
+def event_topic(v: str) -> None:
+    try:
+        v.format(node="n", model="m")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"only {{node}} and {{model}} may be filled in, got {v!r} ({exc})") from None
+    if len(v) > 256:
+        raise ValueError("at most 256 characters")
+
+
+def event_medium(v: str) -> None:
+    event_topic(v)
+    if not v:
+        raise ValueError("must not be empty")

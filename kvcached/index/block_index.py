@@ -49,7 +49,7 @@ from kvcached.index.format import (
     is_present,
     wire_key_of,
 )
-from kvcached.index.presence import PresenceFeed
+from kvcached.index.presence import PresenceFeed, TierFeed
 
 __all__ = ["BlockIndex"]
 
@@ -63,6 +63,8 @@ class BlockIndex:
 
     #: Where writes that change a block's presence are recorded (peer announcements); None: nowhere.
     presence: PresenceFeed | None = None
+    #: Where writes that change a block's tier set are recorded (KV events); None: nowhere.
+    tier_feed: TierFeed | None = None
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         """Open (creating it if need be) the index at ``path``; raises IndexError_ if it cannot
@@ -161,7 +163,7 @@ class BlockIndex:
         batch = WriteBatch(raw_mode=True)
         batch.set_default_column_family(db.blocks_handle)
         n = 0
-        watching = self.presence is not None and watch
+        watching = (self.presence is not None or self.tier_feed is not None) and watch
         written_keys: list[bytes] = []
         written: list[bytes] = []
         deleted: list[bytes] = []
@@ -174,6 +176,7 @@ class BlockIndex:
             n += 1
         for key in deletes:
             batch.delete(key)
+            batch.delete(key, column_family=db.routes_handle)       # its engine keys go with it
             if watching:
                 deleted.append(key)
             n += 1
@@ -192,13 +195,37 @@ class BlockIndex:
         if not n:
             return
         before = self.raw_many(written_keys + deleted) if watching and (written or deleted) else []
+        # Engine keys of deleted blocks go with them: the feed keeps them for their removal's events.
+        deleted_routes = self.routes_many(deleted) if deleted and self.tier_feed is not None and watching else None
         try:
             db.commit(batch, sync)
         except IndexUnwritable:
             del batch             # see IndexDatabase.commit: this frame lives on in the traceback
             raise
-        if before and self.presence is not None:
-            self.presence.record_write(written, before)
+        if before:
+            if self.presence is not None:
+                self.presence.record_write(written, before)
+            if self.tier_feed is not None:
+                self.tier_feed.record_write(written_keys + deleted, written, before, deleted_routes)
+
+    # -- the engine keys of blocks (routes), for KV events -------------------------------------------
+
+    def put_routes(self, routes: Iterable[tuple[bytes, bytes]]) -> None:
+        """Keep each (index key, encoded route keys) pair: what the KV events of that block carry
+        so routers can match it to the engine's own blocks (kvcached_agent.route). Deleted with
+        the block's record."""
+        db = self._database
+        batch = WriteBatch(raw_mode=True)
+        n = 0
+        for key, blob in routes:
+            batch.put(key, blob, column_family=db.routes_handle)
+            n += 1
+        if n:
+            db.commit(batch, False)
+
+    def routes_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """The encoded route keys of ``keys`` (None where none were given); safe from a worker thread."""
+        return cast("list[bytes | None]", self._database.routes[cast(Any, keys)]) if keys else []
 
     def present_wire_keys(self) -> list[bytes]:
         """The wire keys (digest | u32 layer) of every present block, read-only (safe from a

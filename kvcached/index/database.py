@@ -34,7 +34,7 @@ __all__ = ["IndexDatabase", "IndexError_", "IndexUnwritable", "KEEP_LOG_FILES", 
 
 log = logging.getLogger("kvcached.index")
 
-_FAMILIES = ("blocks", "meta", "ssd_age", "policy")
+_FAMILIES = ("blocks", "meta", "ssd_age", "policy", "routes")   # routes: the engine keys of blocks (KV events)
 _SENTINEL = b"write_check"      # in ``meta``: what a recovery writes and reads back
 KEEP_LOG_FILES = 16             # RocksDB's LOG.old files kept (each open, recoveries' included, starts one)
 RECOVERY_HEADROOM = 1 << 20     # free bytes wanted beyond the WAL's size before a reopen is tried
@@ -129,6 +129,8 @@ class IndexDatabase:
         self.ssd_age_handle = db.get_column_family_handle("ssd_age")
         self.policy = db.get_column_family("policy")
         self.policy_handle = db.get_column_family_handle("policy")
+        self.routes = db.get_column_family("routes")
+        self.routes_handle = db.get_column_family_handle("routes")
         return old
 
     # -- writes -----------------------------------------------------------------------------------
@@ -295,7 +297,8 @@ class IndexDatabase:
                 self._reopening = None
             db, flush = self._db, self.writable and not self._read_only
             del (self._db, self.blocks, self.blocks_handle, self._meta, self._meta_handle, self.ssd_age,
-                 self.ssd_age_handle, self.policy, self.policy_handle)
+                 self.ssd_age_handle, self.policy, self.policy_handle,
+                 self.routes, self.routes_handle)
             try:
                 if flush:
                     db.flush()

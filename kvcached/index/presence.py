@@ -1,15 +1,17 @@
-"""The index's presence feed: which blocks became present, or stopped being present, as the
-index's writes made them so (the peer tier announces them to its peers). No I/O here: the index
+"""The index's feeds: which blocks became present, or stopped being present, as the index's
+writes made them so (the peer tier announces them to its peers), and which tiers each block
+gained or lost (the KV event publisher tells routers). No I/O here: the index
 hands the feed each write's records before and after, the feed works out what changed.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
-from kvcached.index.format import is_present, wire_key_of
+from kvcached.index.format import RECORD, SCHEMA_VERSION, TIERS_AT, Tier, is_present, wire_key_of
 
-__all__ = ["PresenceFeed"]
+__all__ = ["PresenceFeed", "TierChange", "TierFeed", "tiers_of"]
 
 
 class PresenceFeed:
@@ -52,3 +54,69 @@ class PresenceFeed:
 
     def __len__(self) -> int:
         return len(self._changes)
+
+
+class TierChange(NamedTuple):
+    """One block's tier set before and after one index write: ``key`` is its index key,
+    ``record`` its raw record (the one written, or the one deleted); ``route``, for a block
+    deleted while present, its engine keys as they were (they go with the record)."""
+
+    key: bytes
+    record: bytes
+    before: Tier
+    after: Tier
+    route: bytes | None = None
+
+
+class TierFeed:
+    """Every change of a block's tier set (RAM or SSD gained or lost), in the order the index's
+    writes made them, for one reader to take in batches (the KV event publisher, kvcached.events).
+    Like :class:`PresenceFeed`, written from whatever thread wrote the index without a lock. It
+    holds at most ``limit`` changes: a reader that stops taking loses the oldest beyond that,
+    counted in :attr:`dropped`, so the daemon's memory never grows with an absent reader."""
+
+    def __init__(self, limit: int = 1 << 20) -> None:
+        self._changes: deque[TierChange] = deque(maxlen=limit)
+        self.limit = limit
+        self.dropped = 0
+
+    def record_write(self, keys: list[bytes], written: list[bytes], before: list[bytes | None],
+                     deleted_routes: list[bytes | None] | None = None) -> None:
+        """As :meth:`PresenceFeed.record_write`, with each record's index key in ``keys`` (the
+        written ones', then the deleted ones') and the deleted ones' engine keys."""
+        changes: list[TierChange] = []
+        for key, raw, old in zip(keys, written, before):
+            was, now = tiers_of(old), tiers_of(raw)
+            if was != now:
+                changes.append(TierChange(key, raw, was, now))
+        routes = deleted_routes or [None] * (len(keys) - len(written))
+        for key, old, route in zip(keys[len(written):], before[len(written):], routes):
+            was = tiers_of(old)
+            if was:
+                changes.append(TierChange(key, old, was, Tier.NONE, route))      # type: ignore[arg-type]
+        if changes:
+            over = len(self._changes) + len(changes) - self.limit
+            if over > 0:
+                self.dropped += over
+            self._changes.extend(changes)
+
+    def add(self, changes: list[TierChange]) -> None:
+        """Changes not made by a write (a resync after a clear tells what a tier still holds)."""
+        over = len(self._changes) + len(changes) - self.limit
+        if over > 0:
+            self.dropped += over
+        self._changes.extend(changes)
+
+    def take(self) -> list[TierChange]:
+        changes = self._changes
+        return [changes.popleft() for _ in range(len(changes))]
+
+    def __len__(self) -> int:
+        return len(self._changes)
+
+
+def tiers_of(raw: bytes | None) -> Tier:
+    """The tier set of a raw record (NONE for an absent or unreadable one)."""
+    if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
+        return Tier.NONE
+    return Tier(raw[TIERS_AT])

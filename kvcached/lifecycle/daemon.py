@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -40,6 +41,7 @@ from kvcached.cluster.member import Member
 from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier
 from kvcached.cluster.view import Change, MembershipView
 from kvcached.config import RELOADABLE, Config, ConfigError, changed_keys, parse_listen, with_reloaded
+from kvcached.events import EventPublisher, publisher_for
 from kvcached.host.aio import cancel_and_wait
 from kvcached.host.fsmodes import set_daemon_umask
 from kvcached.host.logs import fields, set_level
@@ -116,6 +118,7 @@ class Daemon:
         self.index_reconcile: dict[str, Any] = {}        # the boot reconcile's counts (Admin ReconcileStatus)
         self.slot_directory: SlotDirectory | None = None
         self.adoption: RamAdoption | None = None          # the previous process's RAM tier, being taken up
+        self.events: EventPublisher | None = None         # [events]: the KV event publisher
         self._inherited_fds: dict[str, int] = {}          # passed by an upgrade's predecessor
         self._trusted_arena = False                       # a clean handover: its directory is true as passed
         self._takeover = takeover
@@ -166,10 +169,11 @@ class Daemon:
         settings = PolicySettings(slru_ratio=kv.slru_ratio)
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory)
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
+        self.events = publisher_for(cfg, cfg.cluster.name or socket.gethostname())
         # After a clean handover the index is as true as the predecessor left it: no boot scan.
         self.index, self.index_reconcile = open_index(
             cfg, self.notifier.status, self.adoption.placed_keys if self.adoption else frozenset(),
-            reconcile=not self._trusted_arena)
+            reconcile=not self._trusted_arena, tier_feed=self.events.feed if self.events else None)
         self.ssd = open_ssd(cfg)
         ssd_order = make_keyed_policy(kv.ssd_policy, settings) if self.ssd and kv.ssd_policy != "lru" else None
         peer_tier = bool(cfg.quic.listen or cfg.quic.peers)
@@ -185,6 +189,11 @@ class Daemon:
         self.keeper = StoreKeeper(self.store, self.index, KeeperSettings(
             kv.policy_save_s, kv.ram_policy, kv.ssd_policy, kv.slru_ratio, cfg.grpc.grace_s), status=self.notifier.status)
         self.keeper.restore_policies()
+        if self.events is not None:      # the predecessor (an upgrade) has closed its endpoints with its index
+            try:                         # a RAM tier not taken up is said with a RAM-scoped clear
+                self.events.start(self.index, ram_lost=self.adoption is None and not self._trusted_arena)
+            except OSError as exc:
+                raise StartupError(str(exc.strerror or exc)) from None
         if takeover is not None:              # the predecessor's listening sockets where ours are the same
             takeover.keep(same_listeners(takeover.info, cfg))
         passed = takeover.take if takeover is not None else nothing_passed
@@ -208,7 +217,7 @@ class Daemon:
         if cfg.metrics.listen:
             try:
                 self.metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"), self.loop_lag,
-                                                   self.keeper)
+                                                   self.keeper, self.events.counters if self.events else None)
             except OSError as exc:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))
@@ -428,6 +437,8 @@ class Daemon:
             self._step_sync("last-seen flush", self.store.flush_last_seen)
             if self.keeper is not None:
                 self._step_sync("policy state save", self.keeper.save_policies)
+        if self.events is not None:      # the last changes, then the next sequence number persisted
+            await self._step("kv events", self.events.stop())
         if self.index is not None:
             self._step_sync("index close", self.index.close)
             self.index = None

@@ -13,6 +13,7 @@ from kvcached.host.fsmodes import UnsafeDirectory, check_state_dir, make_dirs
 from kvcached.host.logs import fields
 from kvcached.host.process import StartupError
 from kvcached.index import BlockIndex, IndexError_
+from kvcached.index.presence import TierFeed
 from kvcached.tiers.ssd import SsdTier
 
 __all__ = ["prepare_state_dirs", "open_index", "open_ssd", "SSD_DIR_LEVELS"]
@@ -62,15 +63,17 @@ def open_ssd(config: Config) -> SsdTier | None:
 
 
 def open_index(config: Config, status: Callable[..., object], ram_kept: set[bytes] | frozenset[bytes],
-               reconcile: bool = True) -> tuple[BlockIndex, dict[str, Any]]:
+               reconcile: bool = True, tier_feed: TierFeed | None = None) -> tuple[BlockIndex, dict[str, Any]]:
     """The index of ``kv.index_dir`` opened and, with ``reconcile``, reconciled at boot (its
     progress told to ``status``, which may extend the service manager's start timeout; the
-    blocks of ``ram_kept`` are in RAM still); returns it and the reconcile's counts."""
+    blocks of ``ram_kept`` are in RAM still); returns it and the reconcile's counts. With
+    ``tier_feed`` (KV events), the reconcile's changes of tiers are recorded in it."""
     cfg = config
     try:
         index = BlockIndex(cfg.kv.index_dir)
     except IndexError_ as exc:
         raise StartupError(str(exc)) from None
+    index.tier_feed = tier_feed
     if not reconcile:
         return index, {}
     estimate = index.count_estimate()

@@ -300,6 +300,20 @@ class Store:
         self._settle_chain(digests, layer)
         return self.reader.present(digests, layer, agent)
 
+    @property
+    def wants_routes(self) -> bool:
+        """Whether agents should send the engine's keys of the blocks they save: the daemon
+        publishes KV events (the index feeds them), which carry those keys (kvcached.events)."""
+        return self.index.tier_feed is not None
+
+    def keep_routes(self, entries: Sequence[tuple[bytes, int, bytes]]) -> None:
+        """Keep the engine's keys (encoded, checked by the caller) of blocks (digest, layer)
+        about to be saved, for their KV events. Nothing while no events are published; a full
+        index loses them (the events then name the blocks by digest)."""
+        if self.index.tier_feed is None or not entries:
+            return
+        self.index.put_routes([(index_key(digest, layer), blob) for digest, layer, blob in entries])
+
     async def locate(self, digests: Sequence[bytes], layer: int) -> None:
         """Before a Lookup, in a cluster: ask where remote blocks are (ReadPath.locate)."""
         await self.reader.locate(digests, layer)

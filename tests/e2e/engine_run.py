@@ -58,6 +58,15 @@ def transfer_config(connector: dict[str, Any] | None) -> Any:
     raise ValueError(f"unknown connector kind {connector['kind']!r}")
 
 
+def events_config(endpoint: str | None) -> dict[str, Any]:
+    """The engine publishes its KV events at ``endpoint`` (ZMQ PUB), with the connector's added."""
+    if not endpoint:
+        return {}
+    from vllm.config import KVEventsConfig
+    return {"kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
+                                               topic="engine")}
+
+
 def run(plan: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -68,7 +77,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
               **({"block_size": block_size} if block_size else {}),
               max_model_len=plan.get("max_model_len", 4096), enable_prefix_caching=True, seed=0,
               enforce_eager=bool(plan.get("eager", False)),
-              kv_transfer_config=transfer_config(plan.get("connector")))
+              kv_transfer_config=transfer_config(plan.get("connector")), **events_config(plan.get("kv_events")))
     config = llm.llm_engine.vllm_config
     result: dict[str, Any] = {"start_s": time.perf_counter() - started, "rounds": [],
                               "hybrid_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager,

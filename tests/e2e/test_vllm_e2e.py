@@ -57,11 +57,65 @@ def close_to_cold(hit: dict[str, Any], cold: dict[str, Any]) -> None:
     assert worst <= COLD_TOLERANCE, f"logprobs differ by {worst} from the cold run"
 
 
+class EventTap:
+    """A router's view: SUB sockets on the daemon's and the engine's KV event streams, every
+    batch decoded with vLLM's own classes (what a consumer written for vLLM does)."""
+
+    def __init__(self, endpoints: dict[str, str]) -> None:
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._ctx = zmq.Context()
+        self._socks = {}
+        for name, endpoint in endpoints.items():
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.RCVTIMEO, 100)
+            sock.connect(endpoint)
+            self._socks[name] = sock
+        self.events: dict[str, list[Any]] = {name: [] for name in endpoints}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+        while not self._stop.is_set():
+            for name, sock in self._socks.items():
+                try:
+                    _topic, _seq, payload = sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                self.events[name].extend(self._decoder.decode(payload).events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._ctx.term()
+
+
 def test_a_kvcached_hit_in_a_new_engine_gives_vllms_own_prefix_cache_output(
-        daemon: DaemonProcess, tiny_model: Path, engine: EngineRun) -> None:
-    """With vLLM's default execution (torch.compile): the other tests run eager engines."""
+        make_daemon, tiny_model: Path, engine: EngineRun, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """With vLLM's default execution (torch.compile): the other tests run eager engines. The
+    first engine publishes its KV events, and the daemon its own: a router reading both sees
+    the blocks kvcached holds under the engine's own hashes and tokens (issue 40)."""
+    daemon = make_daemon(f'events.endpoint="ipc://{tmp_path}/daemon-events"', "events.batch_ms=10")
     p = prompt(1, 1000)
-    first = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2, kvcached(daemon), eager=False)
+    engine_events = f"ipc://{tmp_path}/engine-events"
+    tap = EventTap({"daemon": f"ipc://{tmp_path}/daemon-events", "engine": engine_events})
+    try:
+        first = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2, kvcached(daemon), eager=False,
+                       kv_events=engine_events)
+        wait_for(lambda: sum(type(e).__name__ == "BlockStored" for e in tap.events["daemon"]) >= loadable(len(p)) // BLOCK,
+                 text="the daemon's BlockStored events")
+    finally:
+        tap.close()
+    same_blocks_in_both_streams(tap.events, p)
     cold, local_hit = (r["outputs"][0] for r in first["rounds"])
     assert cold["num_cached_tokens"] == 0 and local_hit["num_cached_tokens"] >= loadable(len(p))
     with daemon.client() as c:
@@ -76,6 +130,28 @@ def test_a_kvcached_hit_in_a_new_engine_gives_vllms_own_prefix_cache_output(
     assert after.hits - before.hits >= loadable(len(p)) // BLOCK, "the daemon served the blocks"
     assert same_output(hit, local_hit), (hit, local_hit)
     close_to_cold(hit, cold)
+
+
+def same_blocks_in_both_streams(events: dict[str, list[Any]], tokens: list[int]) -> None:
+    """The engine's GPU blocks, kvcached's RAM blocks (the daemon's stream) and the connector's
+    stores (the engine's stream, medium CPU) name each saved block alike: hash, parent, tokens."""
+    def stored(name: str, medium: str) -> dict[Any, tuple[Any, list[int]]]:
+        out = {}
+        for e in events[name]:
+            if type(e).__name__ != "BlockStored" or e.medium != medium or not e.token_ids:
+                continue
+            parent, n = e.parent_block_hash, e.block_size
+            for i, h in enumerate(e.block_hashes):          # one event may name several blocks, in order
+                out[h] = (parent, list(e.token_ids[i * n:(i + 1) * n]))
+                parent = h
+        return out
+    gpu, ram, connector = stored("engine", "GPU"), stored("daemon", "CPU"), stored("engine", "CPU")
+    saved = loadable(len(tokens)) // BLOCK
+    assert len(ram) >= saved and all(isinstance(h, int) for h in ram), "int hashes, as vLLM's by default"
+    for h, (parent, block_tokens) in ram.items():
+        assert gpu.get(h) == (parent, block_tokens), "kvcached's block lines up with the engine's own event"
+        assert connector.get(h) == (parent, block_tokens), "the connector told the engine's stream too"
+    assert {e.ownership for e in events["daemon"] if type(e).__name__ == "BlockStored"} == {f"kvcached@{os.uname().nodename}"}
 
 
 def test_a_prompt_sharing_half_matches_whole_blocks_of_the_shared_part(

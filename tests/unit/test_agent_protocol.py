@@ -173,4 +173,28 @@ def test_error_messages_are_cut_not_refused() -> None:
 
 
 def test_events_are_the_requests_without_replies() -> None:
-    assert p.EVENTS == {p.Pinned.TYPE, p.Evicted.TYPE, p.Heartbeat.TYPE}
+    assert p.EVENTS == {p.Pinned.TYPE, p.Evicted.TYPE, p.Heartbeat.TYPE, p.Route.TYPE}
+
+
+def test_route_and_features_round_trip_and_bad_route_bodies_are_refused() -> None:
+    from kvcached_agent.route import RouteKey, decode_routes, encode_routes
+    blob = encode_routes([RouteKey([b"h" * 32, 7], None, list(range(32)), 16, group_idx=1)])
+    message = p.Route([(b"d" * 32, 5, blob), (b"e" * 32, p.CROSS_LAYER if hasattr(p, "CROSS_LAYER") else 0xFFFFFFFF, b"")])
+    frame = p.encode(message, 9)
+    decoder = p.FrameDecoder()
+    decoder.feed(frame)
+    back = p.decode(next(iter(decoder)))
+    assert back == message
+    assert decode_routes(back.entries[0][2])[0].block_hashes == [b"h" * 32, 7]
+    for message in (p.Features(), p.FeatureSet(p.FeatureSet.ROUTE_KEYS)):
+        decoder.feed(p.encode(message))
+        assert p.decode(next(iter(decoder))) == message
+    # an entry count the body cannot hold, and a blob cut short: refused, the connection goes on
+    for body in (struct.pack("<I", 1000) + b"x" * 40, struct.pack("<I32sII", 1, b"d" * 32, 0, 10) + b"abc"):
+        decoder.feed(struct.pack("<IBBHI", len(body), p.VERSION, p.Route.TYPE, 0, 3) + body)
+        with pytest.raises(p.ProtocolError) as err:
+            p.decode(next(iter(decoder)))
+        assert not err.value.fatal
+    for bad in (b"\x91\x01", b"\xc1", encode_routes([RouteKey([], None, [], 16)])):
+        with pytest.raises(ValueError):
+            decode_routes(bad)

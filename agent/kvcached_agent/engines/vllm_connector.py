@@ -23,7 +23,7 @@ versions.require("vllm")
 
 import logging  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable, Iterable  # noqa: E402
 
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
@@ -39,6 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from kvcached_agent.engines.common import PluginSettings, open_agent, rank_namespace  # noqa: E402
 from kvcached_agent.engines.fingerprint import name_model  # noqa: E402
 from kvcached_agent.engines.hybrid import FULL, PRIMARY, SLIDING, STATE, GroupKind, kind_root  # noqa: E402
+from kvcached_agent.engines.vllm_routes import RouteBook  # noqa: E402
 from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp, SchedulerSide  # noqa: E402
 from kvcached_agent.engines.vllm_worker import WorkerSide, page_views  # noqa: E402
 
@@ -59,6 +60,16 @@ class KvcachedConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveOp] = field(default_factory=list)
     pinned: list[bytes] = field(default_factory=list)     # blocks now in vLLM's GPU prefix cache
     evicted: list[bytes] = field(default_factory=list)    # blocks whose pages vLLM reused
+
+
+def _hash_conversion() -> Callable[[Any], Any] | None:
+    """vLLM's conversion of a block hash for its KV events (integers unless configured
+    otherwise), so kvcached's events carry the engine's own; None where this vLLM has none."""
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    except ImportError:
+        return None
+    return maybe_convert_block_hash
 
 
 def _ranks(worker: bool) -> tuple[int, int]:
@@ -174,8 +185,12 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvcached sets kv_load_failure_policy to 'recompute': a block that cannot be "
                             "loaded is computed again, never an error for the request")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            events = getattr(vllm_config, "kv_events_config", None)
+            self.routes = RouteBook(agent, kinds, roots, block_tokens=block_tokens, page_tokens=page_tokens,
+                                    convert=_hash_conversion(),
+                                    engine_events=bool(events and getattr(events, "enable_kv_cache_events", False)))
             self.scheduler_side = SchedulerSide(agent, root, block_tokens=block_tokens, page_tokens=page_tokens,
-                                                kinds=kinds, roots=roots)
+                                                kinds=kinds, roots=roots, routes=self.routes)
         else:
             self.worker_side = WorkerSide(agent, root, block_tokens=block_tokens, pages_per_block=per_block,
                                           reports_gpu=rank == 0 and pp_rank == 0, kinds=kinds, roots=roots)
@@ -242,6 +257,16 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler().transfers_done(connector_output.finished_recving)
+
+    def take_events(self) -> Iterable[Any]:
+        """The blocks this connector stored in kvcached or loaded from it since the last call, as
+        vLLM's BlockStored events for the engine's own stream (the engine publishes KV events):
+        medium "CPU", ownership "kvcached". Their removal is the daemon's stream's to tell."""
+        from vllm.distributed.kv_events import BlockStored
+        return [BlockStored(block_hashes=k.block_hashes, parent_block_hash=k.parent_block_hash, token_ids=k.token_ids,
+                            block_size=k.block_size, lora_id=k.lora_id, medium="CPU", lora_name=k.lora_name,
+                            group_idx=k.group_idx, kv_cache_spec_kind=k.kv_cache_spec_kind, locality="LOCAL",
+                            ownership="kvcached") for k in self.routes.take()] if self.scheduler_side is not None else []
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().finished(request), None

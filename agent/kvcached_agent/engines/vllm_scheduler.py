@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from kvcached_agent.engines.common import TokenChain
 from kvcached_agent.engines.hybrid import FULL, PRIMARY, STATE, GroupKind, hit_length, kind_digests, resume_points
+from kvcached_agent.engines.vllm_routes import RouteBook
 
 __all__ = ["KindPages", "LoadOp", "SaveOp", "SchedulerSide"]
 
@@ -91,7 +92,8 @@ class SchedulerSide:
     ``GroupKind("full", FULL, (0,))``); ``roots``: each kind's address root."""
 
     def __init__(self, agent: Any, root: bytes, *, block_tokens: int, page_tokens: int,
-                 kinds: Sequence[GroupKind] | None = None, roots: Sequence[bytes] | None = None) -> None:
+                 kinds: Sequence[GroupKind] | None = None, roots: Sequence[bytes] | None = None,
+                 routes: RouteBook | None = None) -> None:
         if block_tokens % page_tokens:
             raise ValueError(f"kvcached block_tokens ({block_tokens}) must be a multiple of vLLM's "
                              f"block size ({page_tokens})")
@@ -102,6 +104,7 @@ class SchedulerSide:
         self.per_block = block_tokens // page_tokens
         self.kinds = list(kinds or [GroupKind(PRIMARY, FULL, (0,))])
         self.roots = list(roots or [root] * len(self.kinds))
+        self.routes = routes              # the engine's keys of saved and loaded blocks (KV events)
         # More than one KV cache group: a hit is asked of every kind, and loads are asynchronous
         # (vLLM takes a failed load of such a model only as the whole request's).
         self.hybrid = sum(len(k.group_ids) for k in self.kinds) > 1
@@ -213,6 +216,8 @@ class SchedulerSide:
         state.kept.update((c.kind, k) for c in copies if self.kinds[c.kind].kind != FULL for k in c.positions)
         self._loads.append(op)
         self._on_gpu(state, first, blocks)
+        if self.routes is not None:
+            self.routes.loaded(request, [(c.kind, c.positions) for c in copies])
 
     def _copies(self, state: _Request, positions: dict[int, list[int]]) -> tuple[list[KindPages], bool]:
         """Per kind, its blocks at ``positions`` with their pages; and whether some page is a
@@ -293,7 +298,9 @@ class SchedulerSide:
         if not copies:
             return None
         end = max(c.positions[-1] + 1 for c in copies)
-        state.chain.upto(request.all_token_ids, end)
+        chain = state.chain.upto(request.all_token_ids, end)
+        if self.routes is not None:       # before the workers commit the blocks: their events carry the keys
+            self.routes.saved(request, chain, [(c.kind, c.positions) for c in copies])
         for c in copies:
             if self.kinds[c.kind].kind == FULL:
                 self._on_gpu(state, state.saved, c.positions[-1] + 1)

@@ -1,0 +1,300 @@
+"""The KV event publisher: the index's tier changes, as vLLM-schema batches, over ZMQ PUB, with a
+replay ROUTER (docs/events.md). A thin asyncio layer over kvcached.events.stream.
+
+One task wakes every batch interval: it answers replay requests, takes the index's tier feed,
+reads the engine keys of the blocks named (one multi-get), and sends one batch per topic. Every
+send is non-blocking, so nothing here ever waits for a subscriber: a subscriber whose queue is
+at the high-water mark misses the batch (ZMQ drops it for that subscriber alone; counted in
+:attr:`EventCounters.dropped_hwm`) and can ask the replay endpoint for it.
+
+Sequence numbers live in ``events.seq`` beside the index (kvcached.events.stream.SequenceLease):
+they never go backwards across a crash, and continue without a gap across an upgrade (the
+predecessor closes its publisher, then the successor binds the same endpoints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+
+from kvcached.events.stream import EventLog, EventNaming, SequenceLease, clear_event, events_of, model_of
+from kvcached.host.logs import fields
+from kvcached.index import BlockIndex, Tier
+from kvcached.index.presence import TierChange, TierFeed
+from kvcached_agent.route import RouteKey, decode_routes
+
+__all__ = ["EventCounters", "EventPublisher", "PublisherSettings", "SEQ_FILE"]
+
+log = logging.getLogger("kvcached.events")
+
+SEQ_FILE = "events.seq"
+REPLAY_REQUEST_BYTES = 64        # larger replay frames are refused by ZMQ itself (the peer is dropped)
+REPLAYS_PER_TICK = 64            # replay requests answered per tick; more wait in ZMQ's queue
+REPLAY_CLIENT_HWM = 256          # batches queued to one replay client; past it the answer is cut
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherSettings:
+    endpoint: str
+    replay_endpoint: str
+    naming: EventNaming
+    interval_s: float = 0.05
+    hwm: int = 10_000
+    replay_batches: int = 10_000
+    replay_bytes: int = 64 << 20
+    max_pending: int = 1 << 20
+
+
+@dataclass(slots=True)
+class EventCounters:
+    events: int = 0              # events published
+    batches: int = 0             # batches published
+    dropped_hwm: int = 0         # batches at least one subscriber missed (its queue was full)
+    dropped_feed: int = 0        # tier changes lost before publishing (the feed was full)
+    replays: int = 0             # replay requests answered
+    replays_refused: int = 0     # replay requests malformed or asking for what is not kept
+    replays_cut: int = 0         # replay answers cut short (the client's queue was full)
+    subscriptions: int = 0       # subscriptions open now (subscribe minus unsubscribe messages)
+
+
+class EventPublisher:
+    """Publishes the index's tier changes. Build it before the index's boot reconcile (its
+    :attr:`feed` goes on the index first, so the reconcile's changes are published too); then
+    :meth:`start` binds and begins, :meth:`stop` sends the last changes and closes."""
+
+    def __init__(self, settings: PublisherSettings, state_dir: str, *, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.feed = TierFeed(settings.max_pending)
+        self.counters = EventCounters()
+        self._clock = clock
+        self._seq_path = os.path.join(state_dir, SEQ_FILE)
+        self._lease = SequenceLease(_read_seq(self._seq_path), self._persist)
+        self.log = EventLog(self._lease.next, max_batches=settings.replay_batches, max_bytes=settings.replay_bytes)
+        self._index: BlockIndex | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._replay: zmq.Socket[bytes] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._pending_clear: Tier | None = None
+
+    # -- life --------------------------------------------------------------------------------------
+
+    def start(self, index: BlockIndex, *, ram_lost: bool) -> None:
+        """Bind the endpoints (OSError saying why they cannot be) and publish from ``index``.
+        ``ram_lost``: this daemon starts without its predecessor's RAM tier, which the first batch
+        says with a RAM-scoped AllBlocksCleared."""
+        s = self.settings
+        self._index = index
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+        self._ctx = ctx
+        try:
+            pub = ctx.socket(zmq.XPUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, s.hwm)
+            pub.setsockopt(zmq.XPUB_NODROP, 1)        # a full subscriber shows as EAGAIN (see _send)
+            self._pub = pub
+            _bind(pub, s.endpoint, "events.endpoint")
+            if s.replay_endpoint:
+                replay = ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_REQUEST_BYTES)
+                replay.setsockopt(zmq.SNDHWM, REPLAY_CLIENT_HWM)
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full client raises EAGAIN instead of a silent drop
+                self._replay = replay
+                _bind(replay, s.replay_endpoint, "events.replay_endpoint")
+        except BaseException:
+            self._close_sockets()
+            raise
+        if ram_lost:
+            self._pending_clear = Tier.RAM
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kv-events")
+        log.info("publishing KV events", extra=fields(endpoint=s.endpoint, replay=s.replay_endpoint or None,
+                                                      first_seq=self._lease.next, ram_cleared=ram_lost))
+
+    async def stop(self) -> None:
+        """Publish what the feed holds, close the sockets, persist the next sequence number."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+            try:
+                self.tick()
+            except Exception:
+                log.exception("KV events: the last batch could not be published")
+        self._close_sockets()
+        if self._index is not None:
+            self._lease.close()
+            self._index = None
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def _run(self) -> None:
+        interval = self.settings.interval_s
+        while True:
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception:      # a bug costs a batch, not the daemon
+                log.exception("KV events: a tick failed")
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    # -- one tick ----------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Answer replays, then publish the changes the feed holds (one batch per topic)."""
+        self._subscriptions()
+        self._answer_replays()
+        changes = self.feed.take()
+        self.counters.dropped_feed = self.feed.dropped
+        now = self._clock()
+        by_topic: dict[str, list[object]] = {}
+        if self._pending_clear is not None:
+            clear = clear_event(self.settings.naming, self._pending_clear)
+            self._pending_clear = None
+            self._publish(self.settings.naming.topic_of(""), [clear], now)
+        if not changes:
+            return
+        routes = self._routes(changes)
+        naming = self.settings.naming
+        for change, keys in zip(changes, routes):
+            topic = naming.topic_of(model_of(change.record))
+            by_topic.setdefault(topic, []).extend(events_of(change, keys, naming))
+        for topic, events in by_topic.items():
+            self._publish(topic, events, now)
+
+    def _routes(self, changes: list[TierChange]) -> list[list[RouteKey] | None]:
+        assert self._index is not None
+        try:
+            blobs = self._index.routes_many([c.key for c in changes])
+        except Exception:                 # an index being recovered: name the blocks by digest
+            blobs = [None] * len(changes)
+        out: list[list[RouteKey] | None] = []
+        for change, blob in zip(changes, blobs):
+            blob = change.route if change.route is not None else blob
+            try:
+                out.append(decode_routes(blob) if blob else None)
+            except ValueError:
+                out.append(None)
+        return out
+
+    def _publish(self, topic: str, events: list[object], now: float) -> None:
+        for frames in self.log.add(topic, events, now, self._lease.take):   # type: ignore[arg-type]
+            self._send(frames)
+        self.counters.events = self.log.events
+        self.counters.batches = self.log.batches
+
+    def _send(self, frames: tuple[bytes, bytes, bytes]) -> None:
+        """Send to every subscriber without waiting. With XPUB_NODROP a send fails (EAGAIN) when
+        any subscriber's queue is full: count it, then send again lossy, so the others get the
+        batch and only the full ones miss it."""
+        pub = self._pub
+        if pub is None:
+            return
+        try:
+            pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            self.counters.dropped_hwm += 1
+        pub.setsockopt(zmq.XPUB_NODROP, 0)
+        try:
+            pub.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        finally:
+            pub.setsockopt(zmq.XPUB_NODROP, 1)
+
+    def _subscriptions(self) -> None:
+        """XPUB hands over (un)subscribe messages: count them, and keep its queue empty."""
+        pub = self._pub
+        if pub is None:
+            return
+        for _ in range(10_000):
+            try:
+                message = pub.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01":
+                self.counters.subscriptions += 1
+            elif message[:1] == b"\x00":
+                self.counters.subscriptions = max(0, self.counters.subscriptions - 1)
+
+    def _answer_replays(self) -> None:
+        replay = self._replay
+        if replay is None:
+            return
+        for _ in range(REPLAYS_PER_TICK):
+            try:
+                request = replay.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(request) < 2:
+                continue
+            identity, rest = request[0], request[1:]
+            if rest and rest[0] == b"":          # a REQ or DEALER client's empty delimiter
+                rest = rest[1:]
+            answer = self.log.replay(rest, max_frames=REPLAY_CLIENT_HWM - 1)
+            self.counters.replays += 1
+            if answer.reason:
+                self.counters.replays_refused += 1
+            for frames in answer.frames:
+                try:
+                    replay.send_multipart((identity, b"", *frames), flags=zmq.NOBLOCK)
+                except (zmq.Again, zmq.ZMQError):        # its queue is full, or it left: the rest is dropped
+                    self.counters.replays_cut += 1
+                    break
+
+    def _persist(self, value: int) -> None:
+        _write_seq(self._seq_path, value)
+
+    @property
+    def next_seq(self) -> int:
+        return self._lease.next
+
+
+def _bind(sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror}") from None
+
+
+def _read_seq(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            text = f.read(64)
+    except FileNotFoundError:
+        return 0
+    try:
+        value = int(text.decode().strip())
+    except ValueError:
+        raise OSError(f"{path} does not hold a sequence number ({text[:32]!r}); remove it to start again at 0 "
+                      "(subscribers then see numbers go backwards)") from None
+    return max(0, value)
+
+
+def _write_seq(path: str, value: int) -> None:
+    """Write ``value`` to ``path`` whole or not at all (a crash leaves the old value)."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, f"{value}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -1,0 +1,221 @@
+"""The daemon's KV event stream without I/O: tier changes become vLLM-schema events
+(:func:`events_of`), events become numbered batches kept for replay (:class:`EventLog`), and
+sequence numbers survive restarts (:class:`SequenceLease`). kvcached.events.publisher moves the
+bytes; everything it decides is decided here, with the clock passed in.
+
+Replay follows vLLM's ``ZmqEventPublisher``: a request is one frame, the first sequence number
+wanted as 8 bytes big-endian; the answer is every batch kept from there, each as ``(topic, seq,
+payload)``, then the end marker ``(b"", -1 as 8 signed bytes, b"")``. kvcached puts a reason in
+the end marker's payload (vLLM's is empty and its subscribers ignore it) when the request was
+malformed or asked for batches that are not kept.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from kvcached.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent, encode_batch
+from kvcached.index.format import DIGEST_AT, LAYER_AT, RECORD, Tier
+from kvcached.index.presence import TierChange
+from kvcached_agent.route import RouteKey
+
+__all__ = ["END_SEQ", "EventLog", "EventNaming", "Replay", "SequenceLease", "events_of", "model_of"]
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+DIGEST_MARK = "kvcached-digest"       # extra_keys of an event that names a block by kvcached's digest
+
+
+@dataclass(frozen=True, slots=True)
+class EventNaming:
+    """How this daemon's events name where a block is: ``media`` per tier (vLLM's ``medium``),
+    ``ownership`` (vLLM's secondary-tier identifier: this daemon and node), ``locality``, and the
+    ``topic`` (``{node}`` and ``{model}`` filled in: llm-d reads ``kv@<pod>@<model>``)."""
+
+    ram_medium: str = "CPU"
+    ssd_medium: str = "STORAGE"
+    ownership: str = "kvcached"
+    locality: str = "LOCAL"
+    topic: str = "kv@{node}@{model}"
+    node: str = ""
+
+    def medium(self, tier: Tier) -> str:
+        return self.ram_medium if tier == Tier.RAM else self.ssd_medium
+
+    def topic_of(self, model: str) -> str:
+        return self.topic.format(node=self.node, model=model)
+
+
+def model_of(record: bytes) -> str:
+    return record[RECORD.size:].decode("utf-8", "replace")
+
+
+def events_of(change: TierChange, routes: Sequence[RouteKey] | None, naming: EventNaming) -> list[KVCacheEvent]:
+    """The events of one block's change of tiers, RAM's first: a BlockStored per engine group
+    for each tier gained, a BlockRemoved for each tier lost. Without ``routes`` (the agent gave
+    no engine keys, or the block came from a peer or the gRPC API) the block is named by its
+    kvcached digest, marked so in ``extra_keys``."""
+    out: list[KVCacheEvent] = []
+    gained = change.after & ~change.before
+    lost = change.before & ~change.after
+    for tier in (Tier.RAM, Tier.SSD):
+        if not (gained | lost) & tier:
+            continue
+        medium = naming.medium(tier)
+        keys = routes or [_digest_key(change.record)]
+        for key in keys:
+            if gained & tier:
+                out.append(BlockStored(
+                    block_hashes=list(key.block_hashes), parent_block_hash=key.parent_block_hash,
+                    token_ids=list(key.token_ids), block_size=key.block_size, lora_id=key.lora_id, medium=medium,
+                    lora_name=key.lora_name, extra_keys=key.extra_keys, group_idx=key.group_idx,
+                    kv_cache_spec_kind=key.kv_cache_spec_kind,
+                    kv_cache_spec_sliding_window=key.kv_cache_spec_sliding_window,
+                    locality=naming.locality, ownership=naming.ownership))
+            else:
+                out.append(BlockRemoved(block_hashes=list(key.block_hashes), medium=medium, group_idx=key.group_idx,
+                                        locality=naming.locality, ownership=naming.ownership))
+    return out
+
+
+def _digest_key(record: bytes) -> RouteKey:
+    """A block named by its digest, as vLLM's OffloadingConnector names blocks it has no tokens
+    of (no tokens, block size 0, no parent); the hash an integer (the digest's last 8 bytes, as
+    vLLM makes integers of its hashes: Dynamo reads integers only), the whole digest and layer in
+    ``extra_keys``."""
+    digest = bytes(record[DIGEST_AT:DIGEST_AT + 32])
+    layer = int.from_bytes(record[LAYER_AT:LAYER_AT + 4], "little")
+    return RouteKey([int.from_bytes(digest[-8:], "big")], None, [], 0, extra_keys=[[DIGEST_MARK, digest.hex(), layer]])
+
+
+def clear_event(naming: EventNaming, tier: Tier | None) -> AllBlocksCleared:
+    """The clear of one tier (a daemon that starts without its RAM tier), or of all."""
+    return AllBlocksCleared(medium=naming.medium(tier) if tier is not None else None)
+
+
+@dataclass(slots=True)
+class Replay:
+    """What one replay request gets: ``frames`` to send to its client, in order (each a
+    multipart message after the client's identity and the empty delimiter)."""
+
+    frames: list[tuple[bytes, ...]]
+    reason: str = ""          # why the request was not answered in full ("": it was)
+
+
+class EventLog:
+    """Numbers batches and keeps the last of them for replay: at most ``max_batches`` and
+    ``max_bytes`` of payloads (the oldest go first). Batches hold at most ``max_events`` events
+    (a longer list is split), so one message stays small whatever a tick gathered."""
+
+    def __init__(self, first_seq: int, *, max_batches: int, max_bytes: int, max_events: int = 1024,
+                 data_parallel_rank: int | None = None) -> None:
+        self.next_seq = first_seq
+        self.max_batches = max_batches
+        self.max_bytes = max_bytes
+        self.max_events = max_events
+        self.rank = data_parallel_rank
+        self._kept: deque[tuple[int, bytes, bytes]] = deque()      # (seq, topic, payload)
+        self._kept_bytes = 0
+        self.events = 0             # events numbered so far (this process)
+        self.batches = 0
+
+    def add(self, topic: str, events: Sequence[KVCacheEvent], ts: float,
+            take_seq: Callable[[], int] | None = None) -> list[tuple[bytes, bytes, bytes]]:
+        """``events`` as numbered batches ``(topic, seq as 8 bytes big-endian, payload)``, kept
+        for replay. ``take_seq`` hands out sequence numbers (a :class:`SequenceLease`'s, which
+        persists them); without it they count from ``first_seq``."""
+        out = []
+        topic_bytes = topic.encode()
+        for start in range(0, len(events), self.max_events):
+            part = list(events[start:start + self.max_events])
+            payload = encode_batch(EventBatch(ts, part, self.rank))
+            seq = take_seq() if take_seq is not None else self.next_seq
+            self.next_seq = seq + 1
+            self._keep(seq, topic_bytes, payload)
+            out.append((topic_bytes, seq.to_bytes(8, "big"), payload))
+            self.events += len(part)
+            self.batches += 1
+        return out
+
+    def _keep(self, seq: int, topic: bytes, payload: bytes) -> None:
+        kept = self._kept
+        kept.append((seq, topic, payload))
+        self._kept_bytes += len(payload) + len(topic)
+        while kept and (len(kept) > self.max_batches or self._kept_bytes > self.max_bytes):
+            _, old_topic, old = kept.popleft()
+            self._kept_bytes -= len(old) + len(old_topic)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._kept_bytes
+
+    @property
+    def oldest_kept(self) -> int | None:
+        return self._kept[0][0] if self._kept else None
+
+    def replay(self, request: Sequence[bytes], *, max_frames: int | None = None) -> Replay:
+        """The answer to one replay request (the frames after the client's identity and the
+        empty delimiter): the batches kept from the sequence number asked, then the end marker.
+        A request that is not one 8-byte frame, or asks for what is not kept, is told so in the
+        end marker's payload."""
+        if len(request) != 1 or len(request[0]) != 8:
+            reason = (f"malformed replay request: {len(request)} frames of {[len(f) for f in request][:4]} bytes; "
+                      "send one frame, the first sequence number wanted as 8 bytes big-endian")
+            return Replay([(b"", END_SEQ, reason.encode())], reason)
+        start = int.from_bytes(request[0], "big", signed=True)
+        frames: list[tuple[bytes, ...]] = []
+        for seq, topic, payload in self._batches_from(start):
+            if max_frames is not None and len(frames) >= max_frames:
+                reason = f"cut after {max_frames} batches: ask again from {seq}"
+                frames.append((b"", END_SEQ, reason.encode()))
+                return Replay(frames, reason)
+            frames.append((topic, seq.to_bytes(8, "big"), payload))
+        oldest = self.oldest_kept
+        reason = ""
+        if start < 0:
+            reason = f"sequence number {start} does not exist (they start at 0)"
+        elif oldest is None or start >= self.next_seq:
+            reason = (f"sequence number {start} is not published yet (the next is {self.next_seq})"
+                      if start > self.next_seq else "")
+        elif start < oldest:
+            reason = (f"batches {start}..{oldest - 1} are no longer kept (the oldest kept is {oldest}): "
+                      "rebuild from what comes next")
+        frames.append((b"", END_SEQ, reason.encode()))
+        return Replay(frames, reason)
+
+    def _batches_from(self, start: int) -> Iterable[tuple[int, bytes, bytes]]:
+        """The kept batches from ``start`` on (kept sequence numbers are consecutive: one
+        process hands them out one by one)."""
+        kept = self._kept
+        if not kept or start > kept[-1][0]:
+            return ()
+        first = max(0, start - kept[0][0])
+        return (kept[i] for i in range(first, len(kept)))
+
+
+class SequenceLease:
+    """Sequence numbers that never go backwards across restarts: before a number past the last
+    one persisted is handed out, a ceiling ``lease`` further is persisted (``persist``); a daemon
+    that starts again begins at the ceiling it finds, so a crash skips at most ``lease`` numbers
+    and repeats none. A clean stop persists the next number itself, so an upgrade continues with
+    no gap."""
+
+    def __init__(self, stored: int, persist: Callable[[int], None], lease: int = 1 << 16) -> None:
+        self.next = stored
+        self.lease = lease
+        self._persist = persist
+        self._ceiling = stored
+
+    def take(self) -> int:
+        seq = self.next
+        if seq >= self._ceiling:
+            self._ceiling = seq + self.lease
+            self._persist(self._ceiling)
+        self.next = seq + 1
+        return seq
+
+    def close(self) -> None:
+        """A clean stop: the next number is the one to start from."""
+        self._persist(self.next)
+        self._ceiling = self.next

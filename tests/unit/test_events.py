@@ -1,0 +1,88 @@
+"""kvcached.events without I/O: tier changes as vLLM events, numbered batches and replay,
+sequence numbers across restarts, and the [events] settings refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached.config import ConfigError, load_config
+from kvcached.events.schema import decode_batch
+from kvcached.events.stream import END_SEQ, EventLog, EventNaming, SequenceLease, events_of
+from kvcached.index.format import BlockRecord, Tier
+from kvcached.index.presence import TierChange, TierFeed
+from kvcached_agent.route import RouteKey
+
+NAMING = EventNaming(node="n1", ownership="kvcached@n1")
+
+
+def record(tiers: Tier) -> bytes:
+    return BlockRecord(b"\x07" * 32, 0xFFFFFFFF, "org/model", 4096, b"c" * 32, 1.0, 1.0, tiers).encode()
+
+
+def test_each_tier_gained_or_lost_is_one_event_per_engine_group() -> None:
+    keys = [RouteKey([5, 6], 4, list(range(32)), 16, group_idx=0), RouteKey([5, 6], 4, list(range(32)), 16, group_idx=1)]
+    gained = events_of(TierChange(b"k", record(Tier.RAM | Tier.SSD), Tier.NONE, Tier.RAM | Tier.SSD), keys, NAMING)
+    assert [(type(e).__name__, e.medium, e.group_idx) for e in gained] == [
+        ("BlockStored", "CPU", 0), ("BlockStored", "CPU", 1), ("BlockStored", "STORAGE", 0), ("BlockStored", "STORAGE", 1)]
+    lost = events_of(TierChange(b"k", record(Tier.SSD), Tier.RAM | Tier.SSD, Tier.SSD), keys[:1], NAMING)
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in lost] == [("BlockRemoved", "CPU", [5, 6])]
+    (unkeyed,) = events_of(TierChange(b"k", record(Tier.RAM), Tier.NONE, Tier.RAM), None, NAMING)
+    assert unkeyed.block_hashes == [int.from_bytes(b"\x07" * 8, "big")] and unkeyed.token_ids == []
+    assert unkeyed.extra_keys == [["kvcached-digest", "07" * 32, 0xFFFFFFFF]]
+
+
+def test_the_feed_records_changes_of_tiers_only_and_is_bounded() -> None:
+    feed = TierFeed(limit=3)
+    feed.record_write([b"a", b"b", b"c"], [record(Tier.RAM), record(Tier.RAM)], [None, record(Tier.RAM), record(Tier.SSD)])
+    (change, deleted) = feed.take()
+    assert (change.key, change.before, change.after) == (b"a", Tier.NONE, Tier.RAM)
+    assert (deleted.key, deleted.before, deleted.after) == (b"c", Tier.SSD, Tier.NONE)
+    feed.record_write([b"x"] * 5, [record(Tier.RAM)] * 5, [None] * 5)
+    assert len(feed) == 3 and feed.dropped == 2
+
+
+def test_batches_are_numbered_kept_for_replay_and_replay_says_what_is_missing() -> None:
+    log = EventLog(10, max_batches=3, max_bytes=1 << 20, max_events=2)
+    change = TierChange(b"k", record(Tier.RAM), Tier.NONE, Tier.RAM)
+    events = events_of(change, None, NAMING) * 5
+    sent = log.add("kv@n1@m", events, 1.5)
+    assert [int.from_bytes(seq, "big") for _, seq, _ in sent] == [10, 11, 12]     # 5 events, 2 a batch
+    assert decode_batch(sent[0][2]).ts == 1.5 and len(decode_batch(sent[2][2]).events) == 1
+    log.add("kv@n1@m", events[:1], 2.0)                                               # 13; 10 is no longer kept
+    answer = log.replay([(11).to_bytes(8, "big")])
+    assert [int.from_bytes(f[1], "big") for f in answer.frames[:-1]] == [11, 12, 13] and answer.reason == ""
+    old = log.replay([(2).to_bytes(8, "big")])
+    assert old.frames[-1][1] == END_SEQ and b"no longer kept" in old.frames[-1][2]
+    assert b"malformed" in log.replay([b"abc"]).frames[-1][2]
+    assert b"not published yet" in log.replay([(99).to_bytes(8, "big")]).frames[-1][2]
+    cut = log.replay([(11).to_bytes(8, "big")], max_frames=1)
+    assert len(cut.frames) == 2 and b"ask again from 12" in cut.frames[-1][2]
+
+
+def test_sequence_numbers_never_go_back_after_a_crash_and_run_on_after_a_clean_stop() -> None:
+    stored: list[int] = []
+    lease = SequenceLease(0, stored.append, lease=100)
+    assert [lease.take() for _ in range(3)] == [0, 1, 2] and stored == [100]
+    crashed = SequenceLease(stored[-1], stored.append, lease=100)         # the crash lost 3..99: skipped, never repeated
+    assert crashed.take() == 100
+    crashed.close()
+    assert SequenceLease(stored[-1], stored.append).take() == 101
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (['events.endpoint="tcp://0.0.0.0:5557"'], "events.endpoint"),
+    (['events.endpoint="tcp://*:5557"'], "events.endpoint"),
+    (['events.endpoint="tcp://127.0.0.1:5557"', 'events.replay_endpoint="tcp://10.0.0.1:5558"'], "events.replay_endpoint"),
+    (['events.replay_endpoint="tcp://127.0.0.1:5558"'], "events.replay_endpoint"),
+    (['events.endpoint="udp://127.0.0.1:5557"'], "events.endpoint"),
+    (['events.topic="kv@{pod}"'], "events.topic"),
+])
+def test_events_settings_refused_at_start(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert key in str(err.value)
+
+
+def test_a_routable_endpoint_is_allowed_when_said_so() -> None:
+    config = load_config(None, ['events.endpoint="tcp://*:5557"', "events.remote=true"])
+    assert config.events.endpoint == "tcp://*:5557"
