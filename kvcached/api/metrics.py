@@ -310,8 +310,9 @@ class EventsCollector(Collector):
         for name, value, doc in (
                 ("events_published", c.events, "KV events published (vLLM's schema, docs/events.md)"),
                 ("events_batches", c.batches, "KV event batches published (each a sequence number)"),
-                ("events_dropped_hwm", c.dropped_hwm, "KV event batches that at least one subscriber missed: its "
-                                                     "queue was at the high-water mark (it may ask the replay endpoint)"),
+                ("events_dropped_hwm", c.dropped_hwm, "times a subscriber's queue filled to the high-water mark "
+                                                     "(each stall once: libzmq drops the batches it then misses "
+                                                     "without telling; the subscriber sees the gap and may replay)"),
                 ("events_dropped_feed", c.dropped_feed, "tier changes lost before publishing (the feed was full)"),
                 ("events_replays", c.replays, "KV event replay requests answered"),
                 ("events_replays_refused", c.replays_refused, "replay requests malformed or asking for batches not kept"),
