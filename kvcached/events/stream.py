@@ -175,12 +175,12 @@ class EventLog:
         reason = ""
         if start < 0:
             reason = f"sequence number {start} does not exist (they start at 0)"
-        elif oldest is None or start >= self.next_seq:
-            reason = (f"sequence number {start} is not published yet (the next is {self.next_seq})"
-                      if start > self.next_seq else "")
-        elif start < oldest:
+        elif start > self.next_seq:
+            reason = f"sequence number {start} is not published yet (the next is {self.next_seq})"
+        elif start < (oldest if oldest is not None else self.next_seq):
+            oldest = oldest if oldest is not None else self.next_seq      # none kept yet (a new process)
             reason = (f"batches {start}..{oldest - 1} are no longer kept (the oldest kept is {oldest}): "
-                      "rebuild from what comes next")
+                      "keep what you knew of this node and follow what comes next")
         frames.append((b"", END_SEQ, reason.encode()))
         return Replay(frames, reason)
 

@@ -55,6 +55,9 @@ def test_batches_are_numbered_kept_for_replay_and_replay_says_what_is_missing() 
     assert old.frames[-1][1] == END_SEQ and b"no longer kept" in old.frames[-1][2]
     assert b"malformed" in log.replay([b"abc"]).frames[-1][2]
     assert b"not published yet" in log.replay([(99).to_bytes(8, "big")]).frames[-1][2]
+    fresh = EventLog(12, max_batches=3, max_bytes=1 << 20)        # a new process, nothing published yet
+    assert b"no longer kept" in fresh.replay([(0).to_bytes(8, "big")]).frames[-1][2]
+    assert fresh.replay([(12).to_bytes(8, "big")]).reason == ""
     cut = log.replay([(11).to_bytes(8, "big")], max_frames=1)
     assert len(cut.frames) == 2 and b"ask again from 12" in cut.frames[-1][2]
 
