@@ -316,7 +316,9 @@ class EventsCollector(Collector):
                 ("events_dropped_feed", c.dropped_feed, "tier changes lost before publishing (the feed was full)"),
                 ("events_replays", c.replays, "KV event replay requests answered"),
                 ("events_replays_refused", c.replays_refused, "replay requests malformed or asking for batches not kept"),
-                ("events_replays_cut", c.replays_cut, "replay answers cut short: the client's queue was full")):
+                ("events_replays_cut", c.replays_cut, "replay answers cut short: the client's queue was full"),
+                ("events_seq_write_failures", c.seq_write_failures, "writes of the KV events' sequence file that failed "
+                                                                    "(a crash before the next one may repeat numbers)")):
             yield CounterMetricFamily(f"kvcached_{name}", doc, value=value)
         yield GaugeMetricFamily("kvcached_events_subscriptions", "KV event subscriptions open now", value=c.subscriptions)
 

@@ -61,6 +61,7 @@ class EventCounters:
     replays_refused: int = 0     # replay requests malformed or asking for what is not kept
     replays_cut: int = 0         # replay answers cut short (the client's queue was full)
     subscriptions: int = 0       # subscriptions open now (subscribe minus unsubscribe messages)
+    seq_write_failures: int = 0  # writes of the sequence file that failed
 
 
 class EventPublisher:
@@ -262,7 +263,15 @@ class EventPublisher:
                     break
 
     def _persist(self, value: int) -> None:
-        _write_seq(self._seq_path, value)
+        """Keep ``value`` in the sequence file. A failed write (a full disk) is logged and
+        publishing goes on: numbers stay increasing while this process runs; only a crash
+        before the next successful write could repeat some."""
+        try:
+            _write_seq(self._seq_path, value)
+        except OSError as exc:
+            self.counters.seq_write_failures += 1
+            log.warning("KV events: the sequence number cannot be kept", extra=fields(
+                path=self._seq_path, error=exc.strerror or str(exc)))
 
     @property
     def next_seq(self) -> int:
@@ -285,8 +294,8 @@ def _read_seq(path: str) -> int:
     try:
         value = int(text.decode().strip())
     except ValueError:
-        raise OSError(f"{path} does not hold a sequence number ({text[:32]!r}); remove it to start again at 0 "
-                      "(subscribers then see numbers go backwards)") from None
+        raise OSError(f"{path} does not hold a sequence number ({text[:32]!r}): remove it to start again at 0 "
+                      "(subscribers then see numbers go backwards), or write a number above the last one published") from None
     return max(0, value)
 
 

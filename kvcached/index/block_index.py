@@ -223,6 +223,17 @@ class BlockIndex:
         if n:
             db.commit(batch, False)
 
+    def delete_routes(self, keys: Iterable[bytes]) -> None:
+        """Forget the engine keys of ``keys`` (blocks not stored after all)."""
+        db = self._database
+        batch = WriteBatch(raw_mode=True)
+        n = 0
+        for key in keys:
+            batch.delete(key, column_family=db.routes_handle)
+            n += 1
+        if n:
+            db.commit(batch, False)
+
     def routes_many(self, keys: list[bytes]) -> list[bytes | None]:
         """The encoded route keys of ``keys`` (None where none were given); safe from a worker thread."""
         return cast("list[bytes | None]", self._database.routes[cast(Any, keys)]) if keys else []

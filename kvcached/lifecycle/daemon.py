@@ -169,7 +169,10 @@ class Daemon:
         settings = PolicySettings(slru_ratio=kv.slru_ratio)
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory)
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
-        self.events = publisher_for(cfg, cfg.cluster.name or socket.gethostname())
+        try:
+            self.events = publisher_for(cfg, cfg.cluster.name or socket.gethostname())
+        except OSError as exc:
+            raise StartupError(f"events: {exc}") from None
         # After a clean handover the index is as true as the predecessor left it: no boot scan.
         self.index, self.index_reconcile = open_index(
             cfg, self.notifier.status, self.adoption.placed_keys if self.adoption else frozenset(),

@@ -54,6 +54,7 @@ from kvcached.store.results import (
     PutResult,
     SlotRefusal,
 )
+from kvcached.store.routes import RouteKeys
 from kvcached.store.ssd_evictor import SsdEvictor
 from kvcached.store.ssd_mover import SsdMover, load_budget
 from kvcached.store.ssd_reconcile import ReconcileReport
@@ -107,6 +108,7 @@ class Store:
             self.settings.prefetch = prefetch
         ram.prefer_clean = ssd is not None
         self.ledger = RecordLedger(ram, index, clock)
+        self.routes = RouteKeys(index)       # the engine's keys of blocks being saved (KV events)
         # Readers and agents may hold at most half the RAM tier, so a stalled one can never
         # hold all of it: puts keep finding room in the other half.
         self.inflight = InFlight(max_held_bytes=ram.capacity // 2)
@@ -258,17 +260,26 @@ class Store:
 
     def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | SlotRefusal]:
         self._settle((address.key for address, _ in entries), None)
-        return self.writer.reserve(entries)
+        results = self.writer.reserve(entries)
+        if self.routes:
+            self.routes.placed(a.key for (a, _), r in zip(entries, results)
+                               if not isinstance(r, SlotRefusal) or r == SlotRefusal.PRESENT)
+        return results
 
     async def throttle_writes(self) -> None:
         await self.writer.throttle_writes()
 
     def abort_reserved(self, block: RamBlock) -> None:
         self.writer.abort_reserved(block)
+        if self.index.tier_feed is not None:
+            self.routes.abandoned([block.key])
 
     async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]],
                              model: str) -> list[CommitOutcome | None]:
-        return await self.writer.commit_written(written, model)
+        outcomes = await self.writer.commit_written(written, model)
+        if self.index.tier_feed is not None:
+            self.routes.abandoned(a.key for (a, _), outcome in zip(written, outcomes) if outcome is not None)
+        return outcomes
 
     def offset_of(self, block: RamBlock) -> int:
         """Byte offset of the block's slot in the shared arena."""
@@ -307,12 +318,11 @@ class Store:
         return self.index.tier_feed is not None
 
     def keep_routes(self, entries: Sequence[tuple[bytes, int, bytes]]) -> None:
-        """Keep the engine's keys (encoded, checked by the caller) of blocks (digest, layer)
-        about to be saved, for their KV events. Nothing while no events are published; a full
-        index loses them (the events then name the blocks by digest)."""
-        if self.index.tier_feed is None or not entries:
-            return
-        self.index.put_routes([(index_key(digest, layer), blob) for digest, layer, blob in entries])
+        """The engine's keys (encoded, checked by the caller) of blocks (digest, layer) about to
+        be saved, for their KV events: kept once the blocks are reserved (store.routes).
+        Nothing while no events are published."""
+        if self.index.tier_feed is not None:
+            self.routes.offer((index_key(digest, layer), blob) for digest, layer, blob in entries)
 
     async def locate(self, digests: Sequence[bytes], layer: int) -> None:
         """Before a Lookup, in a cluster: ask where remote blocks are (ReadPath.locate)."""

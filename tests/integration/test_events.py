@@ -108,6 +108,22 @@ def test_tiers_publish_vllm_events_and_sequence_numbers_never_go_back(make_daemo
     ctx.term()
 
 
+def test_a_damaged_sequence_file_stops_the_start_with_a_clear_error_and_loses_nothing(make_daemon: Any,
+                                                                                        tmp_path: Path) -> None:
+    d = events_daemon(make_daemon, tmp_path)
+    with connect(d) as agent:
+        digests = save(agent, list(range(32)))
+    assert d.stop() == 0
+    (tmp_path / "index" / "events.seq").write_text("not a number\n")
+    d.start(wait=False)
+    assert d.proc.wait(20) != 0                             # type: ignore[union-attr]
+    assert "does not hold a sequence number" in d.log() and "Traceback" not in d.log()
+    (tmp_path / "index" / "events.seq").write_text("1000\n")
+    d.start()
+    with connect(d) as agent:
+        assert agent.lookup(digests).ssd == len(digests), "the blocks are all there"
+
+
 def test_bad_replay_requests_get_clear_answers_and_floods_cost_little(make_daemon: Any, tmp_path: Path) -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     d = events_daemon(make_daemon, tmp_path)

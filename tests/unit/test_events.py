@@ -89,3 +89,18 @@ def test_events_settings_refused_at_start(overrides: list[str], key: str) -> Non
 def test_a_routable_endpoint_is_allowed_when_said_so() -> None:
     config = load_config(None, ['events.endpoint="tcp://*:5557"', "events.remote=true"])
     assert config.events.endpoint == "tcp://*:5557"
+
+
+def test_a_sequence_file_that_cannot_be_written_is_counted_and_publishing_goes_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvcached.events.publisher import SEQ_FILE, EventPublisher, PublisherSettings
+    publisher = EventPublisher(PublisherSettings("ipc://unused", "", NAMING), str(tmp_path))
+    (tmp_path / (SEQ_FILE + ".tmp")).mkdir()          # the write's temporary file cannot be made
+    assert [publisher._lease.take() for _ in range(2)] == [0, 1]
+    assert publisher.counters.seq_write_failures == 1
+
+
+def test_a_sequence_file_that_does_not_hold_a_number_is_refused_saying_how_to_mend_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvcached.events.publisher import SEQ_FILE, EventPublisher, PublisherSettings
+    (tmp_path / SEQ_FILE).write_bytes(b"\x00garbage")
+    with pytest.raises(OSError, match="does not hold a sequence number.*remove it"):
+        EventPublisher(PublisherSettings("ipc://unused", "", NAMING), str(tmp_path))

@@ -295,7 +295,8 @@ def test_second_open_of_the_same_dir_raises(index_factory: Callable[..., BlockIn
 def test_wrong_schema_version(index_factory: Callable[..., BlockIndex], tmp_path: Path) -> None:
     index_factory("db").close()
     path = str(tmp_path / "db")
-    db = Rdict(path, Options(raw_mode=True), column_families={n: Options(raw_mode=True) for n in ("blocks", "meta", "ssd_age", "policy", "routes")})
+    families = ("blocks", "meta", "ssd_age", "policy", "routes")
+    db = Rdict(path, Options(raw_mode=True), column_families={n: Options(raw_mode=True) for n in families})
     meta = db.get_column_family("meta")
     meta[b"schema_version"] = struct.pack("<I", SCHEMA_VERSION + 1)
     del meta

@@ -183,3 +183,24 @@ def test_gpu_view_prefixes_and_overlap() -> None:
 
 def test_arena_fixture_is_what_these_tests_assume() -> None:
     assert ARENA == 4 * SLAB
+
+
+def test_engine_keys_are_kept_only_for_blocks_reserved_or_stored(store: SyncStore, index: BlockIndex) -> None:
+    """KV events: keys offered before a save reach the index once the block is reserved (or
+    found stored), and go again when the reservation is given back; keys of blocks never
+    reserved stay out of the index (bounded while they wait)."""
+    from kvcached.index.presence import TierFeed
+    index.tier_feed = TierFeed()
+    store.keep_routes([(digest(n), address(n).layer, b"keys%d" % n) for n in (1, 2, 3)])
+    assert index.routes_many([address(1).key]) == [None], "nothing in the index before a reservation"
+    save(store, [1])
+    blocks = store.reserve([(address(2), 8 * KIB)])
+    store.abort_reserved(blocks[0])                     # type: ignore[arg-type]
+    assert index.routes_many([address(n).key for n in (1, 2, 3)]) == [b"keys1", None, None]
+    store.keep_routes([(digest(1), address(1).layer, b"again")])
+    assert store.reserve([(address(1), 8 * KIB)]) == ["present"]      # stored already: its keys are kept
+    assert index.routes_many([address(1).key]) == [b"again"]
+    store.routes.limit = 2
+    store.keep_routes([(digest(n), address(n).layer, b"k") for n in range(10, 20)])
+    assert len(store.routes) == 2, "keys waiting for a reservation are bounded"
+    settle(store)
