@@ -228,6 +228,8 @@ class EventPublisher:
         if pub is None:
             return
         for _ in range(10_000):
+            if not int(pub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:     # cheaper than a recv that raises
+                return
             try:
                 message = pub.recv(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -242,6 +244,8 @@ class EventPublisher:
         if replay is None:
             return
         for _ in range(REPLAYS_PER_TICK):
+            if not int(replay.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
             try:
                 request = replay.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:

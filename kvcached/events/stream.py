@@ -24,6 +24,7 @@ from kvcached_agent.route import RouteKey
 __all__ = ["END_SEQ", "EventLog", "EventNaming", "Replay", "SequenceLease", "events_of", "model_of"]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_RAM, _SSD = int(Tier.RAM), int(Tier.SSD)
 DIGEST_MARK = "kvcached-digest"       # extra_keys of an event that names a block by kvcached's digest
 
 
@@ -55,27 +56,22 @@ def events_of(change: TierChange, routes: Sequence[RouteKey] | None, naming: Eve
     """The events of one block's change of tiers, RAM's first: a BlockStored per engine group
     for each tier gained, a BlockRemoved for each tier lost. Without ``routes`` (the agent gave
     no engine keys, or the block came from a peer or the gRPC API) the block is named by its
-    kvcached digest, marked so in ``extra_keys``."""
+    kvcached digest, marked so in ``extra_keys``. Tier sets are plain ints here (this runs for
+    every change: IntFlag arithmetic cost more than the rest)."""
     out: list[KVCacheEvent] = []
-    gained = change.after & ~change.before
-    lost = change.before & ~change.after
-    for tier in (Tier.RAM, Tier.SSD):
-        if not (gained | lost) & tier:
-            continue
-        medium = naming.medium(tier)
-        keys = routes or [_digest_key(change.record)]
-        for key in keys:
-            if gained & tier:
-                out.append(BlockStored(
-                    block_hashes=list(key.block_hashes), parent_block_hash=key.parent_block_hash,
-                    token_ids=list(key.token_ids), block_size=key.block_size, lora_id=key.lora_id, medium=medium,
-                    lora_name=key.lora_name, extra_keys=key.extra_keys, group_idx=key.group_idx,
-                    kv_cache_spec_kind=key.kv_cache_spec_kind,
-                    kv_cache_spec_sliding_window=key.kv_cache_spec_sliding_window,
-                    locality=naming.locality, ownership=naming.ownership))
-            else:
-                out.append(BlockRemoved(block_hashes=list(key.block_hashes), medium=medium, group_idx=key.group_idx,
-                                        locality=naming.locality, ownership=naming.ownership))
+    before, after = change.before, change.after
+    keys = routes or [_digest_key(change.record)]
+    for bit, medium in ((_RAM, naming.ram_medium), (_SSD, naming.ssd_medium)):
+        if after & bit and not before & bit:
+            out.extend(BlockStored(
+                block_hashes=key.block_hashes, parent_block_hash=key.parent_block_hash, token_ids=key.token_ids,
+                block_size=key.block_size, lora_id=key.lora_id, medium=medium, lora_name=key.lora_name,
+                extra_keys=key.extra_keys, group_idx=key.group_idx, kv_cache_spec_kind=key.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=key.kv_cache_spec_sliding_window, locality=naming.locality,
+                ownership=naming.ownership) for key in keys)
+        elif before & bit and not after & bit:
+            out.extend(BlockRemoved(block_hashes=key.block_hashes, medium=medium, group_idx=key.group_idx,
+                                    locality=naming.locality, ownership=naming.ownership) for key in keys)
     return out
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from kvcached.index.format import RECORD, SCHEMA_VERSION, TIERS_AT, Tier, is_present, wire_key_of
+from kvcached.index.format import RECORD, SCHEMA_VERSION, TIERS_AT, is_present, wire_key_of
 
-__all__ = ["PresenceFeed", "TierChange", "TierFeed", "tiers_of"]
+__all__ = ["PresenceFeed", "TierChange", "TierFeed", "tier_bits"]
 
 
 class PresenceFeed:
@@ -63,8 +63,8 @@ class TierChange(NamedTuple):
 
     key: bytes
     record: bytes
-    before: Tier
-    after: Tier
+    before: int          # Tier bits, as plain ints: the feed and the publisher sit on the write path
+    after: int
     route: bytes | None = None
 
 
@@ -86,14 +86,14 @@ class TierFeed:
         written ones', then the deleted ones') and the deleted ones' engine keys."""
         changes: list[TierChange] = []
         for key, raw, old in zip(keys, written, before):
-            was, now = tiers_of(old), tiers_of(raw)
+            was, now = tier_bits(old), tier_bits(raw)
             if was != now:
                 changes.append(TierChange(key, raw, was, now))
         routes = deleted_routes or [None] * (len(keys) - len(written))
         for key, old, route in zip(keys[len(written):], before[len(written):], routes):
-            was = tiers_of(old)
+            was = tier_bits(old)
             if was:
-                changes.append(TierChange(key, old, was, Tier.NONE, route))      # type: ignore[arg-type]
+                changes.append(TierChange(key, old, was, 0, route))      # type: ignore[arg-type]
         if changes:
             over = len(self._changes) + len(changes) - self.limit
             if over > 0:
@@ -115,8 +115,8 @@ class TierFeed:
         return len(self._changes)
 
 
-def tiers_of(raw: bytes | None) -> Tier:
-    """The tier set of a raw record (NONE for an absent or unreadable one)."""
+def tier_bits(raw: bytes | None) -> int:
+    """The tier set of a raw record as :class:`Tier` bits (0 for an absent or unreadable one)."""
     if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
-        return Tier.NONE
-    return Tier(raw[TIERS_AT])
+        return 0
+    return raw[TIERS_AT]
