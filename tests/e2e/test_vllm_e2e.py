@@ -158,9 +158,11 @@ def test_a_prompt_sharing_half_matches_whole_blocks_of_the_shared_part(
         daemon: DaemonProcess, tiny_model: Path, engine: EngineRun) -> None:
     first, shared = prompt(2, 1000), 500
     second = first[:shared] + prompt(3, 500)
-    engine(tiny_model, [{"prompts": [first], "max_tokens": 1}], kvcached(daemon))
-    run = engine(tiny_model, [{"prompts": [second], "max_tokens": MAX_TOKENS}], kvcached(daemon))
-    hit = run["rounds"][0]["outputs"][0]
+    # One engine: the second prompt after vLLM's own prefix cache is emptied (as a new engine's
+    # is), so its shared part can only come from kvcached.
+    run = engine(tiny_model, [{"prompts": [first], "max_tokens": 1},
+                              {"prompts": [second], "max_tokens": MAX_TOKENS, "reset_prefix_cache": True}], kvcached(daemon))
+    hit = run["rounds"][1]["outputs"][0]
     assert hit["num_cached_tokens"] == shared // BLOCK * BLOCK
     cold = engine(tiny_model, [{"prompts": [second], "max_tokens": MAX_TOKENS}])["rounds"][0]["outputs"][0]
     close_to_cold(hit, cold)
@@ -197,19 +199,28 @@ def test_the_cache_follows_the_model_not_its_path(daemon: DaemonProcess, engine:
     assert new["token_ids"] != old["token_ids"]
 
 
-def test_after_a_daemon_restart_the_hit_comes_from_ssd(make_daemon, tiny_model: Path, engine: EngineRun) -> None:  # type: ignore[no-untyped-def]
-    """Write-through: the blocks are on SSD when the first engine's request ends; the daemon
-    restarts (its RAM tier empty) and a new engine loads them from SSD, output bit-identical to
-    vLLM's own prefix-cache hit."""
+def test_after_a_daemon_restart_the_hit_comes_from_ssd(make_daemon, tiny_model: Path, engine: EngineRun,  # type: ignore[no-untyped-def]
+                                                      tmp_path: Path) -> None:
+    """Write-through: the blocks are on SSD when the engine's request ends; the daemon restarts
+    (its RAM tier empty) while the engine waits, then the engine, its own prefix cache emptied,
+    loads them from SSD (its agent connects again), output bit-identical to vLLM's own
+    prefix-cache hit."""
     d = make_daemon('kv.write_policy="write_through"')
     p = prompt(7, 900)
-    first = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2, kvcached(d))
-    local_hit = first["rounds"][1]["outputs"][0]
-    assert d.stop() == 0
-    d.start()
-    with d.client() as c:
-        ram_before = c.stats().tiers[0].blocks
-    hit = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}], kvcached(d))["rounds"][0]["outputs"][0]
+    stored, restarted = tmp_path / "stored", tmp_path / "restarted"
+    rounds = [{"prompts": [p], "max_tokens": MAX_TOKENS},
+              {"prompts": [p], "max_tokens": MAX_TOKENS, "signal_after": str(stored)},
+              {"prompts": [p], "max_tokens": MAX_TOKENS, "wait_for": str(restarted), "reset_prefix_cache": True}]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        run = pool.submit(engine, tiny_model, rounds, kvcached(d, retry_s=0.2))
+        wait_for(lambda: stored.exists() or run.done(), timeout=600, text="the engine's first rounds")
+        assert d.stop() == 0
+        d.start()
+        with d.client() as c:
+            ram_before = c.stats().tiers[0].blocks
+        restarted.touch()
+        result = run.result()
+    local_hit, hit = (r["outputs"][0] for r in result["rounds"][1:])
     assert ram_before == 0 and hit["num_cached_tokens"] == loadable(len(p))
     with d.client() as c:
         assert c.stats().promotions >= loadable(len(p)) // BLOCK, "the blocks came from the SSD tier"

@@ -115,19 +115,23 @@ def test_a_hybrid_model_resumes_from_kvcached_as_from_vllms_own_prefix_cache(
 
 def test_an_mla_model_resumes_from_kvcached_as_from_vllms_own_prefix_cache(
         daemon: DaemonProcess, engine: EngineRun, tmp_path: Path) -> None:
-    """DeepSeek V2's MLA (kv_lora_rank 512, qk_rope_head_dim 64): a prompt stored by one engine
-    resumes in a fresh one at vLLM's own hit length, bit-identical."""
+    """DeepSeek V2's MLA (kv_lora_rank 512, qk_rope_head_dim 64): a prompt stored by the engine
+    resumes from kvcached once vLLM's own prefix cache is emptied (as a new engine's is), at
+    vLLM's own hit length, bit-identical."""
     from tests.e2e.model import TinyModel
 
     model = TinyModel("deepseekv2", layers=2).build(tmp_path / "deepseek")
     p = prompt(43, MLA_PROMPT)
-    first = engine(model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2, kvcached(daemon), block_size=None)
+    first = engine(model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2
+                   + [{"prompts": [p], "max_tokens": MAX_TOKENS, "reset_prefix_cache": True}], kvcached(daemon),
+                   block_size=None)
     if not first["prefix_caching"]:
         pytest.skip("vLLM's platform turned prefix caching off for MLA here (vLLM's CPU build does on CPUs "
                     "without AMX): there is no prefix-cache hit to resume from or to compare with")
     own = first["rounds"][1]["outputs"][0]
     assert own["num_cached_tokens"] > 0
-    hit = engine(model, [{"prompts": [p], "max_tokens": MAX_TOKENS}], kvcached(daemon),
-                 block_size=None)["rounds"][0]["outputs"][0]
+    with daemon.client() as c:
+        assert c.stats().hits > 0, "the daemon served the blocks"
+    hit = first["rounds"][2]["outputs"][0]
     assert hit["num_cached_tokens"] == own["num_cached_tokens"]
     assert same_output(hit, own), (hit, own)
