@@ -185,7 +185,7 @@ class AgentSession:
                 continue
             write = self._writes.pop(handle, None)
             if write is not None:
-                self.store.abort_reserved(write[1])
+                self.store.abort_reserved(write[1], write[0])
                 released += 1
             else:
                 unknown += 1
@@ -223,9 +223,9 @@ class AgentSession:
         writes, reads = list(self._writes.values()), list(self._reads.values())
         self._writes.clear()
         self._reads.clear()
-        for _, block in writes:
+        for address, block in writes:
             try:
-                self.store.abort_reserved(block)
+                self.store.abort_reserved(block, address)
             except Exception:       # one bad entry must not leak the rest
                 log.exception("releasing a reserved slot failed", extra={"fields": {"session": self.session}})
         for pinned in reads:

@@ -1,8 +1,9 @@
 """The KV event publisher: the index's tier changes, as vLLM-schema batches, over ZMQ PUB, with a
 replay ROUTER (docs/events.md). A thin asyncio layer over kvcached.events.stream.
 
-One task wakes every batch interval: it answers replay requests, takes the index's tier feed,
-reads the engine keys of the blocks named (one multi-get), and sends one batch per topic. Every
+One task wakes every batch interval: it answers replay requests, takes the index's tier feed
+(each change carries its block's record, and so the engine's keys of the block) and sends one
+batch per topic. Every
 send is non-blocking, so nothing here ever waits for a subscriber: a subscriber whose queue is
 at the high-water mark misses the batch (ZMQ drops it for that subscriber alone; counted in
 :attr:`EventCounters.dropped_hwm`) and can ask the replay endpoint for it.
@@ -19,15 +20,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import zmq
 
-from kvcached.events.stream import EventLog, EventNaming, SequenceLease, clear_event, events_of, model_of
+from kvcached.events.schema import KVCacheEvent
+from kvcached.events.stream import EventLog, EventMaker, EventNaming, SequenceLease, clear_event
 from kvcached.host.logs import fields
-from kvcached.index import BlockIndex, Tier
-from kvcached.index.presence import TierChange, TierFeed
-from kvcached_agent.route import RouteKey, decode_routes
+from kvcached.index import Tier
+from kvcached.index.presence import TierFeed
 
 __all__ = ["EventCounters", "EventPublisher", "PublisherSettings", "SEQ_FILE"]
 
@@ -77,7 +78,8 @@ class EventPublisher:
         self._seq_path = os.path.join(state_dir, SEQ_FILE)
         self._lease = SequenceLease(_read_seq(self._seq_path), self._persist)
         self.log = EventLog(self._lease.next, max_batches=settings.replay_batches, max_bytes=settings.replay_bytes)
-        self._index: BlockIndex | None = None
+        self._maker = EventMaker(settings.naming)
+        self._started = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.Socket[bytes] | None = None
@@ -86,12 +88,12 @@ class EventPublisher:
 
     # -- life --------------------------------------------------------------------------------------
 
-    def start(self, index: BlockIndex, *, ram_lost: bool) -> None:
-        """Bind the endpoints (OSError saying why they cannot be) and publish from ``index``.
-        ``ram_lost``: this daemon starts without its predecessor's RAM tier, which the first batch
-        says with a RAM-scoped AllBlocksCleared."""
+    def start(self, *, ram_lost: bool) -> None:
+        """Bind the endpoints (OSError saying why they cannot be) and publish what :attr:`feed`
+        gets. ``ram_lost``: this daemon starts without its predecessor's RAM tier, which the first
+        batch says with a RAM-scoped AllBlocksCleared."""
         s = self.settings
-        self._index = index
+        self._started = True
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         self._ctx = ctx
         try:
@@ -132,9 +134,9 @@ class EventPublisher:
             except Exception:
                 log.exception("KV events: the last batch could not be published")
         self._close_sockets()
-        if self._index is not None:
+        if self._started:
             self._lease.close()
-            self._index = None
+            self._started = False
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
@@ -164,38 +166,16 @@ class EventPublisher:
         changes = self.feed.take()
         self.counters.dropped_feed = self.feed.dropped
         now = self._clock()
-        by_topic: dict[str, list[object]] = {}
         if self._pending_clear is not None:
             clear = clear_event(self.settings.naming, self._pending_clear)
             self._pending_clear = None
             self._publish(self.settings.naming.topic_of(""), [clear], now)
-        if not changes:
-            return
-        routes = self._routes(changes)
-        naming = self.settings.naming
-        for change, keys in zip(changes, routes):
-            topic = naming.topic_of(model_of(change.record))
-            by_topic.setdefault(topic, []).extend(events_of(change, keys, naming))
-        for topic, events in by_topic.items():
-            self._publish(topic, events, now)
+        if changes:
+            for topic, events in self._maker.events(changes).items():
+                self._publish(topic, events, now)
 
-    def _routes(self, changes: list[TierChange]) -> list[list[RouteKey] | None]:
-        assert self._index is not None
-        try:
-            blobs = self._index.routes_many([c.key for c in changes])
-        except Exception:                 # an index being recovered: name the blocks by digest
-            blobs = [None] * len(changes)
-        out: list[list[RouteKey] | None] = []
-        for change, blob in zip(changes, blobs):
-            blob = change.route if change.route is not None else blob
-            try:
-                out.append(decode_routes(blob) if blob else None)
-            except ValueError:
-                out.append(None)
-        return out
-
-    def _publish(self, topic: str, events: list[object], now: float) -> None:
-        for frames in self.log.add(topic, events, now, self._lease.take):   # type: ignore[arg-type]
+    def _publish(self, topic: str, events: Sequence[KVCacheEvent], now: float) -> None:
+        for frames in self.log.add(topic, events, now, self._lease.take):
             self._send(frames)
         self.counters.events = self.log.events
         self.counters.batches = self.log.batches

@@ -16,16 +16,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+import msgspec
+
 from kvcached.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent, encode_batch
-from kvcached.index.format import DIGEST_AT, LAYER_AT, RECORD, Tier
+from kvcached.index.format import DIGEST_AT, FLAGS_AT, LAYER_AT, RECORD, ROUTED, Tier, record_model
 from kvcached.index.presence import TierChange
 from kvcached_agent.route import RouteKey
 
-__all__ = ["END_SEQ", "EventLog", "EventNaming", "Replay", "SequenceLease", "events_of", "model_of"]
+__all__ = ["END_SEQ", "EventLog", "EventMaker", "EventNaming", "Replay", "SequenceLease", "events_of", "model_of"]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _RAM, _SSD = int(Tier.RAM), int(Tier.SSD)
 DIGEST_MARK = "kvcached-digest"       # extra_keys of an event that names a block by kvcached's digest
+_MODEL_AT = RECORD.size + 2           # a routed record's model (kvcached.index.format)
+_ROUTES = msgspec.msgpack.Decoder(list[RouteKey])
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,31 +52,108 @@ class EventNaming:
         return self.topic.format(node=self.node, model=model)
 
 
+class EventMaker:
+    """Makes the events of the index's tier changes, grouped by topic, in the order the changes
+    came. Each block's keys come from its record (kvcached.index.format.record_route): the feed
+    hands the record over, so nothing is read again. Consecutive events that a vLLM engine would
+    have sent as one are sent as one: removals of the same tier, and stores of the same tier
+    whose blocks chain (each block's parent is the previous block's last hash, as a request's
+    pages do), their hashes and tokens joined. Order is kept where it matters: an event only
+    ever joins the one just before it in its topic. Tier sets are plain ints (this runs for every
+    change: IntFlag arithmetic cost more than the rest)."""
+
+    MAX_TOPICS = 1024          # models named by agents; the topic cache starts over past this
+
+    def __init__(self, naming: EventNaming) -> None:
+        self.naming = naming
+        self._topics: dict[bytes, str] = {}
+
+    def events(self, changes: Iterable[TierChange]) -> dict[str, list[KVCacheEvent]]:
+        by_topic: dict[str, list[KVCacheEvent]] = {}
+        naming = self.naming
+        ram, ssd = naming.ram_medium, naming.ssd_medium
+        topics = self._topics
+        decode = _ROUTES.decode
+        for record, before, after in changes:       # every change of every block: kept inline
+            keys: list[RouteKey] | None = None
+            if record[FLAGS_AT] & ROUTED:
+                cut = _MODEL_AT + (record[RECORD.size] | record[RECORD.size + 1] << 8)
+                model = record[_MODEL_AT:cut]
+                try:        # checked when they came in; a record damaged since is named by digest
+                    keys = decode(record[cut:])
+                except msgspec.DecodeError:
+                    pass
+            else:
+                model = record[RECORD.size:]
+            out = by_topic.get(topics.get(model) or self._new_topic(model))
+            if out is None:
+                out = by_topic[topics[model]] = []
+            if not keys:
+                keys = [_digest_key(record)]
+            gained, lost = after & ~before, before & ~after
+            if gained & _RAM:
+                _add_stored(out, keys, ram, naming)
+            elif lost & _RAM:
+                _add_removed(out, keys, ram, naming)
+            if gained & _SSD:
+                _add_stored(out, keys, ssd, naming)
+            elif lost & _SSD:
+                _add_removed(out, keys, ssd, naming)
+        return by_topic
+
+    def _new_topic(self, model: bytes) -> str:
+        if len(self._topics) >= self.MAX_TOPICS:
+            self._topics.clear()
+        topic = self._topics[model] = self.naming.topic_of(model.decode("utf-8", "replace"))
+        return topic
+
+
+def events_of(change: TierChange, naming: EventNaming) -> list[KVCacheEvent]:
+    """The events of one block's change of tiers, RAM's first (one topic's worth of
+    :meth:`EventMaker.events`): a BlockStored per engine group for each tier gained, a
+    BlockRemoved for each tier lost. A block whose record carries no route keys (the agent gave
+    none, or it came from a peer or the gRPC API) is named by its kvcached digest, marked so in
+    ``extra_keys``."""
+    return [e for events in EventMaker(naming).events([change]).values() for e in events]
+
+
 def model_of(record: bytes) -> str:
-    return record[RECORD.size:].decode("utf-8", "replace")
+    return record_model(record)
 
 
-def events_of(change: TierChange, routes: Sequence[RouteKey] | None, naming: EventNaming) -> list[KVCacheEvent]:
-    """The events of one block's change of tiers, RAM's first: a BlockStored per engine group
-    for each tier gained, a BlockRemoved for each tier lost. Without ``routes`` (the agent gave
-    no engine keys, or the block came from a peer or the gRPC API) the block is named by its
-    kvcached digest, marked so in ``extra_keys``. Tier sets are plain ints here (this runs for
-    every change: IntFlag arithmetic cost more than the rest)."""
-    out: list[KVCacheEvent] = []
-    before, after = change.before, change.after
-    keys = routes or [_digest_key(change.record)]
-    for bit, medium in ((_RAM, naming.ram_medium), (_SSD, naming.ssd_medium)):
-        if after & bit and not before & bit:
-            out.extend(BlockStored(
-                block_hashes=key.block_hashes, parent_block_hash=key.parent_block_hash, token_ids=key.token_ids,
-                block_size=key.block_size, lora_id=key.lora_id, medium=medium, lora_name=key.lora_name,
-                extra_keys=key.extra_keys, group_idx=key.group_idx, kv_cache_spec_kind=key.kv_cache_spec_kind,
-                kv_cache_spec_sliding_window=key.kv_cache_spec_sliding_window, locality=naming.locality,
-                ownership=naming.ownership) for key in keys)
-        elif before & bit and not after & bit:
-            out.extend(BlockRemoved(block_hashes=key.block_hashes, medium=medium, group_idx=key.group_idx,
-                                    locality=naming.locality, ownership=naming.ownership) for key in keys)
-    return out
+def _add_stored(out: list[KVCacheEvent], keys: list[RouteKey], medium: str, naming: EventNaming) -> None:
+    """A BlockStored per key, or the key's hashes and tokens joined to the event before it
+    where that event is a store on ``medium`` the key's block chains from."""
+    for key in keys:
+        last = out[-1] if out else None
+        if (type(last) is BlockStored and key.parent_block_hash is not None and last.block_hashes
+                and key.parent_block_hash == last.block_hashes[-1] and last.medium == medium
+                and key.block_size and last.block_size == key.block_size and key.block_hashes
+                and last.extra_keys is None and key.extra_keys is None and last.group_idx == key.group_idx
+                and last.lora_id == key.lora_id and last.lora_name == key.lora_name
+                and last.kv_cache_spec_kind == key.kv_cache_spec_kind
+                and last.kv_cache_spec_sliding_window == key.kv_cache_spec_sliding_window):
+            last.block_hashes.extend(key.block_hashes)
+            last.token_ids.extend(key.token_ids)
+            continue
+        out.append(BlockStored(
+            block_hashes=list(key.block_hashes), parent_block_hash=key.parent_block_hash, token_ids=list(key.token_ids),
+            block_size=key.block_size, lora_id=key.lora_id, medium=medium, lora_name=key.lora_name,
+            extra_keys=key.extra_keys, group_idx=key.group_idx, kv_cache_spec_kind=key.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=key.kv_cache_spec_sliding_window, locality=naming.locality,
+            ownership=naming.ownership))
+
+
+def _add_removed(out: list[KVCacheEvent], keys: list[RouteKey], medium: str, naming: EventNaming) -> None:
+    """A BlockRemoved per key, or the key's hashes joined to the event before it where that
+    event is a removal from ``medium`` in the key's group."""
+    for key in keys:
+        last = out[-1] if out else None
+        if type(last) is BlockRemoved and last.medium == medium and last.group_idx == key.group_idx:
+            last.block_hashes.extend(key.block_hashes)
+            continue
+        out.append(BlockRemoved(block_hashes=list(key.block_hashes), medium=medium, group_idx=key.group_idx,
+                                locality=naming.locality, ownership=naming.ownership))
 
 
 def _digest_key(record: bytes) -> RouteKey:

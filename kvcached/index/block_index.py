@@ -47,7 +47,10 @@ from kvcached.index.format import (
     Tier,
     is_expired_tombstone,
     is_present,
+    record_model,
+    record_route,
     wire_key_of,
+    with_route,
 )
 from kvcached.index.presence import PresenceFeed, TierFeed
 
@@ -142,7 +145,7 @@ class BlockIndex:
     def models(self, keys: list[bytes]) -> list[str | None]:
         """The model names of ``keys`` (None where absent), read straight from the stored bytes:
         serving a peer's pull needs nothing else from the record (the checksum came with the pin)."""
-        return [raw[RECORD.size:].decode() if raw is not None and len(raw) >= RECORD.size
+        return [record_model(raw) if raw is not None and len(raw) >= RECORD.size
                 and raw[0] == SCHEMA_VERSION else None for raw in self.raw_many(keys)]
 
     def tiers_of(self, keys: list[bytes]) -> list[Tier]:
@@ -152,13 +155,16 @@ class BlockIndex:
 
     def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = (), *,
               queue: Iterable[bytes] = (), unqueue: Iterable[bytes] = (), sync: bool = False,
-              watch: bool = True, policy: Iterable[tuple[bytes, bytes | None]] = ()) -> None:
+              watch: bool = True, policy: Iterable[tuple[bytes, bytes | None]] = (),
+              known: dict[bytes, bytes] | None = None) -> None:
         """Apply puts (records, or encoded records from the ``with_*`` methods), deletes, SSD
         queue entries (from :func:`queue_entry`) and ``policy`` family entries (None deletes)
         atomically, in one WriteBatch; ``sync`` waits
         for the WAL to reach the disk. With a :attr:`presence` feed, blocks that become present or
         stop being present are recorded in it once the write is done; ``watch=False`` says the
-        write changes no block's presence (last-seen times)."""
+        write changes no block's presence (last-seen times). ``known``: records some of the puts
+        replace, as the caller read them just before (the ``read`` of :meth:`without_tier`), so
+        the feeds need not read them again."""
         db = self._database
         batch = WriteBatch(raw_mode=True)
         batch.set_default_column_family(db.blocks_handle)
@@ -176,7 +182,6 @@ class BlockIndex:
             n += 1
         for key in deletes:
             batch.delete(key)
-            batch.delete(key, column_family=db.routes_handle)       # its engine keys go with it
             if watching:
                 deleted.append(key)
             n += 1
@@ -194,9 +199,7 @@ class BlockIndex:
             n += 1
         if not n:
             return
-        before = self.raw_many(written_keys + deleted) if watching and (written or deleted) else []
-        # Engine keys of deleted blocks go with them: the feed keeps them for their removal's events.
-        deleted_routes = self.routes_many(deleted) if deleted and self.tier_feed is not None and watching else None
+        before = self._before(written_keys + deleted, known) if watching and (written or deleted) else []
         try:
             db.commit(batch, sync)
         except IndexUnwritable:
@@ -206,37 +209,33 @@ class BlockIndex:
             if self.presence is not None:
                 self.presence.record_write(written, before)
             if self.tier_feed is not None:
-                self.tier_feed.record_write(written_keys + deleted, written, before, deleted_routes)
+                self.tier_feed.record_write(written, before)
+
+    def _before(self, keys: list[bytes], known: dict[bytes, bytes] | None) -> list[bytes | None]:
+        """The records ``keys`` hold now, for the feeds: read, but for those ``known``."""
+        if not known:
+            return self.raw_many(keys)
+        unknown = [key for key in keys if key not in known]
+        read = dict(zip(unknown, self.raw_many(unknown))) if unknown else {}
+        return [known[key] if key in known else read[key] for key in keys]
 
     # -- the engine keys of blocks (routes), for KV events -------------------------------------------
 
-    def put_routes(self, routes: Iterable[tuple[bytes, bytes]]) -> None:
-        """Keep each (index key, encoded route keys) pair: what the KV events of that block carry
-        so routers can match it to the engine's own blocks (kvcached_agent.route). Deleted with
-        the block's record."""
-        db = self._database
-        batch = WriteBatch(raw_mode=True)
-        n = 0
-        for key, blob in routes:
-            batch.put(key, blob, column_family=db.routes_handle)
-            n += 1
-        if n:
-            db.commit(batch, False)
-
-    def delete_routes(self, keys: Iterable[bytes]) -> None:
-        """Forget the engine keys of ``keys`` (blocks not stored after all)."""
-        db = self._database
-        batch = WriteBatch(raw_mode=True)
-        n = 0
-        for key in keys:
-            batch.delete(key, column_family=db.routes_handle)
-            n += 1
-        if n:
-            db.commit(batch, False)
-
-    def routes_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """The encoded route keys of ``keys`` (None where none were given); safe from a worker thread."""
-        return cast("list[bytes | None]", self._database.routes[cast(Any, keys)]) if keys else []
+    def set_routes(self, routes: Iterable[tuple[bytes, bytes]]) -> None:
+        """Give each stored block of (index key, encoded route keys) those keys, in its record
+        (kvcached.index.format: what the KV events of that block carry so routers can match it to
+        the engine's own blocks). Absent blocks, and blocks that carry those keys already, are
+        left as they are."""
+        pairs = list(routes)
+        if not pairs:
+            return
+        puts = []
+        for (key, blob), raw in zip(pairs, self.raw_many([k for k, _ in pairs])):
+            if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION or record_route(raw) == blob:
+                continue
+            puts.append((key, with_route(raw, blob)))
+        if puts:
+            self.write(puts)
 
     def present_wire_keys(self) -> list[bytes]:
         """The wire keys (digest | u32 layer) of every present block, read-only (safe from a
@@ -254,15 +253,19 @@ class BlockIndex:
 
     # -- in-place changes: patch the stored bytes, no decode (hot: evictions, touches) ----------
 
-    def without_tier(self, keys: list[bytes], tier: Tier, reason: GoneReason, now: float) -> list[tuple[bytes, bytes]]:
+    def without_tier(self, keys: list[bytes], tier: Tier, reason: GoneReason, now: float,
+                     read: dict[bytes, bytes] | None = None) -> list[tuple[bytes, bytes]]:
         """Encoded records of ``keys`` with ``tier`` cleared, for :meth:`write`. A record left in
         no tier becomes a tombstone (``reason``, gone at ``now``). Absent records, and records
-        not in ``tier``, are left out."""
+        not in ``tier``, are left out. ``read`` gets the records as they were (for :meth:`write`'s
+        ``known``)."""
         out = []
         mask, keep, why = int(tier), ~int(tier) & 0xFF, int(reason)   # plain ints: enum ops are slow
         for key, raw in zip(keys, self.raw_many(keys)):
             if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION or not raw[TIERS_AT] & mask:
                 continue
+            if read is not None:
+                read[key] = raw
             patched = bytearray(raw)
             patched[TIERS_AT] &= keep
             if not patched[TIERS_AT]:

@@ -2,11 +2,17 @@
 
 Record layout (little-endian, version 1)::
 
-    u8 version | u8 tiers | u8 gone_reason | u8 pad | u32 layer | u64 nbytes |
-    f64 created | f64 last_seen | f64 gone_at | 32 B checksum | 32 B digest | model (UTF-8, rest)
+    u8 version | u8 tiers | u8 gone_reason | u8 flags | u32 layer | u64 nbytes |
+    f64 created | f64 last_seen | f64 gone_at | 32 B checksum | 32 B digest | tail
+
+The tail is the model (UTF-8, the rest of the record), or, with flag ``ROUTED``, ``u16 model
+length | model | route keys`` (the engine's keys of the block, kvcached_agent.route, encoded):
+a record carries its route keys so that every change the index feeds to the KV event publisher
+names the block as the engine does with no second read (kvcached.events). Records written
+before flags existed have a zero there, so they read unchanged.
 
 The index (kvcached.index) patches ``tiers``, ``gone_reason``, ``last_seen`` and ``gone_at`` in
-place at the offsets below; the SSD eviction queue's entries are the big-endian microsecond time
+place at the offsets below (the tail is left as it is); the SSD eviction queue's entries are the big-endian microsecond time
 a block was last used, then its key, so the queue sorts oldest first. No I/O here.
 """
 
@@ -16,17 +22,20 @@ import enum
 import struct
 from dataclasses import dataclass, replace
 
-__all__ = ["AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT", "RECORD", "REASON_AT",
-           "SCHEMA_VERSION", "TIERS_AT", "U64", "BlockRecord", "GoneReason", "Tier", "is_expired_tombstone", "is_present",
-           "queue_entry", "queue_time", "raw_ssd_view", "wire_key_of"]
+__all__ = ["AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "FLAGS_AT", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT", "RECORD",
+           "REASON_AT", "ROUTED", "SCHEMA_VERSION", "TIERS_AT", "U64", "BlockRecord", "GoneReason", "Tier", "is_expired_tombstone",
+           "is_present", "queue_entry", "queue_time", "raw_ssd_view", "record_model", "record_route", "wire_key_of",
+           "with_route"]
 
 SCHEMA_VERSION = 1
-RECORD = struct.Struct("<BBBxIQddd32s32s")
+RECORD = struct.Struct("<BBBBIQddd32s32s")
 F64 = struct.Struct("<d")
 # byte offsets of the fields that change in place (see the layout above)
 TIERS_AT, REASON_AT, LAST_SEEN_AT, GONE_AT_AT, CHECKSUM_AT = 1, 2, 24, 32, 40
-LAYER_AT, NBYTES_AT, DIGEST_AT = 4, 8, 72
+FLAGS_AT, LAYER_AT, NBYTES_AT, DIGEST_AT = 3, 4, 8, 72
+ROUTED = 1                     # flags: the tail holds route keys after the model
 U64 = struct.Struct("<Q")
+U16 = struct.Struct("<H")
 AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
 
 
@@ -72,8 +81,36 @@ def raw_ssd_view(raw: bytes) -> tuple[Tier, int, float, bytes, bytes, int] | Non
     """(tiers, nbytes, last_seen, checksum, digest, layer) of a raw record, or None if unreadable."""
     if len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
         return None
-    _, tiers, _, layer, nbytes, _, last_seen, _, checksum, digest = RECORD.unpack_from(raw)
+    _, tiers, _, _, layer, nbytes, _, last_seen, _, checksum, digest = RECORD.unpack_from(raw)
     return Tier(tiers), nbytes, last_seen, checksum, digest, layer
+
+
+def record_model(raw: bytes) -> str:
+    """The model of a readable raw record (invalid UTF-8 replaced: this names, never decides)."""
+    if raw[FLAGS_AT] & ROUTED:
+        end = RECORD.size + 2 + U16.unpack_from(raw, RECORD.size)[0]
+        return raw[RECORD.size + 2:end].decode("utf-8", "replace")
+    return raw[RECORD.size:].decode("utf-8", "replace")
+
+
+def record_route(raw: bytes) -> bytes | None:
+    """The encoded route keys a readable raw record carries (None: it has none)."""
+    if not raw[FLAGS_AT] & ROUTED:
+        return None
+    return raw[RECORD.size + 2 + U16.unpack_from(raw, RECORD.size)[0]:] or None
+
+
+def with_route(raw: bytes, route: bytes) -> bytes:
+    """A readable raw record with ``route`` as its route keys (replacing any it had)."""
+    model = record_model(raw).encode()
+    head = bytearray(raw[:RECORD.size])
+    head[FLAGS_AT] |= ROUTED
+    return bytes(head) + U16.pack(len(model)) + model + route
+
+
+def _tail(model: str, route: bytes) -> tuple[int, bytes]:
+    encoded = model.encode()
+    return (ROUTED, U16.pack(len(encoded)) + encoded + route) if route else (0, encoded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,22 +125,29 @@ class BlockRecord:
     tiers: Tier = Tier.RAM
     gone_reason: GoneReason = GoneReason.NONE
     gone_at: float = 0.0
+    route: bytes = b""          # the engine's keys of the block (kvcached_agent.route), if given
 
     @property
     def present(self) -> bool:
         return self.tiers != Tier.NONE
 
     def encode(self) -> bytes:
-        return RECORD.pack(SCHEMA_VERSION, int(self.tiers), int(self.gone_reason), self.layer, self.nbytes,
-                            self.created, self.last_seen, self.gone_at, self.checksum, self.digest) + self.model.encode()
+        flags, tail = _tail(self.model, self.route)
+        return RECORD.pack(SCHEMA_VERSION, int(self.tiers), int(self.gone_reason), flags, self.layer, self.nbytes,
+                           self.created, self.last_seen, self.gone_at, self.checksum, self.digest) + tail
 
     @classmethod
     def decode(cls, raw: bytes) -> "BlockRecord":
         if len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
             raise ValueError(f"index record of {len(raw)} bytes, version {raw[:1].hex() or '?'} is not readable")
-        (_, tiers, reason, layer, nbytes, created, last_seen, gone_at, checksum, digest) = RECORD.unpack_from(raw)
-        return cls(digest, layer, raw[RECORD.size:].decode(), nbytes, checksum, created, last_seen,
-                   Tier(tiers), GoneReason(reason), gone_at)
+        (_, tiers, reason, flags, layer, nbytes, created, last_seen, gone_at, checksum, digest) = RECORD.unpack_from(raw)
+        if flags & ROUTED:
+            end = RECORD.size + 2 + U16.unpack_from(raw, RECORD.size)[0]
+            model, route = raw[RECORD.size + 2:end].decode(), bytes(raw[end:])
+        else:
+            model, route = raw[RECORD.size:].decode(), b""
+        return cls(digest, layer, model, nbytes, checksum, created, last_seen, Tier(tiers), GoneReason(reason), gone_at,
+                   route)
 
     def gone(self, reason: GoneReason, now: float) -> "BlockRecord":
         return replace(self, tiers=Tier.NONE, gone_reason=reason, gone_at=now)

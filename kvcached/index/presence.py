@@ -7,11 +7,10 @@ hands the feed each write's records before and after, the feed works out what ch
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
 
 from kvcached.index.format import RECORD, SCHEMA_VERSION, TIERS_AT, is_present, wire_key_of
 
-__all__ = ["PresenceFeed", "TierChange", "TierFeed", "tier_bits"]
+__all__ = ["PresenceFeed", "TierChange", "TierFeed"]
 
 
 class PresenceFeed:
@@ -56,16 +55,11 @@ class PresenceFeed:
         return len(self._changes)
 
 
-class TierChange(NamedTuple):
-    """One block's tier set before and after one index write: ``key`` is its index key,
-    ``record`` its raw record (the one written, or the one deleted); ``route``, for a block
-    deleted while present, its engine keys as they were (they go with the record)."""
-
-    key: bytes
-    record: bytes
-    before: int          # Tier bits, as plain ints: the feed and the publisher sit on the write path
-    after: int
-    route: bytes | None = None
+#: One block's tier set before and after one index write: ``(record, before, after)``, the
+#: record being its raw record (the one written, or the one deleted), which carries the block's
+#: route keys where it has them (kvcached.index.format); the tier sets as plain int bits (the
+#: feed and the publisher sit on the write path: a tuple costs a tenth of a NamedTuple).
+TierChange = tuple[bytes, int, int]
 
 
 class TierFeed:
@@ -80,28 +74,24 @@ class TierFeed:
         self.limit = limit
         self.dropped = 0
 
-    def record_write(self, keys: list[bytes], written: list[bytes], before: list[bytes | None],
-                     deleted_routes: list[bytes | None] | None = None) -> None:
-        """As :meth:`PresenceFeed.record_write`, with each record's index key in ``keys`` (the
-        written ones', then the deleted ones') and the deleted ones' engine keys."""
+    def record_write(self, written: list[bytes], before: list[bytes | None]) -> None:
+        """As :meth:`PresenceFeed.record_write`. Runs for every record of every write while
+        events are on: the tier bits are read inline."""
         changes: list[TierChange] = []
-        for key, raw, old in zip(keys, written, before):
-            was, now = tier_bits(old), tier_bits(raw)
+        size, version = RECORD.size, SCHEMA_VERSION
+        for raw, old in zip(written, before):
+            was = old[TIERS_AT] if old is not None and len(old) >= size and old[0] == version else 0
+            now = raw[TIERS_AT] if len(raw) >= size and raw[0] == version else 0
             if was != now:
-                changes.append(TierChange(key, raw, was, now))
-        routes = deleted_routes or [None] * (len(keys) - len(written))
-        for key, old, route in zip(keys[len(written):], before[len(written):], routes):
-            was = tier_bits(old)
-            if was:
-                changes.append(TierChange(key, old, was, 0, route))      # type: ignore[arg-type]
+                changes.append((raw, was, now))
+        for old in before[len(written):]:
+            if old is not None and len(old) >= size and old[0] == version and old[TIERS_AT]:
+                changes.append((old, old[TIERS_AT], 0))
         if changes:
-            over = len(self._changes) + len(changes) - self.limit
-            if over > 0:
-                self.dropped += over
-            self._changes.extend(changes)
+            self.add(changes)
 
     def add(self, changes: list[TierChange]) -> None:
-        """Changes not made by a write (a resync after a clear tells what a tier still holds)."""
+        """Changes in the order they were made (a write's, or ones not made by a write)."""
         over = len(self._changes) + len(changes) - self.limit
         if over > 0:
             self.dropped += over
@@ -114,9 +104,3 @@ class TierFeed:
     def __len__(self) -> int:
         return len(self._changes)
 
-
-def tier_bits(raw: bytes | None) -> int:
-    """The tier set of a raw record as :class:`Tier` bits (0 for an absent or unreadable one)."""
-    if raw is None or len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
-        return 0
-    return raw[TIERS_AT]

@@ -194,7 +194,7 @@ class Daemon:
         self.keeper.restore_policies()
         if self.events is not None:      # the predecessor (an upgrade) has closed its endpoints with its index
             try:                         # a RAM tier not taken up is said with a RAM-scoped clear
-                self.events.start(self.index, ram_lost=self.adoption is None and not self._trusted_arena)
+                self.events.start(ram_lost=self.adoption is None and not self._trusted_arena)
             except OSError as exc:
                 raise StartupError(str(exc.strerror or exc)) from None
         if takeover is not None:              # the predecessor's listening sockets where ours are the same

@@ -107,8 +107,8 @@ class Store:
         if prefetch is not None:
             self.settings.prefetch = prefetch
         ram.prefer_clean = ssd is not None
-        self.ledger = RecordLedger(ram, index, clock)
-        self.routes = RouteKeys(index)       # the engine's keys of blocks being saved (KV events)
+        self.routes = RouteKeys()            # the engine's keys of blocks being saved (KV events)
+        self.ledger = RecordLedger(ram, index, clock, self.routes)
         # Readers and agents may hold at most half the RAM tier, so a stalled one can never
         # hold all of it: puts keep finding room in the other half.
         self.inflight = InFlight(max_held_bytes=ram.capacity // 2)
@@ -262,23 +262,23 @@ class Store:
         self._settle((address.key for address, _ in entries), None)
         results = self.writer.reserve(entries)
         if self.routes:
-            self.routes.placed(a.key for (a, _), r in zip(entries, results)
-                               if not isinstance(r, SlotRefusal) or r == SlotRefusal.PRESENT)
+            self.routes.reserved([a for (a, _), r in zip(entries, results) if not isinstance(r, SlotRefusal)])
+            self.index.set_routes(self.routes.found([a for (a, _), r in zip(entries, results)
+                                                     if r is SlotRefusal.PRESENT]))
         return results
 
     async def throttle_writes(self) -> None:
         await self.writer.throttle_writes()
 
-    def abort_reserved(self, block: RamBlock) -> None:
+    def abort_reserved(self, block: RamBlock, address: BlockAddress) -> None:
+        """Give back the slot reserved for ``address``'s block (and any engine keys held for it)."""
         self.writer.abort_reserved(block)
-        if self.index.tier_feed is not None:
-            self.routes.abandoned([block.key])
+        self.routes.abandoned([address])
 
     async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]],
                              model: str) -> list[CommitOutcome | None]:
         outcomes = await self.writer.commit_written(written, model)
-        if self.index.tier_feed is not None:
-            self.routes.abandoned(a.key for (a, _), outcome in zip(written, outcomes) if outcome is not None)
+        self.routes.abandoned(a for (a, _), outcome in zip(written, outcomes) if outcome is not None)
         return outcomes
 
     def offset_of(self, block: RamBlock) -> int:
@@ -322,7 +322,7 @@ class Store:
         be saved, for their KV events: kept once the blocks are reserved (store.routes).
         Nothing while no events are published."""
         if self.index.tier_feed is not None:
-            self.routes.offer((index_key(digest, layer), blob) for digest, layer, blob in entries)
+            self.routes.offer(entries)
 
     async def locate(self, digests: Sequence[bytes], layer: int) -> None:
         """Before a Lookup, in a cluster: ask where remote blocks are (ReadPath.locate)."""

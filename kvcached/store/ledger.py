@@ -27,7 +27,9 @@ from typing import Callable
 from kvcached.errors import Unavailable
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, IndexUnwritable, Tier
 from kvcached.policies import KeyedPolicy
+from kvcached.store.routes import RouteKeys
 from kvcached.tiers.ram import RamBlock, RamTier
+from kvcached_agent.address import BlockAddress
 
 __all__ = ["RecordLedger"]
 
@@ -37,10 +39,12 @@ log = logging.getLogger("kvcached.store")
 class RecordLedger:
     """Index changes of the request in progress, and last-seen times due (see the module)."""
 
-    def __init__(self, ram: RamTier, index: BlockIndex, clock: Callable[[], float]) -> None:
+    def __init__(self, ram: RamTier, index: BlockIndex, clock: Callable[[], float],
+                 routes: RouteKeys | None = None) -> None:
         self.ram = ram
         self.index = index
         self.clock = clock
+        self.routes = routes                           # engine keys held for blocks being recorded
         self._pending: dict[bytes, BlockRecord] = {}   # records of the request in progress
         self._evicted: set[bytes] = set()              # evicted during it, index not yet told
         self._touched: set[bytes] = set()              # used since the last flush_last_seen
@@ -54,6 +58,11 @@ class RecordLedger:
         """``record`` goes to the index with this request's commit."""
         self._take_evictions()
         self._pending[key] = record
+
+    def route_of(self, address: BlockAddress) -> bytes:
+        """The engine's keys an agent offered for the block it is saving at ``address``, for
+        the record being made (b"": none; kvcached.store.routes). Taken: asked once per record."""
+        return self.routes.take(address) if self.routes is not None else b""
 
     def reserved(self, key: bytes) -> None:
         """A slot for ``key`` was just reserved: an eviction of an older copy earlier in this
@@ -89,10 +98,11 @@ class RecordLedger:
         puts: list[tuple[bytes, BlockRecord | bytes]] = list(self._pending.items())
         evicted, self._evicted = list(self._evicted), set()
         self._pending.clear()
+        known: dict[bytes, bytes] = {}
         try:
             if evicted:
-                puts += self.index.without_tier(evicted, Tier.RAM, GoneReason.EVICTED, self.clock())
-            self.index.write(puts)
+                puts += self.index.without_tier(evicted, Tier.RAM, GoneReason.EVICTED, self.clock(), known)
+            self.index.write(puts, known=known)
         except Exception as exc:
             for key in new_keys:
                 if self.ram.busy_reason(key) is None:

@@ -358,7 +358,8 @@ class WritePath(Room):
             self.ram.unpin(block)
             if checksums is not None:
                 self.ledger.stage(block.key, BlockRecord(address.digest, address.layer, model, block.length,
-                                                         checksums[i], now, now, Tier.RAM))
+                                                         checksums[i], now, now, Tier.RAM,
+                                                         route=self.ledger.route_of(address)))
                 self.counters.puts += 1
                 self.counters.put_bytes += block.length
             elif block.refs == 0:

@@ -111,8 +111,8 @@ def test_a_kvcached_hit_in_a_new_engine_gives_vllms_own_prefix_cache_output(
     try:
         first = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2, kvcached(daemon), eager=False,
                        kv_events=engine_events)
-        wait_for(lambda: sum(type(e).__name__ == "BlockStored" for e in tap.events["daemon"]) >= loadable(len(p)) // BLOCK,
-                 text="the daemon's BlockStored events")
+        wait_for(lambda: sum(len(e.block_hashes) for e in tap.events["daemon"] if type(e).__name__ == "BlockStored")
+                 >= loadable(len(p)) // BLOCK, text="the daemon's BlockStored events")
     finally:
         tap.close()
     same_blocks_in_both_streams(tap.events, p)

@@ -288,13 +288,19 @@ class RouterIndex:
 
     @staticmethod
     def _check_names(view: NodeView, ev: BlockStored) -> None:
-        """The keys the engine gave come through as given (a router can check a page's hash
-        from its parent and tokens); a block saved without them is named by its digest."""
-        assert len(ev.block_hashes) == 1 and isinstance(ev.block_hashes[0], int), ev
+        """The keys the engine gave come through as given (a router can check each page's hash
+        from its parent and tokens; a chain of pages saved together is one event, its tokens
+        joined, as vLLM sends a request's pages); a block saved without them is named by its
+        digest, one event each."""
+        assert ev.block_hashes and all(isinstance(h, int) for h in ev.block_hashes), ev
         if ev.extra_keys is None:
-            assert ev.block_size == BLOCK and len(ev.token_ids) == BLOCK, ev
-            assert ev.block_hashes[0] == engine_hash(ev.parent_block_hash, ev.token_ids), ev   # type: ignore[arg-type]
+            assert ev.block_size == BLOCK and len(ev.token_ids) == BLOCK * len(ev.block_hashes), ev
+            parent = ev.parent_block_hash
+            for i, h in enumerate(ev.block_hashes):
+                assert h == engine_hash(parent, ev.token_ids[i * BLOCK:(i + 1) * BLOCK]), ev   # type: ignore[arg-type]
+                parent = h
             return
+        assert len(ev.block_hashes) == 1, ev
         [[mark, digest_hex, layer]] = ev.extra_keys
         assert (mark, layer) == ("kvcached-digest", CROSS_LAYER), ev
         assert ev.block_hashes[0] == digest_hash(bytes.fromhex(digest_hex)), ev

@@ -165,7 +165,7 @@ def test_agent_reservations_go_through_admission(policy_store: Callable[..., Syn
     assert store.reserve([(address(5), 4 * KIB)]) == ["declined"]
     [block] = store.reserve([(address(5), 4 * KIB)])
     assert not isinstance(block, str)
-    store.abort_reserved(block)
+    store.abort_reserved(block, address(5))
 
 
 def test_write_back_respects_the_ssd_write_budget(policy_store: Callable[..., SyncStore], index: BlockIndex,

@@ -7,44 +7,92 @@ import pytest
 
 from kvcached.config import ConfigError, load_config
 from kvcached.events.schema import decode_batch
-from kvcached.events.stream import END_SEQ, EventLog, EventNaming, SequenceLease, events_of
-from kvcached.index.format import BlockRecord, Tier
-from kvcached.index.presence import TierChange, TierFeed
-from kvcached_agent.route import RouteKey
+from kvcached.events.stream import END_SEQ, EventLog, EventMaker, EventNaming, SequenceLease, events_of
+from kvcached.index.format import FLAGS_AT, BlockRecord, Tier, record_model, record_route, with_route
+from kvcached.index.presence import TierFeed
+from kvcached_agent.route import RouteKey, decode_routes, encode_routes
 
 NAMING = EventNaming(node="n1", ownership="kvcached@n1")
 
 
-def record(tiers: Tier) -> bytes:
-    return BlockRecord(b"\x07" * 32, 0xFFFFFFFF, "org/model", 4096, b"c" * 32, 1.0, 1.0, tiers).encode()
+def record(tiers: Tier, keys: list[RouteKey] | None = None, model: str = "org/model") -> bytes:
+    route = encode_routes(keys) if keys else b""
+    return BlockRecord(b"\x07" * 32, 0xFFFFFFFF, model, 4096, b"c" * 32, 1.0, 1.0, tiers, route=route).encode()
 
 
 def test_each_tier_gained_or_lost_is_one_event_per_engine_group() -> None:
     keys = [RouteKey([5, 6], 4, list(range(32)), 16, group_idx=0), RouteKey([5, 6], 4, list(range(32)), 16, group_idx=1)]
-    gained = events_of(TierChange(b"k", record(Tier.RAM | Tier.SSD), Tier.NONE, Tier.RAM | Tier.SSD), keys, NAMING)
+    gained = events_of((record(Tier.RAM | Tier.SSD, keys), Tier.NONE, Tier.RAM | Tier.SSD), NAMING)
     assert [(type(e).__name__, e.medium, e.group_idx) for e in gained] == [
         ("BlockStored", "CPU", 0), ("BlockStored", "CPU", 1), ("BlockStored", "STORAGE", 0), ("BlockStored", "STORAGE", 1)]
-    lost = events_of(TierChange(b"k", record(Tier.SSD), Tier.RAM | Tier.SSD, Tier.SSD), keys[:1], NAMING)
+    lost = events_of((record(Tier.SSD, keys[:1]), Tier.RAM | Tier.SSD, Tier.SSD), NAMING)
     assert [(type(e).__name__, e.medium, e.block_hashes) for e in lost] == [("BlockRemoved", "CPU", [5, 6])]
-    (unkeyed,) = events_of(TierChange(b"k", record(Tier.RAM), Tier.NONE, Tier.RAM), None, NAMING)
+    (unkeyed,) = events_of((record(Tier.RAM), Tier.NONE, Tier.RAM), NAMING)
     assert unkeyed.block_hashes == [int.from_bytes(b"\x07" * 8, "big")] and unkeyed.token_ids == []
     assert unkeyed.extra_keys == [["kvcached-digest", "07" * 32, 0xFFFFFFFF]]
 
 
+def test_events_a_vllm_engine_would_send_as_one_are_one_and_order_is_kept() -> None:
+    """A chain of stores (each block's parent the one before) is one BlockStored, hashes and
+    tokens joined, as vLLM sends a request's blocks; consecutive removals of a tier are one
+    BlockRemoved; nothing joins across another event, a tier, a group or a topic."""
+    def key(h: int, parent: int | None, group: int | None = None) -> list[RouteKey]:
+        return [RouteKey([h], parent, [h, h], 2, group_idx=group)]
+
+    maker = EventMaker(NAMING)
+    changes = [(record(Tier.RAM, key(1, None)), 0, 1), (record(Tier.RAM, key(2, 1)), 0, 1),
+               (record(Tier.RAM, key(3, 2)), 0, 1),
+               (record(Tier.RAM, key(9, 7)), 0, 1),                       # not a child of 3
+               (record(Tier.RAM, key(10, 9, group=1)), 0, 1),             # another group
+               (record(Tier.NONE, key(1, None)), 1, 0), (record(Tier.NONE, key(2, 1)), 1, 0),
+               (record(Tier.RAM, key(4, 3)), 0, 1),                       # after a removal: its own
+               (record(Tier.NONE, key(3, 2)), 1, 0),
+               (record(Tier.SSD, key(9, 7)), 1, 2),                       # RAM lost, SSD gained
+               (record(Tier.RAM, key(5, 4), model="other"), 0, 1)]
+    by_topic = maker.events(changes)
+    assert list(by_topic) == ["kv@n1@org/model", "kv@n1@other"]
+    got = [(type(e).__name__, e.medium, e.block_hashes, getattr(e, "parent_block_hash", "-"), getattr(e, "token_ids", "-"))
+           for e in by_topic["kv@n1@org/model"]]
+    assert got == [("BlockStored", "CPU", [1, 2, 3], None, [1, 1, 2, 2, 3, 3]),
+                   ("BlockStored", "CPU", [9], 7, [9, 9]),
+                   ("BlockStored", "CPU", [10], 9, [10, 10]),
+                   ("BlockRemoved", "CPU", [1, 2], "-", "-"),
+                   ("BlockStored", "CPU", [4], 3, [4, 4]),
+                   ("BlockRemoved", "CPU", [3, 9], "-", "-"),
+                   ("BlockStored", "STORAGE", [9], 7, [9, 9])]
+    assert [e.block_hashes for e in by_topic["kv@n1@other"]] == [[5]]
+
+
+def test_a_record_carries_its_route_keys_and_older_records_read_as_before() -> None:
+    keys = [RouteKey([5], None, [1, 2], 2)]
+    raw = record(Tier.RAM, keys, model="m\u00e9")
+    assert record_model(raw) == "m\u00e9" and decode_routes(record_route(raw) or b"") == keys
+    back = BlockRecord.decode(raw)
+    assert back.model == "m\u00e9" and back.route == encode_routes(keys) and back.encode() == raw
+    old = record(Tier.RAM)                                       # no route: flags 0, the tail is the model
+    assert old[FLAGS_AT] == 0 and old.endswith("org/model".encode()) and record_route(old) is None
+    assert BlockRecord.decode(old).route == b""
+    again = with_route(with_route(old, b"first"), b"second")
+    assert record_route(again) == b"second" and record_model(again) == "org/model"
+    damaged = record(Tier.RAM, keys)[:-3]                          # a route cut short: named by digest
+    (event,) = events_of((damaged, 0, 1), NAMING)
+    assert event.extra_keys[0][0] == "kvcached-digest"
+
+
 def test_the_feed_records_changes_of_tiers_only_and_is_bounded() -> None:
     feed = TierFeed(limit=3)
-    feed.record_write([b"a", b"b", b"c"], [record(Tier.RAM), record(Tier.RAM)], [None, record(Tier.RAM), record(Tier.SSD)])
+    feed.record_write([record(Tier.RAM), record(Tier.RAM)], [None, record(Tier.RAM), record(Tier.SSD)])
     (change, deleted) = feed.take()
-    assert (change.key, change.before, change.after) == (b"a", Tier.NONE, Tier.RAM)
-    assert (deleted.key, deleted.before, deleted.after) == (b"c", Tier.SSD, Tier.NONE)
-    feed.record_write([b"x"] * 5, [record(Tier.RAM)] * 5, [None] * 5)
+    assert change[1:] == (Tier.NONE, Tier.RAM)
+    assert deleted == (record(Tier.SSD), Tier.SSD, Tier.NONE)
+    feed.record_write([record(Tier.RAM)] * 5, [None] * 5)
     assert len(feed) == 3 and feed.dropped == 2
 
 
 def test_batches_are_numbered_kept_for_replay_and_replay_says_what_is_missing() -> None:
     log = EventLog(10, max_batches=3, max_bytes=1 << 20, max_events=2)
-    change = TierChange(b"k", record(Tier.RAM), Tier.NONE, Tier.RAM)
-    events = events_of(change, None, NAMING) * 5
+    change = (record(Tier.RAM), Tier.NONE, Tier.RAM)
+    events = events_of(change, NAMING) * 5
     sent = log.add("kv@n1@m", events, 1.5)
     assert [int.from_bytes(seq, "big") for _, seq, _ in sent] == [10, 11, 12]     # 5 events, 2 a batch
     assert decode_batch(sent[0][2]).ts == 1.5 and len(decode_batch(sent[2][2]).events) == 1

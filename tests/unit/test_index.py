@@ -295,7 +295,7 @@ def test_second_open_of_the_same_dir_raises(index_factory: Callable[..., BlockIn
 def test_wrong_schema_version(index_factory: Callable[..., BlockIndex], tmp_path: Path) -> None:
     index_factory("db").close()
     path = str(tmp_path / "db")
-    families = ("blocks", "meta", "ssd_age", "policy", "routes")
+    families = ("blocks", "meta", "ssd_age", "policy")
     db = Rdict(path, Options(raw_mode=True), column_families={n: Options(raw_mode=True) for n in families})
     meta = db.get_column_family("meta")
     meta[b"schema_version"] = struct.pack("<I", SCHEMA_VERSION + 1)
@@ -303,6 +303,25 @@ def test_wrong_schema_version(index_factory: Callable[..., BlockIndex], tmp_path
     db.close()
     with pytest.raises(IndexError_, match=f"schema version {SCHEMA_VERSION + 1}, this kvcached reads {SCHEMA_VERSION}"):
         BlockIndex(path)
+
+
+def test_an_index_with_a_retired_family_opens_and_loses_only_that(index_factory: Callable[..., BlockIndex],
+                                                                    tmp_path: Path) -> None:
+    """The first KV events build kept engine keys in a "routes" family; they live in the records
+    now. Its index opens, keeps every record, and drops the family."""
+    index = index_factory("db")
+    index.write([(b"k" * 36, BlockRecord(b"d" * 32, 0, "m", 10, b"c" * 32, 1.0, 1.0))])
+    index.close()
+    path = str(tmp_path / "db")
+    opts = Options(raw_mode=True)
+    db = Rdict(path, opts, column_families={n: Options(raw_mode=True) for n in Rdict.list_cf(path, opts)})
+    db.create_column_family("routes", Options(raw_mode=True))[b"k" * 36] = b"old keys"
+    db.close()
+    assert "routes" in Rdict.list_cf(path, opts)
+    again = BlockIndex(path)
+    assert again.get(b"k" * 36) == BlockRecord(b"d" * 32, 0, "m", 10, b"c" * 32, 1.0, 1.0)
+    again.close()
+    assert "routes" not in Rdict.list_cf(path, opts)
 
 
 def test_open_creates_the_directory(tmp_path: Path) -> None:

@@ -73,8 +73,8 @@ def test_agents_hold_at_most_half_the_tier(store: SyncStore) -> None:
     out = store.reserve([(address(n), SLAB) for n in range(3)])
     assert [isinstance(b, RamBlock) for b in out] == [True, True, False] and out[2] == "full"
     assert store.pinned_bytes == 2 * SLAB == store.max_pinned_bytes
-    for block in out[:2]:
-        store.abort_reserved(block)                    # type: ignore[arg-type]
+    for n, block in enumerate(out[:2]):
+        store.abort_reserved(block, address(n))        # type: ignore[arg-type]
     assert store.pinned_bytes == 0 and len(store.ram) == 0 and store.ram.slabs.used_slots == 0
 
 
@@ -91,7 +91,7 @@ def test_reservations_evict_idle_blocks_and_record_the_tombstones(store: SyncSto
 
 def test_committing_twice_or_after_abort_is_unknown(store: SyncStore) -> None:
     [block] = store.reserve([(address(1), KIB)])
-    store.abort_reserved(block)                        # type: ignore[arg-type]
+    store.abort_reserved(block, address(1))            # type: ignore[arg-type]
     assert store.commit_written([(address(1), block)], "m") == ["unknown"]   # type: ignore[list-item]
     [block] = save(store, [2])
     assert store.commit_written([(address(2), block)], "m") == ["unknown"]
@@ -186,20 +186,28 @@ def test_arena_fixture_is_what_these_tests_assume() -> None:
 
 
 def test_engine_keys_are_kept_only_for_blocks_reserved_or_stored(store: SyncStore, index: BlockIndex) -> None:
-    """KV events: keys offered before a save reach the index once the block is reserved (or
-    found stored), and go again when the reservation is given back; keys of blocks never
-    reserved stay out of the index (bounded while they wait)."""
+    """KV events: keys offered before a save reach the block's record once it is reserved and
+    recorded (or at once if it is stored already), and go again when the reservation is given
+    back; keys of blocks never reserved stay out of the index (bounded while they wait)."""
+    from kvcached.index.format import record_route
     from kvcached.index.presence import TierFeed
     index.tier_feed = TierFeed()
+
+    def route(n: int) -> bytes | None:
+        raw = index.raw(address(n).key)
+        return None if raw is None else record_route(raw)
+
     store.keep_routes([(digest(n), address(n).layer, b"keys%d" % n) for n in (1, 2, 3)])
-    assert index.routes_many([address(1).key]) == [None], "nothing in the index before a reservation"
     save(store, [1])
+    settle(store)
+    assert index.get(address(1).key).route == b"keys1"          # type: ignore[union-attr]
     blocks = store.reserve([(address(2), 8 * KIB)])
-    store.abort_reserved(blocks[0])                     # type: ignore[arg-type]
-    assert index.routes_many([address(n).key for n in (1, 2, 3)]) == [b"keys1", None, None]
+    store.abort_reserved(blocks[0], address(2))          # type: ignore[arg-type]
+    assert [route(n) for n in (1, 2, 3)] == [b"keys1", None, None]
+    assert len(store.routes) == 1, "the given-back reservation's keys went; block 3's still wait"
     store.keep_routes([(digest(1), address(1).layer, b"again")])
     assert store.reserve([(address(1), 8 * KIB)]) == ["present"]      # stored already: its keys are kept
-    assert index.routes_many([address(1).key]) == [b"again"]
+    assert route(1) == b"again" and index.get(address(1).key).model == "m"   # type: ignore[union-attr]
     store.routes.limit = 2
     store.keep_routes([(digest(n), address(n).layer, b"k") for n in range(10, 20)])
     assert len(store.routes) == 2, "keys waiting for a reservation are bounded"
