@@ -28,7 +28,7 @@ import asyncio
 import time
 from typing import Callable, Iterable, Sequence
 
-from kvcached.index import BlockIndex, BlockRecord
+from kvcached.index import BlockIndex, BlockRecord, IndexUnwritable
 from kvcached.policies import KeyedPolicy
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit, SsdWriteBudget
 from kvcached.policies.prefetch import PrefetchPolicy
@@ -263,8 +263,11 @@ class Store:
         results = self.writer.reserve(entries)
         if self.routes:
             self.routes.reserved([a for (a, _), r in zip(entries, results) if not isinstance(r, SlotRefusal)])
-            self.index.set_routes(self.routes.found([a for (a, _), r in zip(entries, results)
-                                                     if r is SlotRefusal.PRESENT]))
+            found = self.routes.found([a for (a, _), r in zip(entries, results) if r is SlotRefusal.PRESENT])
+            try:
+                self.index.set_routes(found)
+            except IndexUnwritable:      # the keys are an extra: the reservations stand, the blocks keep digest names
+                pass
         return results
 
     async def throttle_writes(self) -> None:
