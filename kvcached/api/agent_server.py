@@ -27,6 +27,7 @@ from kvcached import __version__
 from kvcached.api.agent_session import WAITING, AgentSession, PeerCredentials, check_hello
 from kvcached.host.logs import fields
 from kvcached.store import Store
+from kvcached.tenants import TenantMap
 from kvcached_agent import protocol as p
 
 __all__ = ["AgentServer"]
@@ -41,8 +42,11 @@ MAX_IN_FLIGHT = 64         # waiting requests (Allocate, Commit, Load) of one ag
 
 class AgentServer:
     def __init__(self, store: Store, path: str, *, arena_fd: int, arena_bytes: int, mode: int = 0o660,
-                 gid: int = -1, heartbeat_s: float = 5.0, max_agents: int = 256) -> None:
+                 gid: int = -1, heartbeat_s: float = 5.0, max_agents: int = 256, tenants: TenantMap | None = None) -> None:
         self.store = store
+        #: Who each connecting process is (kvcached.tenants); None: everyone the default tenant.
+        self.tenants = tenants
+        self.refused_no_tenant = 0         # Hellos refused: their process maps to no tenant
         self.path = path
         self.arena_fd = arena_fd
         self.arena_bytes = arena_bytes
@@ -244,7 +248,13 @@ class AgentConnection(asyncio.Protocol):
             self.end(f"{server.max_agents} agents are connected already (agent.max_agents)",
                      p.ErrorCode.RESOURCE_EXHAUSTED, request_id)
             return
-        session = AgentSession(server.store, server.next_session(), message, self.peer)
+        tenant = server.tenants.resolve(self.peer.uid, self.peer.gid) if server.tenants is not None else None
+        if server.tenants is not None and tenant is None:
+            server.refused_no_tenant += 1
+            self.end(f"Hello refused: uid {self.peer.uid} and gid {self.peer.gid} name no tenant (tenants.uids, "
+                     "tenants.gids) and tenants.default is empty", p.ErrorCode.HANDSHAKE, request_id)
+            return
+        session = AgentSession(server.store, server.next_session(), message, self.peer, tenant)
         welcome = p.encode(p.Welcome(session.session, server.arena_bytes, server.store.max_block_bytes,
                                      int(server.heartbeat_s * 1000), __version__), request_id)
         try:
@@ -262,7 +272,8 @@ class AgentConnection(asyncio.Protocol):
         self.session = session
         log.info("agent connected", extra=fields(session=session.session, agent_id=message.agent_id,
                                                  model=message.model, dtype=message.dtype, pid=self.peer.pid,
-                                                 uid=self.peer.uid, gid=self.peer.gid))
+                                                 uid=self.peer.uid, gid=self.peer.gid,
+                                                 tenant=tenant.name if tenant is not None else None))
 
     def _send(self, message: p.Message, request_id: int) -> None:
         if self.transport is not None and not self.transport.is_closing():

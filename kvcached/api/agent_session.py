@@ -13,17 +13,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from itertools import count
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, TypeVar, cast
 
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
 from kvcached.store import CommitOutcome, Miss, Pinned, Presence, SlotRefusal, Store
 from kvcached.store.gpu_view import GpuViewFull
+from kvcached.tenants import Scope, Tenant
 from kvcached.tiers.ram import RamBlock
 from kvcached_agent import protocol as p
 from kvcached_agent.address import BlockAddress
 from kvcached_agent.route import decode_routes
 
-__all__ = ["WAITING", "AgentSession", "PeerCredentials", "check_hello", "error_code"]
+__all__ = ["WAITING", "AgentSession", "PeerCredentials", "check_hello", "error_code", "scoped"]
 
 log = logging.getLogger("kvcached.agent")
 
@@ -36,6 +37,8 @@ _CODES: list[tuple[type[KvError], p.ErrorCode]] = [
     (ResourceExhausted, p.ErrorCode.RESOURCE_EXHAUSTED), (FailedPrecondition, p.ErrorCode.FAILED_PRECONDITION),
     (DataLoss, p.ErrorCode.DATA_LOSS), (Unavailable, p.ErrorCode.UNAVAILABLE)]
 
+
+_M = TypeVar("_M", bound=p.Message)
 
 WAITING = (p.Allocate, p.Commit, p.Load)    # requests answered by AgentSession.handle_waiting
 
@@ -77,16 +80,21 @@ def present_result(presence: Presence) -> p.PresentResult:
 
 
 class AgentSession:
-    def __init__(self, store: Store, session: int, hello: p.Hello, peer: PeerCredentials) -> None:
+    def __init__(self, store: Store, session: int, hello: p.Hello, peer: PeerCredentials,
+                 tenant: Tenant | None = None) -> None:
         self.store = store
         self.session = session
         self.hello = hello
         self.peer = peer
+        #: The tenant the kernel's word on the agent names (kvcached.tenants): every digest the
+        #: agent sends is mapped to this tenant's addresses first (None: the default tenant's).
+        self.tenant = tenant
+        self._scope = None if tenant is None or tenant.scope.identity else tenant.scope
         self.closed = False
         self._handles: Iterator[int] = count(1)
         self._writes: dict[int, tuple[BlockAddress, RamBlock]] = {}   # reserved, not committed
         self._reads: dict[int, Pinned] = {}                           # loaded, not released
-        store.gpu.add_agent(session, hello.agent_id, peer.pid)
+        store.gpu.add_agent(session, hello.agent_id, peer.pid, tenant.name if tenant is not None else "")
 
     @property
     def held(self) -> tuple[int, int]:
@@ -96,6 +104,8 @@ class AgentSession:
     def handle(self, message: p.Message) -> p.Message | None:
         """The answer to a request that never waits (None for events); store errors become
         Error messages. Allocate, Commit and Load go to :meth:`handle_waiting`."""
+        if self._scope is not None:
+            message = scoped(message, self._scope)
         try:
             if isinstance(message, p.Lookup):
                 r = self.store.lookup(message.digests, message.layer, agent=self.session)
@@ -113,7 +123,7 @@ class AgentSession:
             if isinstance(message, p.Features):
                 return p.FeatureSet(p.FeatureSet.ROUTE_KEYS if self.store.wants_routes else 0)
             if isinstance(message, p.Overlap):
-                return overlap_result(self.store, message.digests)
+                return overlap_result(self.store, message.digests, self.tenant.name if self.tenant is not None else None)
             if isinstance(message, p.Hello):
                 return p.Error(p.ErrorCode.HANDSHAKE, "this connection has said Hello already")
             return p.Error(p.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not a request an agent may send")
@@ -125,10 +135,15 @@ class AgentSession:
         Load (they may wait for checksums, the SSD, promotions), or, in a cluster, a Lookup (it
         asks the home nodes where remote blocks are first)."""
         if isinstance(message, (p.Lookup, p.Present)):
-            await self.store.locate(message.digests, message.layer)
+            if self._scope is not None:
+                await self.store.locate(self._scope.digests(message.digests), message.layer)
+            else:
+                await self.store.locate(message.digests, message.layer)
             answer = self.handle(message)
             assert answer is not None
             return answer
+        if self._scope is not None:
+            message = scoped(message, self._scope)
         try:
             if isinstance(message, p.Allocate):
                 await self.store.throttle_writes()
@@ -237,7 +252,28 @@ class AgentSession:
         return len(writes), len(reads), gpu
 
 
-def overlap_result(store: Store, digests: Sequence[bytes]) -> p.OverlapResult:
-    """Every connected agent with the prefix of ``digests`` it holds on its GPU, longest first."""
+def scoped(message: _M, scope: Scope) -> _M:
+    """``message`` with every digest it names mapped to ``scope``'s addresses (messages that
+    name none are returned as they are)."""
+    return cast(_M, _scoped(message, scope))
+
+
+def _scoped(message: p.Message, scope: Scope) -> p.Message:
+    if isinstance(message, p.Allocate):
+        return p.Allocate([(scope.digest(d), layer, size) for d, layer, size in message.entries])
+    if isinstance(message, p.Load):
+        return p.Load([(scope.digest(d), layer) for d, layer in message.entries])
+    if isinstance(message, (p.Lookup, p.Present)):
+        return type(message)(message.layer, scope.digests(message.digests))
+    if isinstance(message, (p.Overlap, p.Pinned, p.Evicted)):
+        return type(message)(scope.digests(message.digests))
+    if isinstance(message, p.Route):
+        return p.Route([(scope.digest(d), layer, blob) for d, layer, blob in message.entries])
+    return message
+
+
+def overlap_result(store: Store, digests: Sequence[bytes], tenant: str | None = None) -> p.OverlapResult:
+    """Every connected agent (of ``tenant``, where given) with the prefix of ``digests`` it holds
+    on its GPU, longest first."""
     return p.OverlapResult([p.AgentPrefix(info.session, info.pid, prefix, info.agent_id)
-                            for info, prefix in store.gpu.overlap(digests)])
+                            for info, prefix in store.gpu.overlap(digests, tenant)])

@@ -20,13 +20,14 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvcached import __version__
+from kvcached.api.agent_server import AgentServer
 from kvcached.config import parse_listen
 from kvcached.events import EventCounters
 from kvcached.host.loop_lag import LoopLag
 from kvcached.store import Store
 from kvcached.store.keeper import StoreKeeper
 
-__all__ = ["StoreCollector", "LoopLagCollector", "KeeperCollector", "start_metrics"]
+__all__ = ["AgentsCollector", "StoreCollector", "LoopLagCollector", "KeeperCollector", "start_metrics"]
 
 log = logging.getLogger("kvcached.metrics")
 
@@ -299,6 +300,30 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+class AgentsCollector(Collector):
+    """The agent socket's tenants (kvcached.tenants): agents connected per tenant (labels from
+    the configuration's names only) and Hellos refused for naming no tenant."""
+
+    def __init__(self, server: AgentServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server = self.server
+        yield CounterMetricFamily("kvcached_agents_refused_no_tenant", "Agent connections refused: the process's uid "
+                                  "and gid name no tenant and tenants.default is empty", value=server.refused_no_tenant)
+        if server.tenants is None:
+            return
+        connected = dict.fromkeys(server.tenants.names, 0)
+        for conn in list(server.connections):
+            tenant = conn.session.tenant if conn.session is not None else None
+            if tenant is not None and tenant.name in connected:
+                connected[tenant.name] += 1
+        g = GaugeMetricFamily("kvcached_agents_connected_by_tenant", "Agents connected, by tenant", labels=["tenant"])
+        for name, n in connected.items():
+            g.add_metric([name], n)
+        yield g
+
+
 class EventsCollector(Collector):
     """The KV event publisher's counters (kvcached.events)."""
 
@@ -324,7 +349,8 @@ class EventsCollector(Collector):
 
 
 def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: LoopLag | None = None,
-                  keeper: StoreKeeper | None = None, events: EventCounters | None = None) -> Any:
+                  keeper: StoreKeeper | None = None, events: EventCounters | None = None,
+                  agents: AgentServer | None = None) -> Any:
     """Serve /metrics in a background thread; returns the HTTP server (``.shutdown()`` stops it).
     With ``fd``: serve on that listening socket (a predecessor's, passed at an upgrade); with
     ``loop_lag`` and ``keeper``: the event loop's lag and the keeper's saves too."""
@@ -337,6 +363,8 @@ def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: Lo
         registry.register(KeeperCollector(keeper))
     if events is not None:
         registry.register(EventsCollector(events))
+    if agents is not None:
+        registry.register(AgentsCollector(agents))
     host = (address.host or "").strip("[]")
     if fd is None:
         httpd, _thread = start_http_server(address.port or 0, addr=host, registry=registry)

@@ -125,6 +125,11 @@ def path(v: str) -> None:
         raise ValueError("a path cannot contain a NUL byte")
 
 
+def path_or_empty(v: str) -> None:
+    if v:
+        path(v)
+
+
 def unix_path_or_empty(v: str) -> None:
     if v:
         path(v)
@@ -216,6 +221,8 @@ def setting(doc: str, default: Any, check: Callable[[Any], None] | None = None, 
     meta = {"doc": doc, "check": check, "kind": kind}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -256,3 +263,30 @@ def event_medium(v: str) -> None:
     event_topic(v)
     if not v:
         raise ValueError("must not be empty")
+
+
+_TENANT = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")     # a bare TOML key, so as_toml writes it as is
+MAX_ID = (1 << 32) - 2          # uid and gid 4294967295 is (uid_t) -1: nobody's
+
+
+def tenant_name_or_empty(v: str) -> None:
+    """A tenant's name (lower-case letters, digits, '_', '-'; at most 63), or ""."""
+    if v and not _TENANT.match(v):
+        raise ValueError(f"must be a tenant name (lower-case letters, digits, '_', '-'; at most 63), got {v!r}")
+
+
+def tenant_ids(v: dict[str, Any]) -> None:
+    """``{tenant: [id, ...]}``: tenant names, lists of uids or gids, no id named twice."""
+    owner: dict[int, str] = {}
+    for name, ids in v.items():
+        if not name:
+            raise ValueError("a tenant's name must not be empty")
+        tenant_name_or_empty(name)
+        if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+            raise ValueError(f"{name}: expected a non-empty list of integers, got {ids!r}")
+        for i in ids:
+            if not 0 <= i <= MAX_ID:
+                raise ValueError(f"{name}: {i} is not an id (0..{MAX_ID})")
+            if i in owner:
+                raise ValueError(f"{i} is mapped twice: to {owner[i]} and to {name}")
+            owner[i] = name

@@ -75,6 +75,7 @@ from kvcached.policies.write import make_write_policy
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.store.keeper import KeeperSettings, StoreKeeper
+from kvcached.tenants import tenants_for
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory
@@ -207,9 +208,13 @@ class Daemon:
             await self.grpc.start(listeners, grpc_gid)
         self.grpc.set_store(self.store)        # built before the store when listening beside a predecessor
         if cfg.agent.socket:
+            try:
+                tenants = tenants_for(cfg)
+            except OSError as exc:
+                raise StartupError(f"tenants.key_file: {exc}") from None
             self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,
                                       mode=cfg.agent.mode_bits, gid=agent_gid, heartbeat_s=cfg.agent.heartbeat_s,
-                                      max_agents=cfg.agent.max_agents)
+                                      max_agents=cfg.agent.max_agents, tenants=tenants)
             try:
                 await self.agents.start(passed("agent"))
             except OSError as exc:
@@ -220,7 +225,8 @@ class Daemon:
         if cfg.metrics.listen:
             try:
                 self.metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"), self.loop_lag,
-                                                   self.keeper, self.events.counters if self.events else None)
+                                                   self.keeper, self.events.counters if self.events else None,
+                                                   self.agents)
             except OSError as exc:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))

@@ -28,6 +28,7 @@ class AgentInfo:
     agent_id: str
     pid: int
     blocks: set[bytes] = field(default_factory=set)
+    tenant: str = ""            # kvcached.tenants: whose blocks these are ("": the default tenant's)
 
 
 class GpuView:
@@ -38,8 +39,8 @@ class GpuView:
     def __len__(self) -> int:
         return len(self._agents)
 
-    def add_agent(self, session: int, agent_id: str, pid: int) -> None:
-        self._agents[session] = AgentInfo(session, agent_id, pid)
+    def add_agent(self, session: int, agent_id: str, pid: int, tenant: str = "") -> None:
+        self._agents[session] = AgentInfo(session, agent_id, pid, tenant=tenant)
 
     def drop_agent(self, session: int) -> int:
         """Forget an agent and its whole view; returns how many blocks it held."""
@@ -72,9 +73,11 @@ class GpuView:
         info = self._agents.get(session)
         return info.blocks.intersection(digests) if info is not None else set()
 
-    def overlap(self, digests: Sequence[bytes]) -> list[tuple[AgentInfo, int]]:
-        """Every agent with the prefix it holds, longest first (ties by session)."""
-        out = [(info, _prefix(info.blocks, digests)) for info in self._agents.values()]
+    def overlap(self, digests: Sequence[bytes], tenant: str | None = None) -> list[tuple[AgentInfo, int]]:
+        """Every agent with the prefix it holds, longest first (ties by session); with
+        ``tenant``, that tenant's agents only (another tenant's agents are not named at all)."""
+        out = [(info, _prefix(info.blocks, digests)) for info in self._agents.values()
+               if tenant is None or info.tenant == tenant]
         out.sort(key=lambda pair: (-pair[1], pair[0].session))
         return out
 

@@ -1,0 +1,23 @@
+"""Tenants: who is calling, as the kernel says, and block addresses of each tenant's own
+(docs/security.md). ``identity``: the tenant map and scopes, without I/O; ``keyfile``: the
+daemon's tenant key on disk."""
+
+from __future__ import annotations
+
+import os
+
+from kvcached.config import Config
+from kvcached.tenants.identity import DEFAULT, Scope, Tenant, TenantMap
+from kvcached.tenants.keyfile import load_key
+
+__all__ = ["DEFAULT", "Scope", "Tenant", "TenantMap", "tenants_for"]
+
+KEY_FILE = "tenants.key"
+
+
+def tenants_for(config: Config) -> TenantMap:
+    """The tenant map ``[tenants]`` describes, with the key from ``tenants.key_file`` (created if
+    missing; ``kv.index_dir``/tenants.key by default). OSError if the key file is unfit."""
+    t = config.tenants
+    path = t.key_file or os.path.join(config.kv.index_dir, KEY_FILE)
+    return TenantMap(load_key(path), default=t.default, uids=t.uids, gids=t.gids)

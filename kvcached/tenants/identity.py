@@ -1,0 +1,92 @@
+"""Who a caller is, and the block addresses that are its own (docs/security.md). No I/O here.
+
+A tenant is named by what the kernel proves about the process at the other end of a connection
+(its uid and gid, SO_PEERCRED), never by what the caller says. Each tenant's blocks have
+addresses of their own: the daemon maps every digest a tenant's agent names through the
+tenant's :class:`Scope` before anything else sees it, so the same tokens saved by two tenants
+are two blocks, and one tenant's lookup of another's prefix is a lookup of an address nobody
+stored (it costs what any miss costs).
+
+The tenant called ``default`` owns the digests as agents send them: every block stored before
+tenants were configured is its own, and a daemon with no ``[tenants]`` settings serves every
+agent as before. Every other tenant's addresses are a keyed BLAKE3 of the digest, under a key
+derived from the daemon's secret (``tenants.key_file``) and the tenant's name. The key is
+secret so that no caller can compute another tenant's address and send it as a digest of its
+own (an agent of the default tenant sends addresses unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import blake3
+
+__all__ = ["DEFAULT", "KEY_BYTES", "Scope", "Tenant", "TenantMap"]
+
+DEFAULT = "default"          # the tenant whose addresses are the digests as sent
+KEY_BYTES = 32
+_CONTEXT = b"kvcached tenant scope v1\x00"
+
+
+class Scope:
+    """Maps the digests one tenant names to the addresses its blocks are stored under: the
+    identity for the default tenant, a keyed BLAKE3-256 for every other."""
+
+    def __init__(self, key: bytes | None) -> None:
+        self._hasher = None if key is None else blake3.blake3(key=key)
+
+    @property
+    def identity(self) -> bool:
+        return self._hasher is None
+
+    def digest(self, digest: bytes) -> bytes:
+        if self._hasher is None:
+            return digest
+        h = self._hasher.copy()
+        h.update(digest)
+        return h.digest()
+
+    def digests(self, digests: Sequence[bytes]) -> Sequence[bytes]:
+        if self._hasher is None:
+            return digests
+        return [self.digest(d) for d in digests]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    scope: Scope = field(compare=False, repr=False)
+
+
+class TenantMap:
+    """The tenant of each connecting process, by uid first, then gid, then the default (None:
+    refused). ``secret``: the daemon's tenant key (KEY_BYTES), from which each tenant's scope is
+    derived; the same secret and names give the same addresses on every node of a cluster."""
+
+    def __init__(self, secret: bytes, *, default: str = DEFAULT, uids: Mapping[str, Sequence[int]] | None = None,
+                 gids: Mapping[str, Sequence[int]] | None = None) -> None:
+        if len(secret) != KEY_BYTES:
+            raise ValueError(f"the tenant key is {len(secret)} bytes, not {KEY_BYTES}")
+        self._secret = secret
+        self._tenants: dict[str, Tenant] = {}
+        self._by_uid = {uid: self._tenant(name) for name, ids in (uids or {}).items() for uid in ids}
+        self._by_gid = {gid: self._tenant(name) for name, ids in (gids or {}).items() for gid in ids}
+        self.default = self._tenant(default) if default else None
+
+    def _tenant(self, name: str) -> Tenant:
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            key = None if name == DEFAULT else blake3.blake3(_CONTEXT + name.encode(), key=self._secret).digest()
+            tenant = self._tenants[name] = Tenant(name, Scope(key))
+        return tenant
+
+    def resolve(self, uid: int, gid: int) -> Tenant | None:
+        """The tenant of a process running as ``uid`` and ``gid``; None if none is named and
+        there is no default (the connection is refused)."""
+        return self._by_uid.get(uid) or self._by_gid.get(gid) or self.default
+
+    @property
+    def names(self) -> list[str]:
+        """Every tenant the configuration names (metric labels come from here, never from input)."""
+        return sorted(self._tenants)

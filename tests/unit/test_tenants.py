@@ -1,0 +1,97 @@
+"""kvcached.tenants without a daemon: who a process is (uid, then gid, then the default), the
+addresses each tenant's digests map to, the key file, the [tenants] settings refused, and the
+agent session's mapping of every message that names digests (issue 41, docs/security.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvcached.api.agent_session import scoped
+from kvcached.config import ConfigError, load_config, to_toml
+from kvcached.tenants import DEFAULT, TenantMap, tenants_for
+from kvcached.tenants.keyfile import load_key
+from kvcached_agent import protocol as p
+
+SECRET = bytes(range(32))
+D1, D2 = b"\x01" * 32, b"\x02" * 32
+
+
+def test_a_process_is_its_uids_tenant_else_its_gids_else_the_default() -> None:
+    m = TenantMap(SECRET, uids={"alice": [1001], "bob": [1002]}, gids={"ml": [2000]})
+    assert [m.resolve(uid, gid).name for uid, gid in ((1001, 2000), (1002, 1), (5, 2000), (5, 5))] == [  # type: ignore[union-attr]
+        "alice", "bob", "ml", DEFAULT]
+    assert TenantMap(SECRET, default="").resolve(5, 5) is None, "no default: refused"
+    assert TenantMap(SECRET, default="guests").resolve(5, 5).name == "guests"  # type: ignore[union-attr]
+    assert m.names == ["alice", "bob", "default", "ml"]
+
+
+def test_each_tenant_has_addresses_of_its_own_and_the_default_keeps_the_digests() -> None:
+    m = TenantMap(SECRET, uids={"alice": [1], "bob": [2]})
+    alice, bob, default = (m.resolve(u, 0).scope for u in (1, 2, 3))     # type: ignore[union-attr]
+    assert default.identity and default.digest(D1) == D1 and default.digests([D1, D2]) == [D1, D2]
+    a, b = alice.digest(D1), bob.digest(D1)
+    assert len({a, b, D1}) == 3 and len(a) == 32, "the same tokens are three blocks"
+    assert alice.digest(D1) == a and alice.digests([D1, D2])[0] == a, "stable"
+    again = TenantMap(SECRET, uids={"alice": [9]}).resolve(9, 0)
+    assert again is not None and again.scope.digest(D1) == a, "the same key and name give the same addresses (a cluster)"
+    other = TenantMap(bytes(32), uids={"alice": [1]}).resolve(1, 0)
+    assert other is not None and other.scope.digest(D1) != a, "without the key, nobody computes alice's addresses"
+    with pytest.raises(ValueError, match="not 32"):
+        TenantMap(b"short")
+
+
+def test_every_message_that_names_digests_is_mapped_and_no_other() -> None:
+    scope = TenantMap(SECRET, uids={"alice": [1]}).resolve(1, 0).scope    # type: ignore[union-attr]
+    s1 = scope.digest(D1)
+    assert scoped(p.Allocate([(D1, 3, 4096)]), scope) == p.Allocate([(s1, 3, 4096)])
+    assert scoped(p.Load([(D1, 3)]), scope) == p.Load([(s1, 3)])
+    assert scoped(p.Lookup(3, [D1]), scope) == p.Lookup(3, [s1])
+    assert scoped(p.Present(3, [D1]), scope) == p.Present(3, [s1])
+    for kind in (p.Overlap, p.Pinned, p.Evicted):
+        assert scoped(kind([D1]), scope) == kind([s1])
+    assert scoped(p.Route([(D1, 3, b"keys")]), scope) == p.Route([(s1, 3, b"keys")])
+    for message in (p.Commit([1]), p.Release([1]), p.Heartbeat()):
+        assert scoped(message, scope) is message
+
+
+def test_the_key_file_is_made_once_private_and_checked(tmp_path: Path) -> None:
+    path = str(tmp_path / "tenants.key")
+    key = load_key(path)
+    assert len(key) == 32 and os.stat(path).st_mode & 0o777 == 0o600
+    assert load_key(path) == key, "never rewritten"
+    os.chmod(path, 0o640)
+    with pytest.raises(OSError, match="others may read"):
+        load_key(path)
+    os.chmod(path, 0o600)
+    Path(path).write_bytes(b"x" * 31)
+    with pytest.raises(OSError, match="not a 32-byte tenant key"):
+        load_key(path)
+    link = tmp_path / "link.key"
+    link.symlink_to(path)
+    with pytest.raises(OSError):
+        load_key(str(link))
+
+
+def test_the_tenants_settings(tmp_path: Path) -> None:
+    config = load_config(overrides=[f'kv.index_dir="{tmp_path}"', "tenants.uids={ alice = [1001], bob = [1002, 1003] }",
+                                    "tenants.gids={ ml-team = [2000] }", 'tenants.default=""'])
+    assert config.tenants.uids == {"alice": [1001], "bob": [1002, 1003]} and config.tenants.default == ""
+    assert load_config(overrides=[f'kv.index_dir="{tmp_path}"']).tenants.default == DEFAULT, "upgrading keeps all"
+    (tmp_path / "written.toml").write_text(to_toml(config, redact=False))
+    assert load_config(tmp_path / "written.toml").tenants == config.tenants, "written as it reads back"
+    assert tenants_for(config).resolve(1003, 0).name == "bob"    # type: ignore[union-attr]
+    assert (tmp_path / "tenants.key").exists(), "made in kv.index_dir"
+    for overrides, says in ((["tenants.uids={ alice = [1], bob = [1] }"], "1 is mapped twice"),
+                            (["tenants.gids={ a = [2], b = [3, 2] }"], "2 is mapped twice"),
+                            (['tenants.uids={ Alice = [1] }'], "tenant name"),
+                            (['tenants.uids={ "a.b" = [1] }'], "tenant name"),
+                            (["tenants.uids={ alice = [] }"], "non-empty list"),
+                            (['tenants.uids={ alice = ["1001"] }'], "non-empty list of integers"),
+                            (["tenants.uids={ alice = [4294967295] }"], "is not an id"),
+                            (["tenants.uids=[1]"], "expected a table"),
+                            (['tenants.default="Bad Name"'], "tenant name")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(overrides=overrides)
