@@ -152,6 +152,7 @@ bench: install engines-venv e2e-venv system-deps
 	$(PY) bench/bench_upgrade.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_loop.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_events.py $(filter --quick,$(BENCH_ARGS))
+	$(PY) bench/bench_tenants.py $(filter --quick,$(BENCH_ARGS))
 	$(ENGINES_PY) bench/bench_engines.py $(filter --quick,$(BENCH_ARGS))
 	$(E2E_PY) bench/bench_e2e.py $(filter --quick,$(BENCH_ARGS))
 

@@ -1,0 +1,233 @@
+"""What tenants hide and what they cost (kvcached.tenants, issue 41): one tenant's Lookup of
+another's cached prefix against its Lookup of a prefix nobody stored, and an agent's saves and
+loads with tenants configured against none, in the same run.
+
+    python bench/bench_tenants.py [--quick] [--json PATH]
+
+Needs root and useradd: it creates two system users for the run and deletes them after (it says
+so and exits 0 without them). Agents run in forked children that drop to those users' ids
+before they connect (the kernel's SO_PEERCRED is what names a tenant), with torch on one thread.
+
+Setup: two ``kvcached serve`` subprocesses (bench_core.start_kvcached: RAM 1 GiB, SSD off, the
+agent socket in a 0711 directory with mode 0666): "none" with no [tenants] settings (every agent
+the default tenant), "two" with ``tenants.uids = { alice = [A], bob = [B] }``.
+
+1. Timing. On "two", alice saves a 32-block prefix P (64 KiB blocks). Then bob, in one
+   connection, alternates Lookup of P's digests (alice's blocks, cached) and of a prefix Q
+   nobody stored, ``lookups`` times each; every answer must be 0. p50 and p90 of each, and the
+   ratio P / Q. Target (issue 41): p50 within 10% of the miss's.
+2. Cost. bob saves 64 fresh 64 KiB blocks a save, back to back for ``seconds``, on "two" (his
+   digests mapped to his addresses) and on "none" (where he is the default tenant: no mapping),
+   interleaved rounds, the order reversed each round; then loads a 64-block working set as
+   often. GB/s of each side's median round; the ratio the median over rounds of two / none.
+   Target (issue 41): >= 0.95x.
+
+--quick: 200 lookups, 3 rounds of 0.3 s (about 20 s). Full: 1000 lookups, 5 rounds of 1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+import torch  # noqa: E402
+from bench_core import KiB, Row, percentile, print_fitted, progress, start_kvcached  # noqa: E402
+
+from kvcached_agent.agent import Agent  # noqa: E402
+
+BLOCK = 64 * KiB
+BATCH = 64
+PREFIX = 32
+TIMING_TARGET = 0.10        # p50 of another tenant's cached prefix within 10% of a miss's
+COST_TARGET = 0.95
+
+
+@contextlib.contextmanager
+def users(n: int) -> Iterator[list[tuple[int, int]]]:
+    names = [f"kvcb{uuid.uuid4().hex[:8]}" for _ in range(n)]
+    made = []
+    try:
+        for name in names:
+            subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                            name], check=True, capture_output=True)
+            made.append(name)
+        yield [(pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid) for name in names]
+    finally:
+        for name in made:
+            subprocess.run(["userdel", name], capture_output=True)
+
+
+def as_user(uid: int, gid: int, work: Callable[[], Any]) -> Any:
+    """``work()``'s JSON-able result, run in a forked child as ``uid``/``gid``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            result: Any = {"ok": work()}
+        except BaseException as exc:     # noqa: BLE001 - reported to the parent
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        os.write(write, json.dumps(result).encode())
+        os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    answer = json.loads(b"".join(chunks))
+    if "error" in answer:
+        raise RuntimeError(f"agent as uid {uid}: {answer['error']}")
+    return answer["ok"]
+
+
+def connect(sock: str, name: str) -> Agent:
+    return Agent.connect(sock, agent_id=name, model="bench/tenants", dtype="bf16", block_tokens=16, num_layers=1,
+                         layer_block_bytes=BLOCK, use_cuda=False, timeout=30)
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [(seed * 7919 + i) % 50000 for i in range(blocks * 16)]
+
+
+def save_prefix(sock: str) -> Callable[[], int]:
+    def work() -> int:
+        with connect(sock, "alice") as agent:
+            addresses = agent.addresses(agent.hash_tokens(tokens(1, PREFIX)))
+            return agent.save(addresses, [torch.full((BLOCK,), 1, dtype=torch.uint8) for _ in addresses]).stored
+    return work
+
+
+def time_lookups(sock: str, n: int) -> Callable[[], dict[str, Any]]:
+    def work() -> dict[str, Any]:
+        with connect(sock, "bob") as agent:
+            cached = agent.hash_tokens(tokens(1, PREFIX))          # alice's prefix
+            never = agent.hash_tokens(tokens(2, PREFIX))
+            times: dict[str, list[float]] = {"cached": [], "never": []}
+            found = 0
+            for i in range(n + 20):
+                for name, digests in (("cached", cached), ("never", never)) if i % 2 == 0 else (
+                        ("never", never), ("cached", cached)):
+                    t0 = time.perf_counter()
+                    answer = agent.lookup(digests)
+                    dt = time.perf_counter() - t0
+                    found += answer.longest
+                    if i >= 20:                                       # the first 20 are warm-up
+                        times[name].append(dt)
+            return {"times": times, "found": found}
+    return work
+
+
+def save_load(sock: str, seconds: float, seed: int) -> Callable[[], dict[str, float]]:
+    def work() -> dict[str, float]:
+        torch.set_num_threads(1)
+        src = list(torch.randint(0, 256, (BATCH * BLOCK,), dtype=torch.uint8).view(-1, BLOCK))
+        with connect(sock, "bob") as agent:
+            spent = stored = 0.0
+            n = 0
+            while spent < seconds:
+                digests = [os.urandom(32) for _ in range(BATCH)]
+                addresses = agent.addresses(digests)
+                t0 = time.perf_counter()
+                stored += agent.save(addresses, src).stored
+                spent += time.perf_counter() - t0
+                n += 1
+            working = agent.addresses([bytes([seed]) * 31 + bytes([i]) for i in range(BATCH)])
+            agent.save(working, src)
+            out = [torch.empty(BLOCK, dtype=torch.uint8) for _ in range(BATCH)]
+            loaded = 0.0
+            t_load = 0.0
+            for _ in range(n):
+                t0 = time.perf_counter()
+                loaded += agent.load(working, out).loaded
+                t_load += time.perf_counter() - t0
+            return {"save": stored * BLOCK / spent / 1e9, "load": loaded * BLOCK / max(t_load, 1e-9) / 1e9}
+    return work
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        print("bench_tenants: needs root and useradd (it runs agents as users it creates); not run")
+        return 0
+    lookups, rounds, seconds = (200, 3, 0.3) if args.quick else (1000, 5, 1.0)
+    torch.set_num_threads(1)
+    rows: list[Row] = []
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack, users(2) as ((a_uid, a_gid), (b_uid, b_gid)):
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcb-")))
+        tmp.chmod(0o711)
+        socks = {}
+        for name, extra in (("none", []), ("two", [f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}"])):
+            home = tmp / name
+            home.mkdir()
+            home.chmod(0o711)
+            socks[name] = str(home / "agent.sock")
+            start_kvcached(stack, home, 1.0, ["kv.ssd_gib=0", f'agent.socket="{socks[name]}"', 'agent.mode="0666"', *extra])
+            deadline = time.monotonic() + 30
+            while not os.path.exists(socks[name]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no agent socket from {name}")
+                time.sleep(0.05)
+        progress("1. alice saves a 32-block prefix; bob looks it up, and a prefix nobody stored")
+        if as_user(a_uid, a_gid, save_prefix(socks["two"])) != PREFIX:
+            raise RuntimeError("alice's prefix was not stored")
+        timed = as_user(b_uid, b_gid, time_lookups(socks["two"], lookups))
+        if timed["found"]:
+            raise RuntimeError(f"bob found {timed['found']} of alice's blocks")
+        p50 = {k: percentile(v, 0.5) * 1e6 for k, v in timed["times"].items()}
+        p90 = {k: percentile(v, 0.9) * 1e6 for k, v in timed["times"].items()}
+        ratio = p50["cached"] / p50["never"]
+        rows.append(Row(1, f"Lookup of another tenant's cached {PREFIX}-block prefix, p50", "us", p50["cached"],
+                        "a prefix nobody stored", p50["never"], False, f"within {TIMING_TARGET:.0%}",
+                        abs(ratio - 1) <= TIMING_TARGET, {"p90_us": p90, "lookups": lookups}))
+        rows.append(Row(1, "the same, p90", "us", p90["cached"], "a prefix nobody stored", p90["never"], False))
+        progress(f"2. bob saves and loads on a daemon with tenants and on one without: {rounds} rounds of {seconds:g} s")
+        sides: dict[str, list[dict[str, float]]] = {"two": [], "none": []}
+        for r in range(rounds):
+            for name in (("two", "none") if r % 2 == 0 else ("none", "two")):
+                sides[name].append(as_user(b_uid, b_gid, save_load(socks[name], seconds, r)))
+        for what in ("save", "load"):
+            pairs = [a[what] / b[what] for a, b in zip(sides["two"], sides["none"])]
+            rows.append(Row(2, f"agent {what}, 64 KiB x{BATCH}, bob a tenant", "GB/s",
+                            statistics.median(x[what] for x in sides["two"]), "no tenants configured",
+                            statistics.median(x[what] for x in sides["none"]), True, f">= {COST_TARGET:.2f}x",
+                            statistics.median(pairs) >= COST_TARGET, {"rounds": sides}, statistics.median(pairs)))
+    header = (f"kvcached tenants benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
+              f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s")
+    titles = {1: "1. Timing: one tenant's Lookup of another's cached prefix vs of a prefix nobody stored (lower is better)",
+              2: "2. Cost: an agent's saves and loads with tenants configured vs none (higher is better)"}
+    print_fitted(rows, header, titles, lambda v, u: f"{v:.3f} GB/s" if u == "GB/s" else f"{v:.1f} {u}",
+                 ["ratio: kvcached / baseline; timing: within the target either way; cost: median over rounds."])
+    for note in notes:
+        print(f"note: {note}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
