@@ -104,8 +104,10 @@ class AgentSession:
     def handle(self, message: p.Message) -> p.Message | None:
         """The answer to a request that never waits (None for events); store errors become
         Error messages. Allocate, Commit and Load go to :meth:`handle_waiting`."""
-        if self._scope is not None:
-            message = scoped(message, self._scope)
+        return self._answer(scoped(message, self._scope) if self._scope is not None else message)
+
+    def _answer(self, message: p.Message) -> p.Message | None:
+        """:meth:`handle` once the message names its tenant's addresses."""
         try:
             if isinstance(message, p.Lookup):
                 r = self.store.lookup(message.digests, message.layer, agent=self.session)
@@ -134,16 +136,13 @@ class AgentSession:
         """The answer to an Allocate (it may wait for write-back back-pressure), a Commit or a
         Load (they may wait for checksums, the SSD, promotions), or, in a cluster, a Lookup (it
         asks the home nodes where remote blocks are first)."""
-        if isinstance(message, (p.Lookup, p.Present)):
-            if self._scope is not None:
-                await self.store.locate(self._scope.digests(message.digests), message.layer)
-            else:
-                await self.store.locate(message.digests, message.layer)
-            answer = self.handle(message)
-            assert answer is not None
-            return answer
         if self._scope is not None:
             message = scoped(message, self._scope)
+        if isinstance(message, (p.Lookup, p.Present)):
+            await self.store.locate(message.digests, message.layer)
+            answer = self._answer(message)
+            assert answer is not None
+            return answer
         try:
             if isinstance(message, p.Allocate):
                 await self.store.throttle_writes()

@@ -1,5 +1,5 @@
 """The daemon's KV event stream without I/O: tier changes become vLLM-schema events
-(:func:`events_of`), events become numbered batches kept for replay (:class:`EventLog`), and
+(:class:`EventMaker`), events become numbered batches kept for replay (:class:`EventLog`), and
 sequence numbers survive restarts (:class:`SequenceLease`). kvcached.events.publisher moves the
 bytes; everything it decides is decided here, with the clock passed in.
 
@@ -19,16 +19,15 @@ from typing import Callable, Iterable, Sequence
 import msgspec
 
 from kvcached.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent, encode_batch
-from kvcached.index.format import DIGEST_AT, FLAGS_AT, LAYER_AT, RECORD, ROUTED, Tier, record_model
+from kvcached.index.format import DIGEST_AT, LAYER_AT, Tier, split_tail
 from kvcached.index.presence import TierChange
 from kvcached_agent.route import RouteKey
 
-__all__ = ["END_SEQ", "EventLog", "EventMaker", "EventNaming", "Replay", "SequenceLease", "events_of", "model_of"]
+__all__ = ["END_SEQ", "EventLog", "EventMaker", "EventNaming", "Replay", "SequenceLease"]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _RAM, _SSD = int(Tier.RAM), int(Tier.SSD)
 DIGEST_MARK = "kvcached-digest"       # extra_keys of an event that names a block by kvcached's digest
-_MODEL_AT = RECORD.size + 2           # a routed record's model (kvcached.index.format)
 _ROUTES = msgspec.msgpack.Decoder(list[RouteKey])
 
 
@@ -54,8 +53,11 @@ class EventNaming:
 
 class EventMaker:
     """Makes the events of the index's tier changes, grouped by topic, in the order the changes
-    came. Each block's keys come from its record (kvcached.index.format.record_route): the feed
-    hands the record over, so nothing is read again. Consecutive events that a vLLM engine would
+    came: for each change, RAM's first, a BlockStored per engine group for each tier gained and a
+    BlockRemoved for each tier lost. Each block's keys come from its record
+    (kvcached.index.format.split_tail): the feed hands the record over, so nothing is read
+    again. A block whose record carries none (the agent gave none, or it came from a peer or the
+    gRPC API) is named by its kvcached digest, marked so in ``extra_keys``. Consecutive events that a vLLM engine would
     have sent as one are sent as one: removals of the same tier, and stores of the same tier
     whose blocks chain (each block's parent is the previous block's last hash, as a request's
     pages do), their hashes and tokens joined. Order is kept where it matters: an event only
@@ -76,15 +78,12 @@ class EventMaker:
         decode = _ROUTES.decode
         for record, before, after in changes:       # every change of every block: kept inline
             keys: list[RouteKey] | None = None
-            if record[FLAGS_AT] & ROUTED:
-                cut = _MODEL_AT + (record[RECORD.size] | record[RECORD.size + 1] << 8)
-                model = record[_MODEL_AT:cut]
+            model, route = split_tail(record)
+            if route:
                 try:        # checked when they came in; a record damaged since is named by digest
-                    keys = decode(record[cut:])
+                    keys = decode(route)
                 except msgspec.DecodeError:
                     pass
-            else:
-                model = record[RECORD.size:]
             out = by_topic.get(topics.get(model) or self._new_topic(model))
             if out is None:
                 out = by_topic[topics[model]] = []
@@ -106,19 +105,6 @@ class EventMaker:
             self._topics.clear()
         topic = self._topics[model] = self.naming.topic_of(model.decode("utf-8", "replace"))
         return topic
-
-
-def events_of(change: TierChange, naming: EventNaming) -> list[KVCacheEvent]:
-    """The events of one block's change of tiers, RAM's first (one topic's worth of
-    :meth:`EventMaker.events`): a BlockStored per engine group for each tier gained, a
-    BlockRemoved for each tier lost. A block whose record carries no route keys (the agent gave
-    none, or it came from a peer or the gRPC API) is named by its kvcached digest, marked so in
-    ``extra_keys``."""
-    return [e for events in EventMaker(naming).events([change]).values() for e in events]
-
-
-def model_of(record: bytes) -> str:
-    return record_model(record)
 
 
 def _add_stored(out: list[KVCacheEvent], keys: list[RouteKey], medium: str, naming: EventNaming) -> None:

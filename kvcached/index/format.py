@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 __all__ = ["AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "FLAGS_AT", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT", "RECORD",
            "REASON_AT", "ROUTED", "SCHEMA_VERSION", "TIERS_AT", "U64", "BlockRecord", "GoneReason", "Tier", "is_expired_tombstone",
-           "is_present", "queue_entry", "queue_time", "raw_ssd_view", "record_model", "record_route", "wire_key_of",
+           "is_present", "queue_entry", "queue_time", "raw_ssd_view", "record_model", "record_route", "split_tail", "wire_key_of",
            "with_route"]
 
 SCHEMA_VERSION = 1
@@ -36,6 +36,7 @@ FLAGS_AT, LAYER_AT, NBYTES_AT, DIGEST_AT = 3, 4, 8, 72
 ROUTED = 1                     # flags: the tail holds route keys after the model
 U64 = struct.Struct("<Q")
 U16 = struct.Struct("<H")
+_MODEL_AT = RECORD.size + U16.size     # a routed record's model, after its u16 length
 AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
 
 
@@ -85,24 +86,29 @@ def raw_ssd_view(raw: bytes) -> tuple[Tier, int, float, bytes, bytes, int] | Non
     return Tier(tiers), nbytes, last_seen, checksum, digest, layer
 
 
+def split_tail(raw: bytes) -> tuple[bytes, bytes]:
+    """(model, route keys) of a readable raw record, as stored (b"": no route keys). The one
+    place that reads the tail's layout (see the module): the event publisher calls it for every
+    change of every block."""
+    if raw[FLAGS_AT] & ROUTED:
+        end = _MODEL_AT + (raw[RECORD.size] | raw[RECORD.size + 1] << 8)
+        return raw[_MODEL_AT:end], raw[end:]
+    return raw[RECORD.size:], b""
+
+
 def record_model(raw: bytes) -> str:
     """The model of a readable raw record (invalid UTF-8 replaced: this names, never decides)."""
-    if raw[FLAGS_AT] & ROUTED:
-        end = RECORD.size + 2 + U16.unpack_from(raw, RECORD.size)[0]
-        return raw[RECORD.size + 2:end].decode("utf-8", "replace")
-    return raw[RECORD.size:].decode("utf-8", "replace")
+    return split_tail(raw)[0].decode("utf-8", "replace")
 
 
 def record_route(raw: bytes) -> bytes | None:
     """The encoded route keys a readable raw record carries (None: it has none)."""
-    if not raw[FLAGS_AT] & ROUTED:
-        return None
-    return raw[RECORD.size + 2 + U16.unpack_from(raw, RECORD.size)[0]:] or None
+    return split_tail(raw)[1] or None
 
 
 def with_route(raw: bytes, route: bytes) -> bytes:
     """A readable raw record with ``route`` as its route keys (replacing any it had)."""
-    model = record_model(raw).encode()
+    model = split_tail(raw)[0]
     head = bytearray(raw[:RECORD.size])
     head[FLAGS_AT] |= ROUTED
     return bytes(head) + U16.pack(len(model)) + model + route
@@ -140,14 +146,10 @@ class BlockRecord:
     def decode(cls, raw: bytes) -> "BlockRecord":
         if len(raw) < RECORD.size or raw[0] != SCHEMA_VERSION:
             raise ValueError(f"index record of {len(raw)} bytes, version {raw[:1].hex() or '?'} is not readable")
-        (_, tiers, reason, flags, layer, nbytes, created, last_seen, gone_at, checksum, digest) = RECORD.unpack_from(raw)
-        if flags & ROUTED:
-            end = RECORD.size + 2 + U16.unpack_from(raw, RECORD.size)[0]
-            model, route = raw[RECORD.size + 2:end].decode(), bytes(raw[end:])
-        else:
-            model, route = raw[RECORD.size:].decode(), b""
-        return cls(digest, layer, model, nbytes, checksum, created, last_seen, Tier(tiers), GoneReason(reason), gone_at,
-                   route)
+        (_, tiers, reason, _, layer, nbytes, created, last_seen, gone_at, checksum, digest) = RECORD.unpack_from(raw)
+        model, route = split_tail(raw)
+        return cls(digest, layer, model.decode(), nbytes, checksum, created, last_seen, Tier(tiers), GoneReason(reason),
+                   gone_at, bytes(route))
 
     def gone(self, reason: GoneReason, now: float) -> "BlockRecord":
         return replace(self, tiers=Tier.NONE, gone_reason=reason, gone_at=now)

@@ -25,8 +25,6 @@ import torch
 
 from kvcached_agent.agent import Agent
 
-from .conftest import DaemonProcess
-
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                 reason="needs root and useradd: the test creates the users it runs agents as")
 
@@ -163,11 +161,13 @@ def test_a_damaged_or_open_tenant_key_stops_the_start_with_a_clear_error(make_da
     d.start(wait=False)
     assert d.proc.wait(20) != 0                              # type: ignore[union-attr]
     assert "not a 32-byte tenant key" in d.log() and "Traceback" not in d.log()
-    key.write_bytes(os.urandom(32))
+    assert key.read_bytes() == b"short", "a damaged key is reported, never replaced"
+    secret = os.urandom(32)
+    key.write_bytes(secret)
     key.chmod(0o644)
     d.start(wait=False)
     assert d.proc.wait(20) != 0                              # type: ignore[union-attr]
     assert "others may read the tenant key" in d.log()
     key.chmod(0o600)
-    d.start()
-    assert isinstance(d, DaemonProcess) and key.read_bytes() != b"short"
+    d.start()                                                # waits until it serves
+    assert d.proc.poll() is None and key.read_bytes() == secret, "the key is used as it is"

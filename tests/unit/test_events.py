@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvcached.config import ConfigError, load_config
-from kvcached.events.schema import decode_batch
-from kvcached.events.stream import END_SEQ, EventLog, EventMaker, EventNaming, SequenceLease, events_of
+from kvcached.events.schema import KVCacheEvent, decode_batch
+from kvcached.events.stream import END_SEQ, EventLog, EventMaker, EventNaming, SequenceLease
 from kvcached.index.format import FLAGS_AT, BlockRecord, Tier, record_model, record_route, with_route
 from kvcached.index.presence import TierFeed
 from kvcached_agent.route import RouteKey, decode_routes, encode_routes
@@ -18,6 +18,11 @@ NAMING = EventNaming(node="n1", ownership="kvcached@n1")
 def record(tiers: Tier, keys: list[RouteKey] | None = None, model: str = "org/model") -> bytes:
     route = encode_routes(keys) if keys else b""
     return BlockRecord(b"\x07" * 32, 0xFFFFFFFF, model, 4096, b"c" * 32, 1.0, 1.0, tiers, route=route).encode()
+
+
+def events_of(change: tuple[bytes, int, int], naming: EventNaming) -> list[KVCacheEvent]:
+    """The events of one change, whatever their topic."""
+    return [e for events in EventMaker(naming).events([change]).values() for e in events]
 
 
 def test_each_tier_gained_or_lost_is_one_event_per_engine_group() -> None:

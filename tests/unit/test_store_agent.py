@@ -212,3 +212,41 @@ def test_engine_keys_are_kept_only_for_blocks_reserved_or_stored(store: SyncStor
     store.keep_routes([(digest(n), address(n).layer, b"k") for n in range(10, 20)])
     assert len(store.routes) == 2, "keys waiting for a reservation are bounded"
     settle(store)
+
+
+def test_engine_keys_that_cannot_be_written_leave_the_reservation_standing(
+        ram: RamTier, clock: FakeClock, event_loop_for_store: asyncio.AbstractEventLoop, tmp_path: Path) -> None:
+    """A block found stored already gets its offered keys at once, in its record; with the index
+    on a full disk that write is refused, and the Allocate still answers PRESENT (the keys are an
+    extra: the block keeps its digest name), with nothing lost."""
+    import os
+    import time
+
+    from kvcached.index import IndexUnwritable
+    from kvcached.index.format import record_route
+    from kvcached.index.presence import TierFeed
+    from tests.disks import fill, small_tmpfs
+    with small_tmpfs(tmp_path / "disk", "4m") as mnt:
+        index = BlockIndex(mnt / "index")
+        index.tier_feed = TierFeed()
+        store = SyncStore(event_loop_for_store.run_until_complete(_build(ram, index, clock)), event_loop_for_store)
+        save(store, [1])
+        settle(store)
+        hog = fill(mnt)
+        with pytest.raises(IndexUnwritable):
+            while True:
+                index.write([(os.urandom(32), os.urandom(200))])
+        store.keep_routes([(digest(1), address(1).layer, b"keys")])
+        assert store.reserve([(address(1), 8 * KIB)]) == ["present"]
+        raw = index.raw(address(1).key)
+        assert raw is not None and record_route(raw) is None, "the block is there, under its digest name"
+        hog.unlink()
+        deadline = time.monotonic() + 10
+        while not index.recover(time.monotonic()):       # writable again, so it closes cleanly
+            assert time.monotonic() < deadline, index.unwritable_reason
+            time.sleep(0.05)
+        index.close()
+
+
+async def _build(ram: RamTier, index: BlockIndex, clock: FakeClock) -> Store:
+    return Store(ram, index, gone_ttl=3600.0, clock=clock)
