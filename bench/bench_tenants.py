@@ -10,7 +10,8 @@ before they connect (the kernel's SO_PEERCRED is what names a tenant), with torc
 
 Setup: two ``kvcached serve`` subprocesses (bench_core.start_kvcached: RAM 1 GiB, SSD off, the
 agent socket in a 0711 directory with mode 0666): "none" with no [tenants] settings (every agent
-the default tenant), "two" with ``tenants.uids = { alice = [A], bob = [B] }``.
+the default tenant), "two" with ``tenants.uids = { alice = [A], bob = [B] }`` and a gRPC socket
+for each (``tenants.sockets``).
 
 1. Timing. On "two", alice saves a 32-block prefix P (64 KiB blocks). Then bob, in one
    connection, alternates Lookup of P's digests (alice's blocks, cached) and of a prefix Q
@@ -21,6 +22,10 @@ the default tenant), "two" with ``tenants.uids = { alice = [A], bob = [B] }``.
    interleaved rounds, the order reversed each round; then loads a 64-block working set as
    often. GB/s of each side's median round; the ratio the median over rounds of two / none.
    Target (issue 41): >= 0.95x.
+3. Timing over gRPC. On bob's tenant socket (this process is root, which its ACL admits; the
+   socket, not the caller, names the tenant), Lookup of P's digests and of Q, alternating,
+   ``lookups`` times each; every answer must be 0, and alice's socket must find all of P.
+   p50 of each and the ratio. Target (issue 41): within 10%.
 
 --quick: 200 lookups, 3 rounds of 0.3 s (about 20 s). Full: 1000 lookups, 5 rounds of 1 s.
 """
@@ -31,17 +36,14 @@ import argparse
 import contextlib
 import json
 import os
-import pwd
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,7 +52,10 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 import torch  # noqa: E402
 from bench_core import KiB, Row, percentile, print_fitted, progress, start_kvcached  # noqa: E402
 
+from kvcached.client import KvCacheClient  # noqa: E402
 from kvcached_agent.agent import Agent  # noqa: E402
+from tests.integration.users import as_user as run_as  # noqa: E402
+from tests.integration.users import made_users  # noqa: E402
 
 BLOCK = 64 * KiB
 BATCH = 64
@@ -59,43 +64,9 @@ TIMING_TARGET = 0.10        # p50 of another tenant's cached prefix within 10% o
 COST_TARGET = 0.95
 
 
-@contextlib.contextmanager
-def users(n: int) -> Iterator[list[tuple[int, int]]]:
-    names = [f"kvcb{uuid.uuid4().hex[:8]}" for _ in range(n)]
-    made = []
-    try:
-        for name in names:
-            subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                            name], check=True, capture_output=True)
-            made.append(name)
-        yield [(pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid) for name in names]
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], capture_output=True)
-
-
 def as_user(uid: int, gid: int, work: Callable[[], Any]) -> Any:
     """``work()``'s JSON-able result, run in a forked child as ``uid``/``gid``."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            result: Any = {"ok": work()}
-        except BaseException as exc:     # noqa: BLE001 - reported to the parent
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(result).encode())
-        os._exit(0)
-    os.close(write)
-    chunks = []
-    while chunk := os.read(read, 1 << 16):
-        chunks.append(chunk)
-    os.close(read)
-    os.waitpid(pid, 0)
-    answer = json.loads(b"".join(chunks))
+    answer = run_as(uid, gid, work)
     if "error" in answer:
         raise RuntimeError(f"agent as uid {uid}: {answer['error']}")
     return answer["ok"]
@@ -165,6 +136,22 @@ def save_load(sock: str, seconds: float, seed: int) -> Callable[[], dict[str, fl
     return work
 
 
+def grpc_lookups(target: str, cached: list[bytes], never: list[bytes], n: int) -> dict[str, Any]:
+    """Alternating gRPC Lookups of ``cached`` and ``never`` on ``target``, ``n`` timed each."""
+    times: dict[str, list[float]] = {"cached": [], "never": []}
+    found = 0
+    with KvCacheClient(target) as client:
+        for i in range(n + 20):
+            for name, digests in (("cached", cached), ("never", never)) if i % 2 == 0 else (
+                    ("never", never), ("cached", cached)):
+                t0 = time.perf_counter()
+                found += client.lookup(digests).longest
+                dt = time.perf_counter() - t0
+                if i >= 20:
+                    times[name].append(dt)
+    return {"times": times, "found": found}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -177,11 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     rows: list[Row] = []
     notes: list[str] = []
-    with contextlib.ExitStack() as stack, users(2) as ((a_uid, a_gid), (b_uid, b_gid)):
+    with contextlib.ExitStack() as stack, made_users() as make:
+        (a_uid, a_gid), (b_uid, b_gid) = make(), make()
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcb-")))
         tmp.chmod(0o711)
         socks = {}
-        for name, extra in (("none", []), ("two", [f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}"])):
+        two = [f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}",
+               f'tenants.sockets={{ alice = "{tmp / "alice.sock"}", bob = "{tmp / "bob.sock"}" }}']
+        for name, extra in (("none", []), ("two", two)):
             home = tmp / name
             home.mkdir()
             home.chmod(0o711)
@@ -205,6 +195,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "a prefix nobody stored", p50["never"], False, f"within {TIMING_TARGET:.0%}",
                         abs(ratio - 1) <= TIMING_TARGET, {"p90_us": p90, "lookups": lookups}))
         rows.append(Row(1, "the same, p90", "us", p90["cached"], "a prefix nobody stored", p90["never"], False))
+        progress("3. the same over gRPC, on bob's tenant socket")
+        with connect(socks["two"], "root") as root:
+            cached, never = root.hash_tokens(tokens(1, PREFIX)), root.hash_tokens(tokens(2, PREFIX))
+        with KvCacheClient(f"unix:{tmp / 'alice.sock'}") as alice:
+            if alice.lookup(cached).longest != PREFIX:
+                raise RuntimeError("alice's socket does not find her prefix")
+        over_grpc = grpc_lookups(f"unix:{tmp / 'bob.sock'}", cached, never, lookups)
+        if over_grpc["found"]:
+            raise RuntimeError(f"bob's socket found {over_grpc['found']} of alice's blocks")
+        p50 = {k: percentile(v, 0.5) * 1e6 for k, v in over_grpc["times"].items()}
+        ratio = p50["cached"] / p50["never"]
+        rows.append(Row(3, f"gRPC Lookup of another tenant's cached {PREFIX}-block prefix, p50", "us", p50["cached"],
+                        "a prefix nobody stored", p50["never"], False, f"within {TIMING_TARGET:.0%}",
+                        abs(ratio - 1) <= TIMING_TARGET, {"lookups": lookups}))
         progress(f"2. bob saves and loads on a daemon with tenants and on one without: {rounds} rounds of {seconds:g} s")
         sides: dict[str, list[dict[str, float]]] = {"two": [], "none": []}
         for r in range(rounds):
@@ -219,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = (f"kvcached tenants benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
               f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s")
     titles = {1: "1. Timing: one tenant's Lookup of another's cached prefix vs of a prefix nobody stored (lower is better)",
-              2: "2. Cost: an agent's saves and loads with tenants configured vs none (higher is better)"}
+              2: "2. Cost: an agent's saves and loads with tenants configured vs none (higher is better)",
+              3: "3. Timing over gRPC, on bob's tenant socket (lower is better)"}
     print_fitted(rows, header, titles, lambda v, u: f"{v:.3f} GB/s" if u == "GB/s" else f"{v:.1f} {u}",
                  ["ratio: kvcached / baseline; timing: within the target either way; cost: median over rounds."])
     for note in notes:

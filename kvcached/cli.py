@@ -27,6 +27,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="daemon address in gRPC syntax (unix:PATH or HOST:PORT); "
                                     "default: the first grpc.listen of the config, or $KVCACHED_TARGET")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--tenant", help="act as this tenant (the operator may name any; docs/security.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,7 +191,7 @@ def _client_command(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SystemExit(_die(2, f"bad address {text!r}: {exc}"))
 
-    with KvCacheClient(_target(args)) as client:
+    with KvCacheClient(_target(args), tenant=args.tenant) as client:
         if args.command == "stat":
             s = client.stats()
             if args.json:

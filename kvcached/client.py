@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import grpc
 
@@ -74,16 +74,49 @@ class _RetryServerCancelled(grpc.UnaryUnaryClientInterceptor):
         return outcome
 
 
+class _Details(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _ActAs(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor):
+    """Names a tenant in every call's ``kvcached-tenant`` header (honoured for the operator,
+    kvcached.api.callers)."""
+
+    def __init__(self, tenant: str) -> None:
+        self.header = ("kvcached-tenant", tenant)
+
+    def _details(self, details: Any) -> _Details:
+        return _Details(details.method, details.timeout, [*(details.metadata or ()), self.header],
+                        details.credentials, details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(details), request_iterator)
+
+
 class KvCacheClient:
     """Blocking client. ``target`` uses gRPC syntax: ``unix:PATH`` or ``HOST:PORT``. Calls are
-    retried as :data:`RETRY_POLICY` says (unary calls the server cancelled too)."""
+    retried as :data:`RETRY_POLICY` says (unary calls the server cancelled too). ``tenant``:
+    act as this tenant (the operator may name any; a tenant's connection, only itself)."""
 
-    def __init__(self, target: str, *, max_message_mib: int = 64, timeout: float | None = 60.0) -> None:
+    def __init__(self, target: str, *, max_message_mib: int = 64, timeout: float | None = 60.0,
+                 tenant: str | None = None) -> None:
         limit = max_message_mib << 20
         self.channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.enable_retries", 1), ("grpc.service_config", RETRY_POLICY)])
-        self.stub = pb_grpc.KvCacheStub(grpc.intercept_channel(self.channel, _RetryServerCancelled()))
+        interceptors: list[Any] = [_RetryServerCancelled()] + ([_ActAs(tenant)] if tenant else [])
+        self.stub = pb_grpc.KvCacheStub(grpc.intercept_channel(self.channel, *interceptors))
         self.timeout = timeout
 
     def __enter__(self) -> "KvCacheClient":

@@ -34,3 +34,7 @@ class DataLoss(KvError):
 
 class Unavailable(KvError):
     """The daemon cannot do it now (its index cannot be written); nothing of the request was kept."""
+
+
+class PermissionDenied(KvError):
+    """The caller may not do this: its tenant is not the one it asked to act as, or none serves it."""

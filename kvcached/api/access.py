@@ -7,6 +7,9 @@
 - Every other TCP listener (plaintext, or [grpc] read_only_listen) serves read-only calls only:
   a call that changes state is answered PERMISSION_DENIED by :class:`ReadOnly`, before any
   handler runs.
+- Where tenants other than the default one are configured, the Admin service is the
+  operator's (:class:`OperatorOnly`): it names every tenant's agents, peers and blocks. Which
+  tenant a call acts as: kvcached.api.callers.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-__all__ = ["STATE_CHANGING", "ReadOnly"]
+from kvcached.api.callers import Callers, Refusals
+from kvcached.errors import InvalidArgument, KvError
+
+__all__ = ["ADMIN_PREFIX", "STATE_CHANGING", "OperatorOnly", "ReadOnly"]
+
+ADMIN_PREFIX = "/kvcached.v1.Admin/"
 
 # Full method names of every call that changes what the daemon holds or how it runs. A new RPC
 # that changes state must be added here (tests/integration/test_admin.py checks every method of
@@ -48,6 +56,38 @@ class ReadOnly(grpc.aio.ServerInterceptor):
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         return make(deny, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)
+
+
+class OperatorOnly(grpc.aio.ServerInterceptor):
+    """Answers an Admin call PERMISSION_DENIED unless it acts as the operator (counted,
+    ``operator_only``). Evict may still act on one tenant's blocks: the operator names it in the
+    kvcached-tenant header."""
+
+    def __init__(self, callers: Callers, refusals: Refusals) -> None:
+        self.callers, self.refusals = callers, refusals
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(ADMIN_PREFIX) or handler.unary_unary is None:
+            return handler
+        method, behavior, callers, refusals = details.method, handler.unary_unary, self.callers, self.refusals
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                caller = callers.of(context)
+            except KvError as exc:        # refused for who it is (counted), or an unknown tenant named
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, InvalidArgument)
+                                    else grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            if not caller.operator:
+                refusals.counts["operator_only"] += 1
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{method.rsplit('/', 1)[-1]} is the operator's: it names every tenant's agents, "
+                                    f"peers or blocks, and this call acts as tenant {caller.name}")
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
 
 
 class Gate(grpc.aio.ServerInterceptor):

@@ -17,12 +17,14 @@ from typing import Any, AsyncIterator, Protocol
 
 import grpc
 
+from kvcached.api.callers import OPERATOR, Callers
 from kvcached.api.grpc_service import check_batch, check_digests, errors_to_status
 from kvcached.config import Config, to_toml
 from kvcached.errors import FailedPrecondition, InvalidArgument
 from kvcached.host.logs import set_level
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
+from kvcached.tenants import Scope
 from kvcached.tiers.ssd import SsdTier
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
@@ -63,8 +65,10 @@ class Operated(Protocol):
 class AdminService(pb_grpc.AdminServicer):
     """The Admin RPCs over an :class:`Operated` daemon (see the module)."""
 
-    def __init__(self, daemon: Operated) -> None:
+    def __init__(self, daemon: Operated, callers: Callers | None = None) -> None:
+        """``callers``: which tenant an Evict acts as (the operator may name one; None: none)."""
         self.daemon = daemon
+        self.callers = callers
         self.max_batch = daemon.config.grpc.max_batch
         self.batch_slice = daemon.config.grpc.batch_slice   # blocks evicted or dropped between yields to requests
 
@@ -83,8 +87,12 @@ class AdminService(pb_grpc.AdminServicer):
         if bool(request.model) == bool(request.digests):
             raise InvalidArgument("name either a model or digests (one of the two)")
         check_batch("Evict", len(request.digests), "digests", self.max_batch)
+        caller = self.callers.of(context) if self.callers is not None else OPERATOR
+        if caller.tenant is not None and request.model:
+            raise FailedPrecondition("Evict by model cannot be narrowed to one tenant: name the tenant's digests, or "
+                                     "evict the model for every tenant (no kvcached-tenant header)")
         evicted = busy = absent = 0
-        async for addresses in self._selected(request):
+        async for addresses in self._selected(request, caller.scope):
             if tier == "all":
                 deleted, missing = await self.store.delete(addresses, skip_busy=True)
                 counts = (deleted, len(set(addresses)) - deleted - missing, missing)
@@ -98,11 +106,13 @@ class AdminService(pb_grpc.AdminServicer):
                                                          "evicted": evicted, "busy": busy}})
         return pb.EvictResponse(evicted=evicted, busy=busy, not_found=absent)
 
-    async def _selected(self, request: pb.EvictRequest) -> AsyncIterator[list[BlockAddress]]:
-        """The request's blocks in slices: its digests, or every indexed block of its model."""
+    async def _selected(self, request: pb.EvictRequest, scope: Scope) -> AsyncIterator[list[BlockAddress]]:
+        """The request's blocks in slices: its digests (as ``scope`` maps them), or every indexed
+        block of its model."""
         if request.digests:
             digests = list(request.digests)
             check_digests(digests)
+            digests = list(scope.digests(digests))
             layer = request.layer if request.HasField("layer") else CROSS_LAYER
             for i in range(0, len(digests), self.batch_slice):
                 yield [BlockAddress(d, layer) for d in digests[i:i + self.batch_slice]]

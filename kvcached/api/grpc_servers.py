@@ -2,8 +2,11 @@
 
 Two servers (kvcached.api.access says who may call what): the full API on the Unix sockets and
 the mutual-TLS TCP listeners; read-only calls on plaintext TCP listeners and
-``grpc.read_only_listen``. Both carry the KvCache and Admin services (their requests measured
-before they are parsed: kvcached.api.request_size), health and reflection (grpcurl).
+``grpc.read_only_listen``; and one more for each tenant socket (tenants.sockets), the full API
+acting as that tenant, admitting its uids and gids alone (kvcached.tenants.socket_acl). Each
+names the tenant of its calls its own way (kvcached.api.callers). All carry the KvCache and
+Admin services (their requests measured before they are parsed: kvcached.api.request_size),
+health and reflection (grpcurl).
 
 So that a successor can listen beside this daemon at an upgrade (kvcached.lifecycle.handover), TCP
 listeners set SO_REUSEPORT (a start that is not a takeover first checks that no other process
@@ -23,14 +26,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvcached.api.access import Gate, ReadOnly
+from kvcached.api.access import Gate, OperatorOnly, ReadOnly
 from kvcached.api.admin_service import AdminService, Operated
+from kvcached.api.callers import BoundTenant, Callers, OperatorOrCertificate, Refusals, Unauthenticated
 from kvcached.api.grpc_service import KvCacheService
 from kvcached.api.request_size import bounded, largest_read_only_request
 from kvcached.config import Config, ListenAddress, parse_listen
 from kvcached.host.logs import fields
 from kvcached.host.process import StartupError, check_tcp_port_free
 from kvcached.store import Store
+from kvcached.tenants import TenantMap
+from kvcached.tenants.socket_acl import admit_only
 from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 __all__ = ["GrpcServers", "SERVICE_NAME", "ADMIN_SERVICE_NAME"]
@@ -45,15 +51,20 @@ class GrpcServers:
     """The full and the read-only server (see the module). ``operated``: what the Admin
     service operates (the daemon); ``store``: what KvCache answers from (None until built,
     at a takeover: :meth:`set_store`). ``ports``: each TCP listener's port in use (as
-    configured -> port); ``own_sockets``: the Unix sockets bound (path, inode)."""
+    configured -> port); ``own_sockets``: the Unix sockets bound (path, inode). ``tenants``:
+    who callers are (None: every call is the operator's); ``refusals``: calls refused for who
+    made them, by reason."""
 
     def __init__(self, config: Config, operated: Operated, store: Store | None, started_at: float,
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None, tenants: TenantMap | None = None) -> None:
         self.config, self.operated, self.store, self.started_at, self.gate = config, operated, store, started_at, gate
+        self.tenants = tenants
+        self.refusals = Refusals()
         self.health = health.aio.HealthServicer()
         self.full: grpc.aio.Server | None = None
         self.read_only: grpc.aio.Server | None = None
         self.services: list[KvCacheService] = []
+        self.tenant_servers: list[grpc.aio.Server] = []
         self.ports: dict[str, int] = {}
         self.own_sockets: list[tuple[str, int]] = []
 
@@ -68,11 +79,20 @@ class GrpcServers:
         read_only = ([] if cfg.grpc.tls else tcp) + [parse_listen(x) for x in cfg.grpc.read_only_listen]
         credentials = self._tls_credentials() if cfg.grpc.tls else None
         renames: list[tuple[str, str]] = []
-        self.full = await self._grpc_server(full, credentials, predecessor_ports, renames, gid, read_only=False)
+        self.full = await self._grpc_server(full, credentials, predecessor_ports, renames, gid, read_only=False,
+                                            callers=self._callers(cfg))
         if read_only:
             self.read_only = await self._grpc_server(
                 read_only, self._tls_credentials(require_client_auth=False) if cfg.grpc.tls else None,
-                predecessor_ports, renames, gid, read_only=True)
+                predecessor_ports, renames, gid, read_only=True,
+                callers=Unauthenticated(self.tenants, self.refusals) if self.tenants else None)
+        for name, path in cfg.tenants.sockets.items():
+            tenant = self.tenants.named(name) if self.tenants else None
+            assert tenant is not None, name          # the configuration checks each names a uid or gid
+            admit = (cfg.tenants.uids.get(name, []), cfg.tenants.gids.get(name, []))
+            self.tenant_servers.append(await self._grpc_server(
+                [parse_listen(f"unix:{path}")], None, None, renames, -1, read_only=False,
+                callers=BoundTenant(self.tenants, self.refusals, tenant), admit=admit))  # type: ignore[arg-type]
         for temporary, path in renames:
             os.rename(temporary, path)
             self.own_sockets.append((path, os.stat(path).st_ino))
@@ -94,9 +114,16 @@ class GrpcServers:
         ``graceful_health``, health says NOT_SERVING first."""
         if graceful_health:
             await self.health.enter_graceful_shutdown()
-        for server in (self.full, self.read_only):
+        for server in (self.full, self.read_only, *self.tenant_servers):
             if server is not None:
                 await server.stop(grace_s)
+
+    def _callers(self, cfg: Config) -> Callers | None:
+        if self.tenants is None:
+            return None
+        t = cfg.tenants
+        return OperatorOrCertificate(self.tenants, self.refusals, by_certificate=bool(t.certs), cert_field=t.cert_field,
+                                     operators=t.operators)
 
     def _tls_credentials(self, require_client_auth: bool = True) -> grpc.ServerCredentials:
         cert, key, ca = self.config.grpc_tls_files()
@@ -109,27 +136,31 @@ class GrpcServers:
 
     async def _grpc_server(self, addresses: list[ListenAddress], credentials: grpc.ServerCredentials | None,
                            predecessor_ports: dict[str, int] | None, renames: list[tuple[str, str]], gid: int, *,
-                           read_only: bool) -> grpc.aio.Server:
-        """One gRPC server on ``addresses``; a Unix socket is bound at a temporary name, added to
-        ``renames`` as (temporary, path) with its mode and group set (see :meth:`start`)."""
+                           read_only: bool, callers: Callers | None,
+                           admit: tuple[list[int], list[int]] | None = None) -> grpc.aio.Server:
+        """One gRPC server on ``addresses``, its calls' tenants named by ``callers``; a Unix socket
+        is bound at a temporary name, added to ``renames`` as (temporary, path) with its mode and
+        group set (see :meth:`start`), or, with ``admit`` (uids, gids), opened to those alone."""
         limit = self.config.grpc.max_message_mib << 20
         max_batch = self.config.grpc.max_batch
         # The read-only listener receives no more than its largest allowed request: gRPC refuses
         # the rest from their length prefix (kvcached.api.request_size).
         receive = min(limit, largest_read_only_request(max_batch)) if read_only else limit
+        several = self.tenants is not None and self.tenants.several
         interceptors: list[grpc.aio.ServerInterceptor] = ([self.gate] if self.gate else []) + (
-            [ReadOnly()] if read_only else [])
+            [ReadOnly()] if read_only else []) + ([OperatorOnly(callers, self.refusals)] if several and callers else [])
         server = grpc.aio.server(interceptors=interceptors or None, options=[
             ("grpc.max_receive_message_length", receive),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 1),
         ])
         service = KvCacheService(self.store, max_message_bytes=limit, started_at=self.started_at,  # type: ignore[arg-type]
-                                 grpc_config=self.config.grpc)     # the store is set here later in a takeover
+                                 grpc_config=self.config.grpc,     # the store is set here later in a takeover
+                                 callers=callers, several_tenants=several)
         self.services.append(service)
         bounded(server, max_batch, functools.partial(kvcache_pb2_grpc.add_KvCacheServicer_to_server, service))
         bounded(server, max_batch, functools.partial(kvcache_pb2_grpc.add_AdminServicer_to_server,
-                                                     AdminService(self.operated)))
+                                                     AdminService(self.operated, callers)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -150,7 +181,13 @@ class GrpcServers:
                 raise StartupError(f"grpc.listen {address.text}: cannot listen ({exc})") from None
             if address.unix_path is None and port == 0:
                 raise StartupError(f"grpc.listen {address.text}: cannot listen (address in use?)")
-            if address.unix_path:
+            if address.unix_path and admit is not None:
+                try:
+                    admit_only(temporary, *admit)
+                except OSError as exc:
+                    raise StartupError(f"tenants.sockets {address.unix_path}: {exc.strerror or exc}") from None
+                renames.append((temporary, address.unix_path))
+            elif address.unix_path:
                 os.chmod(temporary, self.config.socket_mode_bits)
                 if gid >= 0:
                     os.chown(temporary, -1, gid)

@@ -29,9 +29,19 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvcached import __version__
 from kvcached.api import STREAM_CHUNK_BYTES
+from kvcached.api.callers import OPERATOR, Caller, Callers
 from kvcached.api.convert import address_from_pb, address_to_pb, tier_name
 from kvcached.config import GrpcSection
-from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
+from kvcached.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    KvError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvcached.index import BlockRecord, Tier
 from kvcached.store import LookupResult, Miss, Pinned, PutItem, Store
 from kvcached.store.gpu_view import GpuView
@@ -51,6 +61,7 @@ _STATUS: dict[type[KvError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     DataLoss: grpc.StatusCode.DATA_LOSS,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 _TIER_FILTER = {pb.TIER_UNSPECIFIED: "", pb.TIER_RAM: "ram", pb.TIER_SSD: "ssd", pb.TIER_GONE: "gone"}
 
@@ -162,6 +173,11 @@ def _digests(entries: Sequence[bytes], start: int) -> list[bytes]:
     return digests
 
 
+def _named(address: BlockAddress, as_sent: dict[BlockAddress, BlockAddress] | None) -> BlockAddress:
+    """``address`` as the caller named it (``as_sent``: stored address -> sent; None: the same)."""
+    return address if as_sent is None else as_sent[address]
+
+
 def _stopped_at(exc: NotFound, start: int, end: int, count: int) -> NotFound:
     """A slice's NotFound, saying which slice of the request it counted: the call stopped there."""
     if (start, end) == (0, count):
@@ -239,13 +255,36 @@ async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, s
     return LookupResult(longest=longest.count, ram=ram.count, ssd=ssd.count, gpu=gpu.count, peer=peer.count)
 
 
+class _Operator:
+    def of(self, context: grpc.aio.ServicerContext) -> Caller:
+        return OPERATOR
+
+
+def _scoped_addresses(caller: Caller, addresses: list[BlockAddress]) -> list[BlockAddress]:
+    """The addresses the caller's blocks are stored under (kvcached.tenants.Scope)."""
+    scope = caller.scope
+    if scope.identity:
+        return addresses
+    return [BlockAddress(scope.digest(a.digest), a.layer) for a in addresses]
+
+
 class KvCacheService(pb_grpc.KvCacheServicer):
+    """Every call acts as its caller (kvcached.api.callers): the digests and addresses of a
+    tenant's calls are mapped to its own, and answers name them as the caller sent them, so one
+    tenant's call finds, fetches, deletes or times nothing of another's. Where other tenants
+    are configured, what lists or counts the whole store (ListBlocks, Stats) is the operator's."""
+
     def __init__(self, store: Store, *, max_message_bytes: int, started_at: float | None = None,
-                 grpc_config: GrpcSection | None = None) -> None:
+                 grpc_config: GrpcSection | None = None, callers: Callers | None = None,
+                 several_tenants: bool = False) -> None:
         """``max_message_bytes``: the server's message limit, so Get can refuse an answer that
         would not fit with a message that says what to do instead. ``grpc_config``: the [grpc]
-        section, for ``max_batch``, ``batch_slice`` and ``lookup_slice`` (None: their defaults)."""
+        section, for ``max_batch``, ``batch_slice`` and ``lookup_slice`` (None: their defaults).
+        ``callers``: who each call acts as (None: the operator, always); ``several_tenants``:
+        whether tenants other than the default one are configured."""
         self.store = store
+        self.callers: Callers = callers or _Operator()
+        self.several_tenants = several_tenants
         self.max_message_bytes = max_message_bytes
         self.started_at = time.time() if started_at is None else started_at
         limits = grpc_config or GrpcSection()
@@ -276,15 +315,27 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     async def _addresses(self, method: str, request: pb.GetRequest | pb.DeleteRequest) -> list[BlockAddress]:
         return await self._decoded(method, request.addresses, "addresses", _addresses_from_pb)
 
+    def _whole_store(self, method: str, caller: Caller) -> None:
+        """PermissionDenied for a tenant's call of a method that reveals every tenant's blocks."""
+        if caller.tenant is not None and self.several_tenants:
+            raise PermissionDenied(f"{method} counts every tenant's blocks and cannot be narrowed to one: where several "
+                                   "tenants are configured only the operator may call it, as no tenant (the daemon's "
+                                   "Unix socket, or an operator's certificate, without the kvcached-tenant header)")
+
     @errors_to_status
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        scope = self.callers.of(context).scope
         items = await self._decoded("Put", request.blocks, "blocks", _put_items)
+        if not scope.identity:
+            items = [PutItem(BlockAddress(scope.digest(i.address.digest), i.address.layer), i.payload, i.model, i.checksum)
+                     for i in items]
         result = await self.store.put(items)
         return pb.PutResponse(stored=result.stored, already_present=result.present, declined=result.declined)
 
     @errors_to_status
     async def PutStream(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         limit = self.store.max_block_bytes
+        scope = self.callers.of(context).scope
         stored = present = declined = 0
         head: pb.PutChunk | None = None
         buf = bytearray()
@@ -295,7 +346,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             assert head is not None
             if len(buf) != head.total_length:
                 raise InvalidArgument(f"block {n - 1}: got {len(buf)} payload bytes, total_length said {head.total_length}")
-            result = await self.store.put([PutItem(address_from_pb(head.address, f"block {n - 1}"), bytes(buf), head.model, head.checksum)])
+            address = address_from_pb(head.address, f"block {n - 1}")
+            address = BlockAddress(scope.digest(address.digest), address.layer)
+            result = await self.store.put([PutItem(address, bytes(buf), head.model, head.checksum)])
             stored += result.stored
             present += result.present
             declined += result.declined
@@ -321,7 +374,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
         """Sliced (:meth:`_slices`): sized, then fetched. Without ``allow_partial`` it stops at the
         first slice with a miss, and NOT_FOUND says which slice."""
-        addresses = await self._addresses("Get", request)
+        sent = await self._addresses("Get", request)
+        addresses = _scoped_addresses(self.callers.of(context), sent)
+        as_sent = dict(zip(addresses, sent)) if addresses is not sent else None
         count = len(addresses)
         total = 128 * count
         async for start, end in self._slices(count):
@@ -336,9 +391,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 found, misses = await self.store.get(addresses[start:end], allow_partial=request.allow_partial)
             except NotFound as exc:
                 raise _stopped_at(exc, start, end, count) from None
-            response.blocks.extend(pb.Block(address=address_to_pb(f.address), payload=f.payload, checksum=f.checksum)
-                                   for f in found)
-            response.misses.extend(pb.Miss(address=address_to_pb(m.address), reason=m.reason) for m in misses)
+            response.blocks.extend(pb.Block(address=address_to_pb(_named(f.address, as_sent)), payload=f.payload,
+                                            checksum=f.checksum) for f in found)
+            response.misses.extend(pb.Miss(address=address_to_pb(_named(m.address, as_sent)), reason=m.reason)
+                                   for m in misses)
         return response
 
     def _unpin_all(self, entries: Sequence[Pinned | Miss]) -> None:
@@ -355,7 +411,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         entries: list[Pinned | Miss] = []
         refusal: tuple[grpc.StatusCode, str] | None = None
         try:
-            addresses = await self._addresses("GetStream", request)
+            sent = await self._addresses("GetStream", request)
+            addresses = _scoped_addresses(self.callers.of(context), sent)
+            as_sent = dict(zip(addresses, sent)) if addresses is not sent else None
             async for start, end in self._slices(len(addresses)):
                 try:
                     entries += await self.store.pin(addresses[start:end], allow_partial=request.allow_partial)
@@ -375,10 +433,11 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         try:
             for entry in entries:
                 if isinstance(entry, Miss):
-                    yield pb.GetChunk(miss=pb.Miss(address=address_to_pb(entry.address), reason=entry.reason))
+                    yield pb.GetChunk(miss=pb.Miss(address=address_to_pb(_named(entry.address, as_sent)),
+                                                   reason=entry.reason))
                     continue
                 length = entry.block.length
-                yield pb.GetChunk(address=address_to_pb(entry.address), checksum=entry.checksum, total_length=length,
+                yield pb.GetChunk(address=address_to_pb(_named(entry.address, as_sent)), checksum=entry.checksum, total_length=length,
                                   data=self.store.read(entry, 0, STREAM_CHUNK_BYTES))
                 for pos in range(STREAM_CHUNK_BYTES, length, STREAM_CHUNK_BYTES):
                     yield pb.GetChunk(data=self.store.read(entry, pos, STREAM_CHUNK_BYTES))
@@ -393,19 +452,23 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        scope = self.callers.of(context).scope
         digests = await self._decoded("Lookup", request.digests, "digests", _digests, self.lookup_slice)
+        digests = list(scope.digests(digests))
         layer = request.layer if request.HasField("layer") else CROSS_LAYER
         r = await lookup_in_slices(self.store, digests, layer, self.lookup_slice)
         return pb.LookupResponse(longest=r.longest, gpu=r.gpu, ram=r.ram, ssd=r.ssd, peer=r.peer)
 
     @errors_to_status
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
-        addresses = await self._addresses("Delete", request)
+        caller = self.callers.of(context)
+        addresses = _scoped_addresses(caller, await self._addresses("Delete", request))
         deleted, missing = await self.store.delete(addresses)
         return pb.DeleteResponse(deleted=deleted, not_found=missing)
 
     @errors_to_status
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        self._whole_store("Stats", self.callers.of(context))
         s = self.store.stats()
         ram = pb.TierStats(tier=pb.TIER_RAM, blocks=s["ram_blocks"], bytes=s["ram_bytes"],
                            reserved_bytes=s["ram_reserved_bytes"], capacity_bytes=s["ram_capacity_bytes"],
@@ -427,13 +490,15 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def Overlap(self, request: pb.OverlapRequest, context: grpc.aio.ServicerContext) -> pb.OverlapResponse:
+        caller = self.callers.of(context)
         digests = await self._decoded("Overlap", request.digests, "digests", _digests, self.lookup_slice)
+        overlap = self.store.gpu.overlap(caller.scope.digests(digests), tenant=caller.name)
         return pb.OverlapResponse(agents=[pb.AgentOverlap(session=info.session, agent_id=info.agent_id, pid=info.pid,
-                                                          prefix=prefix)
-                                          for info, prefix in self.store.gpu.overlap(digests)])
+                                                          prefix=prefix) for info, prefix in overlap])
 
     @errors_to_status
     async def ListBlocks(self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext) -> pb.ListBlocksResponse:
+        self._whole_store("ListBlocks", self.callers.of(context))
         tier = _TIER_FILTER.get(request.tier)
         if tier is None:
             raise InvalidArgument(f"cannot filter by tier {tier_name(request.tier)}; use TIER_RAM, TIER_SSD, TIER_GONE or none")

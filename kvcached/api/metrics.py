@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from kvcached import __version__
 from kvcached.api.agent_server import AgentServer
+from kvcached.api.callers import Refusals
 from kvcached.config import parse_listen
 from kvcached.events import EventCounters
 from kvcached.host.loop_lag import LoopLag
@@ -324,6 +325,23 @@ class AgentsCollector(Collector):
         yield g
 
 
+class GrpcRefusalsCollector(Collector):
+    """gRPC calls refused for who made them (kvcached.api.callers), by reason."""
+
+    def __init__(self, refusals: Refusals) -> None:
+        self.refusals = refusals
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily("kvcached_grpc_tenant_refusals", "gRPC calls refused for who made them: no_tenant (no "
+                                "mapping and no tenants.default), no_certificate_name (the certificate lacks "
+                                "tenants.cert_field), other_tenant (a tenant naming another), unknown_tenant (the "
+                                "operator naming no configured tenant), operator_only (a tenant calling Admin)",
+                                labels=["reason"])
+        for reason, n in self.refusals.counts.items():
+            c.add_metric([reason], n)
+        yield c
+
+
 class EventsCollector(Collector):
     """The KV event publisher's counters (kvcached.events)."""
 
@@ -350,7 +368,7 @@ class EventsCollector(Collector):
 
 def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: LoopLag | None = None,
                   keeper: StoreKeeper | None = None, events: EventCounters | None = None,
-                  agents: AgentServer | None = None) -> Any:
+                  agents: AgentServer | None = None, refusals: Refusals | None = None) -> Any:
     """Serve /metrics in a background thread; returns the HTTP server (``.shutdown()`` stops it).
     With ``fd``: serve on that listening socket (a predecessor's, passed at an upgrade); with
     ``loop_lag`` and ``keeper``: the event loop's lag and the keeper's saves too."""
@@ -365,6 +383,8 @@ def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: Lo
         registry.register(EventsCollector(events))
     if agents is not None:
         registry.register(AgentsCollector(agents))
+    if refusals is not None:
+        registry.register(GrpcRefusalsCollector(refusals))
     host = (address.host or "").strip("[]")
     if fd is None:
         httpd, _thread = start_http_server(address.port or 0, addr=host, registry=registry)

@@ -239,6 +239,32 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
     unix_paths = [os.path.abspath(a.unix_path) for a in config.listeners if a.unix_path]
     if config.agent.socket and os.path.abspath(config.agent.socket) in unix_paths:
         raise ConfigError("agent.socket", "is also a gRPC listener; each socket needs its own path")
+    _check_tenants(config, unix_paths)
+
+
+def _check_tenants(config: Config, unix_paths: list[str]) -> None:
+    """Every tenant a socket is bound to is named by a uid or gid (the socket admits those, and
+    no one else), each tenant socket has a path of its own, and certificates name tenants only
+    where gRPC sees certificates (grpc.tls)."""
+    t = config.tenants
+    taken = unix_paths + ([os.path.abspath(config.agent.socket)] if config.agent.socket else [])
+    for name, path in t.sockets.items():
+        key = f"tenants.sockets.{name}"
+        if name not in t.uids and name not in t.gids:
+            raise ConfigError(key, f"tenant {name} is named by no uid or gid (tenants.uids, tenants.gids): its socket "
+                              "would admit no one")
+        if os.path.abspath(path) in taken:
+            raise ConfigError(key, f"{path} is also the agent socket or a gRPC listener; each socket needs its own path")
+    if (t.certs or t.operators) and not config.grpc.tls:
+        raise ConfigError("tenants.certs" if t.certs else "tenants.operators",
+                          "names client certificates, which gRPC sees only with grpc.tls = true")
+    if t.operators and not t.certs:
+        raise ConfigError("tenants.operators", "applies when tenants.certs is set (without it, every certificate the "
+                          "CA signed is the operator's)")
+    mapped = {n: tenant for tenant, names in t.certs.items() for n in names}
+    for n in t.operators:
+        if n in mapped:
+            raise ConfigError("tenants.operators", f"{n!r} is also tenant {mapped[n]}'s certificate (tenants.certs)")
 
 
 def _check_cluster(config: Config) -> None:

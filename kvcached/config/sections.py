@@ -10,6 +10,7 @@ from typing import Any
 
 from kvcached.config.values import (
     between,
+    certificate_names,
     count_1_to,
     event_medium,
     event_topic,
@@ -27,6 +28,8 @@ from kvcached.config.values import (
     setting,
     tenant_ids,
     tenant_name_or_empty,
+    tenant_names,
+    tenant_sockets,
     unix_path_or_empty,
     zmq_endpoint_or_empty,
 )
@@ -263,3 +266,15 @@ class TenantsSection:
     key_file: str = setting("The 32-byte key that makes each tenant's block addresses its own, created (0600) if "
                             "missing; every node of a cluster needs the same file. \"\": tenants.key in kv.index_dir.",
                             "", path_or_empty)
+    sockets: dict[str, str] = setting("gRPC Unix sockets bound to one tenant each, the full API: { alice = "
+                                      "\"/run/kvcached/alice.sock\" }. The kernel admits only the tenant's uids and "
+                                      "gids (the socket's ACL) and every call on it acts as that tenant.", {},
+                                      tenant_sockets, dict)
+    certs: dict[str, list[str]] = setting("Tenants by client certificate on mutual-TLS gRPC listeners (grpc.tls): "
+                                          "{ alice = [\"alice-engine\"] }, names as cert_field says. {}: every "
+                                          "certificate the CA signed is the operator's, as before tenants.", {},
+                                          tenant_names, dict)
+    cert_field: str = setting("What names a client certificate: san (its DNS subjectAltNames) or cn (its common "
+                              "name).", "san", one_of("san", "cn"))
+    operators: list[str] = setting("Client certificate names that act as the operator (any tenant, named by the "
+                                   "kvcached-tenant header) when certs is set.", [], certificate_names, list)

@@ -275,18 +275,47 @@ def tenant_name_or_empty(v: str) -> None:
         raise ValueError(f"must be a tenant name (lower-case letters, digits, '_', '-'; at most 63), got {v!r}")
 
 
-def tenant_ids(v: dict[str, Any]) -> None:
-    """``{tenant: [id, ...]}``: tenant names, lists of uids or gids, no id named twice."""
-    owner: dict[int, str] = {}
-    for name, ids in v.items():
+def _tenant_map(v: dict[str, Any], fits: Callable[[Any], bool], expected: str, same: Callable[[Any], Any],
+                shown: Callable[[Any], str], check: Callable[[str, Any], None] = lambda name, item: None) -> None:
+    """``{tenant: [item, ...]}`` (or ``{tenant: item}`` for ``expected`` a single thing): tenant
+    names, items that ``fits``, and no item (as ``same`` compares them) named for two tenants."""
+    owner: dict[Any, str] = {}
+    for name, items in v.items():
         if not name:
             raise ValueError("a tenant's name must not be empty")
         tenant_name_or_empty(name)
-        if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
-            raise ValueError(f"{name}: expected a non-empty list of integers, got {ids!r}")
-        for i in ids:
-            if not 0 <= i <= MAX_ID:
-                raise ValueError(f"{name}: {i} is not an id (0..{MAX_ID})")
-            if i in owner:
-                raise ValueError(f"{i} is mapped twice: to {owner[i]} and to {name}")
-            owner[i] = name
+        many = expected.startswith("a non-empty list")
+        if not (isinstance(items, list) and items and all(map(fits, items)) if many else fits(items)):
+            raise ValueError(f"{name}: expected {expected}, got {items!r}")
+        for item in items if many else [items]:
+            check(name, item)
+            key = same(item)
+            if key in owner:
+                raise ValueError(f"{shown(item)} is mapped twice: to {owner[key]} and to {name}")
+            owner[key] = name
+
+
+def _an_id(name: str, i: int) -> None:
+    if not 0 <= i <= MAX_ID:
+        raise ValueError(f"{name}: {i} is not an id (0..{MAX_ID})")
+
+
+def tenant_ids(v: dict[str, Any]) -> None:
+    """``{tenant: [id, ...]}``: tenant names, lists of uids or gids, no id named twice."""
+    _tenant_map(v, lambda i: type(i) is int, "a non-empty list of integers", int, str, _an_id)
+
+
+def tenant_sockets(v: dict[str, Any]) -> None:
+    """``{tenant: "/path.sock"}``: tenant names, each with a Unix socket path of its own."""
+    _tenant_map(v, lambda p: isinstance(p, str) and bool(p), "a Unix socket path", os.path.abspath,
+                lambda p: f"socket {p}", lambda name, p: unix_path_or_empty(p))
+
+
+def tenant_names(v: dict[str, Any]) -> None:
+    """``{tenant: ["name", ...]}``: tenant names, lists of certificate names, no name twice."""
+    _tenant_map(v, lambda n: isinstance(n, str) and bool(n), "a non-empty list of certificate names", str, repr)
+
+
+def certificate_names(v: list[str]) -> None:
+    if not isinstance(v, list) or not all(isinstance(n, str) and n for n in v):
+        raise ValueError(f"expected a list of certificate names, got {v!r}")

@@ -75,7 +75,7 @@ from kvcached.policies.write import make_write_policy
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.store.keeper import KeeperSettings, StoreKeeper
-from kvcached.tenants import tenants_for
+from kvcached.tenants import TenantMap, tenants_for
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory
@@ -108,6 +108,7 @@ class Daemon:
         self.ssd: SsdTier | None = None
         self.grpc: GrpcServers | None = None
         self.agents: AgentServer | None = None
+        self.tenants: TenantMap | None = None             # who callers are ([tenants]), from the start
         self.peers: PeerTier | None = None
         self.membership: EtcdMembership | None = None
         self.metrics_server: Any = None
@@ -156,10 +157,16 @@ class Daemon:
             for address in listeners:
                 if address.unix_path:
                     claim_unix_socket(address.unix_path, cfg.socket_mode_bits, grpc_gid)
+            for path in cfg.tenants.sockets.values():      # a tenant's own: its ACL admits it alone
+                claim_unix_socket(path, 0o666, -1)
         prepare_state_dirs(cfg)
+        try:
+            self.tenants = tenants_for(cfg)
+        except OSError as exc:
+            raise StartupError(f"tenants.key_file: {exc}") from None
         if takeover is not None:       # listen beside the predecessor (calls wait at the gate), then take its state
             self._gate = Gate()
-            self.grpc = GrpcServers(cfg, self, None, self.started_at, self._gate)
+            self.grpc = GrpcServers(cfg, self, None, self.started_at, self._gate, self.tenants)
             await self.grpc.start(listeners, grpc_gid, takeover.info.get("grpc_tcp", {}))
             self._trusted_arena = await takeover.listening()
             self._inherited_fds = {name: fd for name in (ARENA_FD_NAME, SLOTS_FD_NAME)
@@ -204,17 +211,13 @@ class Daemon:
         if peer_tier:
             await self._start_peers(passed)
         if self.grpc is None:
-            self.grpc = GrpcServers(cfg, self, self.store, self.started_at)
+            self.grpc = GrpcServers(cfg, self, self.store, self.started_at, tenants=self.tenants)
             await self.grpc.start(listeners, grpc_gid)
         self.grpc.set_store(self.store)        # built before the store when listening beside a predecessor
         if cfg.agent.socket:
-            try:
-                tenants = tenants_for(cfg)
-            except OSError as exc:
-                raise StartupError(f"tenants.key_file: {exc}") from None
             self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,
                                       mode=cfg.agent.mode_bits, gid=agent_gid, heartbeat_s=cfg.agent.heartbeat_s,
-                                      max_agents=cfg.agent.max_agents, tenants=tenants)
+                                      max_agents=cfg.agent.max_agents, tenants=self.tenants)
             try:
                 await self.agents.start(passed("agent"))
             except OSError as exc:
@@ -226,7 +229,7 @@ class Daemon:
             try:
                 self.metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"), self.loop_lag,
                                                    self.keeper, self.events.counters if self.events else None,
-                                                   self.agents)
+                                                   self.agents, self.grpc.refusals if self.grpc else None)
             except OSError as exc:
                 raise StartupError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
             log.info("metrics listening", extra=fields(listen=cfg.metrics.listen))

@@ -65,13 +65,15 @@ class TenantMap:
     derived; the same secret and names give the same addresses on every node of a cluster."""
 
     def __init__(self, secret: bytes, *, default: str = DEFAULT, uids: Mapping[str, Sequence[int]] | None = None,
-                 gids: Mapping[str, Sequence[int]] | None = None) -> None:
+                 gids: Mapping[str, Sequence[int]] | None = None,
+                 certs: Mapping[str, Sequence[str]] | None = None) -> None:
         if len(secret) != KEY_BYTES:
             raise ValueError(f"the tenant key is {len(secret)} bytes, not {KEY_BYTES}")
         self._secret = secret
         self._tenants: dict[str, Tenant] = {}
         self._by_uid = {uid: self._tenant(name) for name, ids in (uids or {}).items() for uid in ids}
         self._by_gid = {gid: self._tenant(name) for name, ids in (gids or {}).items() for gid in ids}
+        self._by_cert = {n: self._tenant(name) for name, names in (certs or {}).items() for n in names}
         self.default = self._tenant(default) if default else None
 
     def _tenant(self, name: str) -> Tenant:
@@ -85,6 +87,21 @@ class TenantMap:
         """The tenant of a process running as ``uid`` and ``gid``; None if none is named and
         there is no default (the connection is refused)."""
         return self._by_uid.get(uid) or self._by_gid.get(gid) or self.default
+
+    def by_certificate(self, names: Sequence[str]) -> Tenant | None:
+        """The tenant the first of a client certificate's ``names`` that tenants.certs maps
+        belongs to, else the default; None: refused."""
+        return next((self._by_cert[n] for n in names if n in self._by_cert), self.default)
+
+    def named(self, name: str) -> Tenant | None:
+        """The configured tenant called ``name`` (None: the configuration names no such tenant)."""
+        return self._tenants.get(name)
+
+    @property
+    def several(self) -> bool:
+        """Whether any tenant but the default one is configured. With the default alone every
+        block is its own, so what lists or counts the whole store reveals no other tenant's."""
+        return any(name != DEFAULT for name in self._tenants)
 
     @property
     def names(self) -> list[str]:

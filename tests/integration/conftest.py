@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Sequence
 import pytest
 
 from kvcached.client import KvCacheClient
+from tests.integration.users import socket_dir, users  # noqa: F401 - fixtures of the tenants' tests
 
 ROOT = Path(__file__).resolve().parents[2]
 KVCACHED = [sys.executable, "-m", "kvcached.cli"]

@@ -10,78 +10,19 @@ start as them); everything the children use is imported first."""
 
 from __future__ import annotations
 
-import json
 import os
-import pwd
-import shutil
-import subprocess
-import tempfile
-import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import pytest
 import torch
 
 from kvcached_agent.agent import Agent
+from tests.integration.users import as_user, needs_users
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
-                                reason="needs root and useradd: the test creates the users it runs agents as")
+pytestmark = needs_users
 
 BLOCK = 4096
 TOKENS = list(range(64))          # four blocks of 16 tokens, the same for every tenant
-
-
-@pytest.fixture
-def users() -> Iterator[Callable[[], tuple[int, int]]]:
-    """Creates system users on demand ((uid, gid) each) and deletes them at the end."""
-    made: list[str] = []
-
-    def make() -> tuple[int, int]:
-        name = f"kvct{uuid.uuid4().hex[:8]}"
-        subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                       check=True, capture_output=True)
-        made.append(name)
-        entry = pwd.getpwnam(name)
-        return entry.pw_uid, entry.pw_gid
-
-    yield make
-    for name in made:
-        subprocess.run(["userdel", name], capture_output=True)
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    """A directory other users can reach the agent socket in (pytest's own is root's alone)."""
-    path = Path(tempfile.mkdtemp(prefix="kvct-"))
-    path.chmod(0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def as_user(uid: int, gid: int, work: Callable[[], Any]) -> Any:
-    """``work()`` in a forked child running as ``uid``/``gid`` (no supplementary groups); its
-    JSON-able result, or {"error": text} if it raised."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                   # the child: never returns into pytest
-        os.close(read)
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            result = {"ok": work()}
-        except BaseException as exc:               # noqa: BLE001 - reported to the parent
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(result).encode())
-        os._exit(0)
-    os.close(write)
-    chunks = []
-    while chunk := os.read(read, 1 << 16):
-        chunks.append(chunk)
-    os.close(read)
-    os.waitpid(pid, 0)
-    return json.loads(b"".join(chunks))
 
 
 def connect(sock: Path, agent_id: str) -> Agent:

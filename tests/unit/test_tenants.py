@@ -92,6 +92,32 @@ def test_the_tenants_settings(tmp_path: Path) -> None:
                             (['tenants.uids={ alice = ["1001"] }'], "non-empty list of integers"),
                             (["tenants.uids={ alice = [4294967295] }"], "is not an id"),
                             (["tenants.uids=[1]"], "expected a table"),
-                            (['tenants.default="Bad Name"'], "tenant name")):
+                            (['tenants.default="Bad Name"'], "tenant name"),
+                            (['tenants.sockets={ alice = "/run/a.sock" }'], "named by no uid or gid"),
+                            (["tenants.uids={ alice = [1] }", 'tenants.sockets={ alice = "/run/a.sock" }',
+                              'agent.socket="/run/a.sock"'], "also the agent socket or a gRPC listener"),
+                            (["tenants.uids={ a = [1], b = [2] }", 'tenants.sockets={ a = "/r/x.sock", b = "/r/x.sock" }'],
+                             "socket /r/x.sock is mapped twice: to a and to b"),
+                            (['tenants.sockets={ a = 3 }'], "expected a Unix socket path"),
+                            (['tenants.certs={ alice = ["eng"] }'], "only with grpc.tls = true"),
+                            (['tenants.certs={ a = ["x"], b = ["y", "x"] }'], "'x' is mapped twice"),
+                            (['tenants.certs={ a = [] }'], "non-empty list of certificate names"),
+                            (['tenants.cert_field="dn"'], "must be one of san, cn")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(overrides=overrides)
+
+
+def test_certificates_and_operators_need_mutual_tls_and_name_no_one_twice(tmp_path: Path) -> None:
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    tls = ["grpc.tls=true", f'grpc.tls_cert="{cert}"', f'grpc.tls_key="{cert}"', f'grpc.tls_ca="{cert}"']
+    config = load_config(overrides=[*tls, 'tenants.certs={ alice = ["eng"] }', 'tenants.operators=["root-ops"]'])
+    tenants = TenantMap(bytes(32), certs=config.tenants.certs)
+    assert tenants.by_certificate(["other", "eng"]).name == "alice"          # type: ignore[union-attr]
+    assert tenants.by_certificate(["other"]).name == DEFAULT, "unmapped: the default tenant"  # type: ignore[union-attr]
+    assert TenantMap(bytes(32), default="", certs={"a": ["x"]}).by_certificate(["y"]) is None
+    assert tenants.several and not TenantMap(bytes(32)).several
+    for overrides, says in (([*tls, 'tenants.operators=["ops"]'], "applies when tenants.certs is set"),
+                            ([*tls, 'tenants.certs={ a = ["x"] }', 'tenants.operators=["x"]'], "also tenant a's")):
         with pytest.raises(ConfigError, match=says):
             load_config(overrides=overrides)

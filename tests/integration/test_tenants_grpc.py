@@ -1,0 +1,208 @@
+"""Tenants on the gRPC API (issue 41, docs/security.md): real daemons, real users made for the
+test, real client certificates. A tenant's socket admits its own uids alone (the kernel refuses
+everyone else at connect), and every call on it acts as that tenant; a client certificate names
+its tenant on mutual-TLS listeners. Either way, one tenant never finds, fetches, deletes, lists
+or counts another's blocks saved under the same digests, and refusals are counted by reason.
+A caller that spoofs another's cache_salt (or any namespace) computes the other's digests
+exactly, as these tests send the same digests from both tenants: they are mapped to the
+spoofer's own addresses, so it gains nothing."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import socket
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from kvcached.api.convert import address_to_pb
+from kvcached.client import KvCacheClient
+from kvcached.peers.certs import make_cluster
+from kvcached.v1 import kvcache_pb2 as pb
+from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
+from kvcached_agent.address import BlockAddress
+from tests.integration.conftest import DaemonProcess
+from tests.integration.test_operations import free_tcp_port
+from tests.integration.test_upgrade import Service
+from tests.integration.users import as_user, needs_users
+
+DIGEST = bytes(range(32))
+NEVER = bytes(range(1, 33))
+ADDRESS = BlockAddress(DIGEST)
+
+
+def connects(path: Path) -> Callable[[], str]:
+    def work() -> str:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(str(path))
+            return "connected"
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno or 0, str(exc))
+        finally:
+            s.close()
+    return work
+
+
+def code_of(call: Callable[[], Any]) -> grpc.StatusCode | None:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code()
+    return None
+
+
+@needs_users
+def test_a_tenant_socket_admits_its_tenant_alone_and_every_call_acts_as_it(
+        make_daemon: Any, users: Callable[[], tuple[int, int]], socket_dir: Path) -> None:
+    (a_uid, a_gid), (b_uid, b_gid), (c_uid, c_gid) = users(), users(), users()
+    alice_sock, bob_sock = socket_dir / "alice.sock", socket_dir / "bob.sock"
+    d = make_daemon(f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}",
+                    f'tenants.sockets={{ alice = "{alice_sock}", bob = "{bob_sock}" }}')
+    # The kernel decides who may open each socket.
+    assert as_user(a_uid, a_gid, connects(alice_sock)) == {"ok": "connected"}
+    assert as_user(a_uid, a_gid, connects(bob_sock)) == {"ok": "EACCES"}
+    assert as_user(b_uid, b_gid, connects(bob_sock)) == {"ok": "connected"}
+    assert as_user(c_uid, c_gid, connects(alice_sock)) == {"ok": "EACCES"}, "a user no tenant maps is let in"
+
+    with KvCacheClient(f"unix:{alice_sock}") as alice, KvCacheClient(f"unix:{bob_sock}") as bob, \
+            d.client() as operator:
+        assert alice.put([(ADDRESS, b"alice" * 100)]).stored == 1
+        assert alice.lookup([DIGEST]).longest == 1
+        assert [f.payload for f in alice.get([ADDRESS])[0]] == [b"alice" * 100]
+        assert alice.get([ADDRESS])[0][0].address == ADDRESS, "answers name blocks as the caller sent them"
+        # Bob, with the same digest: a miss, as for a digest nobody stored.
+        assert bob.lookup([DIGEST]).longest == 0
+        found, misses = bob.get([ADDRESS, BlockAddress(NEVER)], allow_partial=True)
+        assert not found and [m.reason for m in misses][0] == [m.reason for m in misses][1]
+        assert code_of(lambda: bob.get([ADDRESS])) == code_of(lambda: bob.get([BlockAddress(NEVER)])) \
+            == grpc.StatusCode.NOT_FOUND
+        assert code_of(lambda: bob.get_stream([ADDRESS])) == grpc.StatusCode.NOT_FOUND
+        assert bob.delete([ADDRESS]).not_found == 1 and alice.lookup([DIGEST]).longest == 1, "bob deleted alice's block"
+        assert bob.put([(ADDRESS, b"bob" * 100)]).stored == 1, "the same digest is bob's own block"
+        assert [f.payload for f in bob.get_stream([ADDRESS])[0]] == [b"bob" * 100]
+        assert [f.payload for f in alice.get([ADDRESS])[0]] == [b"alice" * 100]
+        # What counts the whole store, and Admin, are the operator's.
+        for call in (bob.stats, lambda: list(bob.list_blocks())):
+            assert code_of(call) == grpc.StatusCode.PERMISSION_DENIED
+        admin = pb_grpc.AdminStub(bob.channel)
+        assert code_of(lambda: admin.GetConfig(pb.GetConfigRequest())) == grpc.StatusCode.PERMISSION_DENIED
+        with KvCacheClient(f"unix:{bob_sock}", tenant="alice") as posing:
+            assert code_of(lambda: posing.lookup([DIGEST])) == grpc.StatusCode.PERMISSION_DENIED
+        # The operator: its own digests are the default tenant's; it may act as any tenant.
+        assert operator.lookup([DIGEST]).longest == 0 and operator.stats().puts == 2
+        with d.client(tenant="alice") as as_alice, d.client(tenant="nobody") as unknown:
+            assert as_alice.lookup([DIGEST]).longest == 1
+            assert code_of(lambda: unknown.lookup([DIGEST])) == grpc.StatusCode.INVALID_ARGUMENT
+            evict = pb_grpc.AdminStub(as_alice.channel).Evict(pb.EvictRequest(digests=[DIGEST]),
+                                                              metadata=[("kvcached-tenant", "alice")])
+            assert evict.evicted == 1 and alice.lookup([DIGEST]).longest == 0 and bob.lookup([DIGEST]).longest == 1
+    assert "tenants.sockets" not in d.log() and "Traceback" not in d.log()
+
+
+@pytest.fixture
+def tls_tenants(make_daemon: Any, tmp_path: Path) -> tuple[Any, Any, int]:
+    certs, _ = make_cluster(tmp_path / "certs", ["node-a", "alice-engine", "bob-engine", "admin", "stranger"])
+    nameless = _certificate_without_names(certs.ca, tmp_path / "certs")
+    cert, key = certs.nodes["node-a"]
+    port, metrics = free_tcp_port(), free_tcp_port()
+    d = make_daemon(f'metrics.listen="127.0.0.1:{metrics}"', "grpc.tls=true", f'grpc.tls_cert="{cert}"',
+                    f'grpc.tls_key="{key}"', f'grpc.tls_ca="{certs.ca}"',
+                    f'grpc.listen=["unix:{tmp_path / "kvcached.sock"}", "127.0.0.1:{port}"]',
+                    'tenants.certs={ alice = ["alice-engine"], bob = ["bob-engine"] }', 'tenants.operators=["admin"]',
+                    'tenants.default=""')
+    certs.nodes["nameless"] = nameless
+    d.metrics = metrics
+    return d, certs, port
+
+
+def _certificate_without_names(ca: Path, directory: Path) -> tuple[Path, Path]:
+    """A client certificate the cluster CA signed that carries neither a DNS name nor a CN."""
+    ca_cert = x509.load_pem_x509_certificate(ca.read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / "ca-key.pem").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "x")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+    cert_path, key_path = directory / "nameless.pem", directory / "nameless-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def stub(port: int, certs: Any, client: str, tenant: str | None = None) -> tuple[grpc.Channel, Any]:
+    cert, key = certs.nodes[client]
+    creds = grpc.ssl_channel_credentials(certs.ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+    channel = grpc.secure_channel(f"127.0.0.1:{port}", creds, options=[("grpc.ssl_target_name_override", "node-a")])
+    return channel, pb_grpc.KvCacheStub(channel)
+
+
+def test_client_certificates_name_tenants_on_mutual_tls(tls_tenants: Any) -> None:
+    d, certs, port = tls_tenants
+    put = pb.PutRequest(blocks=[pb.Block(address=address_to_pb(ADDRESS), payload=b"a" * 64)])
+    lookup = pb.LookupRequest(digests=[DIGEST])
+    get = pb.GetRequest(addresses=[address_to_pb(ADDRESS)])
+    a_ch, alice = stub(port, certs, "alice-engine")
+    b_ch, bob = stub(port, certs, "bob-engine")
+    o_ch, operator = stub(port, certs, "admin")
+    with a_ch, b_ch, o_ch:
+        assert alice.Put(put).stored == 1 and alice.Lookup(lookup).longest == 1
+        assert bob.Lookup(lookup).longest == 0
+        assert code_of(lambda: bob.Get(get)) == grpc.StatusCode.NOT_FOUND
+        assert bob.Delete(pb.DeleteRequest(addresses=[address_to_pb(ADDRESS)])).not_found == 1
+        assert alice.Get(get).blocks[0].payload == b"a" * 64
+        assert operator.Lookup(lookup, metadata=[("kvcached-tenant", "alice")]).longest == 1
+        assert operator.Stats(pb.StatsRequest()).puts == 1
+        assert code_of(lambda: bob.Lookup(lookup, metadata=[("kvcached-tenant", "alice")])) == \
+            grpc.StatusCode.PERMISSION_DENIED
+    for who, why in (("stranger", "names no tenant"), ("nameless", "carries no DNS subjectAltName")):
+        channel, caller = stub(port, certs, who)
+        with channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                caller.Lookup(lookup)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and why in refused.value.details()
+    with d.client() as local:                 # the daemon's Unix socket: the operator
+        assert local.lookup([DIGEST]).longest == 0 and local.stats().puts == 1
+    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics}/metrics", timeout=10).read().decode()
+    for reason in ("no_tenant", "no_certificate_name", "other_tenant"):
+        assert f'kvcached_grpc_tenant_refusals_total{{reason="{reason}"}} 1.0' in text, reason
+
+
+@needs_users
+def test_tenants_and_their_sockets_survive_an_upgrade(users: Callable[[], tuple[int, int]], socket_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """Blocks stored before tenants stay the default tenant's; a tenant's blocks and its
+    socket's ACL are the same after ``kvcached upgrade`` (the successor binds its own)."""
+    (a_uid, a_gid), (b_uid, _) = users(), users()
+    alice_sock, bob_sock = socket_dir / "alice.sock", socket_dir / "bob.sock"
+    d = DaemonProcess(tmp_path, ["kv.ram_gib=0.25"]).start()
+    with d.client() as before:
+        assert before.put([(BlockAddress(NEVER), b"old" * 10)]).stored == 1
+    d.stop()
+    d = DaemonProcess(tmp_path, ["kv.ram_gib=0.25", f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}",
+                                 f'tenants.sockets={{ alice = "{alice_sock}", bob = "{bob_sock}" }}']).start()
+    service = Service(d)
+    try:
+        with KvCacheClient(f"unix:{alice_sock}") as alice:
+            assert alice.put([(ADDRESS, b"alice" * 10)]).stored == 1
+        service.upgrade()
+        with KvCacheClient(f"unix:{alice_sock}") as alice, KvCacheClient(f"unix:{bob_sock}") as bob, \
+                d.client() as operator:
+            assert [f.payload for f in alice.get([ADDRESS])[0]] == [b"alice" * 10]
+            assert bob.lookup([DIGEST]).longest == 0 and alice.lookup([NEVER]).longest == 0
+            assert [f.payload for f in operator.get([BlockAddress(NEVER)])[0]] == [b"old" * 10], "the default's"
+        assert as_user(a_uid, a_gid, connects(alice_sock)) == {"ok": "connected"}
+        assert as_user(a_uid, a_gid, connects(bob_sock)) == {"ok": "EACCES"}, "the successor's socket admits alice"
+    finally:
+        service.stop()
