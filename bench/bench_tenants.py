@@ -48,6 +48,9 @@ from typing import Any, Callable, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# The agents run in forked children; this process also calls gRPC (figure 3), whose fork
+# handlers would log a line at every fork. The children never use gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 import torch  # noqa: E402
 from bench_core import KiB, Row, percentile, print_fitted, progress, start_kvcached  # noqa: E402
