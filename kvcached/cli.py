@@ -224,7 +224,9 @@ def _client_command(args: argparse.Namespace) -> int:
                     print(json.dumps(MessageToDict(info, preserving_proto_field_name=True)))
                 else:
                     where = ",".join(pb.Tier.Name(t)[5:].lower() for t in info.tiers) or f"gone ({info.gone_reason})"
-                    print(f"{address}  {info.nbytes:>10}  {info.model or '-'}  {where}  last seen {_iso(info.last_seen)}")
+                    owner = f"  tenant {info.tenant}" if info.tenant else ""
+                    print(f"{address}  {info.nbytes:>10}  {info.model or '-'}  {where}  last seen "
+                          f"{_iso(info.last_seen)}{owner}")
         elif args.command == "put":
             address = parse(args.address)
             data = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()

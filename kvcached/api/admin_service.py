@@ -17,14 +17,13 @@ from typing import Any, AsyncIterator, Protocol
 
 import grpc
 
-from kvcached.api.callers import OPERATOR, Callers
+from kvcached.api.callers import OPERATOR, Caller, Callers
 from kvcached.api.grpc_service import check_batch, check_digests, errors_to_status
 from kvcached.config import Config, to_toml
 from kvcached.errors import FailedPrecondition, InvalidArgument
 from kvcached.host.logs import set_level
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
-from kvcached.tenants import Scope
 from kvcached.tiers.ssd import SsdTier
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
@@ -88,11 +87,8 @@ class AdminService(pb_grpc.AdminServicer):
             raise InvalidArgument("name either a model or digests (one of the two)")
         check_batch("Evict", len(request.digests), "digests", self.max_batch)
         caller = self.callers.of(context) if self.callers is not None else OPERATOR
-        if caller.tenant is not None and request.model:
-            raise FailedPrecondition("Evict by model cannot be narrowed to one tenant: name the tenant's digests, or "
-                                     "evict the model for every tenant (no kvcached-tenant header)")
         evicted = busy = absent = 0
-        async for addresses in self._selected(request, caller.scope):
+        async for addresses in self._selected(request, caller):
             if tier == "all":
                 deleted, missing = await self.store.delete(addresses, skip_busy=True)
                 counts = (deleted, len(set(addresses)) - deleted - missing, missing)
@@ -106,20 +102,21 @@ class AdminService(pb_grpc.AdminServicer):
                                                          "evicted": evicted, "busy": busy}})
         return pb.EvictResponse(evicted=evicted, busy=busy, not_found=absent)
 
-    async def _selected(self, request: pb.EvictRequest, scope: Scope) -> AsyncIterator[list[BlockAddress]]:
-        """The request's blocks in slices: its digests (as ``scope`` maps them), or every indexed
-        block of its model."""
+    async def _selected(self, request: pb.EvictRequest, caller: Caller) -> AsyncIterator[list[BlockAddress]]:
+        """The request's blocks in slices: its digests (mapped to the caller's tenant's), or every
+        indexed block of its model (of the caller's tenant, where it names one)."""
         if request.digests:
             digests = list(request.digests)
             check_digests(digests)
-            digests = list(scope.digests(digests))
+            digests = list(caller.scope.digests(digests))
             layer = request.layer if request.HasField("layer") else CROSS_LAYER
             for i in range(0, len(digests), self.batch_slice):
                 yield [BlockAddress(d, layer) for d in digests[i:i + self.batch_slice]]
             return
         token = b""
         while True:        # the listing is taken in pages first: evicting changes what it walks
-            records, token = self.store.list_blocks(model=request.model, page_token=token, page_size=self.batch_slice)
+            records, token = self.store.list_blocks(model=request.model, page_token=token, page_size=self.batch_slice,
+                                                    tenant=caller.tag)
             if records:
                 yield [BlockAddress(r.digest, r.layer) for r in records]
             if not token:

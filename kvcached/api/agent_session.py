@@ -170,7 +170,8 @@ class AgentSession:
 
     async def _commit(self, message: p.Commit) -> p.Committed:
         found = [self._writes.pop(h, None) for h in message.handles]
-        results = iter(await self.store.commit_written([w for w in found if w is not None], self.hello.model))
+        results = iter(await self.store.commit_written([w for w in found if w is not None], self.hello.model,
+                                                       self.tenant.tag if self.tenant is not None else ""))
         return p.Committed([p.Status.UNKNOWN_HANDLE if w is None else _COMMIT_STATUS[next(results)] for w in found])
 
     async def _load(self, message: p.Load) -> p.Loaded:

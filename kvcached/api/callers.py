@@ -50,6 +50,11 @@ class Caller:
     def name(self) -> str | None:
         return self.tenant.name if self.tenant is not None else None
 
+    @property
+    def tag(self) -> str | None:
+        """Whose blocks the call reaches, as records say it (Tenant.tag); None: everyone's."""
+        return self.tenant.tag if self.tenant is not None else None
+
 
 OPERATOR = Caller(None, operator=True)
 REASONS = ("no_tenant", "no_certificate_name", "other_tenant", "unknown_tenant", "operator_only")

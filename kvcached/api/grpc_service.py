@@ -116,7 +116,7 @@ def block_info(record: BlockRecord) -> pb.BlockInfo:
     return pb.BlockInfo(
         address=address_to_pb(BlockAddress(record.digest, record.layer)), model=record.model, nbytes=record.nbytes,
         checksum=record.checksum, created=_timestamp(record.created), last_seen=_timestamp(record.last_seen),
-        tiers=tiers, gone_reason="" if record.present else record.gone_reason.text)
+        tiers=tiers, gone_reason="" if record.present else record.gone_reason.text, tenant=record.tenant)
 
 
 def _peer_stats(store: Store) -> dict[str, Any]:
@@ -324,18 +324,20 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        scope = self.callers.of(context).scope
+        caller = self.callers.of(context)
+        scope, tag = caller.scope, caller.tag or ""
         items = await self._decoded("Put", request.blocks, "blocks", _put_items)
         if not scope.identity:
-            items = [PutItem(BlockAddress(scope.digest(i.address.digest), i.address.layer), i.payload, i.model, i.checksum)
-                     for i in items]
+            items = [PutItem(BlockAddress(scope.digest(i.address.digest), i.address.layer), i.payload, i.model, i.checksum,
+                             tag) for i in items]
         result = await self.store.put(items)
         return pb.PutResponse(stored=result.stored, already_present=result.present, declined=result.declined)
 
     @errors_to_status
     async def PutStream(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         limit = self.store.max_block_bytes
-        scope = self.callers.of(context).scope
+        caller = self.callers.of(context)
+        scope, tag = caller.scope, caller.tag or ""
         stored = present = declined = 0
         head: pb.PutChunk | None = None
         buf = bytearray()
@@ -348,7 +350,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 raise InvalidArgument(f"block {n - 1}: got {len(buf)} payload bytes, total_length said {head.total_length}")
             address = address_from_pb(head.address, f"block {n - 1}")
             address = BlockAddress(scope.digest(address.digest), address.layer)
-            result = await self.store.put([PutItem(address, bytes(buf), head.model, head.checksum)])
+            result = await self.store.put([PutItem(address, bytes(buf), head.model, head.checksum, tag)])
             stored += result.stored
             present += result.present
             declined += result.declined
@@ -498,10 +500,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def ListBlocks(self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext) -> pb.ListBlocksResponse:
-        self._whole_store("ListBlocks", self.callers.of(context))
+        caller = self.callers.of(context)
         tier = _TIER_FILTER.get(request.tier)
         if tier is None:
             raise InvalidArgument(f"cannot filter by tier {tier_name(request.tier)}; use TIER_RAM, TIER_SSD, TIER_GONE or none")
         records, token = self.store.list_blocks(model=request.model, tier=tier, page_token=request.page_token,
-                                                page_size=request.page_size)
+                                                page_size=request.page_size, tenant=caller.tag)
         return pb.ListBlocksResponse(blocks=[block_info(r) for r in records], next_page_token=token)

@@ -8,8 +8,10 @@ Record layout (little-endian, version 1)::
 The tail is the model (UTF-8, the rest of the record), or, with flag ``ROUTED``, ``u16 model
 length | model | route keys`` (the engine's keys of the block, kvcached_agent.route, encoded):
 a record carries its route keys so that every change the index feeds to the KV event publisher
-names the block as the engine does with no second read (kvcached.events). Records written
-before flags existed have a zero there, so they read unchanged.
+names the block as the engine does with no second read (kvcached.events). With flag
+``TENANTED`` the tail starts with ``u8 length | tenant name``: the block is that tenant's
+(kvcached.tenants); without it, the default tenant's. Records written before flags existed have
+a zero there, so they read unchanged: every block stored before tenants is the default's.
 
 The index (kvcached.index) patches ``tiers``, ``gone_reason``, ``last_seen`` and ``gone_at`` in
 place at the offsets below (the tail is left as it is); the SSD eviction queue's entries are the big-endian microsecond time
@@ -22,10 +24,12 @@ import enum
 import struct
 from dataclasses import dataclass, replace
 
-__all__ = ["AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "FLAGS_AT", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT", "RECORD",
-           "REASON_AT", "ROUTED", "SCHEMA_VERSION", "TIERS_AT", "U64", "BlockRecord", "GoneReason", "Tier", "is_expired_tombstone",
-           "is_present", "queue_entry", "queue_time", "raw_ssd_view", "record_model", "record_route", "split_tail", "wire_key_of",
-           "with_route"]
+__all__ = [
+    "AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "FLAGS_AT", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT",
+    "RECORD", "REASON_AT", "ROUTED", "SCHEMA_VERSION", "TENANTED", "TIERS_AT", "U64", "BlockRecord", "GoneReason",
+    "Tier", "is_expired_tombstone", "is_present", "queue_entry", "queue_time", "raw_ssd_view", "record_model",
+    "record_route", "record_tenant", "split_tail", "wire_key_of", "with_route"
+]
 
 SCHEMA_VERSION = 1
 RECORD = struct.Struct("<BBBBIQddd32s32s")
@@ -34,9 +38,9 @@ F64 = struct.Struct("<d")
 TIERS_AT, REASON_AT, LAST_SEEN_AT, GONE_AT_AT, CHECKSUM_AT = 1, 2, 24, 32, 40
 FLAGS_AT, LAYER_AT, NBYTES_AT, DIGEST_AT = 3, 4, 8, 72
 ROUTED = 1                     # flags: the tail holds route keys after the model
+TENANTED = 2                   # flags: the tail starts with the tenant's name
 U64 = struct.Struct("<Q")
 U16 = struct.Struct("<H")
-_MODEL_AT = RECORD.size + U16.size     # a routed record's model, after its u16 length
 AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
 
 
@@ -86,14 +90,28 @@ def raw_ssd_view(raw: bytes) -> tuple[Tier, int, float, bytes, bytes, int] | Non
     return Tier(tiers), nbytes, last_seen, checksum, digest, layer
 
 
+def _tenant_end(raw: bytes) -> int:
+    """Where a readable raw record's tail goes on past its tenant's name."""
+    return RECORD.size + 1 + raw[RECORD.size] if raw[FLAGS_AT] & TENANTED else RECORD.size
+
+
 def split_tail(raw: bytes) -> tuple[bytes, bytes]:
-    """(model, route keys) of a readable raw record, as stored (b"": no route keys). The one
-    place that reads the tail's layout (see the module): the event publisher calls it for every
-    change of every block."""
+    """(model, route keys) of a readable raw record, as stored (b"": no route keys). With
+    :func:`record_tenant`, the one place that reads the tail's layout (see the module): the
+    event publisher calls it for every change of every block."""
+    start = _tenant_end(raw)
     if raw[FLAGS_AT] & ROUTED:
-        end = _MODEL_AT + (raw[RECORD.size] | raw[RECORD.size + 1] << 8)
-        return raw[_MODEL_AT:end], raw[end:]
-    return raw[RECORD.size:], b""
+        model_at = start + U16.size
+        end = model_at + (raw[start] | raw[start + 1] << 8)
+        return raw[model_at:end], raw[end:]
+    return raw[start:], b""
+
+
+def record_tenant(raw: bytes) -> str:
+    """The tenant whose block a readable raw record is ("": the default tenant's)."""
+    if not raw[FLAGS_AT] & TENANTED:
+        return ""
+    return raw[RECORD.size + 1:_tenant_end(raw)].decode("utf-8", "replace")
 
 
 def record_model(raw: bytes) -> str:
@@ -109,14 +127,20 @@ def record_route(raw: bytes) -> bytes | None:
 def with_route(raw: bytes, route: bytes) -> bytes:
     """A readable raw record with ``route`` as its route keys (replacing any it had)."""
     model = split_tail(raw)[0]
-    head = bytearray(raw[:RECORD.size])
+    head = bytearray(raw[:_tenant_end(raw)])
     head[FLAGS_AT] |= ROUTED
     return bytes(head) + U16.pack(len(model)) + model + route
 
 
-def _tail(model: str, route: bytes) -> tuple[int, bytes]:
+def _tail(model: str, route: bytes, tenant: str) -> tuple[int, bytes]:
     encoded = model.encode()
-    return (ROUTED, U16.pack(len(encoded)) + encoded + route) if route else (0, encoded)
+    flags, tail = (ROUTED, U16.pack(len(encoded)) + encoded + route) if route else (0, encoded)
+    if not tenant:
+        return flags, tail
+    name = tenant.encode()
+    if len(name) > 255:
+        raise ValueError(f"tenant name of {len(name)} bytes; at most 255")
+    return flags | TENANTED, bytes([len(name)]) + name + tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,13 +156,14 @@ class BlockRecord:
     gone_reason: GoneReason = GoneReason.NONE
     gone_at: float = 0.0
     route: bytes = b""          # the engine's keys of the block (kvcached_agent.route), if given
+    tenant: str = ""            # whose block it is (kvcached.tenants); "": the default tenant's
 
     @property
     def present(self) -> bool:
         return self.tiers != Tier.NONE
 
     def encode(self) -> bytes:
-        flags, tail = _tail(self.model, self.route)
+        flags, tail = _tail(self.model, self.route, self.tenant)
         return RECORD.pack(SCHEMA_VERSION, int(self.tiers), int(self.gone_reason), flags, self.layer, self.nbytes,
                            self.created, self.last_seen, self.gone_at, self.checksum, self.digest) + tail
 
@@ -149,7 +174,7 @@ class BlockRecord:
         (_, tiers, reason, _, layer, nbytes, created, last_seen, gone_at, checksum, digest) = RECORD.unpack_from(raw)
         model, route = split_tail(raw)
         return cls(digest, layer, model.decode(), nbytes, checksum, created, last_seen, Tier(tiers), GoneReason(reason),
-                   gone_at, bytes(route))
+                   gone_at, bytes(route), record_tenant(raw))
 
     def gone(self, reason: GoneReason, now: float) -> "BlockRecord":
         return replace(self, tiers=Tier.NONE, gone_reason=reason, gone_at=now)

@@ -279,8 +279,9 @@ class Store:
         self.routes.abandoned([address])
 
     async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]],
-                             model: str) -> list[CommitOutcome | None]:
-        outcomes = await self.writer.commit_written(written, model)
+                             model: str, tenant: str = "") -> list[CommitOutcome | None]:
+        """Record agent-written blocks (kvcached.store.write_path) as ``tenant``'s ("": the default's)."""
+        outcomes = await self.writer.commit_written(written, model, tenant)
         self.routes.abandoned(a for (a, _), outcome in zip(written, outcomes) if outcome is not None)
         return outcomes
 
@@ -393,9 +394,10 @@ class Store:
         return admin.drop_from_ram(self.ram, self.index, self.ssd is not None, self.ledger, self.inflight, keys)
 
     def list_blocks(self, *, model: str = "", tier: str = "", page_token: bytes = b"",
-                    page_size: int = 100, max_scan: int = 10_000) -> tuple[list[BlockRecord], bytes]:
+                    page_size: int = 100, max_scan: int = 10_000,
+                    tenant: str | None = None) -> tuple[list[BlockRecord], bytes]:
         return admin.list_blocks(self.index, model=model, tier=tier, page_token=page_token, page_size=page_size,
-                                 max_scan=max_scan)
+                                 max_scan=max_scan, tenant=tenant)
 
     def flush_last_seen(self) -> int:
         return self.ledger.flush_last_seen(self.ssd_order)

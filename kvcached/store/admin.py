@@ -86,9 +86,11 @@ def drop_from_ram(ram: RamTier, index: BlockIndex, ssd_on: bool, ledger: RecordL
 
 
 def list_blocks(index: BlockIndex, *, model: str = "", tier: str = "", page_token: bytes = b"",
-                page_size: int = 100, max_scan: int = 10_000) -> tuple[list[BlockRecord], bytes]:
-    """A page of index records in key order, filtered by model and tier (``ram``, ``ssd``,
-    ``gone`` or empty for all). The token continues the listing; an empty token means the end."""
+                page_size: int = 100, max_scan: int = 10_000,
+                tenant: str | None = None) -> tuple[list[BlockRecord], bytes]:
+    """A page of index records in key order, filtered by model, tier (``ram``, ``ssd``,
+    ``gone`` or empty for all) and tenant (a Tenant.tag, "" the default's; None: every
+    tenant's). The token continues the listing; an empty token means the end."""
     if page_token and len(page_token) != DIGEST_BYTES:
         raise InvalidArgument("page_token is not one this daemon returned")
     if tier not in _TIERS:
@@ -101,7 +103,8 @@ def list_blocks(index: BlockIndex, *, model: str = "", tier: str = "", page_toke
     for key, record in index.scan(page_token or None):
         last = key
         scanned += 1
-        if (not model or record.model == model) and _tier_matches(record, want):
+        if ((not model or record.model == model) and _tier_matches(record, want)
+                and (tenant is None or record.tenant == tenant)):
             out.append(record)
             if len(out) == page_size:
                 break

@@ -24,6 +24,7 @@ class PutItem:
     payload: bytes | memoryview
     model: str = ""
     checksum: bytes = b""      # empty: the daemon computes it; else it must match
+    tenant: str = ""           # whose block (kvcached.tenants Tenant.tag); "": the default tenant's
 
 
 @dataclass(frozen=True, slots=True)

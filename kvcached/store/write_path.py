@@ -148,7 +148,7 @@ class WritePath(Room):
                 if hold:
                     self.ram.hold(block)
                 record = BlockRecord(item.address.digest, item.address.layer, item.model, len(item.payload),
-                                     checksum, now, now, Tier.RAM)
+                                     checksum, now, now, Tier.RAM, tenant=item.tenant)
                 self.ledger.stage(key, record)
                 new.append((block, record))
                 self.ledger.reserved(key)
@@ -278,7 +278,7 @@ class WritePath(Room):
         self.inflight.held_bytes -= block.length
 
     async def commit_written(self, written: Sequence[tuple[BlockAddress, RamBlock]],
-                             model: str) -> list[CommitOutcome | None]:
+                             model: str, tenant: str = "") -> list[CommitOutcome | None]:
         """The agent wrote these reserved blocks: each becomes visible (and evictable) now, and
         is recorded in the index once a background thread has checksummed it. Under
         write_through this waits for the records and the SSD publish; a block that cannot be
@@ -305,7 +305,7 @@ class WritePath(Room):
         for _, block in batch:
             self.inflight.hashing[block.key] = done
             self.inflight.hashing_bytes += block.length
-        task = self.inflight.spawn(self._record_written(batch, model, done))
+        task = self.inflight.spawn(self._record_written(batch, model, tenant, done))
         if self.mover is None:
             return out
         if not through:
@@ -330,7 +330,7 @@ class WritePath(Room):
                         for (_, block), ok in zip(batch, durable))
         return [r if r is not None else next(outcomes) for r in out]
 
-    async def _record_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str,
+    async def _record_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str, tenant: str,
                               done: asyncio.Future[None]) -> None:
         """Checksum agent-written blocks off the event loop, then record them in one index write.
         Blocks that could not be checksummed are dropped (never served unrecorded)."""
@@ -343,10 +343,10 @@ class WritePath(Room):
         finally:
             for view in views:
                 release_view(view)
-            self._finish_written(batch, model, checksums, done)
+            self._finish_written(batch, model, tenant, checksums, done)
 
-    def _finish_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str, checksums: list[bytes] | None,
-                        done: asyncio.Future[None]) -> None:
+    def _finish_written(self, batch: list[tuple[BlockAddress, RamBlock]], model: str, tenant: str,
+                        checksums: list[bytes] | None, done: asyncio.Future[None]) -> None:
         now = self.clock()
         hashing = self.inflight.hashing
         for i, (address, block) in enumerate(batch):
@@ -359,7 +359,7 @@ class WritePath(Room):
             if checksums is not None:
                 self.ledger.stage(block.key, BlockRecord(address.digest, address.layer, model, block.length,
                                                          checksums[i], now, now, Tier.RAM,
-                                                         route=self.ledger.route_of(address)))
+                                                         route=self.ledger.route_of(address), tenant=tenant))
                 self.counters.puts += 1
                 self.counters.put_bytes += block.length
             elif block.refs == 0:

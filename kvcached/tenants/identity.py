@@ -58,6 +58,12 @@ class Tenant:
     name: str
     scope: Scope = field(compare=False, repr=False)
 
+    @property
+    def tag(self) -> str:
+        """What a block record says of its tenant (kvcached.index.format): "" for the default
+        tenant, as in every record written before tenants existed."""
+        return "" if self.name == DEFAULT else self.name
+
 
 class TenantMap:
     """The tenant of each connecting process, by uid first, then gid, then the default (None:

@@ -92,6 +92,9 @@ def test_two_tenants_with_the_same_tokens_never_see_each_others_blocks(
     assert "name no tenant" in d.log()
     with d.client() as c:
         assert c.stats().puts >= 8, "two tenants, two sets of blocks"
+        owners = [b.tenant for b in c.list_blocks()]
+        assert sorted(set(owners)) == ["", "alice", "bob"] and owners.count("alice") == owners.count("bob") == 4, \
+            "each block's record says whose it is (\"\": the default tenant's, stored before tenants)"
 
 
 def test_a_damaged_or_open_tenant_key_stops_the_start_with_a_clear_error(make_daemon: Any, tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from kvcached.peers.certs import make_cluster
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import BlockAddress
-from tests.integration.conftest import DaemonProcess
+from tests.integration.conftest import DaemonProcess, run_cli
 from tests.integration.test_operations import free_tcp_port
 from tests.integration.test_upgrade import Service
 from tests.integration.users import as_user, needs_users
@@ -90,9 +90,18 @@ def test_a_tenant_socket_admits_its_tenant_alone_and_every_call_acts_as_it(
         assert bob.put([(ADDRESS, b"bob" * 100)]).stored == 1, "the same digest is bob's own block"
         assert [f.payload for f in bob.get_stream([ADDRESS])[0]] == [b"bob" * 100]
         assert [f.payload for f in alice.get([ADDRESS])[0]] == [b"alice" * 100]
+        # Each lists its own blocks, under the addresses they are stored at; the operator, all.
+        mine = list(bob.list_blocks())
+        assert [(b.tenant, b.nbytes) for b in mine] == [("bob", 300)]
+        assert [(b.tenant, b.nbytes) for b in alice.list_blocks()] == [("alice", 500)]
+        assert mine[0].address.digest != DIGEST, "listed under bob's own address, not the digest he sent"
+        assert sorted(b.tenant for b in operator.list_blocks()) == ["alice", "bob"]
         # What counts the whole store, and Admin, are the operator's.
-        for call in (bob.stats, lambda: list(bob.list_blocks())):
-            assert code_of(call) == grpc.StatusCode.PERMISSION_DENIED
+        assert code_of(bob.stats) == grpc.StatusCode.PERMISSION_DENIED
+        listed = run_cli(["ls", "--target", d.target, "--tenant", "bob"])
+        assert listed.returncode == 0 and listed.stdout.count("tenant bob") == 1 and "alice" not in listed.stdout
+        refused = run_cli(["stat", "--target", f"unix:{bob_sock}"])
+        assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr + refused.stdout, refused
         admin = pb_grpc.AdminStub(bob.channel)
         assert code_of(lambda: admin.GetConfig(pb.GetConfigRequest())) == grpc.StatusCode.PERMISSION_DENIED
         with KvCacheClient(f"unix:{bob_sock}", tenant="alice") as posing:
@@ -105,6 +114,10 @@ def test_a_tenant_socket_admits_its_tenant_alone_and_every_call_acts_as_it(
             evict = pb_grpc.AdminStub(as_alice.channel).Evict(pb.EvictRequest(digests=[DIGEST]),
                                                               metadata=[("kvcached-tenant", "alice")])
             assert evict.evicted == 1 and alice.lookup([DIGEST]).longest == 0 and bob.lookup([DIGEST]).longest == 1
+            assert alice.put([(ADDRESS, b"again" * 10)], model="m").stored == 1
+            by_model = pb_grpc.AdminStub(as_alice.channel).Evict(pb.EvictRequest(model="m"),
+                                                                 metadata=[("kvcached-tenant", "bob")])
+            assert by_model.evicted == 0 and alice.lookup([DIGEST]).longest == 1, "evicting bob's model took alice's"
     assert "tenants.sockets" not in d.log() and "Traceback" not in d.log()
 
 

@@ -28,6 +28,7 @@ from kvcached.index import (
     PresenceFeed,
     Tier,
 )
+from kvcached.index.format import record_model, record_tenant, split_tail, with_route
 from tests.disks import fill, small_tmpfs
 
 NOW = 1_000_000.0
@@ -72,6 +73,20 @@ def test_record_round_trip_tombstone_and_empty_model() -> None:
     rec = replace(rec, model="")
     assert BlockRecord.decode(rec.encode()) == rec
     assert not rec.present and rec.gone_reason.text.startswith("lost at restart")
+
+
+def test_a_record_says_whose_block_it_is_and_old_records_are_the_default_tenants() -> None:
+    plain = record(1)
+    assert plain.tenant == "" and record_tenant(plain.encode()) == ""     # as every record before tenants
+    for route in (b"", b"\x01keys"):
+        mine = replace(plain, tenant="alice-2", model="m/ü", route=route)
+        raw = mine.encode()
+        assert BlockRecord.decode(raw) == mine and record_tenant(raw) == "alice-2"
+        assert split_tail(raw) == (b"m/\xc3\xbc", route) and record_model(raw) == "m/ü"
+        rerouted = with_route(raw, b"new")
+        assert record_tenant(rerouted) == "alice-2" and BlockRecord.decode(rerouted) == replace(mine, route=b"new")
+    with pytest.raises(ValueError, match="at most 255"):
+        replace(plain, tenant="x" * 256).encode()
 
 
 def test_gone() -> None:
