@@ -176,7 +176,7 @@ class AgentSession:
 
     async def _load(self, message: p.Load) -> p.Loaded:
         addresses = [BlockAddress(digest, layer) for digest, layer in message.entries]
-        results = await self.store.pin(addresses, allow_partial=True)
+        results = await self.store.pin(addresses, allow_partial=True, tenant=self.tenant.tag if self.tenant else "")
         entries: list[tuple[int, int, int, int]] = []
         for result in results:
             if isinstance(result, Miss):

@@ -376,8 +376,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
         """Sliced (:meth:`_slices`): sized, then fetched. Without ``allow_partial`` it stops at the
         first slice with a miss, and NOT_FOUND says which slice."""
+        caller = self.callers.of(context)
         sent = await self._addresses("Get", request)
-        addresses = _scoped_addresses(self.callers.of(context), sent)
+        addresses = _scoped_addresses(caller, sent)
         as_sent = dict(zip(addresses, sent)) if addresses is not sent else None
         count = len(addresses)
         total = 128 * count
@@ -390,7 +391,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         response = pb.GetResponse()
         async for start, end in self._slices(count):
             try:
-                found, misses = await self.store.get(addresses[start:end], allow_partial=request.allow_partial)
+                found, misses = await self.store.get(addresses[start:end], allow_partial=request.allow_partial,
+                                                     tenant=caller.tag or "")
             except NotFound as exc:
                 raise _stopped_at(exc, start, end, count) from None
             response.blocks.extend(pb.Block(address=address_to_pb(_named(f.address, as_sent)), payload=f.payload,
@@ -413,12 +415,14 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         entries: list[Pinned | Miss] = []
         refusal: tuple[grpc.StatusCode, str] | None = None
         try:
+            caller = self.callers.of(context)
             sent = await self._addresses("GetStream", request)
-            addresses = _scoped_addresses(self.callers.of(context), sent)
+            addresses = _scoped_addresses(caller, sent)
             as_sent = dict(zip(addresses, sent)) if addresses is not sent else None
             async for start, end in self._slices(len(addresses)):
                 try:
-                    entries += await self.store.pin(addresses[start:end], allow_partial=request.allow_partial)
+                    entries += await self.store.pin(addresses[start:end], allow_partial=request.allow_partial,
+                                                    tenant=caller.tag or "")
                 except NotFound as exc:
                     raise _stopped_at(exc, start, end, len(addresses)) from None
         except KvError as exc:

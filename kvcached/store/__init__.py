@@ -291,14 +291,15 @@ class Store:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
+    async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
+                  tenant: str = "") -> tuple[list[Fetched], list[Miss]]:
         self._settle(a.key for a in addresses)
-        return await self.reader.get(addresses, allow_partial=allow_partial)
+        return await self.reader.get(addresses, allow_partial=allow_partial, tenant=tenant)
 
     async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
-                  peers: bool = True) -> list[Pinned | Miss]:
+                  peers: bool = True, tenant: str = "") -> list[Pinned | Miss]:
         self._settle(a.key for a in addresses)
-        return await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers)
+        return await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers, tenant=tenant)
 
     def read(self, pinned: Pinned, start: int, length: int) -> bytes:
         return self.reader.read(pinned, start, length)

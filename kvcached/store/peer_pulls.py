@@ -58,10 +58,13 @@ class PeerPulls(Room):
         self.peers: PeerTierLike | None = None
         self.transient: dict[bytes, bytes] = {}   # pulled, not mirrored: key -> checksum, dropped once read
 
-    async def pull(self, addresses: list[BlockAddress], deadline: float | None = None) -> list[RamBlock]:
+    async def pull(self, addresses: list[BlockAddress], deadline: float | None = None,
+                   tenant: str = "") -> list[RamBlock]:
         """Pull blocks from peers into RAM; returns them pinned. A block another request is
         pulling or promoting is waited for, not pulled twice. The work runs in a task no caller
-        can cancel; the peer tier bounds it by its pull deadline."""
+        can cancel; the peer tier bounds it by its pull deadline. ``tenant``: whose blocks
+        (Tenant.tag), as the records of those kept (``mirror_pulls``) say: the addresses are
+        that tenant's own, so its blocks are the only ones they can name anywhere."""
         assert self.peers is not None
         loop = asyncio.get_running_loop()
         fetching = self.inflight.fetching
@@ -76,7 +79,7 @@ class PeerPulls(Room):
                 waits.append(futures[address.key])
                 mine.append(address)
         if mine:
-            self.inflight.spawn(self._pull_and_commit(mine, futures))
+            self.inflight.spawn(self._pull_and_commit(mine, futures, tenant))
         return await pin_arrived(self.ram, waits, deadline)
 
     def _reserve(self, address: BlockAddress, length: int) -> tuple[Handle, memoryview] | None:
@@ -96,8 +99,8 @@ class PeerPulls(Room):
         if block.refs == WRITING and self.ram.holds(block):
             self.ram.abort(block)
 
-    async def _pull_and_commit(self, mine: list[BlockAddress],
-                               futures: dict[bytes, asyncio.Future[RamBlock | None]]) -> None:
+    async def _pull_and_commit(self, mine: list[BlockAddress], futures: dict[bytes, asyncio.Future[RamBlock | None]],
+                               tenant: str) -> None:
         """Fetch, then commit what arrived verified. Every future is resolved."""
         assert self.peers is not None
         got: list[tuple[BlockAddress, Any, Any]] = []
@@ -113,7 +116,7 @@ class PeerPulls(Room):
                     else:
                         self.writer.commit_new(block)
                     self.ledger.stage(block.key, BlockRecord(address.digest, address.layer, head.model, block.length,
-                                                             head.checksum, now, now, Tier.RAM))
+                                                             head.checksum, now, now, Tier.RAM, tenant=tenant))
                 else:
                     self.ram.commit(block, clean=True)
                     self.transient[block.key] = head.checksum

@@ -72,12 +72,14 @@ class ReadPath(Room):
 
     # -- get and pin ---------------------------------------------------------------------------
 
-    async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False) -> tuple[list[Fetched], list[Miss]]:
+    async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
+                  tenant: str = "") -> tuple[list[Fetched], list[Miss]]:
         """Fetch a batch (blocks only on SSD are promoted to RAM first). Without
-        ``allow_partial`` any miss raises NotFound naming it."""
+        ``allow_partial`` any miss raises NotFound naming it. ``tenant``: whose blocks the
+        addresses are (Tenant.tag), recorded for those pulled from peers and kept."""
         started = time.perf_counter()
         await self.inflight.hashed(a.key for a in addresses)
-        held, reached = await self._make_resident(addresses)
+        held, reached = await self._make_resident(addresses, tenant=tenant)
         try:
             return self._get_resident(addresses, allow_partial, reached, started)
         finally:
@@ -113,15 +115,16 @@ class ReadPath(Room):
         return found, misses
 
     async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
-                  peers: bool = True) -> list[Pinned | Miss]:
+                  peers: bool = True, tenant: str = "") -> list[Pinned | Miss]:
         """Pin a batch for a reader that copies out of the arena itself (streams, agents), in
         request order: while pinned a block can be neither evicted nor deleted, so the batch is
         a snapshot however long the copy takes. Blocks only on SSD are promoted first. Without
         ``allow_partial`` a miss pins nothing and raises NotFound. Release every Pinned with
-        :meth:`unpin`. ``peers=False`` leaves the peer tier out (serving a peer's pull)."""
+        :meth:`unpin`. ``peers=False`` leaves the peer tier out (serving a peer's pull).
+        ``tenant``: as for :meth:`get`."""
         started = time.perf_counter()
         await self.inflight.hashed(a.key for a in addresses)
-        held, reached = await self._make_resident(addresses, peers)
+        held, reached = await self._make_resident(addresses, peers, tenant)
         try:
             return self._pin_resident(addresses, allow_partial, reached, started)
         finally:
@@ -224,8 +227,8 @@ class ReadPath(Room):
 
     # -- making blocks resident ------------------------------------------------------------------
 
-    async def _make_resident(self, addresses: Sequence[BlockAddress],
-                             peers: bool = True) -> tuple[list[RamBlock], Reached]:
+    async def _make_resident(self, addresses: Sequence[BlockAddress], peers: bool = True,
+                             tenant: str = "") -> tuple[list[RamBlock], Reached]:
         """Promote the blocks of ``addresses`` that are only on SSD, then pull from peers those
         that no local tier holds. While it waits, the blocks already resident are pinned (so the
         batch's own promotions cannot evict them); returns every block it pinned, for the caller
@@ -264,7 +267,7 @@ class ReadPath(Room):
                 reached.promoted = len(promoted)
                 held += promoted
             if remote:
-                pulled = await self.pulls.pull(remote, deadline)
+                pulled = await self.pulls.pull(remote, deadline, tenant)
                 reached.pulled = len(pulled)
                 held += pulled
         except BaseException:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import os
 import socket
 import urllib.request
 from pathlib import Path
@@ -29,8 +30,9 @@ from kvcached.peers.certs import make_cluster
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import BlockAddress
-from tests.integration.conftest import DaemonProcess, run_cli
+from tests.integration.conftest import DaemonProcess, run_cli, wait_for
 from tests.integration.test_operations import free_tcp_port
+from tests.integration.test_peers import Cluster, connected
 from tests.integration.test_upgrade import Service
 from tests.integration.users import as_user, needs_users
 
@@ -219,3 +221,31 @@ def test_tenants_and_their_sockets_survive_an_upgrade(users: Callable[[], tuple[
         assert as_user(a_uid, a_gid, connects(bob_sock)) == {"ok": "EACCES"}, "the successor's socket admits alice"
     finally:
         service.stop()
+
+
+def test_a_pull_across_daemons_keeps_the_tenant(tmp_path: Path) -> None:
+    """Two daemons sharing the tenant key (as a cluster must): alice's block saved on one is
+    found and pulled by alice on the other, recorded there as hers; bob finds nothing."""
+    key = tmp_path / "tenants.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    cluster = Cluster(tmp_path, ("node-a", "node-b"))
+    sock = {name: {t: tmp_path / f"{name[-1]}-{t}.sock" for t in ("alice", "bob")} for name in ("node-a", "node-b")}
+    try:
+        for name in ("node-a", "node-b"):
+            cluster.daemon(name, f'tenants.key_file="{key}"', "tenants.uids={ alice = [4242], bob = [4243] }",
+                           f'tenants.sockets={{ alice = "{sock[name]["alice"]}", bob = "{sock[name]["bob"]}" }}')
+        a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
+        wait_for(lambda: connected(a, "node-b") and connected(b, "node-a"), text="peers connected")
+        with KvCacheClient(f"unix:{sock['node-a']['alice']}") as alice_a:
+            assert alice_a.put([(ADDRESS, b"alice" * 100)]).stored == 1
+        with KvCacheClient(f"unix:{sock['node-b']['alice']}") as alice_b, \
+                KvCacheClient(f"unix:{sock['node-b']['bob']}") as bob_b, b.client() as operator_b:
+            wait_for(lambda: alice_b.lookup([DIGEST]).peer == 1, text="b learns of alice's block")
+            assert bob_b.lookup([DIGEST]).longest == 0 and operator_b.lookup([DIGEST]).longest == 0
+            assert [f.payload for f in alice_b.get([ADDRESS])[0]] == [b"alice" * 100]
+            assert [b.tenant for b in operator_b.list_blocks()] == ["alice"], "the pulled copy is recorded as alice's"
+            assert alice_b.lookup([DIGEST]).ram == 1 and bob_b.lookup([DIGEST]).longest == 0
+            assert code_of(lambda: bob_b.get([ADDRESS])) == grpc.StatusCode.NOT_FOUND
+    finally:
+        cluster.stop()
