@@ -8,10 +8,11 @@ Only tiers this daemon runs are exported. docs/metrics.md lists every metric.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
@@ -343,13 +344,14 @@ class GrpcRefusalsCollector(Collector):
 
 
 class EventsCollector(Collector):
-    """The KV event publisher's counters (kvcached.events)."""
+    """The KV event streams' counters (kvcached.events), every stream's together."""
 
-    def __init__(self, counters: EventCounters) -> None:
+    def __init__(self, counters: Sequence[EventCounters]) -> None:
         self.counters = counters
 
     def collect(self) -> Iterator[Metric]:
-        c = self.counters
+        c = EventCounters(**{f.name: sum(getattr(part, f.name) for part in self.counters)
+                             for f in dataclasses.fields(EventCounters)})
         for name, value, doc in (
                 ("events_published", c.events, "KV events published (vLLM's schema, docs/events.md)"),
                 ("events_batches", c.batches, "KV event batches published (each a sequence number)"),
@@ -367,7 +369,7 @@ class EventsCollector(Collector):
 
 
 def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: LoopLag | None = None,
-                  keeper: StoreKeeper | None = None, events: EventCounters | None = None,
+                  keeper: StoreKeeper | None = None, events: Sequence[EventCounters] | None = None,
                   agents: AgentServer | None = None, refusals: Refusals | None = None) -> Any:
     """Serve /metrics in a background thread; returns the HTTP server (``.shutdown()`` stops it).
     With ``fd``: serve on that listening socket (a predecessor's, passed at an upgrade); with

@@ -248,6 +248,13 @@ def _check_tenants(config: Config, unix_paths: list[str]) -> None:
     where gRPC sees certificates (grpc.tls)."""
     t = config.tenants
     taken = unix_paths + ([os.path.abspath(config.agent.socket)] if config.agent.socket else [])
+    for name, endpoint in t.events.items():
+        key = f"tenants.events.{name}"
+        if name not in t.uids and name not in t.gids:
+            raise ConfigError(key, f"tenant {name} is named by no uid or gid (tenants.uids, tenants.gids): its stream "
+                              "would admit no one")
+        if endpoint in (config.events.endpoint, config.events.replay_endpoint):
+            raise ConfigError(key, f"{endpoint} is also events.endpoint or events.replay_endpoint")
     for name, path in t.sockets.items():
         key = f"tenants.sockets.{name}"
         if name not in t.uids and name not in t.gids:

@@ -26,6 +26,7 @@ from kvcached.config.values import (
     peers,
     positive,
     setting,
+    tenant_event_endpoints,
     tenant_ids,
     tenant_name_or_empty,
     tenant_names,
@@ -274,6 +275,10 @@ class TenantsSection:
                                           "{ alice = [\"alice-engine\"] }, names as cert_field says. {}: every "
                                           "certificate the CA signed is the operator's, as before tenants.", {},
                                           tenant_names, dict)
+    events: dict[str, str] = setting("KV event streams of one tenant's blocks each (kvcached.events), \"ipc://PATH\" "
+                                     "only: { alice = \"ipc:///run/kvcached/alice-events\" }. The kernel admits only "
+                                     "the tenant's uids and gids (the socket's ACL), as for sockets.", {},
+                                     tenant_event_endpoints, dict)
     cert_field: str = setting("What names a client certificate: san (its DNS subjectAltNames) or cn (its common "
                               "name).", "san", one_of("san", "cn"))
     operators: list[str] = setting("Client certificate names that act as the operator (any tenant, named by the "

@@ -311,6 +311,18 @@ def tenant_sockets(v: dict[str, Any]) -> None:
                 lambda p: f"socket {p}", lambda name, p: unix_path_or_empty(p))
 
 
+def tenant_event_endpoints(v: dict[str, Any]) -> None:
+    """``{tenant: "ipc://PATH"}``: a ZMQ ipc endpoint of its own for each tenant (TCP would
+    admit every local process)."""
+    def ipc(name: str, endpoint: str) -> None:
+        if not endpoint.startswith("ipc://"):
+            raise ValueError(f"{name}: {endpoint} is not ipc://PATH; a tenant's stream needs a Unix socket that "
+                             "admits the tenant alone")
+        unix_path_or_empty(endpoint[len("ipc://"):])
+    _tenant_map(v, lambda e: isinstance(e, str) and len(e) > len("ipc://"), "an ipc://PATH endpoint",
+                lambda e: os.path.abspath(e[len("ipc://"):]) if isinstance(e, str) else e, str, ipc)
+
+
 def tenant_names(v: dict[str, Any]) -> None:
     """``{tenant: ["name", ...]}``: tenant names, lists of certificate names, no name twice."""
     _tenant_map(v, lambda n: isinstance(n, str) and bool(n), "a non-empty list of certificate names", str, repr)

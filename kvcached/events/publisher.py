@@ -11,6 +11,11 @@ at the high-water mark misses the batch (ZMQ drops it for that subscriber alone;
 Sequence numbers live in ``events.seq`` beside the index (kvcached.events.stream.SequenceLease):
 they never go backwards across a crash, and continue without a gap across an upgrade (the
 predecessor closes its publisher, then the successor binds the same endpoints).
+
+A tenant's own stream (tenants.events) is a publisher with ``tenant`` set: it publishes the
+changes of that tenant's blocks alone (as their records say, kvcached.index.format), numbered in
+a sequence file of its own, on an ipc endpoint only the tenant's uids and gids may open (bound
+at a temporary name, given its ACL, then renamed into place, so no one else can connect first).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from kvcached.events.schema import KVCacheEvent
 from kvcached.events.stream import EventLog, EventMaker, EventNaming, SequenceLease, clear_event
 from kvcached.host.logs import fields
 from kvcached.index import Tier
+from kvcached.index.format import record_tenant
 from kvcached.index.presence import TierFeed
+from kvcached.tenants.socket_acl import admit_only
 
 __all__ = ["EventCounters", "EventPublisher", "PublisherSettings", "SEQ_FILE"]
 
@@ -50,6 +57,9 @@ class PublisherSettings:
     replay_batches: int = 10_000
     replay_bytes: int = 64 << 20
     max_pending: int = 1 << 20
+    tenant: str | None = None                             # one tenant's blocks only (Tenant.tag)
+    admit: tuple[list[int], list[int]] | None = None      # the ipc endpoint's uids and gids (tenants)
+    seq_file: str = "events.seq"
 
 
 @dataclass(slots=True)
@@ -75,7 +85,7 @@ class EventPublisher:
         self.feed = TierFeed(settings.max_pending)
         self.counters = EventCounters()
         self._clock = clock
-        self._seq_path = os.path.join(state_dir, SEQ_FILE)
+        self._seq_path = os.path.join(state_dir, settings.seq_file)
         self._lease = SequenceLease(_read_seq(self._seq_path), self._persist)
         self.log = EventLog(self._lease.next, max_batches=settings.replay_batches, max_bytes=settings.replay_bytes)
         self._maker = EventMaker(settings.naming)
@@ -85,6 +95,7 @@ class EventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         self._task: asyncio.Task[None] | None = None
         self._pending_clear: Tier | None = None
+        self._bound: tuple[str, int] | None = None      # an ipc endpoint renamed into place: (path, inode)
 
     # -- life --------------------------------------------------------------------------------------
 
@@ -102,7 +113,7 @@ class EventPublisher:
             pub.setsockopt(zmq.SNDHWM, s.hwm)
             pub.setsockopt(zmq.XPUB_NODROP, 1)        # a full subscriber shows as EAGAIN (see _send)
             self._pub = pub
-            _bind(pub, s.endpoint, "events.endpoint")
+            self._bound = _bind(pub, s.endpoint, "events.endpoint" if s.tenant is None else "tenants.events", s.admit)
             if s.replay_endpoint:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
@@ -138,11 +149,29 @@ class EventPublisher:
             self._lease.close()
             self._started = False
 
+    def close_now(self) -> None:
+        """Stop at once, publishing nothing more (a sibling stream could not start)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._close_sockets()
+        if self._started:
+            self._lease.close()
+            self._started = False
+
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._replay = None
+        if self._bound is not None:       # ZMQ removes the name it bound, not the one renamed into place
+            path, inode = self._bound
+            self._bound = None
+            try:
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+            except OSError:
+                pass
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -164,6 +193,9 @@ class EventPublisher:
         self._subscriptions()
         self._answer_replays()
         changes = self.feed.take()
+        if self.settings.tenant is not None:
+            tenant = self.settings.tenant
+            changes = [change for change in changes if record_tenant(change[0]) == tenant]
         self.counters.dropped_feed = self.feed.dropped
         now = self._clock()
         if self._pending_clear is not None:
@@ -262,11 +294,27 @@ class EventPublisher:
         return self._lease.next
 
 
-def _bind(sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
+def _bind(sock: zmq.Socket[bytes], endpoint: str, key: str,
+          admit: tuple[list[int], list[int]] | None = None) -> tuple[str, int] | None:
+    """Bind ``endpoint``; with ``admit`` (uids, gids), an ipc endpoint only they may open,
+    returned as (path, inode) for its removal at close."""
+    if admit is None:
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror}") from None
+        return None
+    path = endpoint[len("ipc://"):]
+    temporary = f"{path}.{os.getpid()}.new"
     try:
-        sock.bind(endpoint)
+        sock.bind(f"ipc://{temporary}")
+        admit_only(temporary, *admit)
+        os.rename(temporary, path)
+        return path, os.stat(path).st_ino
     except zmq.ZMQError as exc:
         raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror}") from None
+    except OSError as exc:
+        raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror or exc}") from None
 
 
 def _read_seq(path: str) -> int:

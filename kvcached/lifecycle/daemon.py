@@ -41,7 +41,7 @@ from kvcached.cluster.member import Member
 from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier
 from kvcached.cluster.view import Change, MembershipView
 from kvcached.config import RELOADABLE, Config, ConfigError, changed_keys, parse_listen, with_reloaded
-from kvcached.events import EventPublisher, publisher_for
+from kvcached.events import EventStreams, streams_for
 from kvcached.host.aio import cancel_and_wait
 from kvcached.host.fsmodes import set_daemon_umask
 from kvcached.host.logs import fields, set_level
@@ -120,7 +120,7 @@ class Daemon:
         self.index_reconcile: dict[str, Any] = {}        # the boot reconcile's counts (Admin ReconcileStatus)
         self.slot_directory: SlotDirectory | None = None
         self.adoption: RamAdoption | None = None          # the previous process's RAM tier, being taken up
-        self.events: EventPublisher | None = None         # [events]: the KV event publisher
+        self.events: EventStreams | None = None          # [events], tenants.events: the KV event streams
         self._inherited_fds: dict[str, int] = {}          # passed by an upgrade's predecessor
         self._trusted_arena = False                       # a clean handover: its directory is true as passed
         self._takeover = takeover
@@ -178,7 +178,7 @@ class Daemon:
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory)
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
         try:
-            self.events = publisher_for(cfg, cfg.cluster.name or socket.gethostname())
+            self.events = streams_for(cfg, cfg.cluster.name or socket.gethostname())
         except OSError as exc:
             raise StartupError(f"events: {exc}") from None
         # After a clean handover the index is as true as the predecessor left it: no boot scan.

@@ -13,12 +13,14 @@ import datetime
 import errno
 import os
 import socket
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 import pytest
+import zmq
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -26,6 +28,7 @@ from cryptography.x509.oid import NameOID
 
 from kvcached.api.convert import address_to_pb
 from kvcached.client import KvCacheClient
+from kvcached.events.schema import decode_batch
 from kvcached.peers.certs import make_cluster
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
@@ -249,3 +252,53 @@ def test_a_pull_across_daemons_keeps_the_tenant(tmp_path: Path) -> None:
             assert code_of(lambda: bob_b.get([ADDRESS])) == grpc.StatusCode.NOT_FOUND
     finally:
         cluster.stop()
+
+
+def _stored(subs: dict[str, zmq.Socket[bytes]], seconds: float) -> dict[str, list[Any]]:
+    """The BlockStored events each subscriber gets within ``seconds``."""
+    poller = zmq.Poller()
+    for sub in subs.values():
+        poller.register(sub, zmq.POLLIN)
+    out: dict[str, list[Any]] = {name: [] for name in subs}
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        for name, sub in subs.items():
+            while sub.poll(0):
+                _topic, _seq, payload = sub.recv_multipart()
+                out[name] += [e for e in decode_batch(payload).events if type(e).__name__ == "BlockStored"]
+        poller.poll(int(left * 1000) + 1)
+    return out
+
+
+@needs_users
+def test_a_tenants_event_stream_names_its_own_blocks_alone(make_daemon: Any, users: Callable[[], tuple[int, int]],
+                                                           socket_dir: Path) -> None:
+    (a_uid, a_gid), (b_uid, b_gid) = users(), users()
+    alice_sock, bob_sock = socket_dir / "alice.sock", socket_dir / "bob.sock"
+    stream = {t: socket_dir / f"{t}-events" for t in ("alice", "bob", "all")}
+    d = make_daemon(f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}",
+                    f'tenants.sockets={{ alice = "{alice_sock}", bob = "{bob_sock}" }}',
+                    f'tenants.events={{ alice = "ipc://{stream["alice"]}", bob = "ipc://{stream["bob"]}" }}',
+                    f'events.endpoint="ipc://{stream["all"]}"', "events.batch_ms=10")
+    assert as_user(a_uid, a_gid, connects(stream["alice"])) == {"ok": "connected"}
+    assert as_user(b_uid, b_gid, connects(stream["alice"])) == {"ok": "EACCES"}, "bob may open alice's stream"
+    ctx: zmq.Context[Any] = zmq.Context()
+    subs = {}
+    for name, path in stream.items():
+        subs[name] = ctx.socket(zmq.SUB)
+        subs[name].setsockopt(zmq.SUBSCRIBE, b"")
+        subs[name].connect(f"ipc://{path}")
+    time.sleep(0.5)                      # the subscriptions reach the publishers
+    try:
+        with KvCacheClient(f"unix:{alice_sock}") as alice, KvCacheClient(f"unix:{bob_sock}") as bob:
+            assert alice.put([(ADDRESS, b"alice" * 10)]).stored == 1
+            assert bob.put([(ADDRESS, b"bob" * 10), (BlockAddress(NEVER), b"b2" * 10)]).stored == 2
+        got = _stored(subs, 1.5)
+        digests = {name: {e.extra_keys[0][1] for e in events} for name, events in got.items()}
+        assert (len(digests["alice"]), len(digests["bob"]), len(digests["all"])) == (1, 2, 3), got
+        assert not digests["alice"] & digests["bob"] and digests["alice"] | digests["bob"] == digests["all"]
+    finally:
+        for sub in subs.values():
+            sub.close(linger=0)
+        ctx.term()
+    assert d.stop() == 0 and not stream["alice"].exists(), "the stream's socket is removed at a clean stop"

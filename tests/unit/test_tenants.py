@@ -102,7 +102,14 @@ def test_the_tenants_settings(tmp_path: Path) -> None:
                             (['tenants.certs={ alice = ["eng"] }'], "only with grpc.tls = true"),
                             (['tenants.certs={ a = ["x"], b = ["y", "x"] }'], "'x' is mapped twice"),
                             (['tenants.certs={ a = [] }'], "non-empty list of certificate names"),
-                            (['tenants.cert_field="dn"'], "must be one of san, cn")):
+                            (['tenants.cert_field="dn"'], "must be one of san, cn"),
+                            (["tenants.uids={ a = [1] }", 'tenants.events={ a = "tcp://127.0.0.1:5557" }'],
+                             "is not ipc://PATH"),
+                            (['tenants.events={ a = "ipc:///r/a" }'], "its stream would admit no one"),
+                            (["tenants.uids={ a = [1] }", 'tenants.events={ a = "ipc:///r/a" }',
+                              'events.endpoint="ipc:///r/a"'], "also events.endpoint"),
+                            (["tenants.uids={ a = [1], b = [2] }", 'tenants.events={ a = "ipc:///r/a", b = "ipc:///r/a" }'],
+                             "mapped twice")):
         with pytest.raises(ConfigError, match=says):
             load_config(overrides=overrides)
 
