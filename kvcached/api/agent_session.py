@@ -157,7 +157,8 @@ class AgentSession:
 
     def _allocate(self, message: p.Allocate) -> p.Slots:
         addresses = [BlockAddress(digest, layer) for digest, layer, _ in message.entries]
-        results = self.store.reserve([(a, length) for a, (_, _, length) in zip(addresses, message.entries)])
+        results = self.store.reserve([(a, length) for a, (_, _, length) in zip(addresses, message.entries)],
+                                     self.tenant.tag if self.tenant is not None else "")
         entries: list[tuple[int, int, int]] = []
         for address, result in zip(addresses, results):
             if isinstance(result, SlotRefusal):

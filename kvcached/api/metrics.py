@@ -65,6 +65,12 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("kvcached_agent_held_bytes", "Arena bytes held by agents and streams (reserved or pinned)",
                                 value=s["held_bytes"])
         yield GaugeMetricFamily("kvcached_ram_dirty_bytes", "RAM bytes not yet written back to SSD", value=s["ram_dirty_bytes"])
+        by_tenant = GaugeMetricFamily("kvcached_ram_bytes_by_tenant", "RAM payload bytes by tenant (labels from the "
+                                      "configuration's names; counted apart where tenants.ram_shares is set)",
+                                      labels=["tenant"])
+        for tag, n in self.store.ram.used_by_tenant().items():
+            by_tenant.add_metric([tag or "default"], n)
+        yield by_tenant
         for name, key, doc in (("puts", "puts", "Blocks stored"), ("lookups", "lookups", "Lookup calls"),
                                ("promotions", "promotions", "Blocks read from SSD into RAM"),
                                ("demotions", "demotions", "Blocks published on SSD from RAM"),

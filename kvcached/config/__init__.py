@@ -35,7 +35,8 @@ from kvcached.config.sections import (
 from kvcached.config.values import ListenAddress, is_loopback, parse_duration, parse_listen, zmq_endpoint_is_local
 from kvcached.policies import EVICTION_POLICIES
 
-__all__ = ["Config", "ConfigError", "ListenAddress", "is_loopback", "load_config", "parse_listen", "parse_duration"]
+__all__ = ["Config", "ConfigError", "ListenAddress", "is_loopback", "load_config", "parse_listen", "parse_duration",
+           "tenant_share_bytes"]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -242,6 +243,11 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
     _check_tenants(config, unix_paths)
 
 
+def tenant_share_bytes(share: float | int, capacity: int) -> int:
+    """A share of ``tenants.ram_shares`` in bytes of a tier of ``capacity`` bytes."""
+    return int(share * capacity) if isinstance(share, float) else share
+
+
 def _check_tenants(config: Config, unix_paths: list[str]) -> None:
     """Every tenant a socket is bound to is named by a uid or gid (the socket admits those, and
     no one else), each tenant socket has a path of its own, and certificates name tenants only
@@ -262,6 +268,15 @@ def _check_tenants(config: Config, unix_paths: list[str]) -> None:
                               "would admit no one")
         if os.path.abspath(path) in taken:
             raise ConfigError(key, f"{path} is also the agent socket or a gRPC listener; each socket needs its own path")
+    named = {*t.uids, *t.gids, *t.certs} | ({t.default} if t.default else set())
+    for name in t.ram_shares:
+        if name not in named:
+            raise ConfigError(f"tenants.ram_shares.{name}", f"no tenant called {name} is configured (tenants.uids, "
+                              "gids, certs or default)")
+    total = sum(tenant_share_bytes(v, config.ram_bytes) for v in t.ram_shares.values())
+    if total > config.ram_bytes:
+        raise ConfigError("tenants.ram_shares", f"the shares add up to {total} bytes, more than the RAM tier's "
+                          f"{config.ram_bytes} (kv.ram_gib)")
     if (t.certs or t.operators) and not config.grpc.tls:
         raise ConfigError("tenants.certs" if t.certs else "tenants.operators",
                           "names client certificates, which gRPC sees only with grpc.tls = true")

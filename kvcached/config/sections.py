@@ -30,6 +30,7 @@ from kvcached.config.values import (
     tenant_ids,
     tenant_name_or_empty,
     tenant_names,
+    tenant_shares,
     tenant_sockets,
     unix_path_or_empty,
     zmq_endpoint_or_empty,
@@ -279,6 +280,10 @@ class TenantsSection:
                                      "only: { alice = \"ipc:///run/kvcached/alice-events\" }. The kernel admits only "
                                      "the tenant's uids and gids (the socket's ACL), as for sockets.", {},
                                      tenant_event_endpoints, dict)
+    ram_shares: dict[str, float | int] = setting(
+        "RAM each tenant keeps for itself, a fraction of kv.ram_gib (0.25) or bytes (1073741824): { alice = 0.5 }. "
+        "Unused room is lent; a tenant over its share evicts its own blocks first and never another's within its "
+        "share. {}: no shares.", {}, tenant_shares, dict)
     cert_field: str = setting("What names a client certificate: san (its DNS subjectAltNames) or cn (its common "
                               "name).", "san", one_of("san", "cn"))
     operators: list[str] = setting("Client certificate names that act as the operator (any tenant, named by the "

@@ -323,6 +323,13 @@ def tenant_event_endpoints(v: dict[str, Any]) -> None:
                 lambda e: os.path.abspath(e[len("ipc://"):]) if isinstance(e, str) else e, str, ipc)
 
 
+def tenant_shares(v: dict[str, Any]) -> None:
+    """``{tenant: share}``: a fraction of the tier (a float in (0, 1]) or bytes (an integer)."""
+    def fits(x: Any) -> bool:
+        return (type(x) is float and 0 < x <= 1) or (type(x) is int and x >= 0)
+    _tenant_map(v, fits, "a fraction of the tier (0 < x <= 1.0) or a number of bytes", id, str)
+
+
 def tenant_names(v: dict[str, Any]) -> None:
     """``{tenant: ["name", ...]}``: tenant names, lists of certificate names, no name twice."""
     _tenant_map(v, lambda n: isinstance(n, str) and bool(n), "a non-empty list of certificate names", str, repr)

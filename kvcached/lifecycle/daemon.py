@@ -75,7 +75,7 @@ from kvcached.policies.write import make_write_policy
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.store.keeper import KeeperSettings, StoreKeeper
-from kvcached.tenants import TenantMap, tenants_for
+from kvcached.tenants import TenantMap, ram_shares, tenants_for
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory
@@ -175,7 +175,8 @@ class Daemon:
         self.arena, self.slot_directory, entries = open_arena(cfg, self.notifier, self._inherited_fds or listen_fds(),
                                                               self._trusted_arena)
         settings = PolicySettings(slru_ratio=kv.slru_ratio)
-        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory)
+        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory,
+                      ram_shares(cfg, self.arena.size))
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
         try:
             self.events = streams_for(cfg, cfg.cluster.name or socket.gethostname())

@@ -258,9 +258,10 @@ class Store:
         self._settle((item.address.key for item in items), None)
         return await self.writer.put(items)
 
-    def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | SlotRefusal]:
+    def reserve(self, entries: Sequence[tuple[BlockAddress, int]], tenant: str = "") -> list[RamBlock | SlotRefusal]:
+        """Slots for an agent's blocks (kvcached.store.write_path), as ``tenant``'s (Tenant.tag)."""
         self._settle((address.key for address, _ in entries), None)
-        results = self.writer.reserve(entries)
+        results = self.writer.reserve(entries, tenant)
         if self.routes:
             self.routes.reserved([a for (a, _), r in zip(entries, results) if not isinstance(r, SlotRefusal)])
             found = self.routes.found([a for (a, _), r in zip(entries, results) if r is SlotRefusal.PRESENT])

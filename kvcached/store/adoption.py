@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from kvcached.index import BlockIndex, GoneReason, Tier
-from kvcached.index.format import CHECKSUM_AT, F64, LAST_SEEN_AT, NBYTES_AT, RECORD, SCHEMA_VERSION, TIERS_AT, U64
+from kvcached.index.format import CHECKSUM_AT, F64, LAST_SEEN_AT, NBYTES_AT, RECORD, SCHEMA_VERSION, TIERS_AT, U64, record_tenant
 from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.slot_directory import SlotEntry
 from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
@@ -130,6 +130,7 @@ class RamAdoption:
                 lost.append(block.key)
             elif checksum is None or checksum == raw[CHECKSUM_AT:CHECKSUM_AT + CHECKSUM_BYTES]:  # type: ignore[index]
                 ram.commit(block, clean=bool(tiers & _SSD))
+                ram.set_tenant(block, record_tenant(raw))      # type: ignore[arg-type]
                 report.adopted += 1
                 report.adopted_bytes += block.length
             else:

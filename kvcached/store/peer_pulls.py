@@ -13,6 +13,7 @@ Runs on the event loop; the fetch itself runs in a task no caller can cancel.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
@@ -82,11 +83,11 @@ class PeerPulls(Room):
             self.inflight.spawn(self._pull_and_commit(mine, futures, tenant))
         return await pin_arrived(self.ram, waits, deadline)
 
-    def _reserve(self, address: BlockAddress, length: int) -> tuple[Handle, memoryview] | None:
+    def _reserve(self, address: BlockAddress, length: int, tenant: str = "") -> tuple[Handle, memoryview] | None:
         if not 0 < length <= self.ram.max_block_bytes:
             return None
         try:
-            block = self.ram.reserve(address.key, length)
+            block = self.ram.reserve(address.key, length, tenant)
         except (RamFull, ValueError):     # no room now, or someone is writing it: a miss
             return None
         self.ledger.reserved(address.key)
@@ -105,7 +106,7 @@ class PeerPulls(Room):
         assert self.peers is not None
         got: list[tuple[BlockAddress, Any, Any]] = []
         try:
-            got = await self.peers.fetch(mine, self._reserve, self._abort)
+            got = await self.peers.fetch(mine, functools.partial(self._reserve, tenant=tenant), self._abort)
             now = self.clock()
             mirror = self.settings.mirror_pulls
             for address, (block, view), head in got:

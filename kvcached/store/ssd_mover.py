@@ -88,7 +88,7 @@ class SsdMover(Room):
                     waits.append(fetching[key])
                     continue
                 try:
-                    block = self.ram.reserve(key, record.nbytes)
+                    block = self.ram.reserve(key, record.nbytes, record.tenant)
                 except (RamFull, ValueError):   # no room now, or an agent is writing it: a miss
                     continue
                 future: asyncio.Future[RamBlock | None] = loop.create_future()

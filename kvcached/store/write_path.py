@@ -137,7 +137,7 @@ class WritePath(Room):
                     result.present += 1
                     continue
                 try:
-                    block = self.ram.reserve(key, len(item.payload))
+                    block = self.ram.reserve(key, len(item.payload), item.tenant)
                 except RamFull as exc:
                     full = exc
                     break
@@ -210,7 +210,7 @@ class WritePath(Room):
 
     # -- agents: blocks written straight into arena slots ---------------------------------------
 
-    def reserve(self, entries: Sequence[tuple[BlockAddress, int]]) -> list[RamBlock | SlotRefusal]:
+    def reserve(self, entries: Sequence[tuple[BlockAddress, int]], tenant: str = "") -> list[RamBlock | SlotRefusal]:
         """Slots for blocks an agent is about to write, entry by entry: a RamBlock (WRITING, its
         bytes counted as held) or why not: ``present`` (RAM or SSD has it: nothing to write),
         ``busy`` (another writer has it reserved), ``full`` (no room, or agents and readers
@@ -238,7 +238,7 @@ class WritePath(Room):
                     out.append(SlotRefusal.DECLINED)
                 else:
                     try:
-                        block = self.ram.reserve(key, length)
+                        block = self.ram.reserve(key, length, tenant)
                     except ValueError:           # reserved by another writer right now
                         out.append(SlotRefusal.BUSY)
                         continue

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 
-from kvcached.config import Config
+from kvcached.config import Config, tenant_share_bytes
 from kvcached.tenants.identity import DEFAULT, Scope, Tenant, TenantMap
 from kvcached.tenants.keyfile import load_key
 
-__all__ = ["DEFAULT", "Scope", "Tenant", "TenantMap", "tenants_for"]
+__all__ = ["DEFAULT", "Scope", "Tenant", "TenantMap", "ram_shares", "tenants_for"]
 
 KEY_FILE = "tenants.key"
 
@@ -21,3 +21,10 @@ def tenants_for(config: Config) -> TenantMap:
     t = config.tenants
     path = t.key_file or os.path.join(config.kv.index_dir, KEY_FILE)
     return TenantMap(load_key(path), default=t.default, uids=t.uids, gids=t.gids, certs=t.certs)
+
+
+def ram_shares(config: Config, capacity: int) -> dict[str, int]:
+    """``tenants.ram_shares`` in bytes of a RAM tier of ``capacity``, by tenant tag ("": the
+    default tenant; kvcached.tiers.ram_shares)."""
+    return {"" if name == DEFAULT else name: tenant_share_bytes(share, capacity)
+            for name, share in config.tenants.ram_shares.items()}

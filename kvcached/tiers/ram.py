@@ -32,11 +32,13 @@ Runs on the event loop thread only; no locks, no I/O besides memcpy into the are
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Sequence
+import itertools
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvcached.policies import EvictionPolicy, PolicySnapshot, Steps
 from kvcached.policies.links import IdLinks, IdQueue, KeyIds, column
 from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.ram_shares import SEARCH, RamShares
 from kvcached.tiers.slabs import SlabAllocator
 from kvcached.tiers.slot_directory import Geometry, SlotDirectory
 
@@ -118,12 +120,48 @@ class DirtyList:
         return map(self._ids.key_of, self.queue)
 
 
+class _Victims:
+    """Which blocks an eviction takes, over the tier's columns (shared, not copied)."""
+
+    def __init__(self, slabs: SlabAllocator, slot: memoryview, refs: memoryview, clean: memoryview,
+                 by_slot: memoryview) -> None:
+        self.slabs, self.slot, self.refs, self.clean, self.by_slot = slabs, slot, refs, clean, by_slot
+
+    def pick(self, entries: Iterable[int], cls: int, prefer_clean: bool,
+             test: Callable[[int], bool] | None = None) -> list[int] | None:
+        """The first workable victims among ``entries`` (each idle and passing ``test``): the
+        block, or the whole slab it is in when that slab is of another size class; with
+        ``prefer_clean``, the first clean ones among the next few, else the first. None: none."""
+        fallback: list[int] | None = None
+        looked = 0
+        refs, clean, by_slot, slabs = self.refs, self.clean, self.by_slot, self.slabs
+        for entry in entries:
+            if refs[entry] != 0 or (test is not None and not test(entry)):
+                continue
+            slab = slabs.slab_of(self.slot[entry])
+            if slabs.class_of_slab(slab) == cls:
+                victims = [entry]
+            else:
+                victims = [e - 1 for s in slabs.slots_of(slab) if (e := by_slot[s])]
+                if any(refs[e] != 0 or (test is not None and not test(e)) for e in victims):
+                    continue
+            if not prefer_clean or all(clean[e] for e in victims):
+                return victims
+            fallback = fallback or victims
+            looked += 1
+            if looked >= CLEAN_SEARCH:
+                break
+        return fallback
+
+
 class RamTier:
     """``directory``: where the tier writes what each slot holds, so a successor can adopt the
     arena (kvcached.tiers.slot_directory; None: nothing outlives the process)."""
 
     def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy,
-                 directory: SlotDirectory | None = None) -> None:
+                 directory: SlotDirectory | None = None, shares: Mapping[str, int] | None = None) -> None:
+        """``shares``: bytes of the tier each tenant's (tag -> bytes; kvcached.tiers.ram_shares).
+        None or empty: no shares, every block a victim in the policy's order."""
         self.arena = arena
         self.slabs = SlabAllocator(arena.size, slab_bytes)
         self.policy = policy
@@ -143,6 +181,8 @@ class RamTier:
         self._gen = column("I", slots)       # bumped when the record's block leaves: stale handles
         self._by_slot = column("i", slots)   # slot -> record id + 1 (0: free)
         policy.size_for(slots)
+        self.shares = RamShares(shares, slots) if shares else None
+        self._victims = _Victims(self.slabs, self._slot, self._refs, self._clean, self._by_slot)
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
         self.evictions = 0
         self.dirty_evictions = 0     # evicted with no copy on SSD: their bytes are gone
@@ -253,8 +293,9 @@ class RamTier:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def reserve(self, key: bytes, length: int) -> RamBlock:
-        """A slot for ``length`` bytes under ``key``, in state WRITING.
+    def reserve(self, key: bytes, length: int, tenant: str = "") -> RamBlock:
+        """A slot for ``length`` bytes under ``key``, in state WRITING, as ``tenant``'s block
+        (a Tenant.tag; it matters where shares are set).
 
         Raises ValueError for a size outside 1..max_block_bytes or a key already present,
         RamFull when no room can be made.
@@ -264,12 +305,12 @@ class RamTier:
         cls = self.slabs.class_for(length)
         slot = self.slabs.allocate(cls)
         if slot is None:
-            self._make_room(cls)
+            self._make_room(cls, tenant, length)
             slot = self.slabs.allocate(cls)
             assert slot is not None, "room was made but allocation failed"
         if self.directory is not None:
             self.directory.reserved(slot, key, length, cls)
-        return self._record(key, slot, length)
+        return self._record(key, slot, length, tenant)
 
     def place(self, key: bytes, slot: int, cls: int, length: int) -> RamBlock:
         """A predecessor's block, at the slot it left it in, in state WRITING until it is
@@ -285,8 +326,10 @@ class RamTier:
         self.slabs.allocate_at(slot, cls)
         return self._record(key, slot, length)
 
-    def _record(self, key: bytes, slot: int, length: int) -> RamBlock:
+    def _record(self, key: bytes, slot: int, length: int, tenant: str = "") -> RamBlock:
         entry = self._ids.add(key)
+        if self.shares is not None:
+            self.shares.reserved(entry, tenant, length)
         self._slot[entry] = slot
         self._length[entry] = length
         self._refs[entry] = WRITING
@@ -315,6 +358,8 @@ class RamTier:
             self.dirty.queue.push(entry)
             self.dirty_bytes += block.length
         self.policy.insert(entry, block.key)
+        if self.shares is not None:
+            self.shares.committed(entry)
 
     def mark_clean(self, block: RamBlock) -> None:
         """The block's bytes are now on SSD too."""
@@ -440,6 +485,8 @@ class RamTier:
                 self.policy.evicted(entry, key)
             else:
                 self.policy.remove(entry)
+        if self.shares is not None:
+            self.shares.dropped(entry, length, committed=self._refs[entry] != WRITING)
         slot = self._slot[entry]
         if self.directory is not None:
             self.directory.freed(slot)
@@ -449,34 +496,35 @@ class RamTier:
         self.slabs.free(slot)
         self.used_bytes -= length
 
-    def _make_room(self, cls: int) -> None:
+    def _make_room(self, cls: int, tenant: str = "", need: int = 0) -> None:
         """Evict the policy's first workable candidate (one block, or one whole slab); with
-        ``prefer_clean``, the first clean one among the next few, else that first one."""
-        fallback: list[int] | None = None
-        looked = 0
-        refs, clean, by_slot = self._refs, self._clean, self._by_slot
-        for entry in self.policy.candidates():
-            if refs[entry] != 0:
-                continue
-            slab = self.slabs.slab_of(self._slot[entry])
-            if self.slabs.class_of_slab(slab) == cls:
-                victims = [entry]
-            else:
-                victims = [e - 1 for s in self.slabs.slots_of(slab) if (e := by_slot[s])]
-                if any(refs[e] != 0 for e in victims):
-                    continue
-            if not self.prefer_clean or all(clean[e] for e in victims):
-                self._evict(victims)
-                return
-            fallback = fallback or victims
-            looked += 1
-            if looked >= CLEAN_SEARCH:
-                break
-        if fallback:
-            self._evict(fallback)
+        ``prefer_clean``, the first clean one among the next few, else that first one. With
+        shares, the candidates a block of ``tenant`` needing ``need`` bytes may evict, in the
+        order kvcached.tiers.ram_shares gives."""
+        pick, clean = self._victims.pick, self.prefer_clean
+        if self.shares is None:
+            victims = pick(self.policy.candidates(), cls, clean)
+        else:
+            victims = None
+            for test, owners in self.shares.preferences(tenant, need):
+                victims = (pick(itertools.islice(self.policy.candidates(), SEARCH), cls, clean, test)
+                           or pick(self.shares.oldest(owners), cls, clean, test))
+                if victims:
+                    break
+        if victims:
+            self._evict(victims)
             return
-        raise RamFull(f"RAM tier full: {len(self)} blocks, {self.used_bytes} bytes, "
-                      "none of them can be evicted now (all in use)")
+        raise RamFull(f"RAM tier full: {len(self)} blocks, {self.used_bytes} bytes, none of them can be evicted now "
+                      "(all in use" + (", or other tenants' within their shares)" if self.shares else ")"))
+
+    def set_tenant(self, block: RamBlock, tenant: str) -> None:
+        """The block is ``tenant``'s (an adopted block, once its record says whose it is)."""
+        if self.shares is not None and self.holds(block) and self.shares.tag_of(block.id) != tenant:
+            self.shares.moved(block.id, tenant, block.length, committed=self._refs[block.id] != WRITING)
+
+    def used_by_tenant(self) -> dict[str, int]:
+        """Payload bytes held, by tenant tag (with no shares set: all the default tenant's)."""
+        return self.shares.used_by() if self.shares is not None else {"": self.used_bytes}
 
     def _evict(self, victims: list[int]) -> None:
         blocks = [self._handle(entry) for entry in victims]

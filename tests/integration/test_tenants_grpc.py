@@ -302,3 +302,24 @@ def test_a_tenants_event_stream_names_its_own_blocks_alone(make_daemon: Any, use
             sub.close(linger=0)
         ctx.term()
     assert d.stop() == 0 and not stream["alice"].exists(), "the stream's socket is removed at a clean stop"
+
+
+def test_a_tenant_filling_ram_evicts_none_of_anothers_share(make_daemon: Any, tmp_path: Path) -> None:
+    """A real daemon, RAM only: alice's blocks within her share stay whatever bob writes."""
+    alice_sock, bob_sock = tmp_path / "alice.sock", tmp_path / "bob.sock"
+    metrics = free_tcp_port()
+    make_daemon("kv.ram_gib=0.0625", "kv.ssd_gib=0", "tenants.uids={ alice = [4242], bob = [4243] }",
+                f'tenants.sockets={{ alice = "{alice_sock}", bob = "{bob_sock}" }}',
+                "tenants.ram_shares={ alice = 0.5 }", f'metrics.listen="127.0.0.1:{metrics}"')
+    mib = 1 << 20
+    mine = [BlockAddress(bytes([1, i]) * 16) for i in range(24)]          # 24 of alice's 32 MiB
+    with KvCacheClient(f"unix:{alice_sock}") as alice, KvCacheClient(f"unix:{bob_sock}") as bob:
+        for address in mine:
+            assert alice.put([(address, bytes([7]) * mib)]).stored == 1
+        for i in range(200):                                               # 200 MiB into a 64 MiB tier
+            assert bob.put([(BlockAddress(bytes([2, i]) * 16), bytes([i]) * mib)]).stored == 1
+        assert alice.lookup([a.digest for a in mine]).ram == len(mine), "bob's writes evicted alice's share"
+        assert bob.lookup([bytes([2, 199]) * 16]).ram == 1
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+    line = next(x for x in text.splitlines() if x.startswith('kvcached_ram_bytes_by_tenant{tenant="alice"}'))
+    assert float(line.split()[-1]) == 24 * mib

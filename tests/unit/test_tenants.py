@@ -11,7 +11,7 @@ import pytest
 
 from kvcached.api.agent_session import scoped
 from kvcached.config import ConfigError, load_config, to_toml
-from kvcached.tenants import DEFAULT, TenantMap, tenants_for
+from kvcached.tenants import DEFAULT, TenantMap, ram_shares, tenants_for
 from kvcached.tenants.keyfile import load_key
 from kvcached_agent import protocol as p
 
@@ -109,9 +109,20 @@ def test_the_tenants_settings(tmp_path: Path) -> None:
                             (["tenants.uids={ a = [1] }", 'tenants.events={ a = "ipc:///r/a" }',
                               'events.endpoint="ipc:///r/a"'], "also events.endpoint"),
                             (["tenants.uids={ a = [1], b = [2] }", 'tenants.events={ a = "ipc:///r/a", b = "ipc:///r/a" }'],
-                             "mapped twice")):
+                             "mapped twice"),
+                            (["tenants.ram_shares={ ghost = 0.5 }"], "no tenant called ghost is configured"),
+                            (["tenants.uids={ a = [1], b = [2] }", "tenants.ram_shares={ a = 0.6, b = 0.5 }"],
+                             "more than the RAM tier's"),
+                            (["tenants.uids={ a = [1] }", "tenants.ram_shares={ a = 1.5 }"], "a fraction of the tier"),
+                            (["tenants.uids={ a = [1] }", 'tenants.ram_shares={ a = "half" }'], "a fraction of the tier")):
         with pytest.raises(ConfigError, match=says):
             load_config(overrides=overrides)
+
+
+def test_shares_are_fractions_or_bytes_of_the_ram_tier(tmp_path: Path) -> None:
+    config = load_config(overrides=["kv.ram_gib=1", "tenants.uids={ alice = [1] }",
+                                    "tenants.ram_shares={ alice = 0.25, default = 1048576 }"])
+    assert ram_shares(config, 1 << 30) == {"alice": 1 << 28, "": 1 << 20}, "the default tenant's tag is empty"
 
 
 def test_certificates_and_operators_need_mutual_tls_and_name_no_one_twice(tmp_path: Path) -> None:

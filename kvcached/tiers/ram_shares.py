@@ -1,0 +1,113 @@
+"""Shares of the RAM tier by tenant (tenants.ram_shares, docs/security.md "Capacity"): which
+blocks a new block of one tenant may evict. No I/O; kvcached.tiers.ram asks it.
+
+A tenant's share is bytes of the tier that are its own; a tenant without one has 0, so all it
+holds is lent. Room is lent freely: a tenant may fill whatever nobody uses. When a block of
+tenant T needs room:
+
+1. T over its share (counting the new block): T's own blocks go first, then those of tenants
+   over their shares (borrowers).
+2. T within its share: borrowers' blocks go first (the lent room is taken back), then T's own.
+
+A block of another tenant within its share is never evicted for T: a noisy tenant cannot flush
+a quiet one below its share. Within each set the victim is the first the tier's policy offers
+among its next :data:`SEARCH` candidates; past those, the set's oldest block (a queue per
+tenant, so a rare eligible block costs no scan of the whole tier).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping
+
+from kvcached.policies.links import IdLinks, IdQueue, column
+
+__all__ = ["MAX_OWNERS", "SEARCH", "RamShares"]
+
+SEARCH = 512           # policy candidates looked at for an eligible victim before the queues
+MAX_OWNERS = 255       # tenants counted apart; past that, more are counted as the default tenant
+
+
+class RamShares:
+    """Each block's tenant (by record id), bytes used and the share of each tenant, and the
+    victim preferences that follow. ``shares``: tenant tag -> bytes ("" the default tenant)."""
+
+    def __init__(self, shares: Mapping[str, int], slots: int) -> None:
+        self._ids: dict[str, int] = {}
+        self.names: list[str] = []
+        self.share: list[int] = []
+        self.used: list[int] = []
+        self._owner = column("B", slots)
+        self._links = IdLinks()
+        self._links.size_for(slots)
+        self._queues: list[IdQueue] = []
+        self._id("")
+        for tag, share in shares.items():
+            self.share[self._id(tag)] = share
+
+    def _id(self, tag: str) -> int:
+        found = self._ids.get(tag)
+        if found is not None:
+            return found
+        if len(self.names) >= MAX_OWNERS:
+            return 0
+        new = self._ids[tag] = len(self.names)
+        self.names.append(tag)
+        self.share.append(0)
+        self.used.append(0)
+        self._queues.append(IdQueue(self._links, new + 1))
+        return new
+
+    def used_by(self) -> dict[str, int]:
+        """Bytes held, by tenant tag."""
+        return dict(zip(self.names, self.used))
+
+    # -- what the tier tells it ------------------------------------------------------------------
+
+    def reserved(self, entry: int, tag: str, length: int) -> None:
+        owner = self._owner[entry] = self._id(tag)
+        self.used[owner] += length
+
+    def committed(self, entry: int) -> None:
+        self._queues[self._owner[entry]].push(entry)
+
+    def moved(self, entry: int, tag: str, length: int, committed: bool) -> None:
+        """The block is ``tag``'s after all (an adopted block, once its record is read)."""
+        self.dropped(entry, length, committed)
+        self.reserved(entry, tag, length)
+        if committed:
+            self.committed(entry)
+
+    def dropped(self, entry: int, length: int, committed: bool) -> None:
+        owner = self._owner[entry]
+        self.used[owner] -= length
+        if committed:
+            self._queues[owner].remove(entry)
+
+    def tag_of(self, entry: int) -> str:
+        return self.names[self._owner[entry]]
+
+    # -- victims -----------------------------------------------------------------------------------
+
+    def preferences(self, tag: str, need: int) -> list[tuple[Callable[[int], bool], list[int]]]:
+        """For a new block of ``tag`` needing ``need`` bytes: the sets a victim may come from,
+        in order, each as (test on a record id, the tenants whose queues hold it)."""
+        me = self._id(tag)
+        owner, used, share = self._owner, self.used, self.share
+
+        def own(entry: int) -> bool:
+            return owner[entry] == me
+
+        def lent(entry: int) -> bool:
+            o = owner[entry]
+            return o != me and used[o] > share[o]
+
+        borrowers = sorted((o for o in range(len(used)) if o != me and used[o] > share[o]),
+                           key=lambda o: share[o] - used[o])       # the most over first
+        mine = (own, [me])
+        theirs = (lent, borrowers)
+        return [mine, theirs] if used[me] + need > share[me] else [theirs, mine]
+
+    def oldest(self, owners: list[int]) -> Iterator[int]:
+        """The blocks of ``owners``, each tenant's oldest first."""
+        for o in owners:
+            yield from self._queues[o]
