@@ -22,6 +22,12 @@ for each (``tenants.sockets``).
    interleaved rounds, the order reversed each round; then loads a 64-block working set as
    often. GB/s of each side's median round; the ratio the median over rounds of two / none.
    Target (issue 41): >= 0.95x.
+4. Cost of RAM shares. Two more daemons with RAM 0.25 GiB (so saves evict), both with the two
+   tenants: "shares" with ``tenants.ram_shares = { alice = 0.5, bob = 0.25 }``, "unshared"
+   without. bob saves and loads as in 2, rounds interleaved, so every save past the first
+   quarter GiB evicts, by the shares' rule on one side and the policy's alone on the other.
+   The ratio the median over rounds of shares / unshared. No target of the issue's; printed so
+   the cost of the rule is known.
 3. Timing over gRPC. On bob's tenant socket (this process is root, which its ACL admits; the
    socket, not the caller, names the tenant), Lookup of P's digests and of Q, alternating,
    ``lookups`` times each; every answer must be 0, and alice's socket must find all of P.
@@ -174,12 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         socks = {}
         two = [f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}",
                f'tenants.sockets={{ alice = "{tmp / "alice.sock"}", bob = "{tmp / "bob.sock"}" }}']
-        for name, extra in (("none", []), ("two", two)):
+        uids = two[:1]
+        for name, gib, extra in (("none", 1.0, []), ("two", 1.0, two), ("unshared", 0.25, uids),
+                                 ("shares", 0.25, [*uids, "tenants.ram_shares={ alice = 0.5, bob = 0.25 }"])):
             home = tmp / name
             home.mkdir()
             home.chmod(0o711)
             socks[name] = str(home / "agent.sock")
-            start_kvcached(stack, home, 1.0, ["kv.ssd_gib=0", f'agent.socket="{socks[name]}"', 'agent.mode="0666"', *extra])
+            start_kvcached(stack, home, gib, ["kv.ssd_gib=0", f'agent.socket="{socks[name]}"', 'agent.mode="0666"', *extra])
             deadline = time.monotonic() + 30
             while not os.path.exists(socks[name]):
                 if time.monotonic() > deadline:
@@ -223,11 +231,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                             statistics.median(x[what] for x in sides["two"]), "no tenants configured",
                             statistics.median(x[what] for x in sides["none"]), True, f">= {COST_TARGET:.2f}x",
                             statistics.median(pairs) >= COST_TARGET, {"rounds": sides}, statistics.median(pairs)))
+        progress(f"4. bob saves and loads with RAM shares set and without, RAM 0.25 GiB: {rounds} rounds of {seconds:g} s")
+        shared: dict[str, list[dict[str, float]]] = {"shares": [], "unshared": []}
+        for r in range(rounds):
+            for name in (("shares", "unshared") if r % 2 == 0 else ("unshared", "shares")):
+                shared[name].append(as_user(b_uid, b_gid, save_load(socks[name], seconds, r)))
+        for what in ("save", "load"):
+            pairs = [a[what] / b[what] for a, b in zip(shared["shares"], shared["unshared"])]
+            rows.append(Row(4, f"agent {what}, 64 KiB x{BATCH}, evicting, shares set", "GB/s",
+                            statistics.median(x[what] for x in shared["shares"]), "no shares",
+                            statistics.median(x[what] for x in shared["unshared"]), True, "", None,
+                            {"rounds": shared}, statistics.median(pairs)))
     header = (f"kvcached tenants benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
               f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s")
     titles = {1: "1. Timing: one tenant's Lookup of another's cached prefix vs of a prefix nobody stored (lower is better)",
               2: "2. Cost: an agent's saves and loads with tenants configured vs none (higher is better)",
-              3: "3. Timing over gRPC, on bob's tenant socket (lower is better)"}
+              3: "3. Timing over gRPC, on bob's tenant socket (lower is better)",
+              4: "4. Cost of RAM shares: an agent's saves and loads that evict, shares set vs none (higher is better)"}
     print_fitted(rows, header, titles, lambda v, u: f"{v:.3f} GB/s" if u == "GB/s" else f"{v:.1f} {u}",
                  ["ratio: kvcached / baseline; timing: within the target either way; cost: median over rounds."])
     for note in notes:

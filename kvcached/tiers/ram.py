@@ -508,7 +508,7 @@ class RamTier:
             victims = None
             for test, owners in self.shares.preferences(tenant, need):
                 victims = (pick(itertools.islice(self.policy.candidates(), SEARCH), cls, clean, test)
-                           or pick(self.shares.oldest(owners), cls, clean, test))
+                           or pick(self.shares.oldest(owners()), cls, clean, test))
                 if victims:
                     break
         if victims:

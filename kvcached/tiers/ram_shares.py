@@ -21,7 +21,10 @@ from typing import Callable, Iterator, Mapping
 
 from kvcached.policies.links import IdLinks, IdQueue, column
 
-__all__ = ["MAX_OWNERS", "SEARCH", "RamShares"]
+__all__ = ["MAX_OWNERS", "SEARCH", "Preference", "RamShares"]
+
+#: a set of victims: (a test on a record id, the tenants whose blocks pass it)
+Preference = tuple[Callable[[int], bool], Callable[[], list[int]]]
 
 SEARCH = 512           # policy candidates looked at for an eligible victim before the queues
 MAX_OWNERS = 255       # tenants counted apart; past that, more are counted as the default tenant
@@ -40,6 +43,7 @@ class RamShares:
         self._links = IdLinks()
         self._links.size_for(slots)
         self._queues: list[IdQueue] = []
+        self._sets: dict[int, tuple[Preference, Preference]] = {}
         self._id("")
         for tag, share in shares.items():
             self.share[self._id(tag)] = share
@@ -88,10 +92,16 @@ class RamShares:
 
     # -- victims -----------------------------------------------------------------------------------
 
-    def preferences(self, tag: str, need: int) -> list[tuple[Callable[[int], bool], list[int]]]:
+    def preferences(self, tag: str, need: int) -> tuple[Preference, Preference]:
         """For a new block of ``tag`` needing ``need`` bytes: the sets a victim may come from,
-        in order, each as (test on a record id, the tenants whose queues hold it)."""
+        in order, each as (test on a record id, the tenants whose queues hold it: a callable,
+        asked only when the policy's candidates held none). Runs at every eviction: the tests
+        are made once per tenant."""
         me = self._id(tag)
+        mine, theirs = self._sets.get(me) or self._make_sets(me)
+        return (mine, theirs) if self.used[me] + need > self.share[me] else (theirs, mine)
+
+    def _make_sets(self, me: int) -> tuple[Preference, Preference]:
         owner, used, share = self._owner, self.used, self.share
 
         def own(entry: int) -> bool:
@@ -101,11 +111,12 @@ class RamShares:
             o = owner[entry]
             return o != me and used[o] > share[o]
 
-        borrowers = sorted((o for o in range(len(used)) if o != me and used[o] > share[o]),
-                           key=lambda o: share[o] - used[o])       # the most over first
-        mine = (own, [me])
-        theirs = (lent, borrowers)
-        return [mine, theirs] if used[me] + need > share[me] else [theirs, mine]
+        def borrowers() -> list[int]:          # the most over first
+            return sorted((o for o in range(len(used)) if o != me and used[o] > share[o]),
+                          key=lambda o: share[o] - used[o])
+
+        sets = self._sets[me] = ((own, lambda: [me]), (lent, borrowers))
+        return sets
 
     def oldest(self, owners: list[int]) -> Iterator[int]:
         """The blocks of ``owners``, each tenant's oldest first."""
