@@ -145,6 +145,24 @@ def save_load(sock: str, seconds: float, seed: int) -> Callable[[], dict[str, fl
     return work
 
 
+def cost_rows(figure: int, case: str, baseline: str, sock: str, base_sock: str, user: tuple[int, int], rounds: int,
+              seconds: float, target: str = "", least: float | None = None) -> list[Row]:
+    """bob's saves and loads on ``sock`` against ``base_sock``, rounds interleaved (the order
+    reversed each round): a row for each, the ratio the median over rounds."""
+    sides: dict[str, list[dict[str, float]]] = {sock: [], base_sock: []}
+    for r in range(rounds):
+        for name in ((sock, base_sock) if r % 2 == 0 else (base_sock, sock)):
+            sides[name].append(as_user(*user, save_load(name, seconds, r)))
+    rows = []
+    for what in ("save", "load"):
+        ratio = statistics.median(a[what] / b[what] for a, b in zip(sides[sock], sides[base_sock]))
+        rows.append(Row(figure, f"agent {what}, 64 KiB x{BATCH}, {case}", "GB/s",
+                        statistics.median(x[what] for x in sides[sock]), baseline,
+                        statistics.median(x[what] for x in sides[base_sock]), True, target,
+                        None if least is None else ratio >= least, {"rounds": list(sides.values())}, ratio))
+    return rows
+
+
 def grpc_lookups(target: str, cached: list[bytes], never: list[bytes], n: int) -> dict[str, Any]:
     """Alternating gRPC Lookups of ``cached`` and ``never`` on ``target``, ``n`` timed each."""
     times: dict[str, list[float]] = {"cached": [], "never": []}
@@ -221,27 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "a prefix nobody stored", p50["never"], False, f"within {TIMING_TARGET:.0%}",
                         abs(ratio - 1) <= TIMING_TARGET, {"lookups": lookups}))
         progress(f"2. bob saves and loads on a daemon with tenants and on one without: {rounds} rounds of {seconds:g} s")
-        sides: dict[str, list[dict[str, float]]] = {"two": [], "none": []}
-        for r in range(rounds):
-            for name in (("two", "none") if r % 2 == 0 else ("none", "two")):
-                sides[name].append(as_user(b_uid, b_gid, save_load(socks[name], seconds, r)))
-        for what in ("save", "load"):
-            pairs = [a[what] / b[what] for a, b in zip(sides["two"], sides["none"])]
-            rows.append(Row(2, f"agent {what}, 64 KiB x{BATCH}, bob a tenant", "GB/s",
-                            statistics.median(x[what] for x in sides["two"]), "no tenants configured",
-                            statistics.median(x[what] for x in sides["none"]), True, f">= {COST_TARGET:.2f}x",
-                            statistics.median(pairs) >= COST_TARGET, {"rounds": sides}, statistics.median(pairs)))
+        rows += cost_rows(2, "bob a tenant", "no tenants configured", socks["two"], socks["none"], (b_uid, b_gid),
+                          rounds, seconds, f">= {COST_TARGET:.2f}x", COST_TARGET)
         progress(f"4. bob saves and loads with RAM shares set and without, RAM 0.25 GiB: {rounds} rounds of {seconds:g} s")
-        shared: dict[str, list[dict[str, float]]] = {"shares": [], "unshared": []}
-        for r in range(rounds):
-            for name in (("shares", "unshared") if r % 2 == 0 else ("unshared", "shares")):
-                shared[name].append(as_user(b_uid, b_gid, save_load(socks[name], seconds, r)))
-        for what in ("save", "load"):
-            pairs = [a[what] / b[what] for a, b in zip(shared["shares"], shared["unshared"])]
-            rows.append(Row(4, f"agent {what}, 64 KiB x{BATCH}, evicting, shares set", "GB/s",
-                            statistics.median(x[what] for x in shared["shares"]), "no shares",
-                            statistics.median(x[what] for x in shared["unshared"]), True, "", None,
-                            {"rounds": shared}, statistics.median(pairs)))
+        rows += cost_rows(4, "evicting, shares set", "no shares", socks["shares"], socks["unshared"], (b_uid, b_gid),
+                          rounds, seconds)
     header = (f"kvcached tenants benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
               f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s")
     titles = {1: "1. Timing: one tenant's Lookup of another's cached prefix vs of a prefix nobody stored (lower is better)",
