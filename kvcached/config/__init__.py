@@ -261,6 +261,11 @@ def _check_tenants(config: Config, unix_paths: list[str]) -> None:
                               "would admit no one")
         if endpoint in (config.events.endpoint, config.events.replay_endpoint):
             raise ConfigError(key, f"{endpoint} is also events.endpoint or events.replay_endpoint")
+    for name, endpoint in t.event_replays.items():
+        if name not in t.events:
+            raise ConfigError(f"tenants.event_replays.{name}", f"tenant {name} has no stream to replay (tenants.events)")
+        if endpoint in (config.events.endpoint, config.events.replay_endpoint, *t.events.values()):
+            raise ConfigError(f"tenants.event_replays.{name}", f"{endpoint} is also another events endpoint")
     for name, path in t.sockets.items():
         key = f"tenants.sockets.{name}"
         if name not in t.uids and name not in t.gids:

@@ -284,6 +284,9 @@ class TenantsSection:
         "RAM each tenant keeps for itself, a fraction of kv.ram_gib (0.25) or bytes (1073741824): { alice = 0.5 }. "
         "Unused room is lent; a tenant over its share evicts its own blocks first and never another's within its "
         "share. {}: no shares.", {}, tenant_shares, dict)
+    event_replays: dict[str, str] = setting("Replay endpoints of the tenants' own streams (as events.replay_endpoint), "
+                                            "ipc:// only, admitting the tenant alone: { alice = "
+                                            "\"ipc:///run/kvcached/alice-replay\" }.", {}, tenant_event_endpoints, dict)
     cert_field: str = setting("What names a client certificate: san (its DNS subjectAltNames) or cn (its common "
                               "name).", "san", one_of("san", "cn"))
     operators: list[str] = setting("Client certificate names that act as the operator (any tenant, named by the "

@@ -28,7 +28,8 @@ def streams_for(config: Config, node: str) -> EventStreams | None:
                                  config.kv.index_dir)] if e.endpoint else []
     for tenant, endpoint in sorted(t.events.items()):
         admit = (t.uids.get(tenant, []), t.gids.get(tenant, []))
-        settings = PublisherSettings(endpoint, "", naming, tenant="" if tenant == DEFAULT else tenant, admit=admit,
+        settings = PublisherSettings(endpoint, t.event_replays.get(tenant, ""), naming,
+                                     tenant="" if tenant == DEFAULT else tenant, admit=admit,
                                      seq_file=f"events-{tenant}.seq", **common)  # type: ignore[arg-type]
         publishers.append(EventPublisher(settings, config.kv.index_dir))
     return EventStreams(publishers)

@@ -14,8 +14,9 @@ predecessor closes its publisher, then the successor binds the same endpoints).
 
 A tenant's own stream (tenants.events) is a publisher with ``tenant`` set: it publishes the
 changes of that tenant's blocks alone (as their records say, kvcached.index.format), numbered in
-a sequence file of its own, on an ipc endpoint only the tenant's uids and gids may open (bound
-at a temporary name, given its ACL, then renamed into place, so no one else can connect first).
+a sequence file of its own, on ipc endpoints (the stream and its replay) only the tenant's uids
+and gids may open (bound at a temporary name, given their ACL, then renamed into place, so no
+one else can connect first).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class EventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         self._task: asyncio.Task[None] | None = None
         self._pending_clear: Tier | None = None
-        self._bound: tuple[str, int] | None = None      # an ipc endpoint renamed into place: (path, inode)
+        self._bound: list[tuple[str, int] | None] = []   # ipc endpoints renamed into place: (path, inode)
 
     # -- life --------------------------------------------------------------------------------------
 
@@ -113,7 +114,8 @@ class EventPublisher:
             pub.setsockopt(zmq.SNDHWM, s.hwm)
             pub.setsockopt(zmq.XPUB_NODROP, 1)        # a full subscriber shows as EAGAIN (see _send)
             self._pub = pub
-            self._bound = _bind(pub, s.endpoint, "events.endpoint" if s.tenant is None else "tenants.events", s.admit)
+            self._bound.append(_bind(pub, s.endpoint, "events.endpoint" if s.tenant is None else "tenants.events",
+                                     s.admit))
             if s.replay_endpoint:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
@@ -121,7 +123,8 @@ class EventPublisher:
                 replay.setsockopt(zmq.SNDHWM, REPLAY_CLIENT_HWM)
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full client raises EAGAIN instead of a silent drop
                 self._replay = replay
-                _bind(replay, s.replay_endpoint, "events.replay_endpoint")
+                self._bound.append(_bind(replay, s.replay_endpoint, "events.replay_endpoint" if s.tenant is None
+                                         else "tenants.event_replays", s.admit))
         except BaseException:
             self._close_sockets()
             raise
@@ -164,14 +167,16 @@ class EventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._replay = None
-        if self._bound is not None:       # ZMQ removes the name it bound, not the one renamed into place
-            path, inode = self._bound
-            self._bound = None
+        for bound in self._bound:         # ZMQ removes the name it bound, not the one renamed into place
+            if bound is None:
+                continue
+            path, inode = bound
             try:
                 if os.stat(path).st_ino == inode:
                     os.unlink(path)
             except OSError:
                 pass
+        self._bound = []
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -32,10 +32,11 @@ def events_daemon(make_daemon: Any, state: Path, *extra: str) -> DaemonProcess:
                        *extra, state=state)
 
 
-def replay(state: Path, request: list[bytes], ctx: zmq.Context[Any]) -> list[list[bytes]]:
+def replay(state: Path, request: list[bytes], ctx: zmq.Context[Any], name: str = "replay") -> list[list[bytes]]:
+    """The answer of the replay endpoint ``state``/``name`` to ``request``, the end marker last."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(f"ipc://{state}/replay")
+    sock.connect(f"ipc://{state}/{name}")
     sock.send_multipart([b"", *request])
     out = []
     while True:

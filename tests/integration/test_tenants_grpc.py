@@ -34,6 +34,7 @@ from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import BlockAddress
 from tests.integration.conftest import DaemonProcess, run_cli, wait_for
+from tests.integration.test_events import replay
 from tests.integration.test_operations import free_tcp_port
 from tests.integration.test_peers import Cluster, connected
 from tests.integration.test_upgrade import Service
@@ -279,6 +280,7 @@ def test_a_tenants_event_stream_names_its_own_blocks_alone(make_daemon: Any, use
     d = make_daemon(f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}",
                     f'tenants.sockets={{ alice = "{alice_sock}", bob = "{bob_sock}" }}',
                     f'tenants.events={{ alice = "ipc://{stream["alice"]}", bob = "ipc://{stream["bob"]}" }}',
+                    f'tenants.event_replays={{ alice = "ipc://{socket_dir / "alice-replay"}" }}',
                     f'events.endpoint="ipc://{stream["all"]}"', "events.batch_ms=10")
     assert as_user(a_uid, a_gid, connects(stream["alice"])) == {"ok": "connected"}
     assert as_user(b_uid, b_gid, connects(stream["alice"])) == {"ok": "EACCES"}, "bob may open alice's stream"
@@ -297,6 +299,11 @@ def test_a_tenants_event_stream_names_its_own_blocks_alone(make_daemon: Any, use
         digests = {name: {e.extra_keys[0][1] for e in events} for name, events in got.items()}
         assert (len(digests["alice"]), len(digests["bob"]), len(digests["all"])) == (1, 2, 3), got
         assert not digests["alice"] & digests["bob"] and digests["alice"] | digests["bob"] == digests["all"]
+        replayed = [decode_batch(payload) for _topic, _seq, payload in
+                    replay(socket_dir, [(0).to_bytes(8, "big")], ctx, "alice-replay")[:-1]]
+        assert {e.extra_keys[0][1] for b in replayed for e in b.events if type(e).__name__ == "BlockStored"} == \
+            digests["alice"], "alice's replay holds her batches alone"
+        assert as_user(b_uid, b_gid, connects(socket_dir / "alice-replay")) == {"ok": "EACCES"}
     finally:
         for sub in subs.values():
             sub.close(linger=0)
