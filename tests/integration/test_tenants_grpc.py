@@ -13,6 +13,7 @@ import datetime
 import errno
 import os
 import socket
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -330,3 +331,21 @@ def test_a_tenant_filling_ram_evicts_none_of_anothers_share(make_daemon: Any, tm
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
     line = next(x for x in text.splitlines() if x.startswith('kvcached_ram_bytes_by_tenant{tenant="alice"}'))
     assert float(line.split()[-1]) == 24 * mib
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a ramfs")
+def test_a_tenant_socket_on_a_file_system_without_acls_stops_the_start(make_daemon: Any, tmp_path: Path) -> None:
+    """ramfs keeps no extended attributes: a socket there cannot admit its tenant alone, and
+    the daemon says so rather than serve it open."""
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], check=True)
+    try:
+        d = make_daemon("tenants.uids={ alice = [4242] }", f'tenants.sockets={{ alice = "{where / "alice.sock"}" }}',
+                        start=False)
+        d.start(wait=False)
+        assert d.proc.wait(30) != 0                                      # type: ignore[union-attr]
+        assert "keeps no POSIX ACLs" in d.log() and "Traceback" not in d.log()
+        assert not (where / "alice.sock").exists(), "no socket left open to anyone"
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
