@@ -45,6 +45,7 @@ from kvcached.errors import (
 from kvcached.index import BlockRecord, Tier
 from kvcached.store import LookupResult, Miss, Pinned, PutItem, Store
 from kvcached.store.gpu_view import GpuView
+from kvcached.store.results import TenantCounts
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import CROSS_LAYER, DIGEST_BYTES, BlockAddress
@@ -272,7 +273,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     """Every call acts as its caller (kvcached.api.callers): the digests and addresses of a
     tenant's calls are mapped to its own, and answers name them as the caller sent them, so one
     tenant's call finds, fetches, deletes or times nothing of another's. Where other tenants
-    are configured, what lists or counts the whole store (ListBlocks, Stats) is the operator's."""
+    are configured, a tenant's ListBlocks and Stats answer its own blocks and counts."""
 
     def __init__(self, store: Store, *, max_message_bytes: int, started_at: float | None = None,
                  grpc_config: GrpcSection | None = None, callers: Callers | None = None,
@@ -314,13 +315,6 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     async def _addresses(self, method: str, request: pb.GetRequest | pb.DeleteRequest) -> list[BlockAddress]:
         return await self._decoded(method, request.addresses, "addresses", _addresses_from_pb)
-
-    def _whole_store(self, method: str, caller: Caller) -> None:
-        """PermissionDenied for a tenant's call of a method that reveals every tenant's blocks."""
-        if caller.tenant is not None and self.several_tenants:
-            raise PermissionDenied(f"{method} counts every tenant's blocks and cannot be narrowed to one: where several "
-                                   "tenants are configured only the operator may call it, as no tenant (the daemon's "
-                                   "Unix socket, or an operator's certificate, without the kvcached-tenant header)")
 
     @errors_to_status
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
@@ -474,7 +468,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        self._whole_store("Stats", self.callers.of(context))
+        caller = self.callers.of(context)
+        if caller.tenant is not None and self.several_tenants:
+            return self._tenant_stats(caller.tag or "")
         s = self.store.stats()
         ram = pb.TierStats(tier=pb.TIER_RAM, blocks=s["ram_blocks"], bytes=s["ram_bytes"],
                            reserved_bytes=s["ram_reserved_bytes"], capacity_bytes=s["ram_capacity_bytes"],
@@ -493,6 +489,15 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             ssd_write_errors=s.get("ssd_write_errors", 0), ssd_reconciled=bool(s.get("ssd_reconciled", 0)),
             agents=s["agents"], agent_held_bytes=s["held_bytes"], gpu_blocks=s["gpu_blocks"],
             **_peer_stats(self.store))
+
+    def _tenant_stats(self, tag: str) -> pb.StatsResponse:
+        """A tenant's own Stats: its blocks in RAM and its own puts and reads; what counts the
+        whole store (other tiers, the index, peers, agents) stays zero."""
+        blocks, nbytes = self.store.ram.held_by_tenant(tag)
+        c = self.store.tally.by.get(tag) or TenantCounts()
+        ram = pb.TierStats(tier=pb.TIER_RAM, blocks=blocks, bytes=nbytes, capacity_bytes=self.store.ram.capacity)
+        return pb.StatsResponse(version=__version__, uptime_seconds=time.time() - self.started_at, tiers=[ram],
+                                puts=c.puts, put_bytes=c.put_bytes, hits=c.hits, hit_bytes=c.hit_bytes, misses=c.misses)
 
     @errors_to_status
     async def Overlap(self, request: pb.OverlapRequest, context: grpc.aio.ServicerContext) -> pb.OverlapResponse:

@@ -71,6 +71,15 @@ class StoreCollector(Collector):
         for tag, n in self.store.ram.used_by_tenant().items():
             by_tenant.add_metric([tag or "default"], n)
         yield by_tenant
+        tally = self.store.tally.by
+        if tally:
+            for name, doc in (("puts", "Blocks stored"), ("put_bytes", "Payload bytes stored"),
+                              ("hits", "Blocks read"), ("misses", "Blocks asked for and not found")):
+                c = CounterMetricFamily(f"kvcached_tenant_{name}", f"{doc}, by tenant (where several are configured)",
+                                        labels=["tenant"])
+                for tag, counts in list(tally.items()):
+                    c.add_metric([tag or "default"], getattr(counts, name))
+                yield c
         for name, key, doc in (("puts", "puts", "Blocks stored"), ("lookups", "lookups", "Lookup calls"),
                                ("promotions", "promotions", "Blocks read from SSD into RAM"),
                                ("demotions", "demotions", "Blocks published on SSD from RAM"),

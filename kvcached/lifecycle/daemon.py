@@ -176,7 +176,7 @@ class Daemon:
                                                               self._trusted_arena)
         settings = PolicySettings(slru_ratio=kv.slru_ratio)
         ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory,
-                      ram_shares(cfg, self.arena.size))
+                      ram_shares(cfg, self.arena.size), count_tenants=self.tenants.several)
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
         try:
             self.events = streams_for(cfg, cfg.cluster.name or socket.gethostname())
@@ -197,7 +197,8 @@ class Daemon:
                            adoption=self.adoption, mirror_pulls=kv.mirror_pulls,
                            prefetch=make_prefetch_policy(kv.prefetch_policy, kv.prefetch_timeout_ms / 1000),
                            timed_tiers=(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)   # read latencies
-                                        + ["peer"] * peer_tier) if cfg.metrics.listen else ())
+                                        + ["peer"] * peer_tier) if cfg.metrics.listen else (),
+                           count_tenants=self.tenants.several)
         self.keeper = StoreKeeper(self.store, self.index, KeeperSettings(
             kv.policy_save_s, kv.ram_policy, kv.ssd_policy, kv.slru_ratio, cfg.grpc.grace_s), status=self.notifier.status)
         self.keeper.restore_policies()

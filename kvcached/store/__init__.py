@@ -53,6 +53,7 @@ from kvcached.store.results import (
     PutItem,
     PutResult,
     SlotRefusal,
+    TenantTally,
 )
 from kvcached.store.routes import RouteKeys
 from kvcached.store.ssd_evictor import SsdEvictor
@@ -86,7 +87,8 @@ class Store:
                  admission: AdmissionPolicy | None = None, ssd_budget: SsdWriteBudget | None = None,
                  ssd_order: KeyedPolicy | None = None, rebuild_ssd_order: bool = False,
                  adoption: RamAdoption | None = None, mirror_pulls: bool = True,
-                 prefetch: PrefetchPolicy | None = None, timed_tiers: Sequence[str] = ()) -> None:
+                 prefetch: PrefetchPolicy | None = None, timed_tiers: Sequence[str] = (),
+                 count_tenants: bool = False) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
@@ -94,6 +96,7 @@ class Store:
         self.admission = admission or AlwaysAdmit()
         budget = ssd_budget or SsdWriteBudget(0)
         self.counters = Counters()
+        self.tally = TenantTally(count_tenants)      # puts and reads by tenant, where several are configured
         self.reads = ReadStats()
         if timed_tiers:
             self.reads.time_reads(timed_tiers)
@@ -113,7 +116,7 @@ class Store:
         # hold all of it: puts keep finding room in the other half.
         self.inflight = InFlight(max_held_bytes=ram.capacity // 2)
         self._budget = budget
-        parts = StoreParts(ram, index, self.ledger, self.inflight, self.counters, self.settings, clock)
+        parts = StoreParts(ram, index, self.ledger, self.inflight, self.counters, self.settings, clock, self.tally)
         self.evictor: SsdEvictor | None = None
         self.mover: SsdMover | None = None
         if ssd is not None:

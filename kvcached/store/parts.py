@@ -15,7 +15,7 @@ from kvcached.policies.prefetch import PrefetchPolicy, WaitComplete
 from kvcached.policies.write import WritePolicy
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
-from kvcached.store.results import Counters
+from kvcached.store.results import Counters, TenantTally
 from kvcached.tiers.ram import RamTier
 
 __all__ = ["Room", "StoreParts", "StoreSettings"]
@@ -40,6 +40,7 @@ class StoreParts:
     counters: Counters
     settings: StoreSettings
     clock: Callable[[], float]
+    tally: TenantTally = field(default_factory=TenantTally)
 
 
 class Room:
@@ -53,3 +54,4 @@ class Room:
         self.counters = parts.counters
         self.settings = parts.settings
         self.clock = parts.clock
+        self.tally = parts.tally

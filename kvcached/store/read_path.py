@@ -81,13 +81,13 @@ class ReadPath(Room):
         await self.inflight.hashed(a.key for a in addresses)
         held, reached = await self._make_resident(addresses, tenant=tenant)
         try:
-            return self._get_resident(addresses, allow_partial, reached, started)
+            return self._get_resident(addresses, allow_partial, reached, started, tenant)
         finally:
             for block in held:
                 self.unpin_block(block)
 
     def _get_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool, reached: Reached,
-                      started: float) -> tuple[list[Fetched], list[Miss]]:
+                      started: float, tenant: str) -> tuple[list[Fetched], list[Miss]]:
         found: list[Fetched] = []
         misses: list[Miss] = []
         blocks: list[tuple[BlockAddress, RamBlock]] = []
@@ -107,6 +107,7 @@ class ReadPath(Room):
         self.counters.hits += len(found)
         self.counters.misses += len(misses)
         self.counters.hit_bytes += sum(len(f.payload) for f in found)
+        self.tally.read(tenant, len(found), sum(len(f.payload) for f in found), len(misses))
         self._count_read(len(addresses), len(found), reached, started)
         if misses and not allow_partial:
             first = misses[0]
@@ -126,13 +127,13 @@ class ReadPath(Room):
         await self.inflight.hashed(a.key for a in addresses)
         held, reached = await self._make_resident(addresses, peers, tenant)
         try:
-            return self._pin_resident(addresses, allow_partial, reached, started)
+            return self._pin_resident(addresses, allow_partial, reached, started, tenant)
         finally:
             for block in held:
                 self.unpin_block(block)
 
     def _pin_resident(self, addresses: Sequence[BlockAddress], allow_partial: bool, reached: Reached,
-                      started: float) -> list[Pinned | Miss]:
+                      started: float, tenant: str) -> list[Pinned | Miss]:
         resident = [(address, self.ram.get(address.key)) for address in addresses]
         checksums = self._checksums([b.key for _, b in resident if b is not None])
         found = iter(checksums)
@@ -142,6 +143,7 @@ class ReadPath(Room):
         inflight = self.inflight
         if missing and not allow_partial:
             self.counters.misses += len(missing)
+            self.tally.read(tenant, 0, 0, len(missing))
             self._count_read(len(addresses), len(addresses) - len(missing), reached, started)
             more = f" (and {len(missing) - 1} more of {len(addresses)})" if len(missing) > 1 else ""
             raise NotFound(f"block {missing[0]}: {self.miss_reason(missing[0])}{more}")
@@ -162,6 +164,7 @@ class ReadPath(Room):
             self.counters.hits += 1
             self.counters.hit_bytes += block.length
             out.append(Pinned(address, block, checksum))
+        self.tally.read(tenant, len(out) - len(missing), wanted, len(missing))
         self._count_read(len(addresses), len(addresses) - len(missing), reached, started)
         return out
 

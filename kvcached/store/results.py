@@ -115,6 +115,45 @@ class Counters:
 
 
 @dataclass(slots=True)
+class TenantCounts:
+    """One tenant's puts and reads (kvcached.tenants): what its own Stats answers."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    hits: int = 0
+    hit_bytes: int = 0
+    misses: int = 0
+
+
+class TenantTally:
+    """Puts and reads by tenant tag, counted where several tenants are configured (``on``);
+    the tags are the configuration's names, so the table stays as small as that."""
+
+    def __init__(self, on: bool = False) -> None:
+        self.on = on
+        self.by: dict[str, TenantCounts] = {}
+
+    def of(self, tag: str) -> TenantCounts:
+        counts = self.by.get(tag)
+        if counts is None:
+            counts = self.by[tag] = TenantCounts()
+        return counts
+
+    def put(self, tag: str, nbytes: int) -> None:
+        if self.on:
+            counts = self.of(tag)
+            counts.puts += 1
+            counts.put_bytes += nbytes
+
+    def read(self, tag: str, hits: int, hit_bytes: int, misses: int) -> None:
+        if self.on:
+            counts = self.of(tag)
+            counts.hits += hits
+            counts.hit_bytes += hit_bytes
+            counts.misses += misses
+
+
+@dataclass(slots=True)
 class Reached:
     """How far one read had to go: blocks promoted from SSD and pulled from peers for it, and
     whether the peer tier was in play."""

@@ -155,6 +155,7 @@ class WritePath(Room):
                 result.stored += 1
                 self.counters.puts += 1
                 self.counters.put_bytes += len(item.payload)
+                self.tally.put(item.tenant, len(item.payload))
         except BaseException:
             for block, _ in new if hold else ():
                 self.ram.unpin(block)
@@ -362,6 +363,7 @@ class WritePath(Room):
                                                          route=self.ledger.route_of(address), tenant=tenant))
                 self.counters.puts += 1
                 self.counters.put_bytes += block.length
+                self.tally.put(tenant, block.length)
             elif block.refs == 0:
                 self.ram.delete(block.key)
         try:

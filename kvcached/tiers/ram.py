@@ -159,9 +159,11 @@ class RamTier:
     arena (kvcached.tiers.slot_directory; None: nothing outlives the process)."""
 
     def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy,
-                 directory: SlotDirectory | None = None, shares: Mapping[str, int] | None = None) -> None:
+                 directory: SlotDirectory | None = None, shares: Mapping[str, int] | None = None,
+                 count_tenants: bool = False) -> None:
         """``shares``: bytes of the tier each tenant's (tag -> bytes; kvcached.tiers.ram_shares).
-        None or empty: no shares, every block a victim in the policy's order."""
+        None or empty: no shares, every block a victim in the policy's order. ``count_tenants``:
+        count each tenant's blocks even so (several tenants configured)."""
         self.arena = arena
         self.slabs = SlabAllocator(arena.size, slab_bytes)
         self.policy = policy
@@ -181,7 +183,8 @@ class RamTier:
         self._gen = column("I", slots)       # bumped when the record's block leaves: stale handles
         self._by_slot = column("i", slots)   # slot -> record id + 1 (0: free)
         policy.size_for(slots)
-        self.shares = RamShares(shares, slots) if shares else None
+        self.shares = RamShares(shares or {}, slots) if shares or count_tenants else None
+        self._enforce = bool(shares)         # shares set: victims by their rule; else the policy's alone
         self._victims = _Victims(self.slabs, self._slot, self._refs, self._clean, self._by_slot)
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
         self.evictions = 0
@@ -502,7 +505,7 @@ class RamTier:
         shares, the candidates a block of ``tenant`` needing ``need`` bytes may evict, in the
         order kvcached.tiers.ram_shares gives."""
         pick, clean = self._victims.pick, self.prefer_clean
-        if self.shares is None:
+        if self.shares is None or not self._enforce:
             victims = pick(self.policy.candidates(), cls, clean)
         else:
             victims = None
@@ -515,15 +518,18 @@ class RamTier:
             self._evict(victims)
             return
         raise RamFull(f"RAM tier full: {len(self)} blocks, {self.used_bytes} bytes, none of them can be evicted now "
-                      "(all in use" + (", or other tenants' within their shares)" if self.shares else ")"))
+                      "(all in use" + (", or other tenants' within their shares)" if self._enforce else ")"))
 
     def set_tenant(self, block: RamBlock, tenant: str) -> None:
         """The block is ``tenant``'s (an adopted block, once its record says whose it is)."""
         if self.shares is not None and self.holds(block) and self.shares.tag_of(block.id) != tenant:
             self.shares.moved(block.id, tenant, block.length, committed=self._refs[block.id] != WRITING)
 
+    def held_by_tenant(self, tenant: str) -> tuple[int, int]:
+        """(blocks, payload bytes) of ``tenant``'s (tenants not counted: all the tier's)."""
+        return self.shares.held_by(tenant) if self.shares is not None else (len(self), self.used_bytes)
+
     def used_by_tenant(self) -> dict[str, int]:
-        """Payload bytes held, by tenant tag (with no shares set: all the default tenant's)."""
         return self.shares.used_by() if self.shares is not None else {"": self.used_bytes}
 
     def _evict(self, victims: list[int]) -> None:

@@ -39,6 +39,7 @@ class RamShares:
         self.names: list[str] = []
         self.share: list[int] = []
         self.used: list[int] = []
+        self.blocks: list[int] = []
         self._owner = column("B", slots)
         self._links = IdLinks()
         self._links.size_for(slots)
@@ -58,6 +59,7 @@ class RamShares:
         self.names.append(tag)
         self.share.append(0)
         self.used.append(0)
+        self.blocks.append(0)
         self._queues.append(IdQueue(self._links, new + 1))
         return new
 
@@ -65,11 +67,17 @@ class RamShares:
         """Bytes held, by tenant tag."""
         return dict(zip(self.names, self.used))
 
+    def held_by(self, tag: str) -> tuple[int, int]:
+        """(blocks, bytes) ``tag`` holds."""
+        owner = self._ids.get(tag)
+        return (0, 0) if owner is None else (self.blocks[owner], self.used[owner])
+
     # -- what the tier tells it ------------------------------------------------------------------
 
     def reserved(self, entry: int, tag: str, length: int) -> None:
         owner = self._owner[entry] = self._id(tag)
         self.used[owner] += length
+        self.blocks[owner] += 1
 
     def committed(self, entry: int) -> None:
         self._queues[self._owner[entry]].push(entry)
@@ -84,6 +92,7 @@ class RamShares:
     def dropped(self, entry: int, length: int, committed: bool) -> None:
         owner = self._owner[entry]
         self.used[owner] -= length
+        self.blocks[owner] -= 1
         if committed:
             self._queues[owner].remove(entry)
 

@@ -103,12 +103,15 @@ def test_a_tenant_socket_admits_its_tenant_alone_and_every_call_acts_as_it(
         assert [(b.tenant, b.nbytes) for b in alice.list_blocks()] == [("alice", 500)]
         assert mine[0].address.digest != DIGEST, "listed under bob's own address, not the digest he sent"
         assert sorted(b.tenant for b in operator.list_blocks()) == ["alice", "bob"]
-        # What counts the whole store, and Admin, are the operator's.
-        assert code_of(bob.stats) == grpc.StatusCode.PERMISSION_DENIED
+        # Each tenant's Stats counts its own; the whole store's counts, and Admin, are the operator's.
+        own = bob.stats()
+        assert (own.tiers[0].blocks, own.tiers[0].bytes, own.puts, own.hits, own.misses) == (1, 300, 1, 1, 5), own
+        assert (own.index_entries, own.lookups, own.agents) == (0, 0, 0), "nothing of the whole store"
+        assert (alice.stats().puts, alice.stats().tiers[0].blocks) == (1, 1)
         listed = run_cli(["ls", "--target", d.target, "--tenant", "bob"])
         assert listed.returncode == 0 and listed.stdout.count("tenant bob") == 1 and "alice" not in listed.stdout
-        refused = run_cli(["stat", "--target", f"unix:{bob_sock}"])
-        assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr + refused.stdout, refused
+        stat = run_cli(["stat", "--json", "--target", f"unix:{bob_sock}"])
+        assert stat.returncode == 0 and '"puts": "1"' in stat.stdout, stat
         admin = pb_grpc.AdminStub(bob.channel)
         assert code_of(lambda: admin.GetConfig(pb.GetConfigRequest())) == grpc.StatusCode.PERMISSION_DENIED
         with KvCacheClient(f"unix:{bob_sock}", tenant="alice") as posing:
@@ -329,8 +332,12 @@ def test_a_tenant_filling_ram_evicts_none_of_anothers_share(make_daemon: Any, tm
         assert alice.lookup([a.digest for a in mine]).ram == len(mine), "bob's writes evicted alice's share"
         assert bob.lookup([bytes([2, 199]) * 16]).ram == 1
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
-    line = next(x for x in text.splitlines() if x.startswith('kvcached_ram_bytes_by_tenant{tenant="alice"}'))
-    assert float(line.split()[-1]) == 24 * mib
+    def metric(prefix: str) -> float:
+        return float(next(x for x in text.splitlines() if x.startswith(prefix)).split()[-1])
+
+    assert metric('kvcached_ram_bytes_by_tenant{tenant="alice"}') == 24 * mib
+    assert metric('kvcached_tenant_puts_total{tenant="bob"}') == 200
+    assert metric('kvcached_tenant_put_bytes_total{tenant="alice"}') == 24 * mib
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a ramfs")
