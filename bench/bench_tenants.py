@@ -28,6 +28,9 @@ for each (``tenants.sockets``).
    quarter GiB evicts, by the shares' rule on one side and the policy's alone on the other.
    The ratio the median over rounds of shares / unshared. No target of the issue's; printed so
    the cost of the rule is known.
+5. Spread (A/A): bob's saves and loads on "none" against a second daemon just like it
+   ("none-b"), as in 2. How far apart two identical daemons measure in the same run: a cost
+   ratio of 2 or 4 within this spread of 1.00x is noise.
 3. Timing over gRPC. On bob's tenant socket (this process is root, which its ACL admits; the
    socket, not the caller, names the tenant), Lookup of P's digests and of Q, alternating,
    ``lookups`` times each; every answer must be 0, and alice's socket must find all of P.
@@ -199,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         two = [f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}",
                f'tenants.sockets={{ alice = "{tmp / "alice.sock"}", bob = "{tmp / "bob.sock"}" }}']
         uids = two[:1]
-        for name, gib, extra in (("none", 1.0, []), ("two", 1.0, two), ("unshared", 0.25, uids),
+        for name, gib, extra in (("none", 1.0, []), ("none-b", 1.0, []), ("two", 1.0, two), ("unshared", 0.25, uids),
                                  ("shares", 0.25, [*uids, "tenants.ram_shares={ alice = 0.5, bob = 0.25 }"])):
             home = tmp / name
             home.mkdir()
@@ -244,12 +247,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress(f"4. bob saves and loads with RAM shares set and without, RAM 0.25 GiB: {rounds} rounds of {seconds:g} s")
         rows += cost_rows(4, "evicting, shares set", "no shares", socks["shares"], socks["unshared"], (b_uid, b_gid),
                           rounds, seconds)
+        progress(f"5. A/A: bob saves and loads on two daemons with no tenants: {rounds} rounds of {seconds:g} s")
+        rows += cost_rows(5, "no tenants", "the same, another daemon", socks["none"], socks["none-b"], (b_uid, b_gid),
+                          rounds, seconds)
     header = (f"kvcached tenants benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
               f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s")
     titles = {1: "1. Timing: one tenant's Lookup of another's cached prefix vs of a prefix nobody stored (lower is better)",
               2: "2. Cost: an agent's saves and loads with tenants configured vs none (higher is better)",
               3: "3. Timing over gRPC, on bob's tenant socket (lower is better)",
-              4: "4. Cost of RAM shares: an agent's saves and loads that evict, shares set vs none (higher is better)"}
+              4: "4. Cost of RAM shares: an agent's saves and loads that evict, shares set vs none (higher is better)",
+              5: "5. Spread: the same saves and loads on two identical daemons (A/A; how far from 1.00x is noise)"}
     print_fitted(rows, header, titles, lambda v, u: f"{v:.3f} GB/s" if u == "GB/s" else f"{v:.1f} {u}",
                  ["ratio: kvcached / baseline; timing: within the target either way; cost: median over rounds."])
     for note in notes:

@@ -139,10 +139,10 @@ class TenantTally:
             counts = self.by[tag] = TenantCounts()
         return counts
 
-    def put(self, tag: str, nbytes: int) -> None:
+    def put(self, tag: str, nbytes: int, blocks: int = 1) -> None:
         if self.on:
             counts = self.of(tag)
-            counts.puts += 1
+            counts.puts += blocks
             counts.put_bytes += nbytes
 
     def read(self, tag: str, hits: int, hit_bytes: int, misses: int) -> None:

@@ -350,6 +350,7 @@ class WritePath(Room):
                         checksums: list[bytes] | None, done: asyncio.Future[None]) -> None:
         now = self.clock()
         hashing = self.inflight.hashing
+        stored = stored_bytes = 0
         for i, (address, block) in enumerate(batch):
             if hashing.get(block.key) is done:
                 del hashing[block.key]
@@ -363,9 +364,10 @@ class WritePath(Room):
                                                          route=self.ledger.route_of(address), tenant=tenant))
                 self.counters.puts += 1
                 self.counters.put_bytes += block.length
-                self.tally.put(tenant, block.length)
+                stored, stored_bytes = stored + 1, stored_bytes + block.length
             elif block.refs == 0:
                 self.ram.delete(block.key)
+        self.tally.put(tenant, stored_bytes, stored)
         try:
             self.ledger.commit()
         except Unavailable:

@@ -11,6 +11,7 @@ import pytest
 
 from kvcached.api.agent_session import scoped
 from kvcached.config import ConfigError, load_config, to_toml
+from kvcached.store.results import TenantTally
 from kvcached.tenants import DEFAULT, TenantMap, ram_shares, tenants_for
 from kvcached.tenants.keyfile import load_key
 from kvcached_agent import protocol as p
@@ -143,3 +144,15 @@ def test_certificates_and_operators_need_mutual_tls_and_name_no_one_twice(tmp_pa
                             ([*tls, 'tenants.certs={ a = ["x"] }', 'tenants.operators=["x"]'], "also tenant a's")):
         with pytest.raises(ConfigError, match=says):
             load_config(overrides=overrides)
+
+
+def test_the_tally_counts_by_tenant_only_where_tenants_are_counted() -> None:
+    tally = TenantTally(on=True)
+    tally.put("alice", 4096 * 3, 3)
+    tally.read("alice", 2, 8192, 1)
+    tally.read("", 0, 0, 4)
+    assert (tally.of("alice").puts, tally.of("alice").put_bytes, tally.of("alice").hits, tally.of("").misses) == \
+        (3, 12288, 2, 4)
+    off = TenantTally()
+    off.put("alice", 1)
+    assert off.by == {}, "nothing kept where one tenant is all there is"
