@@ -90,6 +90,7 @@ class AgentSession:
         #: agent sends is mapped to this tenant's addresses first (None: the default tenant's).
         self.tenant = tenant
         self._scope = None if tenant is None or tenant.scope.identity else tenant.scope
+        self._tag = tenant.tag if tenant is not None else ""     # whose blocks it saves and loads
         self.closed = False
         self._handles: Iterator[int] = count(1)
         self._writes: dict[int, tuple[BlockAddress, RamBlock]] = {}   # reserved, not committed
@@ -157,8 +158,7 @@ class AgentSession:
 
     def _allocate(self, message: p.Allocate) -> p.Slots:
         addresses = [BlockAddress(digest, layer) for digest, layer, _ in message.entries]
-        results = self.store.reserve([(a, length) for a, (_, _, length) in zip(addresses, message.entries)],
-                                     self.tenant.tag if self.tenant is not None else "")
+        results = self.store.reserve([(a, length) for a, (_, _, length) in zip(addresses, message.entries)], self._tag)
         entries: list[tuple[int, int, int]] = []
         for address, result in zip(addresses, results):
             if isinstance(result, SlotRefusal):
@@ -172,12 +172,12 @@ class AgentSession:
     async def _commit(self, message: p.Commit) -> p.Committed:
         found = [self._writes.pop(h, None) for h in message.handles]
         results = iter(await self.store.commit_written([w for w in found if w is not None], self.hello.model,
-                                                       self.tenant.tag if self.tenant is not None else ""))
+                                                       self._tag))
         return p.Committed([p.Status.UNKNOWN_HANDLE if w is None else _COMMIT_STATUS[next(results)] for w in found])
 
     async def _load(self, message: p.Load) -> p.Loaded:
         addresses = [BlockAddress(digest, layer) for digest, layer in message.entries]
-        results = await self.store.pin(addresses, allow_partial=True, tenant=self.tenant.tag if self.tenant else "")
+        results = await self.store.pin(addresses, allow_partial=True, tenant=self._tag)
         entries: list[tuple[int, int, int, int]] = []
         for result in results:
             if isinstance(result, Miss):

@@ -275,20 +275,23 @@ def tenant_name_or_empty(v: str) -> None:
         raise ValueError(f"must be a tenant name (lower-case letters, digits, '_', '-'; at most 63), got {v!r}")
 
 
-def _tenant_map(v: dict[str, Any], fits: Callable[[Any], bool], expected: str, same: Callable[[Any], Any],
-                shown: Callable[[Any], str], check: Callable[[str, Any], None] = lambda name, item: None) -> None:
-    """``{tenant: [item, ...]}`` (or ``{tenant: item}`` for ``expected`` a single thing): tenant
-    names, items that ``fits``, and no item (as ``same`` compares them) named for two tenants."""
+def _tenant_map(v: dict[str, Any], fits: Callable[[Any], bool], expected: str, *, many: bool,
+                same: Callable[[Any], Any] | None = None, shown: Callable[[Any], str] = str,
+                check: Callable[[str, Any], None] = lambda name, item: None) -> None:
+    """``{tenant: [item, ...]}`` (``many``) or ``{tenant: item}``: tenant names, items that
+    ``fits`` and pass ``check``; with ``same``, no item (as ``same`` compares them) named for
+    two tenants."""
     owner: dict[Any, str] = {}
     for name, items in v.items():
         if not name:
             raise ValueError("a tenant's name must not be empty")
         tenant_name_or_empty(name)
-        many = expected.startswith("a non-empty list")
         if not (isinstance(items, list) and items and all(map(fits, items)) if many else fits(items)):
             raise ValueError(f"{name}: expected {expected}, got {items!r}")
         for item in items if many else [items]:
             check(name, item)
+            if same is None:
+                continue
             key = same(item)
             if key in owner:
                 raise ValueError(f"{shown(item)} is mapped twice: to {owner[key]} and to {name}")
@@ -302,13 +305,13 @@ def _an_id(name: str, i: int) -> None:
 
 def tenant_ids(v: dict[str, Any]) -> None:
     """``{tenant: [id, ...]}``: tenant names, lists of uids or gids, no id named twice."""
-    _tenant_map(v, lambda i: type(i) is int, "a non-empty list of integers", int, str, _an_id)
+    _tenant_map(v, lambda i: type(i) is int, "a non-empty list of integers", many=True, same=int, check=_an_id)
 
 
 def tenant_sockets(v: dict[str, Any]) -> None:
     """``{tenant: "/path.sock"}``: tenant names, each with a Unix socket path of its own."""
-    _tenant_map(v, lambda p: isinstance(p, str) and bool(p), "a Unix socket path", os.path.abspath,
-                lambda p: f"socket {p}", lambda name, p: unix_path_or_empty(p))
+    _tenant_map(v, lambda p: isinstance(p, str) and bool(p), "a Unix socket path", many=False, same=os.path.abspath,
+                shown=lambda p: f"socket {p}", check=lambda name, p: unix_path_or_empty(p))
 
 
 def tenant_event_endpoints(v: dict[str, Any]) -> None:
@@ -319,20 +322,22 @@ def tenant_event_endpoints(v: dict[str, Any]) -> None:
             raise ValueError(f"{name}: {endpoint} is not ipc://PATH; a tenant's stream needs a Unix socket that "
                              "admits the tenant alone")
         unix_path_or_empty(endpoint[len("ipc://"):])
-    _tenant_map(v, lambda e: isinstance(e, str) and len(e) > len("ipc://"), "an ipc://PATH endpoint",
-                lambda e: os.path.abspath(e[len("ipc://"):]) if isinstance(e, str) else e, str, ipc)
+    _tenant_map(v, lambda e: isinstance(e, str) and len(e) > len("ipc://"), "an ipc://PATH endpoint", many=False,
+                same=lambda e: os.path.abspath(e[len("ipc://"):]), check=ipc)
 
 
 def tenant_shares(v: dict[str, Any]) -> None:
-    """``{tenant: share}``: a fraction of the tier (a float in (0, 1]) or bytes (an integer)."""
+    """``{tenant: share}``: a fraction of the tier (a float in (0, 1]) or bytes (an integer);
+    two tenants may have the same share."""
     def fits(x: Any) -> bool:
         return (type(x) is float and 0 < x <= 1) or (type(x) is int and x >= 0)
-    _tenant_map(v, fits, "a fraction of the tier (0 < x <= 1.0) or a number of bytes", id, str)
+    _tenant_map(v, fits, "a fraction of the tier (0 < x <= 1.0) or a number of bytes", many=False)
 
 
 def tenant_names(v: dict[str, Any]) -> None:
     """``{tenant: ["name", ...]}``: tenant names, lists of certificate names, no name twice."""
-    _tenant_map(v, lambda n: isinstance(n, str) and bool(n), "a non-empty list of certificate names", str, repr)
+    _tenant_map(v, lambda n: isinstance(n, str) and bool(n), "a non-empty list of certificate names", many=True,
+                same=str, shown=repr)
 
 
 def certificate_names(v: list[str]) -> None:

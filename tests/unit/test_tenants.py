@@ -104,6 +104,7 @@ def test_the_tenants_settings(tmp_path: Path) -> None:
                             (['tenants.certs={ a = ["x"], b = ["y", "x"] }'], "'x' is mapped twice"),
                             (['tenants.certs={ a = [] }'], "non-empty list of certificate names"),
                             (['tenants.cert_field="dn"'], "must be one of san, cn"),
+                            (["tenants.operators=[1]"], "a list of certificate names"),
                             (["tenants.uids={ a = [1] }", 'tenants.events={ a = "tcp://127.0.0.1:5557" }'],
                              "is not ipc://PATH"),
                             (['tenants.events={ a = "ipc:///r/a" }'], "its stream would admit no one"),
@@ -128,6 +129,8 @@ def test_shares_are_fractions_or_bytes_of_the_ram_tier(tmp_path: Path) -> None:
     config = load_config(overrides=["kv.ram_gib=1", "tenants.uids={ alice = [1] }",
                                     "tenants.ram_shares={ alice = 0.25, default = 1048576 }"])
     assert ram_shares(config, 1 << 30) == {"alice": 1 << 28, "": 1 << 20}, "the default tenant's tag is empty"
+    same = load_config(overrides=["tenants.uids={ a = [1], b = [2] }", "tenants.ram_shares={ a = 100, b = 100 }"])
+    assert same.tenants.ram_shares == {"a": 100, "b": 100}, "two tenants may have the same share"
 
 
 def test_certificates_and_operators_need_mutual_tls_and_name_no_one_twice(tmp_path: Path) -> None:
@@ -156,3 +159,12 @@ def test_the_tally_counts_by_tenant_only_where_tenants_are_counted() -> None:
     off = TenantTally()
     off.put("alice", 1)
     assert off.by == {}, "nothing kept where one tenant is all there is"
+
+
+def test_every_admin_call_is_one_the_operator_guard_wraps() -> None:
+    """kvcached.api.access.OperatorOnly guards unary Admin calls; a streaming one would pass it
+    unguarded, so adding one must come with a guard for it."""
+    from kvcached.v1 import kvcache_pb2
+
+    methods = kvcache_pb2.DESCRIPTOR.services_by_name["Admin"].methods
+    assert methods and all(not m.client_streaming and not m.server_streaming for m in methods)
