@@ -111,10 +111,11 @@ class AgentSession:
         """:meth:`handle` once the message names its tenant's addresses."""
         try:
             if isinstance(message, p.Lookup):
-                r = self.store.lookup(message.digests, message.layer, agent=self.session)
+                r = self.store.lookup(message.digests, message.layer, agent=self.session, tenant=self._tag)
                 return p.LookupResult(r.longest, r.gpu, r.ram, r.ssd, r.peer)
             if isinstance(message, p.Present):
-                return present_result(self.store.present(message.digests, message.layer, agent=self.session))
+                return present_result(self.store.present(message.digests, message.layer, agent=self.session,
+                                                         tenant=self._tag))
             if isinstance(message, p.Release):
                 return self._release(message)
             if isinstance(message, (p.Pinned, p.Evicted)):

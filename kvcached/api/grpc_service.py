@@ -224,13 +224,14 @@ class _AgentRun:
         self.holders = [session for session, held in runs if held == len(part)]
 
 
-async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, size: int) -> LookupResult:
+async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, size: int,
+                           tenant: str = "") -> LookupResult:
     """``store.lookup(digests, layer)`` in slices of ``size`` digests, other requests running
     between slices; the answer is the one a single call gives on a store nobody changes
     meanwhile (under concurrent Puts and evictions each slice sees the store as it is when its
     turn comes: a Lookup is a hint either way). It stops after the first slice past which no
     count can grow, so a chain that misses early costs one slice. Each slice is one lookup in
-    the store's counters (``lookups``, the read-latency histogram).
+    the store's counters (``lookups``, the read-latency histogram), ``tenant``'s.
 
     ``ram``, ``longest``, ``ssd`` and ``peer`` are runs from the first digest of a test on one
     block at a time (in RAM; in some tier; on SSD; held by a usable peer), which Store.lookup
@@ -240,14 +241,14 @@ async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, s
     if store.asks_homes:                   # a cluster: where remote blocks are is asked of their homes first
         await store.locate(digests, layer)
     if len(digests) <= size:
-        return store.lookup(digests, layer)
+        return store.lookup(digests, layer, tenant=tenant)
     ram, longest, ssd, peer = _Run(), _Run(), _Run(), _Run()
     gpu = _AgentRun(store.gpu)
     for start in range(0, len(digests), size):
         if start:
             await asyncio.sleep(0)
         part = digests[start:start + size]
-        found = store.lookup(part, layer)
+        found = store.lookup(part, layer, tenant=tenant)
         for run, count in ((ram, found.ram), (longest, found.longest), (ssd, found.ssd), (peer, found.peer)):
             run.add(count, len(part))
         gpu.add(part)
@@ -452,11 +453,11 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @errors_to_status
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        scope = self.callers.of(context).scope
+        caller = self.callers.of(context)
         digests = await self._decoded("Lookup", request.digests, "digests", _digests, self.lookup_slice)
-        digests = list(scope.digests(digests))
+        digests = list(caller.scope.digests(digests))
         layer = request.layer if request.HasField("layer") else CROSS_LAYER
-        r = await lookup_in_slices(self.store, digests, layer, self.lookup_slice)
+        r = await lookup_in_slices(self.store, digests, layer, self.lookup_slice, tenant=caller.tag or "")
         return pb.LookupResponse(longest=r.longest, gpu=r.gpu, ram=r.ram, ssd=r.ssd, peer=r.peer)
 
     @errors_to_status
@@ -491,13 +492,18 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             **_peer_stats(self.store))
 
     def _tenant_stats(self, tag: str) -> pb.StatsResponse:
-        """A tenant's own Stats: its blocks in RAM and its own puts and reads; what counts the
-        whole store (other tiers, the index, peers, agents) stays zero."""
+        """A tenant's own Stats: its blocks in RAM and on SSD and its own puts and reads; what
+        counts the whole store (the index, peers, agents) stays zero."""
         blocks, nbytes = self.store.ram.held_by_tenant(tag)
         c = self.store.tally.by.get(tag) or TenantCounts()
-        ram = pb.TierStats(tier=pb.TIER_RAM, blocks=blocks, bytes=nbytes, capacity_bytes=self.store.ram.capacity)
-        return pb.StatsResponse(version=__version__, uptime_seconds=time.time() - self.started_at, tiers=[ram],
-                                puts=c.puts, put_bytes=c.put_bytes, hits=c.hits, hit_bytes=c.hit_bytes, misses=c.misses)
+        tiers = [pb.TierStats(tier=pb.TIER_RAM, blocks=blocks, bytes=nbytes, capacity_bytes=self.store.ram.capacity)]
+        ssd = self.store.ssd
+        if ssd is not None:
+            blocks, nbytes = ssd.held_by_tenant(tag)
+            tiers.append(pb.TierStats(tier=pb.TIER_SSD, blocks=blocks, bytes=nbytes, capacity_bytes=ssd.capacity))
+        return pb.StatsResponse(version=__version__, uptime_seconds=time.time() - self.started_at, tiers=tiers,
+                                puts=c.puts, put_bytes=c.put_bytes, hits=c.hits, hit_bytes=c.hit_bytes, misses=c.misses,
+                                lookups=c.lookups)
 
     @errors_to_status
     async def Overlap(self, request: pb.OverlapRequest, context: grpc.aio.ServicerContext) -> pb.OverlapResponse:

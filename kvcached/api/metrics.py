@@ -71,10 +71,19 @@ class StoreCollector(Collector):
         for tag, n in self.store.ram.used_by_tenant().items():
             by_tenant.add_metric([tag or "default"], n)
         yield by_tenant
+        ssd_tier = self.store.ssd
+        if ssd_tier is not None and self.store.tally.on:
+            on_ssd = GaugeMetricFamily("kvcached_ssd_bytes_by_tenant", "SSD block file bytes by tenant (labels from "
+                                       "the configuration's names; where several tenants are configured)",
+                                       labels=["tenant"])
+            for tag, use in list(ssd_tier.usage.tenants.items()):
+                on_ssd.add_metric([tag or "default"], use.file_bytes)
+            yield on_ssd
         tally = self.store.tally.by
         if tally:
             for name, doc in (("puts", "Blocks stored"), ("put_bytes", "Payload bytes stored"),
-                              ("hits", "Blocks read"), ("misses", "Blocks asked for and not found")):
+                              ("hits", "Blocks read"), ("misses", "Blocks asked for and not found"),
+                              ("lookups", "Lookup calls")):
                 c = CounterMetricFamily(f"kvcached_tenant_{name}", f"{doc}, by tenant (where several are configured)",
                                         labels=["tenant"])
                 for tag, counts in list(tally.items()):

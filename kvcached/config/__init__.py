@@ -81,6 +81,11 @@ class Config:
         return int(self.kv.ram_gib * GIB)
 
     @property
+    def ssd_bytes(self) -> int:
+        """The SSD tier's capacity in bytes (0: no SSD tier)."""
+        return int(self.kv.ssd_gib * GIB)
+
+    @property
     def max_block_bytes(self) -> int:
         return int(self.kv.max_block_mib * MIB)
 
@@ -244,7 +249,7 @@ def _check_whole(config: Config, total_memory: int | None) -> None:
 
 
 def tenant_share_bytes(share: float | int, capacity: int) -> int:
-    """A share of ``tenants.ram_shares`` in bytes of a tier of ``capacity`` bytes."""
+    """A share of ``tenants.ram_shares`` or ``ssd_shares`` in bytes of a tier of ``capacity`` bytes."""
     return int(share * capacity) if isinstance(share, float) else share
 
 
@@ -273,15 +278,10 @@ def _check_tenants(config: Config, unix_paths: list[str]) -> None:
                               "would admit no one")
         if os.path.abspath(path) in taken:
             raise ConfigError(key, f"{path} is also the agent socket or a gRPC listener; each socket needs its own path")
-    named = {*t.uids, *t.gids, *t.certs} | ({t.default} if t.default else set())
-    for name in t.ram_shares:
-        if name not in named:
-            raise ConfigError(f"tenants.ram_shares.{name}", f"no tenant called {name} is configured (tenants.uids, "
-                              "gids, certs or default)")
-    total = sum(tenant_share_bytes(v, config.ram_bytes) for v in t.ram_shares.values())
-    if total > config.ram_bytes:
-        raise ConfigError("tenants.ram_shares", f"the shares add up to {total} bytes, more than the RAM tier's "
-                          f"{config.ram_bytes} (kv.ram_gib)")
+    _check_shares(config, "RAM", t.ram_shares, config.ram_bytes)
+    if t.ssd_shares and not config.kv.ssd_gib:
+        raise ConfigError("tenants.ssd_shares", "is set but the SSD tier is off (kv.ssd_gib = 0)")
+    _check_shares(config, "SSD", t.ssd_shares, config.ssd_bytes)
     if (t.certs or t.operators) and not config.grpc.tls:
         raise ConfigError("tenants.certs" if t.certs else "tenants.operators",
                           "names client certificates, which gRPC sees only with grpc.tls = true")
@@ -292,6 +292,21 @@ def _check_tenants(config: Config, unix_paths: list[str]) -> None:
     for n in t.operators:
         if n in mapped:
             raise ConfigError("tenants.operators", f"{n!r} is also tenant {mapped[n]}'s certificate (tenants.certs)")
+
+
+def _check_shares(config: Config, tier: str, shares: dict[str, float | int], capacity: int) -> None:
+    """Shares name configured tenants and add up to no more than the tier."""
+    t = config.tenants
+    key, size_key = f"{tier.lower()}_shares", f"kv.{tier.lower()}_gib"
+    named = {*t.uids, *t.gids, *t.certs} | ({t.default} if t.default else set())
+    for name in shares:
+        if name not in named:
+            raise ConfigError(f"tenants.{key}.{name}", f"no tenant called {name} is configured (tenants.uids, "
+                              "gids, certs or default)")
+    total = sum(tenant_share_bytes(v, capacity) for v in shares.values())
+    if total > capacity:
+        raise ConfigError(f"tenants.{key}", f"the shares add up to {total} bytes, more than the {tier} tier's {capacity} "
+                          f"({size_key})")
 
 
 def _check_cluster(config: Config) -> None:

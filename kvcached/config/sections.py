@@ -284,6 +284,10 @@ class TenantsSection:
         "RAM each tenant keeps for itself, a fraction of kv.ram_gib (0.25) or bytes (1073741824): { alice = 0.5 }. "
         "Unused room is lent; a tenant over its share evicts its own blocks first and never another's within its "
         "share. {}: no shares.", {}, tenant_shares, dict)
+    ssd_shares: dict[str, float | int] = setting(
+        "SSD each tenant keeps for itself, a fraction of kv.ssd_gib (0.25) or bytes of block files: { alice = 0.5 }. "
+        "Unused room is lent; eviction for room takes only blocks of tenants over their shares. {}: no shares.", {},
+        tenant_shares, dict)
     event_replays: dict[str, str] = setting("Replay endpoints of the tenants' own streams (as events.replay_endpoint), "
                                             "ipc:// only, admitting the tenant alone: { alice = "
                                             "\"ipc:///run/kvcached/alice-replay\" }.", {}, tenant_event_endpoints, dict)

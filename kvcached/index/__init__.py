@@ -25,9 +25,10 @@ from kvcached.index.format import (
     queue_entry,
     queue_time,
     raw_ssd_view,
+    record_tenant,
 )
 from kvcached.index.presence import PresenceFeed
 
 __all__ = ["BlockIndex", "PresenceFeed", "BlockRecord", "Tier", "GoneReason", "IndexError_", "IndexUnwritable", "queue_entry",
-           "queue_time", "raw_ssd_view", "SCHEMA_VERSION", "KEEP_LOG_FILES", "MAX_WAL_BYTES", "MEMTABLE_BYTES",
+           "queue_time", "raw_ssd_view", "record_tenant", "SCHEMA_VERSION", "KEEP_LOG_FILES", "MAX_WAL_BYTES", "MEMTABLE_BYTES",
            "RECOVERY_HEADROOM", "RETRY_FIRST_S"]

@@ -25,6 +25,7 @@ power loss only ever name bytes that lived in RAM, or leave orphan files the boo
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, cast
@@ -309,27 +310,24 @@ class BlockIndex:
     # converges to LRU order. Entries whose record no longer has the SSD tier are stale and are
     # dropped when met.
 
-    def ssd_queue(self, limit: int) -> list[tuple[bytes, bytes, bytes | None]]:
-        """Up to ``limit`` oldest queue entries: (entry, key, the key's raw record or None)."""
-        entries: list[bytes] = []
-        it = self._database.ssd_age.iter()
-        it.seek_to_first()
-        while it.valid() and len(entries) < limit:
-            entries.append(it.key())
-            it.next()
-        del it
+    def ssd_queue(self, limit: int, after: bytes | None = None) -> list[tuple[bytes, bytes, bytes | None]]:
+        """Up to ``limit`` oldest queue entries (those past ``after``, an entry, where given):
+        (entry, key, the key's raw record or None)."""
+        entries = list(itertools.islice(self._queue_entries(after), limit))
         keys = [e[AGE.size:] for e in entries]
         return list(zip(entries, keys, self.raw_many(keys) if keys else []))
 
     def ssd_queue_keys(self) -> Iterator[bytes]:
         """Every key of the SSD queue, oldest entry first (a key may repeat, and a stale one
         may no longer be on SSD); read-only, safe from a worker thread."""
+        return (entry[AGE.size:] for entry in self._queue_entries())
+
+    def _queue_entries(self, after: bytes | None = None) -> Iterator[bytes]:
         it = self._database.ssd_age.iter()
-        it.seek_to_first()
+        it.seek(after + b"\0") if after is not None else it.seek_to_first()   # the first entry past ``after``
         while it.valid():
-            yield it.key()[AGE.size:]
+            yield it.key()
             it.next()
-        del it
 
     def policy_get(self, key: bytes) -> bytes | None:
         return self._database.policy.get(key)

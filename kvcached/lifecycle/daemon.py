@@ -75,7 +75,7 @@ from kvcached.policies.write import make_write_policy
 from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.store.keeper import KeeperSettings, StoreKeeper
-from kvcached.tenants import TenantMap, ram_shares, tenants_for
+from kvcached.tenants import TenantMap, ram_shares, ssd_shares, tenants_for
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory
@@ -198,7 +198,7 @@ class Daemon:
                            prefetch=make_prefetch_policy(kv.prefetch_policy, kv.prefetch_timeout_ms / 1000),
                            timed_tiers=(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)   # read latencies
                                         + ["peer"] * peer_tier) if cfg.metrics.listen else (),
-                           count_tenants=self.tenants.several)
+                           count_tenants=self.tenants.several, ssd_shares=ssd_shares(cfg))
         self.keeper = StoreKeeper(self.store, self.index, KeeperSettings(
             kv.policy_save_s, kv.ram_policy, kv.ssd_policy, kv.slru_ratio, cfg.grpc.grace_s), status=self.notifier.status)
         self.keeper.restore_policies()

@@ -50,7 +50,7 @@ def open_ssd(config: Config) -> SsdTier | None:
     kv = config.kv
     if kv.ssd_gib == 0:
         return None
-    ssd = SsdTier(kv.ssd_dir, int(kv.ssd_gib * (1 << 30)), durability=kv.ssd_durability,  # type: ignore[arg-type]
+    ssd = SsdTier(kv.ssd_dir, config.ssd_bytes, durability=kv.ssd_durability,  # type: ignore[arg-type]
                   commit_s=kv.ssd_commit_ms / 1000, direct_io=kv.ssd_direct_io,  # type: ignore[arg-type]
                   threads=kv.ssd_io_threads)
     try:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from kvcached.index import BlockIndex, BlockRecord, IndexUnwritable
 from kvcached.policies import KeyedPolicy
@@ -62,6 +62,7 @@ from kvcached.store.ssd_reconcile import ReconcileReport
 from kvcached.store.write_path import WritePath
 from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.ssd import SsdTier
+from kvcached.tiers.ssd_shares import SsdShares
 from kvcached_agent.address import BlockAddress, index_key
 
 __all__ = ["CommitOutcome", "Fetched", "LookupResult", "Miss", "Pinned", "Presence", "PutItem", "PutResult", "SlotRefusal", "Store"]
@@ -79,7 +80,9 @@ class Store:
     ``rebuild_ssd_order``: the SSD order given starts empty and is rebuilt from the index
     after the boot reconcile (the keeper does it); until :meth:`adopt_ssd_order` the index's
     own queue orders SSD eviction. ``adoption``: the previous process's RAM tier being taken
-    up. ``timed_tiers``: the tiers whose read latencies are timed (none: reads are counted, not timed)."""
+    up. ``timed_tiers``: the tiers whose read latencies are timed (none: reads are counted, not timed).
+    ``ssd_shares``: file bytes of the SSD tier each tenant keeps for itself (tag -> bytes;
+    kvcached.tiers.ssd_shares); none: capacity eviction takes anyone's blocks."""
 
     def __init__(self, ram: RamTier, index: BlockIndex, *, ssd: SsdTier | None = None,
                  write_policy: WritePolicy | str = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
@@ -88,7 +91,7 @@ class Store:
                  ssd_order: KeyedPolicy | None = None, rebuild_ssd_order: bool = False,
                  adoption: RamAdoption | None = None, mirror_pulls: bool = True,
                  prefetch: PrefetchPolicy | None = None, timed_tiers: Sequence[str] = (),
-                 count_tenants: bool = False) -> None:
+                 count_tenants: bool = False, ssd_shares: Mapping[str, int] | None = None) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
@@ -120,7 +123,8 @@ class Store:
         self.evictor: SsdEvictor | None = None
         self.mover: SsdMover | None = None
         if ssd is not None:
-            self.evictor = SsdEvictor(parts, ssd, ssd_order, order_ready=not rebuild_ssd_order)
+            self.evictor = SsdEvictor(parts, ssd, ssd_order, order_ready=not rebuild_ssd_order,
+                                      shares=SsdShares(ssd_shares, ssd.usage) if ssd_shares else None)
             self.mover = SsdMover(parts, ssd, self.evictor, budget)
         self.writer = WritePath(parts, ssd, self.mover, self.admission)
         self.pulls = PeerPulls(parts, self.writer, self.mover)
@@ -311,14 +315,14 @@ class Store:
     def unpin(self, pinned: Pinned) -> None:
         self.reader.unpin(pinned)
 
-    def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> LookupResult:
+    def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None, tenant: str = "") -> LookupResult:
         self._settle_chain(digests, layer)
-        return self.reader.lookup(digests, layer, agent)
+        return self.reader.lookup(digests, layer, agent, tenant)
 
-    def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> Presence:
+    def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None, tenant: str = "") -> Presence:
         """Which tiers hold each block, each on its own (ReadPath.present)."""
         self._settle_chain(digests, layer)
-        return self.reader.present(digests, layer, agent)
+        return self.reader.present(digests, layer, agent, tenant)
 
     @property
     def wants_routes(self) -> bool:

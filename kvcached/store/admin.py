@@ -54,7 +54,7 @@ async def delete(ram: RamTier, index: BlockIndex, ssd: SsdTier | None, evictor: 
     if ssd is not None and evictor is not None:
         for key, record in zip(keys, records):
             if record is not None and record.tiers & Tier.SSD:
-                ssd.remove_now(key, header_of(record))
+                ssd.remove_now(key, header_of(record), record.tenant)
         evictor.forget(keys)
     counters.deletes += deleted
     return deleted, len(keys) - deleted

@@ -297,15 +297,16 @@ class ReadPath(Room):
         if self.ram.resident_prefix(keys) < len(digests):
             await peers.locate(digests, layer)
 
-    def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> LookupResult:
+    def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None, tenant: str = "") -> LookupResult:
         """Longest prefixes of a chain, each counted from the first digest: per tier what that
         tier holds (a block in RAM and on SSD counts for both), ``longest`` where each block is
         in some tier. ``agent`` (an agent session) asks for itself: ``gpu`` is what that agent
         holds, and it counts towards ``longest`` (the agent can use its own GPU blocks). Without
         it ``gpu`` is the longest prefix any one agent holds, and ``longest`` counts what a Get
-        can return (RAM, SSD, peers)."""
+        can return (RAM, SSD, peers). Counted as ``tenant``'s lookup (a Tenant.tag)."""
         started = time.perf_counter()
         self.counters.lookups += 1
+        self.tally.lookup(tenant)
         self._check_digests(digests)
         gpu = self.gpu.prefix(agent, digests) if agent is not None else self.gpu.longest(digests) if self.gpu else 0
         cache = self._lookup_keys.get(layer)
@@ -338,12 +339,13 @@ class ReadPath(Room):
         self.reads.took(tier, outcome(len(keys), longest), started)
         return LookupResult(longest=longest, ram=ram, ssd=ssd, gpu=gpu, peer=peer)
 
-    def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None) -> Presence:
+    def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None, tenant: str = "") -> Presence:
         """Which tiers hold each block, each on its own (not a chain's prefix): the resume
         points of a hybrid model, whose sliding-window blocks and state snapshots exist at some
-        positions only. Counted as a lookup; one batched index read for the SSD column."""
+        positions only. Counted as a lookup (``tenant``'s); one batched index read for the SSD column."""
         started = time.perf_counter()
         self.counters.lookups += 1
+        self.tally.lookup(tenant)
         self._check_digests(digests)
         keys = [index_key(d, layer) for d in digests]
         ram = [key in self.ram for key in keys]

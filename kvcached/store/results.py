@@ -123,6 +123,7 @@ class TenantCounts:
     hits: int = 0
     hit_bytes: int = 0
     misses: int = 0
+    lookups: int = 0
 
 
 class TenantTally:
@@ -144,6 +145,10 @@ class TenantTally:
             counts = self.of(tag)
             counts.puts += blocks
             counts.put_bytes += nbytes
+
+    def lookup(self, tag: str) -> None:
+        if self.on:
+            self.of(tag).lookups += 1
 
     def read(self, tag: str, hits: int, hit_bytes: int, misses: int) -> None:
         if self.on:

@@ -3,9 +3,12 @@
 :meth:`SsdEvictor.evict` drops SSD blocks past ``ssd_ttl`` (from the index's SSD queue) and, once
 the boot reconcile has counted the tier, more while it is over capacity: least recently used
 first from that queue, or in the order of an in-memory eviction policy (``order``, [kv]
-ssd_policy). :meth:`make_room` is the forced eviction a write that met a full disk asks for: it
-frees what the writes need and at most ``FULL_DISK_EVICT_FACTOR`` times that. An operator's
-:meth:`drop` removes chosen SSD copies. Blocks being read from SSD right now are skipped.
+ssd_policy). Where tenants have SSD shares (kvcached.tiers.ssd_shares), eviction for room takes
+only blocks of tenants over their shares, in the same order; in ``order``'s, when none of its
+next candidates may go, the index's queue gives the oldest that may. :meth:`make_room` is the
+forced eviction a write that met a full disk asks for: it frees what the writes need and at
+most ``FULL_DISK_EVICT_FACTOR`` times that. An operator's :meth:`drop` removes chosen SSD
+copies. Blocks being read from SSD right now are skipped.
 
 The index is always written before files are removed: a crash in between leaves an orphan file
 (found by the next boot's reconcile), never a record that points at nothing. A copy in RAM stays
@@ -19,14 +22,15 @@ import asyncio
 import logging
 from typing import Sequence
 
-from kvcached.index import BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view
+from kvcached.index import BlockRecord, GoneReason, Tier, queue_entry, queue_time, raw_ssd_view, record_tenant
 from kvcached.policies import KeyedPolicy
 from kvcached.store.parts import Room, StoreParts
 from kvcached.store.ssd_reconcile import ReconcileReport
-from kvcached.tiers.ssd import SsdTier
+from kvcached.tiers.ssd import SsdTier, SsdVictim
 from kvcached.tiers.ssd_format import BlockHeader, file_bytes
+from kvcached.tiers.ssd_shares import SsdShares
 
-__all__ = ["EVICT_BATCH", "FULL_DISK_EVICT_FACTOR", "SsdEvictor", "header_of"]
+__all__ = ["EVICT_BATCH", "FULL_DISK_EVICT_FACTOR", "SsdEvictor", "header_of", "victim_of"]
 
 log = logging.getLogger("kvcached.store")
 
@@ -39,13 +43,20 @@ def header_of(record: BlockRecord) -> BlockHeader:
     return BlockHeader(record.digest, record.layer, record.nbytes, record.checksum, record.created)
 
 
+def victim_of(key: bytes, record: BlockRecord) -> SsdVictim:
+    """``record``'s block as the SSD tier removes it: key, file header, tenant."""
+    return key, header_of(record), record.tenant
+
+
 class SsdEvictor(Room):
     """Drops SSD copies (see the module). ``wanted`` is set when the tier is over capacity (the
     daemon's evictor loop waits on it)."""
 
-    def __init__(self, parts: StoreParts, ssd: SsdTier, order: KeyedPolicy | None, *, order_ready: bool = True) -> None:
+    def __init__(self, parts: StoreParts, ssd: SsdTier, order: KeyedPolicy | None, *, order_ready: bool = True,
+                 shares: SsdShares | None = None) -> None:
         super().__init__(parts)
         self.ssd = ssd
+        self.shares = shares           # tenants.ssd_shares: whose blocks room may take (None: anyone's)
         # The SSD tier's eviction order ([kv] ssd_policy): None is "lru", the index's own queue
         # (no memory per block); a policy here orders the SSD blocks in memory.
         self.order = order
@@ -136,15 +147,17 @@ class SsdEvictor(Room):
     async def _evict_ordered(self, want: int) -> tuple[int, int]:
         """Capacity eviction in ``order``'s order until ``want`` file bytes are freed; returns
         (blocks, bytes). Keys the policy still holds but the index says are not on SSD any more
-        (deleted, dropped by an operator, lost) are forgotten as they are met."""
+        (deleted, dropped by an operator, lost) are forgotten as they are met. With shares, a
+        step whose candidates hold no block that may go hands the rest to the index's queue."""
         assert self.order is not None
         order = self.order
         fetching = self.inflight.fetching
         dropped = freed = 0
         while freed < want:
-            victims: list[tuple[bytes, BlockHeader]] = []
+            victims: list[SsdVictim] = []
             stale: list[bytes] = []
             looked = 0
+            round_ = self.shares.round() if self.shares is not None else None
             for key in order.candidates():
                 looked += 1
                 if looked > 4 * EVICT_BATCH:          # bounded work per step, even among stale keys
@@ -157,20 +170,26 @@ class SsdEvictor(Room):
                     stale.append(key)
                     continue
                 _, nbytes, _, checksum, digest, layer = view
-                victims.append((key, BlockHeader(digest, layer, nbytes, checksum, 0.0)))
+                tenant = record_tenant(raw) if raw is not None else ""
+                if round_ is not None and not round_.take(tenant, file_bytes(nbytes)):
+                    continue                          # within its share: not for room
+                victims.append((key, BlockHeader(digest, layer, nbytes, checksum, 0.0), tenant))
                 freed += file_bytes(nbytes)
                 if freed >= want or len(victims) >= EVICT_BATCH:
                     break
             for key in stale:
                 order.remove(key)
-            for key, _ in victims:
+            for key, _, _ in victims:
                 order.evicted(key)
-            keys = [k for k, _ in victims]
+            keys = [k for k, _, _ in victims]
             self.index.write(self.ledger.without_ssd(keys, GoneReason.EVICTED, self.clock()))
             await self.ssd.remove_many(victims)
             dropped += len(victims)
             self.counters.ssd_evictions_capacity += len(victims)
             if not victims and not stale:
+                if round_ is not None and freed < want:      # none of the policy's next may go
+                    more = await self._evict_queue(0, want - freed)
+                    return dropped + more[0], freed + more[1]
                 break
             await asyncio.sleep(0)                     # let requests in between steps
         return dropped, freed
@@ -178,19 +197,23 @@ class SsdEvictor(Room):
     async def _evict_queue(self, over: int, need_bytes: int) -> tuple[int, int]:
         """Walk the index's SSD queue, oldest first: drop blocks past the TTL, and (LRU, with a
         second chance for blocks used since they were queued) more until ``over`` and
-        ``need_bytes`` are freed. Returns (blocks, bytes)."""
+        ``need_bytes`` are freed, with shares only blocks of tenants over theirs. Returns
+        (blocks, bytes)."""
         ssd = self.ssd
         fetching = self.inflight.fetching
         now = self.clock()
         ttl_before = now - self.settings.ssd_ttl
         freed = dropped = 0
+        after: bytes | None = None               # the walk goes on past the entries it left queued
         while True:
-            victims: list[tuple[bytes, BlockHeader]] = []
+            victims: list[SsdVictim] = []
             queue: list[bytes] = []
             unqueue: list[bytes] = []
             expired_keys: list[bytes] = []
             done = False
-            entries = self.index.ssd_queue(EVICT_BATCH)
+            round_ = self.shares.round() if self.shares is not None else None
+            room = round_ is None or self.shares.anyone_over()      # type: ignore[union-attr]
+            entries = self.index.ssd_queue(EVICT_BATCH, after)
             for entry, key, raw in entries:
                 view = raw_ssd_view(raw) if raw is not None else None
                 if view is None or not view[0] & Tier.SSD:
@@ -200,14 +223,20 @@ class SsdEvictor(Room):
                 if key in fetching:                 # being read right now: not this round
                     continue
                 queued_at = queue_time(entry)
-                wanted = freed < over or freed < need_bytes
-                if last_seen < ttl_before or (wanted and last_seen <= queued_at + 1e-6):
+                wanted = room and (freed < over or freed < need_bytes)
+                expired = last_seen < ttl_before
+                tenant = record_tenant(raw) if raw is not None else ""
+                size = file_bytes(nbytes)
+                if expired or (wanted and last_seen <= queued_at + 1e-6
+                               and (round_ is None or round_.take(tenant, size))):
                     unqueue.append(entry)
-                    victims.append((key, BlockHeader(digest, layer, nbytes, checksum, 0.0)))
-                    if last_seen < ttl_before:
+                    victims.append((key, BlockHeader(digest, layer, nbytes, checksum, 0.0), tenant))
+                    if expired:
                         expired_keys.append(key)
-                    freed += file_bytes(nbytes)
-                elif wanted or queued_at < ttl_before:   # used since it was queued: second chance
+                        if round_ is not None:
+                            round_.chose(tenant, size)
+                    freed += size
+                elif wanted or queued_at < ttl_before:   # used since it was queued (second chance), or kept for its share
                     again = queue_entry(last_seen, key)
                     if again != entry:
                         unqueue.append(entry)
@@ -217,7 +246,9 @@ class SsdEvictor(Room):
                     break
             if not entries:
                 done = True
-            keys = [k for k, _ in victims]
+            else:
+                after = entries[-1][0]
+            keys = [k for k, _, _ in victims]
             puts = self.ledger.without_ssd(keys, GoneReason.EVICTED, now)
             self.index.write(puts, queue=queue, unqueue=unqueue)
             await ssd.remove_many(victims)
@@ -227,7 +258,7 @@ class SsdEvictor(Room):
             if self.order is not None:
                 for key in keys:
                     self.order.remove(key)
-            if done or not (victims or queue or unqueue):
+            if done:
                 break
         return dropped, freed
 
@@ -237,7 +268,7 @@ class SsdEvictor(Room):
         or written back count as busy."""
         keys = list(dict.fromkeys(keys))
         records = self.index.get_many(keys)
-        victims: list[tuple[bytes, BlockHeader]] = []
+        victims: list[SsdVictim] = []
         busy = absent = 0
         for key, record in zip(keys, records):
             if record is None or not record.tiers & Tier.SSD:
@@ -245,9 +276,9 @@ class SsdEvictor(Room):
             elif key in self.inflight.fetching or key in self.inflight.publishing:
                 busy += 1
             else:
-                victims.append((key, header_of(record)))
+                victims.append(victim_of(key, record))
         if victims:
-            dropped = [k for k, _ in victims]
+            dropped = [k for k, _, _ in victims]
             self.index.write(self.ledger.without_ssd(dropped, GoneReason.EVICTED, self.clock()))
             self.forget(dropped)
             await self.ssd.remove_many(victims)
@@ -270,6 +301,6 @@ class SsdEvictor(Room):
                 block = self.ram.get(key)
                 if block is not None:
                     self.ram.mark_dirty(block)
-        self.ssd.reconciled(report.on_ssd, report.on_ssd_bytes, report.on_ssd_file_bytes)
+        self.ssd.reconciled(report.on_ssd, report.on_ssd_bytes, report.on_ssd_file_bytes, report.by_tenant)
         self.reconciled = True
         self.over_capacity()

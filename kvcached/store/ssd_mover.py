@@ -139,7 +139,7 @@ class SsdMover(Room):
             for record, block, problem in bad:    # moved aside before anyone is told it is a miss
                 if problem.fault is ReadFault.DAMAGED:
                     self.counters.ssd_corrupt += 1
-                    await self.ssd.quarantine(block.key, header_of(record), problem)
+                    await self.ssd.quarantine(block.key, header_of(record), problem, record.tenant)
         finally:
             for record, block, future in mine:
                 self.inflight.fetching.pop(block.key, None)
@@ -167,7 +167,7 @@ class SsdMover(Room):
         records, queued for SSD eviction. Blocks that meet a full disk get one bounded forced
         eviction and one more try. Blocks that still fail stay dirty and are returned."""
         publishing = self.inflight.publishing
-        writes = [SsdWrite(b.key, header_of(r), self.ram.slot_view(b)) for b, r in blocks]
+        writes = [SsdWrite(b.key, header_of(r), self.ram.slot_view(b), r.tenant) for b, r in blocks]
         try:
             errors = await self.ssd.write_many(writes, make_room=self.evictor.make_room)
         finally:
@@ -193,7 +193,7 @@ class SsdMover(Room):
             if block.key in known:
                 self.ram.mark_clean(block)
         for record, block in dropped:    # deleted while it was written: its file goes too
-            self.ssd.remove_now(block.key, header_of(record))
+            self.ssd.remove_now(block.key, header_of(record), record.tenant)
         self.counters.demotions += len(known)
         self.evictor.over_capacity()
         return failed

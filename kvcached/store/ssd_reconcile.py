@@ -27,9 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvcached.index import BlockIndex, IndexUnwritable, Tier, queue_entry, raw_ssd_view
+from kvcached.index import BlockIndex, IndexUnwritable, Tier, queue_entry, raw_ssd_view, record_tenant
 from kvcached.tiers.ssd import SsdTier
 from kvcached.tiers.ssd_format import HeaderError, file_bytes
+from kvcached.tiers.ssd_usage import TenantUse
 from kvcached_agent.address import index_key
 
 __all__ = ["ReconcileReport", "reconcile_ssd"]
@@ -50,6 +51,7 @@ class ReconcileReport:
     on_ssd: int = 0               # records on SSD whose file exists, this run's included: the tier's
     on_ssd_bytes: int = 0         # size when the walk ends (removals of earlier files while the
     on_ssd_file_bytes: int = 0    # reconcile ran make any count kept along the way wrong)
+    by_tenant: dict[str, TenantUse] = field(default_factory=dict)   # the same by tenant tag
     files: int = 0            # files looked at
     stale_tmp: int = 0        # temporary files of earlier runs removed
     orphans: int = 0          # block files no record claims, removed
@@ -145,6 +147,11 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
             report.on_ssd += 1
             report.on_ssd_bytes += view[1]
             report.on_ssd_file_bytes += file_bytes(view[1])
+            tenant = record_tenant(raw)
+            use = report.by_tenant.get(tenant)
+            if use is None:
+                use = report.by_tenant[tenant] = TenantUse()
+            use.add(1, view[1], file_bytes(view[1]))
         elif not ssd.is_fresh(path):
             report.lost.append(key)
     report.elapsed_s = round(time.monotonic() - t0, 3)

@@ -10,7 +10,7 @@ from kvcached.config import Config, tenant_share_bytes
 from kvcached.tenants.identity import DEFAULT, Scope, Tenant, TenantMap
 from kvcached.tenants.keyfile import load_key
 
-__all__ = ["DEFAULT", "Scope", "Tenant", "TenantMap", "ram_shares", "tenants_for"]
+__all__ = ["DEFAULT", "Scope", "Tenant", "TenantMap", "ram_shares", "ssd_shares", "tenants_for"]
 
 KEY_FILE = "tenants.key"
 
@@ -26,5 +26,14 @@ def tenants_for(config: Config) -> TenantMap:
 def ram_shares(config: Config, capacity: int) -> dict[str, int]:
     """``tenants.ram_shares`` in bytes of a RAM tier of ``capacity``, by tenant tag ("": the
     default tenant; kvcached.tiers.ram_shares)."""
-    return {"" if name == DEFAULT else name: tenant_share_bytes(share, capacity)
-            for name, share in config.tenants.ram_shares.items()}
+    return _in_bytes(config.tenants.ram_shares, capacity)
+
+
+def ssd_shares(config: Config) -> dict[str, int]:
+    """``tenants.ssd_shares`` in file bytes of the SSD tier, by tenant tag
+    (kvcached.tiers.ssd_shares)."""
+    return _in_bytes(config.tenants.ssd_shares, config.ssd_bytes)
+
+
+def _in_bytes(shares: dict[str, float | int], capacity: int) -> dict[str, int]:
+    return {"" if name == DEFAULT else name: tenant_share_bytes(share, capacity) for name, share in shares.items()}

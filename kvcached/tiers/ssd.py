@@ -51,12 +51,15 @@ from kvcached.tiers.ssd_errors import SsdFull, SsdTooLarge, SsdWriteError
 from kvcached.tiers.ssd_format import HEADER_BYTES, SUFFIX, TMP_MARK, BlockHeader, HeaderError, block_dir, block_name, file_bytes, padded
 from kvcached.tiers.ssd_io import fsync_dir, preadv_all, probe_direct, subdirs, unlink_all, unlink_quietly
 from kvcached.tiers.ssd_publish import BlockPublisher, Durability, PageBuffers, SsdWrite
-from kvcached.tiers.ssd_usage import SsdCounters, SsdSpace, SsdUsage
+from kvcached.tiers.ssd_usage import SsdCounters, SsdSpace, SsdUsage, TenantUse
 
 __all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "SsdTooLarge", "SsdSpace", "Durability", "DirectIo",
-           "IO_ERROR", "ReadFault", "ReadProblem"]
+           "IO_ERROR", "ReadFault", "ReadProblem", "SsdVictim"]
 
 log = logging.getLogger("kvcached.ssd")
+
+#: A block file to remove: (index key, its header, its tenant's tag).
+SsdVictim = tuple[bytes, BlockHeader, str]
 
 DirectIo = Literal["auto", "on", "off"]
 QUARANTINE_KEEP = 100            # newest quarantined files kept for inspection
@@ -286,29 +289,36 @@ class SsdTier:
 
     # -- removal ------------------------------------------------------------------------------
 
-    async def remove_many(self, items: list[tuple[bytes, BlockHeader]]) -> int:
-        """Unlink the files of these blocks (accounting them out); returns how many existed."""
-        paths = [(self.path_of(k, h.digest, h.layer), h.length) for k, h in items]
-        with self._removing_paths([p for p, _ in paths]):
-            gone = await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all, [p for p, _ in paths])
-        for (path, size), existed in zip(paths, gone):
+    async def remove_many(self, items: list[SsdVictim]) -> int:
+        """Unlink the files of these blocks (accounting them out, each under its tenant);
+        returns how many existed."""
+        paths = [(self.path_of(k, h.digest, h.layer), h.length, tenant) for k, h, tenant in items]
+        with self._removing_paths([p for p, _, _ in paths]):
+            gone = await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all, [p for p, _, _ in paths])
+        for (path, size, tenant), existed in zip(paths, gone):
             self.usage.touched(path)
             if existed:
-                self.usage.removed(size)
+                self.usage.removed(size, tenant)
                 self.counters.removed += 1
         return sum(gone)
 
-    def remove_now(self, key: bytes, header: BlockHeader) -> bool:
-        """Unlink one block's file on the calling thread (Delete: one unlink is cheap)."""
+    def remove_now(self, key: bytes, header: BlockHeader, tenant: str = "") -> bool:
+        """Unlink one block's file, ``tenant``'s, on the calling thread (Delete: one unlink is
+        cheap)."""
         path = self.path_of(key, header.digest, header.layer)
         self.usage.touched(path)
         existed = unlink_quietly(path)
         if existed:
-            self.usage.removed(header.length)
+            self.usage.removed(header.length, tenant)
             self.counters.removed += 1
         return existed
 
-    async def quarantine(self, key: bytes, header: BlockHeader, why: str) -> None:
+    def held_by_tenant(self, tenant: str) -> tuple[int, int]:
+        """(blocks, payload bytes) of ``tenant``'s on the tier (a tenant tag)."""
+        use = self.usage.tenants.get(tenant)
+        return (use.blocks, use.payload_bytes) if use is not None else (0, 0)
+
+    async def quarantine(self, key: bytes, header: BlockHeader, why: str, tenant: str = "") -> None:
         """Move a bad block file aside (for an operator to inspect), keeping the newest few."""
         path = self.path_of(key, header.digest, header.layer)
         self.usage.touched(path)
@@ -316,7 +326,7 @@ class SsdTier:
         with self._removing_paths([path]):
             moved = await asyncio.get_running_loop().run_in_executor(self._pool, self._quarantine_file, path)
         if moved:
-            self.usage.removed(header.length)
+            self.usage.removed(header.length, tenant)
 
     def _quarantine_file(self, path: str) -> bool:
         target = os.path.join(self.quarantine_dir, f"{os.path.basename(path)}.{os.getpid()}-{time.time_ns()}")
@@ -353,9 +363,10 @@ class SsdTier:
         """Published or removed by this run while the boot reconcile runs (it must not judge it)."""
         return self.usage.is_fresh(path)
 
-    def reconciled(self, blocks: int, payload_bytes: int, file_bytes_: int) -> None:
+    def reconciled(self, blocks: int, payload_bytes: int, file_bytes_: int,
+                   tenants: dict[str, TenantUse] | None = None) -> None:
         """The boot reconcile is done: its count replaces the tier's (:meth:`SsdUsage.reconciled`)."""
-        self.usage.reconciled(blocks, payload_bytes, file_bytes_)
+        self.usage.reconciled(blocks, payload_bytes, file_bytes_, tenants)
 
     # -- walking (boot reconcile) ---------------------------------------------------------------
 

@@ -51,11 +51,13 @@ GROUP_MAX_BYTES = 256 << 20      # ... or this many bytes
 
 @dataclass(slots=True)
 class SsdWrite:
-    """One block to publish. ``payload`` must stay valid (pinned) until the write completes."""
+    """One block to publish, ``tenant``'s (a tenant tag: what the tier counts it under).
+    ``payload`` must stay valid (pinned) until the write completes."""
 
     key: bytes
     header: BlockHeader
     payload: memoryview
+    tenant: str = ""
 
 
 @dataclass(slots=True)
@@ -162,7 +164,7 @@ class BlockPublisher:
         return SsdWriteError(getattr(exc, "errno", None) or errno.EIO, f"SSD write failed: {exc}")
 
     def _published(self, w: SsdWrite) -> None:
-        self.usage.added(w.header.length)
+        self.usage.added(w.header.length, w.tenant)
         self.counters.writes += 1
         self.counters.write_bytes += w.header.length
         self.counters.file_bytes_written += file_bytes(w.header.length)

@@ -19,7 +19,7 @@ from typing import Iterator
 from kvcached.tiers.ssd_errors import SsdFull, SsdTooLarge, SsdWriteError
 from kvcached.tiers.ssd_format import file_bytes
 
-__all__ = ["SsdCounters", "SsdSpace", "SsdUsage"]
+__all__ = ["SsdCounters", "SsdSpace", "SsdUsage", "TenantUse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +65,26 @@ class SsdCounters:
     group_commits: int = 0
 
 
+@dataclass(slots=True)
+class TenantUse:
+    """One tenant's published blocks on the tier."""
+
+    blocks: int = 0
+    payload_bytes: int = 0
+    file_bytes: int = 0
+
+    def add(self, sign: int, payload: int, size: int) -> None:
+        self.blocks = max(0, self.blocks + sign)
+        self.payload_bytes = max(0, self.payload_bytes + sign * payload)
+        self.file_bytes = max(0, self.file_bytes + sign * size)
+
+
 class SsdUsage:
     """What the tier holds, counted as blocks are published and removed, and the room left.
 
     ``blocks``, ``payload_bytes`` and ``used_bytes`` (file bytes) count the published blocks this
-    run knows of; the boot reconcile replaces them with its count of the whole tier
+    run knows of, and ``tenants`` the same by tenant tag ("" the default tenant; what
+    tenants.ssd_shares weigh); the boot reconcile replaces them with its count of the whole tier
     (:meth:`reconciled`). Until then ``fresh`` holds the paths this run published or removed, so
     that the reconcile leaves them alone, and :meth:`space` takes all that is used on the
     filesystem for the tier's (its files of earlier runs are not counted yet), so nothing is
@@ -81,6 +96,7 @@ class SsdUsage:
         self.used_bytes = 0          # file bytes of published blocks this tier knows of
         self.payload_bytes = 0       # their payload bytes
         self.blocks = 0
+        self.tenants: dict[str, TenantUse] = {}
         # Paths published or removed since boot, while the boot reconcile runs (it leaves them alone).
         self.fresh: set[str] | None = set()
         # File bytes of the blocks being written now, until their write_many returns (a block it
@@ -89,18 +105,29 @@ class SsdUsage:
 
     # -- counting -------------------------------------------------------------------------------
 
-    def added(self, nbytes: int) -> None:
-        """A block of ``nbytes`` payload bytes was published."""
-        self._account(nbytes, +1)
+    def added(self, nbytes: int, tenant: str = "") -> None:
+        """A block of ``nbytes`` payload bytes, ``tenant``'s, was published."""
+        self._account(nbytes, +1, tenant)
 
-    def removed(self, nbytes: int) -> None:
-        """A published block of ``nbytes`` payload bytes is gone (unlinked or quarantined)."""
-        self._account(nbytes, -1)
+    def removed(self, nbytes: int, tenant: str = "") -> None:
+        """A published block of ``nbytes`` payload bytes, ``tenant``'s, is gone (unlinked or
+        quarantined)."""
+        self._account(nbytes, -1, tenant)
 
-    def _account(self, nbytes: int, sign: int) -> None:
-        self.used_bytes = max(0, self.used_bytes + sign * file_bytes(nbytes))
+    def _account(self, nbytes: int, sign: int, tenant: str) -> None:
+        size = file_bytes(nbytes)
+        self.used_bytes = max(0, self.used_bytes + sign * size)
         self.payload_bytes = max(0, self.payload_bytes + sign * nbytes)
         self.blocks = max(0, self.blocks + sign)
+        use = self.tenants.get(tenant)
+        if use is None:
+            use = self.tenants[tenant] = TenantUse()
+        use.add(sign, nbytes, size)
+
+    def used_by(self, tenant: str) -> int:
+        """File bytes of ``tenant``'s published blocks."""
+        use = self.tenants.get(tenant)
+        return use.file_bytes if use is not None else 0
 
     @contextlib.contextmanager
     def unsettled(self, nbytes: int) -> Iterator[None]:
@@ -123,12 +150,15 @@ class SsdUsage:
         fresh = self.fresh
         return fresh is not None and path in fresh
 
-    def reconciled(self, blocks: int, payload_bytes: int, file_bytes_: int) -> None:
+    def reconciled(self, blocks: int, payload_bytes: int, file_bytes_: int,
+                   tenants: dict[str, TenantUse] | None = None) -> None:
         """The boot reconcile is done: its count of the tier (every record on SSD with a file,
-        taken at the end of its walk) replaces the one kept so far; stop tracking paths."""
+        taken at the end of its walk; ``tenants``, the same by tenant) replaces the one kept so
+        far; stop tracking paths."""
         self.blocks = blocks
         self.payload_bytes = payload_bytes
         self.used_bytes = file_bytes_
+        self.tenants = dict(tenants) if tenants is not None else {"": TenantUse(blocks, payload_bytes, file_bytes_)}
         self.fresh = None
 
     # -- room -----------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_a_tenant_socket_admits_its_tenant_alone_and_every_call_acts_as_it(
         # Each tenant's Stats counts its own; the whole store's counts, and Admin, are the operator's.
         own = bob.stats()
         assert (own.tiers[0].blocks, own.tiers[0].bytes, own.puts, own.hits, own.misses) == (1, 300, 1, 1, 5), own
-        assert (own.index_entries, own.lookups, own.agents) == (0, 0, 0), "nothing of the whole store"
+        assert (own.index_entries, own.lookups, own.agents) == (0, 1, 0), "its own lookup, nothing of the whole store"
         assert (alice.stats().puts, alice.stats().tiers[0].blocks) == (1, 1)
         listed = run_cli(["ls", "--target", d.target, "--tenant", "bob"])
         assert listed.returncode == 0 and listed.stdout.count("tenant bob") == 1 and "alice" not in listed.stdout
@@ -338,6 +338,44 @@ def test_a_tenant_filling_ram_evicts_none_of_anothers_share(make_daemon: Any, tm
     assert metric('kvcached_ram_bytes_by_tenant{tenant="alice"}') == 24 * mib
     assert metric('kvcached_tenant_puts_total{tenant="bob"}') == 200
     assert metric('kvcached_tenant_put_bytes_total{tenant="alice"}') == 24 * mib
+
+
+def test_a_tenant_filling_ssd_evicts_none_of_anothers_share(make_daemon: Any, tmp_path: Path) -> None:
+    """A real daemon with a 32 MiB SSD tier written through: alice's blocks within her SSD share
+    stay on SSD whatever bob writes; each tenant's Stats and the metrics count its own, and a
+    restart (the boot reconcile) counts them again from the index."""
+    alice_sock, bob_sock = tmp_path / "alice.sock", tmp_path / "bob.sock"
+    metrics = free_tcp_port()
+    d = make_daemon("kv.ram_gib=0.0625", "kv.ssd_gib=0.03125", 'kv.write_policy="write_through"',
+                    "tenants.uids={ alice = [4242], bob = [4243] }",
+                    f'tenants.sockets={{ alice = "{alice_sock}", bob = "{bob_sock}" }}',
+                    "tenants.ssd_shares={ alice = 0.5 }", f'metrics.listen="127.0.0.1:{metrics}"')
+    mib = 1 << 20
+    mine = [BlockAddress(bytes([1, i]) * 16) for i in range(12)]          # 12 files in alice's 16 MiB
+    with KvCacheClient(f"unix:{alice_sock}") as alice, KvCacheClient(f"unix:{bob_sock}") as bob:
+        for address in mine:
+            assert alice.put([(address, bytes([7]) * mib)]).stored == 1
+        for i in range(80):                                                # 80 MiB into a 32 MiB tier
+            assert bob.put([(BlockAddress(bytes([2, i]) * 16), bytes([i]) * mib)]).stored == 1
+        with d.client() as operator:
+            def ssd_tier() -> pb.TierStats:
+                return next(t for t in operator.stats().tiers if t.tier == pb.TIER_SSD)
+            wait_for(lambda: ssd_tier().bytes <= 32 * mib, timeout=30, text="the SSD tier back within capacity")
+        assert alice.lookup([a.digest for a in mine]).ssd == len(mine), "bob's writes evicted alice's share"
+        alice_ssd = next(t for t in alice.stats().tiers if t.tier == pb.TIER_SSD)
+        assert (alice_ssd.blocks, alice_ssd.bytes) == (12, 12 * mib)
+        bob_ssd = next(t for t in bob.stats().tiers if t.tier == pb.TIER_SSD)
+        assert 0 < bob_ssd.blocks <= 20 and bob.stats().lookups == 0 and alice.stats().lookups == 1
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+    alice_bytes = next(x for x in text.splitlines() if x.startswith('kvcached_ssd_bytes_by_tenant{tenant="alice"}'))
+    assert float(alice_bytes.split()[-1]) >= 12 * mib
+    assert d.stop() == 0
+    d.start()
+    with d.client() as operator:
+        wait_for(lambda: operator.stats().ssd_reconciled, timeout=30, text="the boot reconcile")
+    with KvCacheClient(f"unix:{alice_sock}") as alice:
+        alice_ssd = next(t for t in alice.stats().tiers if t.tier == pb.TIER_SSD)
+        assert (alice_ssd.blocks, alice_ssd.bytes) == (12, 12 * mib), "the reconcile counts each tenant's blocks"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a ramfs")
