@@ -370,7 +370,7 @@ class _StubStore:
     def unpin(self, pinned: Any) -> None:
         pass
 
-    def models(self, keys: list[bytes]) -> list[str | None]:
+    def owners(self, keys: list[bytes]) -> list[tuple[str, str] | None]:
         return [None] * len(keys)
 
     def view(self, block: Any) -> memoryview:

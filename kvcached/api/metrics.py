@@ -201,6 +201,8 @@ def _peer_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                            ("quic_hedged", "peer_hedged", "Pulls also asked of a second peer after the hedge delay"),
                            ("quic_served_blocks", "peer_served", "Blocks sent to peers"),
                            ("quic_served_bytes", "peer_served_bytes", "Payload bytes sent to peers"),
+                           ("quic_pulls_other_tenant", "peer_other_tenant",
+                            "Blocks a peer's Pull named another tenant for than their record: answered not found"),
                            ("lane_pulls", "peer_lane_pulls", "Pulls made over a bulk lane ([quic] lane = \"tls\" or \"mac\")"),
                            ("lane_fallbacks", "peer_lane_fallbacks",
                             "Pulls that went over QUIC because the lane could not be had or broke")):

@@ -50,6 +50,7 @@ from kvcached.index.format import (
     is_present,
     record_model,
     record_route,
+    record_tenant,
     wire_key_of,
     with_route,
 )
@@ -143,10 +144,11 @@ class BlockIndex:
         return [None if raw is None or len(raw) < RECORD.size else raw[CHECKSUM_AT:CHECKSUM_AT + 32]
                 for raw in self.raw_many(keys)]
 
-    def models(self, keys: list[bytes]) -> list[str | None]:
-        """The model names of ``keys`` (None where absent), read straight from the stored bytes:
-        serving a peer's pull needs nothing else from the record (the checksum came with the pin)."""
-        return [record_model(raw) if raw is not None and len(raw) >= RECORD.size
+    def owners(self, keys: list[bytes]) -> list[tuple[str, str] | None]:
+        """(model, tenant) of each of ``keys`` (None where absent), read straight from the stored
+        bytes: serving a peer's pull needs nothing else from the record (the checksum came with
+        the pin)."""
+        return [(record_model(raw), record_tenant(raw)) if raw is not None and len(raw) >= RECORD.size
                 and raw[0] == SCHEMA_VERSION else None for raw in self.raw_many(keys)]
 
     def tiers_of(self, keys: list[bytes]) -> list[Tier]:

@@ -47,12 +47,14 @@ def split(key: bytes) -> tuple[bytes, int]:
 
 class Fetch:
     """One fetch: which peer was asked for which block, what arrived, what is still wanted.
-    ``holders``: the locator's (a fresh view for each plan); ``deadline``: by the links' clock."""
+    ``holders``: the locator's (a fresh view for each plan); ``deadline``: by the links' clock;
+    ``tenant``: whose blocks they all are (a Tenant.tag, named in each Pull)."""
 
     def __init__(self, links: PeerLinks, holders: Callable[[], Holders], settings: FetchSettings,
                  wanted: dict[bytes, BlockAddress], reserve: Reserve, abort: Callable[[Any], None],
-                 deadline: float) -> None:
+                 deadline: float, tenant: str = "") -> None:
         self.links, self.holders, self.settings = links, holders, settings
+        self.tenant = tenant                  # whose blocks: every Pull names it
         self.counters = links.counters
         self.wanted, self.reserve, self.abort = wanted, reserve, abort
         self.deadline = deadline
@@ -153,7 +155,7 @@ class Fetch:
             lane_sink = sink
 
             async def over_lane(lane: LaneClient, key: tuple[bytes, bytes] | None, setup_s: float) -> bool:
-                await lane.pull([split(k) for k in keys], lane_sink, key, setup_s)
+                await lane.pull([split(k) for k in keys], lane_sink, key, setup_s, self.tenant)
                 return True
 
             # Half of what is left for opening a lane: a lane that cannot be had leaves QUIC the rest.
@@ -166,7 +168,7 @@ class Fetch:
                 sink = _Sink(self, name, set(keys))
                 self.sinks.append(sink)
             if keys:
-                await client.pull([split(k) for k in keys], sink)
+                await client.pull([split(k) for k in keys], sink, self.tenant)
         except (PeerGone, OSError, p.ProtocolError, asyncio.TimeoutError, RuntimeError) as exc:
             counters.failed += 1
             links.dial_failed(link, exc)

@@ -103,18 +103,20 @@ class LaneClient:
             conn.dispose()
 
     async def pull(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
-                   key: tuple[bytes, bytes] | None = None, setup_s: float | None = None) -> None:
+                   key: tuple[bytes, bytes] | None = None, setup_s: float | None = None,
+                   tenant: str = "") -> None:
         """As :meth:`PeerClientProtocol.pull`: answers go to ``sink`` as they arrive; returns once
-        every entry is answered. ``key``: the (key id, key) granted over QUIC (``mac`` mode);
-        ``setup_s``: the most a new connection may take to open (module docstring).
+        every entry is answered. ``tenant``: whose blocks they are (the Pull names it). ``key``:
+        the (key id, key) granted over QUIC (``mac`` mode); ``setup_s``: the most a new
+        connection may take to open (module docstring).
         OSError (a timeout too), PeerRefused or PeerGone where the lane cannot be had (the caller
         pulls over QUIC instead); PeerGone, ProtocolError or MacRefused as it breaks."""
         n = min(self.stripes, len(addresses) // STRIPE_MIN) if len(addresses) >= 2 * STRIPE_MIN else 1
         if n <= 1:
-            await self._pull_one(addresses, sink, key, setup_s)
+            await self._pull_one(addresses, sink, key, setup_s, tenant)
             return
         size = -(-len(addresses) // n)
-        parts = [asyncio.ensure_future(self._pull_one(addresses[i:i + size], sink, key, setup_s))
+        parts = [asyncio.ensure_future(self._pull_one(addresses[i:i + size], sink, key, setup_s, tenant))
                  for i in range(0, len(addresses), size)]
         try:
             done, pending = await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
@@ -127,11 +129,11 @@ class LaneClient:
                 raise part.exception()  # type: ignore[misc]
 
     async def _pull_one(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
-                        key: tuple[bytes, bytes] | None, setup_s: float | None) -> None:
+                        key: tuple[bytes, bytes] | None, setup_s: float | None, tenant: str) -> None:
         conn = await self._take(key, setup_s)
         done = False
         try:
-            await self._pull_on(conn, addresses, sink)
+            await self._pull_on(conn, p.pull_of(addresses, self.max_payload, tenant), sink)
             done = True
         except m.MacRefused:
             self.refused += 1
@@ -194,9 +196,9 @@ class LaneClient:
                                   f"{len(addresses)} addresses")
         return [tuple(h) for h in got[0].holders]
 
-    async def _pull_on(self, conn: LaneConnection, addresses: Sequence[tuple[bytes, int]], sink: PullSink) -> None:
+    async def _pull_on(self, conn: LaneConnection, request: p.AnyPull, sink: PullSink) -> None:
         request_id = self._ids.next()
-        answers = PullAnswers(self.peer, conn.decoder, sink, request_id=request_id, expected=len(addresses))
+        answers = PullAnswers(self.peer, conn.decoder, sink, request_id=request_id, expected=len(request.addresses))
 
         def on_event(item: st.Event) -> None:
             message = answers.take(item)
@@ -204,11 +206,11 @@ class LaneClient:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{type(message).__name__} does not answer a Pull")
 
         conn.on_event = on_event
-        conn.write_frame(p.encode(p.Pull(addresses, self.max_payload), request_id))
+        conn.write_frame(p.encode(request, request_id))
         try:
             await conn.wait(lambda: answers.complete)
         except PeerGone:
-            raise PeerGone(f"{self.peer} closed the lane with {len(addresses) - answers.answered} of "
-                           f"{len(addresses)} entries unanswered") from None
+            raise PeerGone(f"{self.peer} closed the lane with {len(request.addresses) - answers.answered} of "
+                           f"{len(request.addresses)} entries unanswered") from None
         if conn.decoder.buffered or conn.decoder.payload_remaining:
             raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer} sent more than the answer")

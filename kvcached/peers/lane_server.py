@@ -53,7 +53,8 @@ MAX_QUEUED_REQUESTS = 4        # a lane with this many requests unanswered is no
 BACKLOG = 1024                 # the listen queue: a flood of connects must not crowd peers' out of it
 ACCEPT_PAUSE_S = 1.0           # accepting pauses this long after an error (out of file descriptors)
 REFUSAL_LOG_S = 10.0           # refused handshakes are logged at most once this often (a flood would flood the log)
-_LANE_REQUESTS = frozenset({p.Pull.TYPE, p.Locate.TYPE})   # a lane carries pulls and Locates; the rest goes over QUIC
+# A lane carries pulls (any tenant's) and Locates; the rest goes over QUIC.
+_LANE_REQUESTS = frozenset({p.Pull.TYPE, p.TenantPull.TYPE, p.Locate.TYPE})
 
 
 @dataclass
@@ -285,7 +286,7 @@ class LaneServer:
         if isinstance(message, p.Locate):
             conn.write_frame(p.encode(self.handler.answer_locate(peer, message), frame.request_id))
             return
-        assert isinstance(message, p.Pull)
+        assert isinstance(message, (p.Pull, p.TenantPull))
         self.counters.served_pulls += 1
         # Pinned and sent a part at a time: the first payloads are on their way (the puller
         # reading and checking them) while the next part is pinned.
@@ -293,7 +294,7 @@ class LaneServer:
         try:
             rows = message.addresses
             for at in range(0, len(rows), SERVE_PART):
-                answers = await self.handler.pull(peer, p.Pull(rows[at:at + SERVE_PART], message.max_payload))
+                answers = await self.handler.pull(peer, message.part(rows[at:at + SERVE_PART]))
                 try:
                     pieces = _answer_pieces(answers, frame.request_id, conn.sealed)
                 except BaseException:            # a head that cannot be encoded: unpin the part, end the lane

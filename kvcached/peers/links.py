@@ -75,6 +75,7 @@ class PeerCounters:
     hedged: int = 0            # pulls also asked of a second peer
     served: int = 0            # blocks sent to peers
     served_bytes: int = 0
+    other_tenant: int = 0      # blocks a Pull asked for as another tenant's than their record's: not sent
     lane_pulls: int = 0        # pulls made over a lane
     lane_fallbacks: int = 0    # pulls and Locates that went over QUIC because the lane could not be had or broke
 

@@ -40,7 +40,8 @@ from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
 __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "MAX_PAYLOAD", "ErrorCode", "MissReason",
     "ProtocolError", "encode", "decode", "Message", "Frame",
-    "Pull", "Exists", "LaneOpen", "Locate", "Announce", "Drop", "Snapshot", "Block", "Blocks", "Miss", "ExistsResult",
+    "Pull", "TenantPull", "AnyPull", "pull_of", "Exists", "LaneOpen", "Locate", "Announce", "Drop", "Snapshot", "Block",
+    "Blocks", "Miss", "ExistsResult",
     "Located", "LaneKey", "MAX_HOLDERS", "MAX_NAMES",
     "Seal", "Error",
     "REQUESTS", "EVENTS", "EARLY_DATA_TYPES", "STATE_CHANGING", "allowed_as_early_data",
@@ -114,13 +115,24 @@ def _addresses(rows: Sequence[tuple[bytes, int]], what: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """Send these blocks: (digest, layer). Answered entry by entry, in this order, by one Block
-    or one Miss each (or by an Error that ends the request). Idempotent."""
+    """Send these blocks: (digest, layer), the default tenant's. Answered entry by entry, in
+    this order, by one Block or one Miss each (or by an Error that ends the request); a block
+    that is another tenant's is a Miss (NOT_FOUND). Idempotent. :func:`pull_of` gives the Pull
+    for any tenant: a :class:`TenantPull` names one."""
 
     TYPE: ClassVar[int] = 0x01
     addresses: Sequence[tuple[bytes, int]]
     max_payload: int = MAX_PAYLOAD      # larger payloads are answered Miss(TOO_LARGE)
     FIXED: ClassVar[struct.Struct] = struct.Struct("<Q")
+
+    @property
+    def tenant(self) -> str:
+        """Whose blocks these are (a tenant's name; "": the default tenant's)."""
+        return ""
+
+    def part(self, addresses: Sequence[tuple[bytes, int]]) -> "Pull":
+        """The same request for ``addresses`` (a part of it)."""
+        return Pull(addresses, self.max_payload)
 
     def encode_body(self) -> bytes:
         if not 0 < self.max_payload <= MAX_PAYLOAD:
@@ -133,6 +145,44 @@ class Pull:
         if not 0 < max_payload <= MAX_PAYLOAD:
             raise ProtocolError(ErrorCode.MALFORMED, f"Pull: max_payload {max_payload} is outside 1..{MAX_PAYLOAD}")
         return cls(r.entries(_ADDRESS), max_payload)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPull:
+    """A Pull of one tenant's blocks (docs/security.md): the tenant's name, then a Pull's body.
+    The holder answers a block whose record names another tenant as it answers a block never
+    stored. A type of its own, so the default tenant's Pull is the same bytes as before tenants,
+    and a daemon that predates them refuses a tenant's (UNKNOWN_TYPE) instead of serving it."""
+
+    TYPE: ClassVar[int] = 0x05
+    addresses: Sequence[tuple[bytes, int]]
+    max_payload: int = MAX_PAYLOAD
+    tenant: str = ""
+
+    def part(self, addresses: Sequence[tuple[bytes, int]]) -> "TenantPull":
+        return TenantPull(addresses, self.max_payload, self.tenant)
+
+    def encode_body(self) -> bytes:
+        if not self.tenant:
+            raise ValueError("TenantPull: no tenant (the default tenant's blocks go in a Pull)")
+        return _text(self.tenant, "tenant") + Pull(self.addresses, self.max_payload).encode_body()
+
+    @classmethod
+    def decode_body(cls, r: BodyReader) -> "TenantPull":
+        tenant = r.text("tenant")
+        if not tenant:
+            raise ProtocolError(ErrorCode.MALFORMED, "TenantPull: no tenant")
+        pull = Pull.decode_body(r)
+        return cls(pull.addresses, pull.max_payload, tenant)
+
+
+AnyPull = Union[Pull, TenantPull]
+
+
+def pull_of(addresses: Sequence[tuple[bytes, int]], max_payload: int = MAX_PAYLOAD, tenant: str = "") -> AnyPull:
+    """The request for ``tenant``'s blocks at ``addresses``: a Pull for the default tenant, a
+    TenantPull for any other."""
+    return TenantPull(addresses, max_payload, tenant) if tenant else Pull(addresses, max_payload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,7 +506,7 @@ class Error:
         return cls(code, r.text("message"))
 
 
-Message = Union[Pull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located,
+Message = Union[Pull, TenantPull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located,
                 LaneKey, Seal, Error]
 
 class _Decodable(Protocol):
@@ -469,16 +519,16 @@ class _Decodable(Protocol):
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
-    Pull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located, LaneKey, Seal,
+    Pull, TenantPull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located, LaneKey, Seal,
     Error)}
 #: What one daemon sends another unasked; the rest are answers (and Seal, which is neither).
-REQUESTS = frozenset({Pull.TYPE, Exists.TYPE, LaneOpen.TYPE, Locate.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+REQUESTS = frozenset({Pull.TYPE, TenantPull.TYPE, Exists.TYPE, LaneOpen.TYPE, Locate.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
 #: Requests that get no answer (unless an Error).
 EVENTS = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
 #: Requests that may arrive as 0-RTT early data. Early data can be replayed by anyone who
 #: recorded it (RFC 8446 section 8, RFC 9001 section 9.2), so only requests that change
 #: nothing (idempotent: a replay costs bytes, not correctness) are taken from it.
-EARLY_DATA_TYPES = frozenset({Pull.TYPE, Exists.TYPE, Locate.TYPE})
+EARLY_DATA_TYPES = frozenset({Pull.TYPE, TenantPull.TYPE, Exists.TYPE, Locate.TYPE})
 #: Requests that change state at the receiver (what it believes the sender holds, the lane keys
 #: it granted): never taken as early data.
 STATE_CHANGING = frozenset({LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})

@@ -201,7 +201,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
         except p.ProtocolError as exc:
             self._error(sid, frame.request_id, exc.code, str(exc))
             return
-        if isinstance(message, p.Pull):
+        if isinstance(message, (p.Pull, p.TenantPull)):
             task = asyncio.ensure_future(self._serve_pull(peer, sid, frame.request_id, message))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -227,7 +227,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
                 key_id, key = self.lane_keys.grant(peer, self)
                 self._send(sid, p.encode(p.LaneKey(key_id, key), frame.request_id), end=True)
 
-    async def _serve_pull(self, peer: str, sid: int, request_id: int, request: p.Pull) -> None:
+    async def _serve_pull(self, peer: str, sid: int, request_id: int, request: p.AnyPull) -> None:
         """Answer a Pull in order. Payloads are copied into aioquic only as the send queue has
         room (a slow peer cannot make this daemon buffer a whole batch), and every pinned block
         is released whatever happens: sent, the stream reset by the peer, the connection gone."""
@@ -379,7 +379,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
         request_id = self._ids.next()
         sid = self._quic.get_next_available_stream_id()
         data = p.encode(message, request_id)
-        expected = len(message.addresses) if isinstance(message, p.Pull) else None
+        expected = len(message.addresses) if isinstance(message, (p.Pull, p.TenantPull)) else None
         answers = PullAnswers(self.peer, st.FrameDecoder(max_payload=self.max_payload), sink, request_id=request_id,
                               expected=expected)
         request = _Request(sid, answers,
@@ -423,11 +423,11 @@ class PeerClientProtocol(QuicConnectionProtocol):
             self._lane_key = (key.key_id, key.key)
         return self._lane_key
 
-    async def pull(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink) -> None:
-        """Pull ``addresses``; answers go to ``sink`` as they arrive. Returns once every entry
-        is answered; PeerGone if the connection or stream ends first, ProtocolError if the peer
-        answers with an Error or bytes that do not parse."""
-        request = self._start(p.Pull(addresses, self.max_payload), sink)
+    async def pull(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink, tenant: str = "") -> None:
+        """Pull ``addresses``, ``tenant``'s blocks; answers go to ``sink`` as they arrive. Returns
+        once every entry is answered; PeerGone if the connection or stream ends first,
+        ProtocolError if the peer answers with an Error or bytes that do not parse."""
+        request = self._start(p.pull_of(addresses, self.max_payload, tenant), sink)
         try:
             await request.done
         finally:

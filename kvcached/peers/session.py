@@ -32,7 +32,7 @@ class PeerHandler(abc.ABC):
     """What a server does with a verified peer's requests (the peer tier implements it)."""
 
     @abc.abstractmethod
-    async def pull(self, peer: str, request: p.Pull) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
+    async def pull(self, peer: str, request: p.AnyPull) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
         """Per address in order: a Block head, its payload and a release callback (called once
         the payload is queued), or a Miss."""
 

@@ -4,6 +4,12 @@
 peer: a pull never starts another pull) and answers per row the block's head, a view of its bytes
 and a release, or a Miss with its reason. The blocks stay pinned until their release is called
 (once the answer is sent). Runs on the event loop.
+
+A Pull names whose blocks it asks for (the tenant); a block whose index record names another
+tenant is answered NOT_FOUND, as a block never stored, and counted (``other_tenant``). A
+tenant's addresses are keyed by the tenant key (kvcached.tenants), so a member with that key
+asks only for its own; this check is the holder's own, as the checksum is: a member that maps a
+tenant wrongly still gets none of another tenant's blocks.
 """
 
 from __future__ import annotations
@@ -28,17 +34,17 @@ class StoreLink(Protocol):
     async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
                   peers: bool = True) -> list[Pinned | Miss]: ...
     def unpin(self, pinned: Pinned) -> None: ...
-    def models(self, keys: list[bytes]) -> list[str | None]: ...
+    def owners(self, keys: list[bytes]) -> list[tuple[str, str] | None]: ...
     def view(self, block: RamBlock) -> memoryview: ...
 
 Answer = tuple[p.Block, memoryview, Callable[[], None]] | p.Miss
 
 
 async def serve_pull(store: StoreLink, rows: Sequence[tuple[bytes, int]], max_payload: int,
-                     counters: Any) -> list[Answer]:
-    """A peer's Pull: per row a (Block head, payload view, release) or a Miss, in order. Only
-    local tiers are asked (a pull never starts another pull). The blocks stay pinned until their
-    release is called."""
+                     counters: Any, tenant: str = "") -> list[Answer]:
+    """A peer's Pull of ``tenant``'s blocks (a Tenant.tag): per row a (Block head, payload view,
+    release) or a Miss, in order. Only local tiers are asked (a pull never starts another pull).
+    The blocks stay pinned until their release is called."""
     addresses: list[BlockAddress | None] = []
     for digest, layer in rows:
         try:
@@ -49,7 +55,7 @@ async def serve_pull(store: StoreLink, rows: Sequence[tuple[bytes, int]], max_pa
     results = iter(await store.pin(valid, allow_partial=True, peers=False)) if valid else iter(())
     out: list[Pinned | Miss | None] = [next(results) if address is not None else None for address in addresses]
     pinned = [r for r in out if isinstance(r, Pinned)]
-    models = iter(store.models([x.block.key for x in pinned]))            # in the order of ``pinned``
+    owners = iter(store.owners([x.block.key for x in pinned]))            # in the order of ``pinned``
     answers: list[Answer] = []
     for (digest, layer), result in zip(rows, out):
         if not isinstance(result, Pinned):
@@ -58,10 +64,16 @@ async def serve_pull(store: StoreLink, rows: Sequence[tuple[bytes, int]], max_pa
                 reason = p.MissReason.DAMAGED
             answers.append(p.Miss(digest, layer, reason))
             continue
-        model = next(models)
-        if result.block.length > max_payload or model is None:
+        owner = next(owners)
+        if owner is None or owner[1] != tenant:
             store.unpin(result)
-            answers.append(p.Miss(digest, layer, p.MissReason.NOT_FOUND if model is None else p.MissReason.TOO_LARGE))
+            counters.other_tenant += owner is not None
+            answers.append(p.Miss(digest, layer, p.MissReason.NOT_FOUND))
+            continue
+        model = owner[0]
+        if result.block.length > max_payload:
+            store.unpin(result)
+            answers.append(p.Miss(digest, layer, p.MissReason.TOO_LARGE))
             continue
         view = store.view(result.block)
         counters.served += 1

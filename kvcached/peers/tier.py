@@ -268,13 +268,14 @@ class PeerTier(PeerHandler):
         return may
 
     async def fetch(self, addresses: Sequence[BlockAddress], reserve: Reserve,
-                    abort: Callable[[Any], None]) -> list[tuple[BlockAddress, Any, p.Block]]:
-        """Pull ``addresses`` from the peers that hold them, into slots from ``reserve``
-        (``abort`` gives one back). Returns what arrived verified, within the deadline."""
+                    abort: Callable[[Any], None], tenant: str = "") -> list[tuple[BlockAddress, Any, p.Block]]:
+        """Pull ``addresses``, ``tenant``'s blocks (a Tenant.tag), from the peers that hold them,
+        into slots from ``reserve`` (``abort`` gives one back). Returns what arrived verified,
+        within the deadline."""
         s = self.settings
         fetch = Fetch(self.connections, self.locator.holders, FetchSettings(s.pull_timeout_s, s.hedge_s, s.max_payload),
                       {wire_key(a.digest, a.layer): a for a in addresses}, reserve, abort,
-                      self.clock() + s.pull_timeout_s)
+                      self.clock() + s.pull_timeout_s, tenant)
         try:
             async with asyncio.timeout(s.pull_timeout_s):   # in this task: no task, no loop turn
                 await self.locator.locate(list(fetch.wanted))
@@ -305,21 +306,22 @@ class PeerTier(PeerHandler):
     def exists(self, peer: str, request: p.Exists) -> int:
         return self.store.local_prefix(request.digests, request.layer)
 
-    async def pull(self, peer: str, request: p.Pull) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
+    async def pull(self, peer: str, request: p.AnyPull) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
         if self.serving >= SERVE_MAX_PULLS:
             return [p.Miss(d, layer, p.MissReason.OVERLOADED) for d, layer in request.addresses]
         self.serving += 1
         try:
-            return await self.serve_pull(request.addresses, request.max_payload)
+            return await self.serve_pull(request.addresses, request.max_payload, request.tenant)
         except KvError:
             return [p.Miss(d, layer, p.MissReason.BUSY) for d, layer in request.addresses]
         finally:
             self.serving -= 1
 
-    async def serve_pull(self, rows: Sequence[tuple[bytes, int]],
-                         max_payload: int) -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
-        """A peer's Pull, answered from this daemon's RAM and SSD (kvcached.peers.store_link)."""
-        return await serve_pull(self.store, rows, max_payload, self.counters)
+    async def serve_pull(self, rows: Sequence[tuple[bytes, int]], max_payload: int,
+                         tenant: str = "") -> list[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss]:
+        """A peer's Pull of ``tenant``'s blocks, answered from this daemon's RAM and SSD
+        (kvcached.peers.store_link)."""
+        return await serve_pull(self.store, rows, max_payload, self.counters, tenant)
 
     # -- stats --
 

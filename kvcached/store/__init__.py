@@ -355,9 +355,9 @@ class Store:
         index; a scan: call it off the event loop)."""
         return self.index.present_wire_keys()
 
-    def models(self, keys: list[bytes]) -> list[str | None]:
-        """The model of each block of ``keys`` (None: not indexed)."""
-        return self.index.models(keys)
+    def owners(self, keys: list[bytes]) -> list[tuple[str, str] | None]:
+        """(model, tenant tag) of each block of ``keys`` (None: not indexed)."""
+        return self.index.owners(keys)
 
     def view(self, block: RamBlock) -> memoryview:
         """A view of a pinned block's bytes in the arena (released with release_view)."""

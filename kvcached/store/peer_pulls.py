@@ -44,7 +44,7 @@ class PeerTierLike(Protocol):
     def asks_homes(self) -> bool: ...
     async def locate(self, digests: Sequence[bytes], layer: int) -> None: ...
     async def fetch(self, addresses: Sequence[BlockAddress], reserve: Callable[[BlockAddress, int], Any],
-                    abort: Callable[[Any], None]) -> list[tuple[BlockAddress, Any, Any]]: ...
+                    abort: Callable[[Any], None], tenant: str = "") -> list[tuple[BlockAddress, Any, Any]]: ...
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -106,7 +106,7 @@ class PeerPulls(Room):
         assert self.peers is not None
         got: list[tuple[BlockAddress, Any, Any]] = []
         try:
-            got = await self.peers.fetch(mine, functools.partial(self._reserve, tenant=tenant), self._abort)
+            got = await self.peers.fetch(mine, functools.partial(self._reserve, tenant=tenant), self._abort, tenant)
             now = self.clock()
             mirror = self.settings.mirror_pulls
             for address, (block, view), head in got:

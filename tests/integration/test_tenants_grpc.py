@@ -9,6 +9,7 @@ spoofer's own addresses, so it gains nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import errno
 import os
@@ -27,17 +28,20 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvcached.api.convert import address_to_pb
+from kvcached.api.convert import address_from_pb, address_to_pb
 from kvcached.client import KvCacheClient
 from kvcached.events.schema import decode_batch
+from kvcached.peers import protocol as pp
 from kvcached.peers.certs import make_cluster
+from kvcached.peers.session import PullSink
+from kvcached.peers.tls import PeerAuth
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
 from kvcached_agent.address import BlockAddress
 from tests.integration.conftest import DaemonProcess, run_cli, wait_for
 from tests.integration.test_events import replay
 from tests.integration.test_operations import free_tcp_port
-from tests.integration.test_peers import Cluster, connected
+from tests.integration.test_peers import Cluster, connected, dial
 from tests.integration.test_upgrade import Service
 from tests.integration.users import as_user, needs_users
 
@@ -233,16 +237,20 @@ def test_tenants_and_their_sockets_survive_an_upgrade(users: Callable[[], tuple[
 
 def test_a_pull_across_daemons_keeps_the_tenant(tmp_path: Path) -> None:
     """Two daemons sharing the tenant key (as a cluster must): alice's block saved on one is
-    found and pulled by alice on the other, recorded there as hers; bob finds nothing."""
+    found and pulled by alice on the other (over the bulk lane, the Pull naming her), recorded
+    there as hers; bob finds nothing. A raw QUIC Pull of her address naming another tenant is a
+    miss, counted."""
     key = tmp_path / "tenants.key"
     key.write_bytes(os.urandom(32))
     key.chmod(0o600)
     cluster = Cluster(tmp_path, ("node-a", "node-b"))
     sock = {name: {t: tmp_path / f"{name[-1]}-{t}.sock" for t in ("alice", "bob")} for name in ("node-a", "node-b")}
     try:
+        a_metrics = free_tcp_port()
         for name in ("node-a", "node-b"):
             cluster.daemon(name, f'tenants.key_file="{key}"', "tenants.uids={ alice = [4242], bob = [4243] }",
-                           f'tenants.sockets={{ alice = "{sock[name]["alice"]}", bob = "{sock[name]["bob"]}" }}')
+                           f'tenants.sockets={{ alice = "{sock[name]["alice"]}", bob = "{sock[name]["bob"]}" }}',
+                           *([f'metrics.listen="127.0.0.1:{a_metrics}"'] if name == "node-a" else []))
         a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
         wait_for(lambda: connected(a, "node-b") and connected(b, "node-a"), text="peers connected")
         with KvCacheClient(f"unix:{sock['node-a']['alice']}") as alice_a:
@@ -255,8 +263,45 @@ def test_a_pull_across_daemons_keeps_the_tenant(tmp_path: Path) -> None:
             assert [b.tenant for b in operator_b.list_blocks()] == ["alice"], "the pulled copy is recorded as alice's"
             assert alice_b.lookup([DIGEST]).ram == 1 and bob_b.lookup([DIGEST]).longest == 0
             assert code_of(lambda: bob_b.get([ADDRESS])) == grpc.StatusCode.NOT_FOUND
+        with a.client() as operator_a:
+            stored = address_from_pb(next(iter(operator_a.list_blocks())).address)   # alice's keyed address on node-a
+        # A member that names the wrong tenant for that address gets a miss: the holder checks
+        # the record's tenant as it checks the digest.
+        answers = asyncio.run(_raw_pulls(cluster, (stored.digest, stored.layer), ["bob", "", "alice"]))
+        assert answers == {"bob": "miss NOT_FOUND", "": "miss NOT_FOUND", "alice": "block"}, answers
+        text = urllib.request.urlopen(f"http://127.0.0.1:{a_metrics}/metrics", timeout=10).read().decode()
+        assert 'kvcached_quic_pulls_other_tenant_total 2.0' in text
     finally:
         cluster.stop()
+
+
+class _Answers(PullSink):
+    def __init__(self) -> None:
+        self.got: list[str] = []
+
+    def slot(self, block: pp.Block) -> memoryview:
+        return memoryview(bytearray(block.payload_length))
+
+    def arrived(self, block: pp.Block) -> None:
+        self.got.append("block")
+
+    def missed(self, miss: pp.Miss) -> None:
+        self.got.append(f"miss {pp.MissReason(miss.reason).name}")
+
+
+async def _raw_pulls(cluster: Cluster, row: tuple[bytes, int], tenants: list[str]) -> dict[str, str]:
+    """Pull ``row`` from node-a over QUIC as node-b (its certificate), once naming each tenant."""
+    auth = PeerAuth.from_files(str(cluster.certs / "ca.pem"), str(cluster.certs / "node-b.pem"),
+                               str(cluster.certs / "node-b-key.pem"), ["node-a"])
+    peer = await dial(cluster.addresses["node-a"], auth, "node-a", certs=cluster.certs)
+    await asyncio.wait_for(peer.ready, 5)
+    out = {}
+    for tenant in tenants:
+        sink = _Answers()
+        await asyncio.wait_for(peer.pull([row], sink, tenant), 5)
+        out[tenant] = " ".join(sink.got)
+    peer.close()
+    return out
 
 
 def _stored(subs: dict[str, zmq.Socket[bytes]], seconds: float) -> dict[str, list[Any]]:

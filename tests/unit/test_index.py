@@ -168,11 +168,11 @@ def test_checksums_read_from_the_stored_bytes(index: BlockIndex) -> None:
     assert index.checksums([key(4)]) == [None]
 
 
-def test_models_read_from_the_stored_bytes(index: BlockIndex) -> None:
+def test_owners_read_from_the_stored_bytes(index: BlockIndex) -> None:
     index.write([(key(n), replace(record(n), model=f"org/model-{n}")) for n in (1, 3)])
-    assert index.models([key(3), key(2), key(1)]) == ["org/model-3", None, "org/model-1"]
+    assert index.owners([key(3), key(2), key(1)]) == [("org/model-3", ""), None, ("org/model-1", "")]
     raw_put(index, key(4), b"\x01short")
-    assert index.models([key(4)]) == [None]
+    assert index.owners([key(4)]) == [None]
 
 
 def test_in_place_patches_match_the_codec(index: BlockIndex) -> None:

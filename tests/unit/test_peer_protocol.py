@@ -56,6 +56,8 @@ def test_constants() -> None:
 @pytest.mark.parametrize("message, request_id, head, body", [
     (p.Pull([(D1, 3), (D2, 0xFFFFFFFF)], 1 << 20), 9, "54000000 01 01 0000 09000000",
      struct.pack("<QI", 1 << 20, 2) + D1 + struct.pack("<I", 3) + D2 + struct.pack("<I", 0xFFFFFFFF)),
+    (p.TenantPull([(D1, 3)], 1 << 20, "alice"), 9, "37000000 01 05 0000 09000000",
+     b"\x05\x00alice" + struct.pack("<QI", 1 << 20, 1) + D1 + struct.pack("<I", 3)),
     (p.Exists(7, [D1, D2]), 2, "48000000 01 02 0000 02000000", struct.pack("<II", 7, 2) + D1 + D2),
     (p.Announce([(D1, 1)]), 0, "28000000 01 10 0000 00000000", struct.pack("<I", 1) + D1 + struct.pack("<I", 1)),
     (p.Drop([(D2, 2)]), 0, "28000000 01 11 0000 00000000", struct.pack("<I", 1) + D2 + struct.pack("<I", 2)),
@@ -88,6 +90,7 @@ def test_worked_example_of_the_spec() -> None:
 
 @pytest.mark.parametrize("message", [
     p.Pull([(D1, 0), (D2, 0xFFFFFFFF)]), p.Pull([], 1), p.Exists(0, [D1]), p.Exists(1, []),
+    p.TenantPull([(D1, 0)], 7, "bob"), p.TenantPull([], 1, "é" * 512),
     p.Announce([(D1, 1), (D2, 2)]), p.Announce([]), p.Drop([(D2, 5)]),
     p.Snapshot(0, False, []), p.Snapshot(0xFFFFFFFF, True, [(D1, 7)]),
     BLOCK, p.Block(D2, 0, "", p.MAX_PAYLOAD, bytes(32)), p.Block(D1, 1, "é" * 512, 1, bytes(32)),
@@ -334,16 +337,16 @@ def test_error_messages_are_cut_not_refused(message: str, kept: str) -> None:
 
 # -- early data and the type sets ----------------------------------------------------------------
 
-@pytest.mark.parametrize("type_", [0x01, 0x02, 0x03, 0x10, 0x11, 0x12, 0x20, 0x81, 0x82, 0x83, 0x84, 0xFF, 0x5A])
-def test_only_pull_and_exists_are_taken_as_early_data(type_: int) -> None:
-    assert p.allowed_as_early_data(type_) is (type_ in (0x01, 0x02))
+@pytest.mark.parametrize("type_", [0x01, 0x02, 0x03, 0x05, 0x10, 0x11, 0x12, 0x20, 0x81, 0x82, 0x83, 0x84, 0xFF, 0x5A])
+def test_only_pulls_and_exists_are_taken_as_early_data(type_: int) -> None:
+    assert p.allowed_as_early_data(type_) is (type_ in (0x01, 0x02, 0x05))
 
 
 def test_type_sets() -> None:
-    assert p.REQUESTS == {0x01, 0x02, 0x03, 0x04, 0x10, 0x11, 0x12}
+    assert p.REQUESTS == {0x01, 0x02, 0x03, 0x04, 0x05, 0x10, 0x11, 0x12}
     assert p.EVENTS == {0x10, 0x11, 0x12}
     assert p.STATE_CHANGING == {0x03, 0x10, 0x11, 0x12}
-    assert p.EARLY_DATA_TYPES == {0x01, 0x02, 0x04} == p.REQUESTS - p.STATE_CHANGING
+    assert p.EARLY_DATA_TYPES == {0x01, 0x02, 0x04, 0x05} == p.REQUESTS - p.STATE_CHANGING
     assert set(p.MESSAGES) - p.REQUESTS == {0x20, 0x81, 0x82, 0x83, 0x84, 0x85, 0x86, 0xFF}
 
 
@@ -478,3 +481,19 @@ def test_blocks_refusals() -> None:
         broken = st.FrameDecoder()
         broken.feed(header(len(body), 0x85, 9) + body)
         assert fatal(broken).code == (p.ErrorCode.TOO_LARGE if count > p.MAX_BATCH else p.ErrorCode.MALFORMED)
+
+
+# -- a tenant's pulls ----------------------------------------------------------------------------
+
+def test_a_pull_names_its_tenant_and_the_default_tenants_is_the_same_bytes_as_before() -> None:
+    assert p.pull_of([(D1, 3)], 1 << 20) == p.Pull([(D1, 3)], 1 << 20) and p.Pull([]).tenant == ""
+    tenant = p.pull_of([(D1, 3), (D2, 4)], 1 << 20, "alice")
+    assert isinstance(tenant, p.TenantPull) and tenant.tenant == "alice"
+    assert tenant.part([(D2, 4)]) == p.TenantPull([(D2, 4)], 1 << 20, "alice")
+    assert p.Pull([(D1, 3)]).part([]) == p.Pull([])
+    with pytest.raises(ValueError, match="no tenant"):
+        p.encode(p.TenantPull([(D1, 3)], 1, ""))
+    empty = b"\x00\x00" + struct.pack("<QI", 1, 0)
+    with pytest.raises(p.ProtocolError, match="no tenant") as err:
+        p.decode(p.Frame(0x05, 3, empty))
+    assert err.value.code == p.ErrorCode.MALFORMED and err.value.request_id == 3
