@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     _client_args(p)
     p.add_argument("addresses", nargs="+", help="block addresses")
 
+    p = sub.add_parser("drop", help="drop a model's blocks, or these blocks, from a tier or all (Admin Evict)")
+    _client_args(p)
+    p.add_argument("addresses", nargs="*", help="block addresses (one layer), instead of --model")
+    p.add_argument("--model", default="", help="every block of this model")
+    p.add_argument("--tier", choices=["ram", "ssd"], help="only the copies in this tier (ram: those also on SSD)")
+
     p = sub.add_parser("certs", help="create the cluster CA and node certificates for peers (docs/peers.md)")
     p.add_argument("--dir", default="var/certs", help="where the CA and certificates live (default var/certs)")
     p.add_argument("--days", type=int, default=825, help="validity of new node certificates, days (default 825)")
@@ -243,6 +249,15 @@ def _client_command(args: argparse.Namespace) -> int:
                 with open(args.file, "wb") as fh:
                     fh.write(payload)
                 print(f"{address}: {len(payload)} bytes, checksum ok", file=sys.stderr)
+        elif args.command == "drop":
+            addresses = [parse(a) for a in args.addresses]
+            if bool(addresses) == bool(args.model) or len({a.layer for a in addresses}) > 1:
+                raise SystemExit(_die(2, "drop: name a --model or block addresses of one layer, not both"))
+            tier = {None: pb.TIER_UNSPECIFIED, "ram": pb.TIER_RAM, "ssd": pb.TIER_SSD}[args.tier]
+            e = client.evict(model=args.model, digests=[a.digest for a in addresses],
+                             layer=addresses[0].layer if addresses else None, tier=tier)
+            print(json.dumps({"evicted": e.evicted, "busy": e.busy, "not_found": e.not_found}) if args.json
+                  else f"evicted {e.evicted}, busy {e.busy}, not found {e.not_found}")
         elif args.command == "rm":
             r = client.delete([parse(a) for a in args.addresses])
             print(json.dumps({"deleted": r.deleted, "not_found": r.not_found}) if args.json

@@ -116,7 +116,9 @@ class KvCacheClient:
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.enable_retries", 1), ("grpc.service_config", RETRY_POLICY)])
         interceptors: list[Any] = [_RetryServerCancelled()] + ([_ActAs(tenant)] if tenant else [])
-        self.stub = pb_grpc.KvCacheStub(grpc.intercept_channel(self.channel, *interceptors))
+        channel = grpc.intercept_channel(self.channel, *interceptors)
+        self.stub = pb_grpc.KvCacheStub(channel)
+        self.admin = pb_grpc.AdminStub(channel)
         self.timeout = timeout
 
     def __enter__(self) -> "KvCacheClient":
@@ -199,6 +201,15 @@ class KvCacheClient:
 
     def stats(self) -> pb.StatsResponse:
         return self.stub.Stats(pb.StatsRequest(), timeout=self.timeout)
+
+    def evict(self, *, model: str = "", digests: Sequence[bytes] = (), layer: int | None = None,
+              tier: "pb.Tier" = pb.TIER_UNSPECIFIED) -> pb.EvictResponse:
+        """Admin Evict: drop a model's blocks, or these digests' (of ``layer``), from ``tier``
+        (unset: every tier); as the client's tenant, that tenant's blocks alone."""
+        request = pb.EvictRequest(model=model, digests=list(digests), tier=tier)
+        if layer is not None:
+            request.layer = layer
+        return self.admin.Evict(request, timeout=self.timeout)
 
     def list_blocks(self, *, model: str = "", tier: "pb.Tier" = pb.TIER_UNSPECIFIED, page_size: int = 1000,
                     limit: int | None = None) -> Iterator[pb.BlockInfo]:

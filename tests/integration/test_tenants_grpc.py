@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import errno
+import json
 import os
 import socket
 import subprocess
@@ -125,9 +126,13 @@ def test_a_tenant_socket_admits_its_tenant_alone_and_every_call_acts_as_it(
         with d.client(tenant="alice") as as_alice, d.client(tenant="nobody") as unknown:
             assert as_alice.lookup([DIGEST]).longest == 1
             assert code_of(lambda: unknown.lookup([DIGEST])) == grpc.StatusCode.INVALID_ARGUMENT
-            evict = pb_grpc.AdminStub(as_alice.channel).Evict(pb.EvictRequest(digests=[DIGEST]),
-                                                              metadata=[("kvcached-tenant", "alice")])
-            assert evict.evicted == 1 and alice.lookup([DIGEST]).longest == 0 and bob.lookup([DIGEST]).longest == 1
+            dropped = run_cli(["drop", "--json", "--target", d.target, "--tenant", "alice", DIGEST.hex()])
+            assert json.loads(dropped.stdout) == {"evicted": 1, "busy": 0, "not_found": 0}, dropped
+            assert alice.lookup([DIGEST]).longest == 0 and bob.lookup([DIGEST]).longest == 1
+            refused = run_cli(["drop", "--target", f"unix:{bob_sock}", DIGEST.hex()])
+            assert refused.returncode != 0 and "PERMISSION_DENIED" in refused.stderr, refused
+            both = run_cli(["drop", "--target", d.target, "--model", "m", DIGEST.hex()])
+            assert both.returncode == 2 and "not both" in both.stderr
             assert alice.put([(ADDRESS, b"again" * 10)], model="m").stored == 1
             by_model = pb_grpc.AdminStub(as_alice.channel).Evict(pb.EvictRequest(model="m"),
                                                                  metadata=[("kvcached-tenant", "bob")])
