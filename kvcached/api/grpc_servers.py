@@ -18,6 +18,7 @@ serves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -79,6 +80,24 @@ class GrpcServers:
         read_only = ([] if cfg.grpc.tls else tcp) + [parse_listen(x) for x in cfg.grpc.read_only_listen]
         credentials = self._tls_credentials() if cfg.grpc.tls else None
         renames: list[tuple[str, str]] = []
+        try:
+            await self._bind_all(full, read_only, credentials, predecessor_ports, renames, gid)
+        except BaseException:                    # a failed start leaves no socket under a temporary name
+            for temporary, _ in renames:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+            raise
+        for temporary, path in renames:
+            os.rename(temporary, path)
+            self.own_sockets.append((path, os.stat(path).st_ino))
+        if self.gate is None:
+            await self.serving()
+
+    async def _bind_all(self, full: list[ListenAddress], read_only: list[ListenAddress],
+                        credentials: grpc.ServerCredentials | None, predecessor_ports: dict[str, int] | None,
+                        renames: list[tuple[str, str]], gid: int) -> None:
+        """Every server started, its Unix sockets bound under temporary names (``renames``)."""
+        cfg = self.config
         self.full = await self._grpc_server(full, credentials, predecessor_ports, renames, gid, read_only=False,
                                             callers=self._callers(cfg))
         if read_only:
@@ -93,11 +112,6 @@ class GrpcServers:
             self.tenant_servers.append(await self._grpc_server(
                 [parse_listen(f"unix:{path}")], None, None, renames, -1, read_only=False,
                 callers=BoundTenant(self.tenants, self.refusals, tenant), admit=admit))  # type: ignore[arg-type]
-        for temporary, path in renames:
-            os.rename(temporary, path)
-            self.own_sockets.append((path, os.stat(path).st_ino))
-        if self.gate is None:
-            await self.serving()
 
     async def serving(self) -> None:
         """Health: SERVING, for the server and each service."""
@@ -182,16 +196,16 @@ class GrpcServers:
             if address.unix_path is None and port == 0:
                 raise StartupError(f"grpc.listen {address.text}: cannot listen (address in use?)")
             if address.unix_path and admit is not None:
+                renames.append((temporary, address.unix_path))
                 try:
                     admit_only(temporary, *admit)
                 except OSError as exc:
                     raise StartupError(f"tenants.sockets {address.unix_path}: {exc.strerror or exc}") from None
-                renames.append((temporary, address.unix_path))
             elif address.unix_path:
+                renames.append((temporary, address.unix_path))
                 os.chmod(temporary, self.config.socket_mode_bits)
                 if gid >= 0:
                     os.chown(temporary, -1, gid)
-                renames.append((temporary, address.unix_path))
             else:
                 self.ports[address.text] = port
             where = address.text if address.unix_path else f"{address.host}:{port}"

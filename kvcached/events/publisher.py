@@ -22,6 +22,7 @@ one else can connect first).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -313,13 +314,16 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str, key: str,
     temporary = f"{path}.{os.getpid()}.new"
     try:
         sock.bind(f"ipc://{temporary}")
-        admit_only(temporary, *admit)
-        os.rename(temporary, path)
-        return path, os.stat(path).st_ino
     except zmq.ZMQError as exc:
         raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror}") from None
+    try:
+        admit_only(temporary, *admit)
+        os.rename(temporary, path)
     except OSError as exc:
+        with contextlib.suppress(OSError):      # no socket left under a temporary name
+            os.unlink(temporary)
         raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror or exc}") from None
+    return path, os.stat(path).st_ino
 
 
 def _read_seq(path: str) -> int:

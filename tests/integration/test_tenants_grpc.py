@@ -441,6 +441,13 @@ def test_a_tenant_socket_on_a_file_system_without_acls_stops_the_start(make_daem
         d.start(wait=False)
         assert d.proc.wait(30) != 0                                      # type: ignore[union-attr]
         assert "keeps no POSIX ACLs" in d.log() and "Traceback" not in d.log()
-        assert not (where / "alice.sock").exists(), "no socket left open to anyone"
+        assert os.listdir(where) == [], "no socket left open to anyone, nor under a temporary name"
+        events = make_daemon("tenants.uids={ alice = [4242] }", f'tenants.events={{ alice = "ipc://{where / "ev"}" }}',
+                             state=tmp_path / "events", start=False)
+        (tmp_path / "events").mkdir(exist_ok=True)
+        events.start(wait=False)
+        assert events.proc.wait(30) != 0                                 # type: ignore[union-attr]
+        assert "keeps no POSIX ACLs" in events.log() and "Traceback" not in events.log(), events.log()
+        assert os.listdir(where) == [], "a tenant's event stream: the same"
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
