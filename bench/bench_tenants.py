@@ -8,10 +8,13 @@ Needs root and useradd: it creates two system users for the run and deletes them
 so and exits 0 without them). Agents run in forked children that drop to those users' ids
 before they connect (the kernel's SO_PEERCRED is what names a tenant), with torch on one thread.
 
-Setup: two ``kvcached serve`` subprocesses (bench_core.start_kvcached: RAM 1 GiB, SSD off, the
+Setup: ``kvcached serve`` subprocesses (bench_core.start_kvcached: RAM 1 GiB, SSD off, the
 agent socket in a 0711 directory with mode 0666): "none" with no [tenants] settings (every agent
 the default tenant), "two" with ``tenants.uids = { alice = [A], bob = [B] }`` and a gRPC socket
-for each (``tenants.sockets``).
+for each (``tenants.sockets``). Before the figures, bob fills each daemon's RAM tier once over
+with fresh blocks, so every timed round meets the same state: every arena page touched and a
+tier that evicts to make room (without it a daemon used before is measured evicting against a
+fresh one that is not, and the first touch of arena pages costs more than what follows).
 
 1. Timing. On "two", alice saves a 32-block prefix P (64 KiB blocks). Then bob, in one
    connection, alternates Lookup of P's digests (alice's blocks, cached) and of a prefix Q
@@ -148,6 +151,21 @@ def save_load(sock: str, seconds: float, seed: int) -> Callable[[], dict[str, fl
     return work
 
 
+def warm(sock: str, gib: float) -> Callable[[], int]:
+    """Fill the daemon's RAM tier once over (fresh blocks): every timed round after this meets
+    the same state, an arena whose pages are all touched and a tier that evicts to make room."""
+    def work() -> int:
+        torch.set_num_threads(1)
+        src = list(torch.randint(0, 256, (BATCH * BLOCK,), dtype=torch.uint8).view(-1, BLOCK))
+        written = 0
+        with connect(sock, "bob") as agent:
+            while written < 1.25 * gib * (1 << 30):
+                agent.save(agent.addresses([os.urandom(32) for _ in range(BATCH)]), src)
+                written += BATCH * BLOCK
+        return written
+    return work
+
+
 def cost_rows(figure: int, case: str, baseline: str, sock: str, base_sock: str, user: tuple[int, int], rounds: int,
               seconds: float, target: str = "", least: float | None = None) -> list[Row]:
     """bob's saves and loads on ``sock`` against ``base_sock``, rounds interleaved (the order
@@ -214,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no agent socket from {name}")
                 time.sleep(0.05)
+        progress("warming: bob fills each daemon's RAM tier once, so every timed round meets a full tier")
+        for name, gib in (("none", 1.0), ("none-b", 1.0), ("two", 1.0), ("unshared", 0.25), ("shares", 0.25)):
+            as_user(b_uid, b_gid, warm(socks[name], gib))
         progress("1. alice saves a 32-block prefix; bob looks it up, and a prefix nobody stored")
         if as_user(a_uid, a_gid, save_prefix(socks["two"])) != PREFIX:
             raise RuntimeError("alice's prefix was not stored")

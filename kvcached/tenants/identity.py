@@ -27,14 +27,21 @@ __all__ = ["DEFAULT", "KEY_BYTES", "Scope", "Tenant", "TenantMap"]
 DEFAULT = "default"          # the tenant whose addresses are the digests as sent
 KEY_BYTES = 32
 _CONTEXT = b"kvcached tenant scope v1\x00"
+REMEMBERED = 8192            # digests a tenant's scope remembers the address of (about 1.5 MiB)
 
 
 class Scope:
     """Maps the digests one tenant names to the addresses its blocks are stored under: the
-    identity for the default tenant, a keyed BLAKE3-256 for every other."""
+    identity for the default tenant, a keyed BLAKE3-256 for every other.
+
+    The digests mapped last are remembered (at most :data:`REMEMBERED`, then forgotten all at
+    once): an engine names the same digests again and again (a Lookup then its Load, a save's
+    Allocate then its GPU events), and a dict hit costs a tenth of the hash. One Scope per
+    tenant, so what it remembers tells nothing of any other tenant's digests."""
 
     def __init__(self, key: bytes | None) -> None:
         self._hasher = None if key is None else blake3.blake3(key=key)
+        self._known: dict[bytes, bytes] = {}
 
     @property
     def identity(self) -> bool:
@@ -43,9 +50,16 @@ class Scope:
     def digest(self, digest: bytes) -> bytes:
         if self._hasher is None:
             return digest
-        h = self._hasher.copy()
-        h.update(digest)
-        return h.digest()
+        known = self._known
+        address = known.get(digest)
+        if address is None:
+            h = self._hasher.copy()
+            h.update(digest)
+            address = h.digest()
+            if len(known) >= REMEMBERED:
+                known.clear()
+            known[digest] = address
+        return address
 
     def digests(self, digests: Sequence[bytes]) -> Sequence[bytes]:
         if self._hasher is None:

@@ -168,3 +168,14 @@ def test_every_admin_call_is_one_the_operator_guard_wraps() -> None:
 
     methods = kvcache_pb2.DESCRIPTOR.services_by_name["Admin"].methods
     assert methods and all(not m.client_streaming and not m.server_streaming for m in methods)
+
+
+def test_a_scope_remembers_the_addresses_it_mapped_last_and_forgets_them_all_at_its_bound() -> None:
+    from kvcached.tenants.identity import REMEMBERED, Scope
+    key = os.urandom(32)
+    scope, fresh = Scope(key), Scope(key)
+    digests = [i.to_bytes(32, "big") for i in range(REMEMBERED + 10)]
+    first = [scope.digest(d) for d in digests]               # past the bound: forgotten once, then refilled
+    assert first == [Scope(key).digest(d) for d in digests] == list(fresh.digests(digests))
+    assert [scope.digest(d) for d in reversed(digests)] == first[::-1], "remembered or not, the same address"
+    assert Scope(None).digest(digests[0]) == digests[0]
