@@ -11,7 +11,8 @@ import json
 import os
 import sys
 from datetime import datetime, timezone
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 DEFAULT_CONFIG = "config/kvcached.toml"
 
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rm", help="delete blocks")
     _client_args(p)
     p.add_argument("addresses", nargs="+", help="block addresses")
+
+    p = sub.add_parser("mrc", help="the tiers' live miss-ratio curves: hit rate at other sizes, and MIN's "
+                                   "(docs/operations.md)")
+    _client_args(p)
+    p.add_argument("--plot", metavar="FILE.svg", help="also write them as a plot there")
 
     p = sub.add_parser("drop", help="drop a model's blocks, or these blocks, from a tier or all (Admin Evict)")
     _client_args(p)
@@ -154,8 +160,6 @@ def _upgrade(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from kvcached.peers.certs import CertError, make_cluster
 
     extra: dict[str, list[str]] = {}
@@ -249,6 +253,8 @@ def _client_command(args: argparse.Namespace) -> int:
                 with open(args.file, "wb") as fh:
                     fh.write(payload)
                 print(f"{address}: {len(payload)} bytes, checksum ok", file=sys.stderr)
+        elif args.command == "mrc":
+            return _print_curves(client.stats(), args.json, args.plot)
         elif args.command == "drop":
             addresses = [parse(a) for a in args.addresses]
             if bool(addresses) == bool(args.model) or len({a.layer for a in addresses}) > 1:
@@ -262,6 +268,44 @@ def _client_command(args: argparse.Namespace) -> int:
             r = client.delete([parse(a) for a in args.addresses])
             print(json.dumps({"deleted": r.deleted, "not_found": r.not_found}) if args.json
                   else f"deleted {r.deleted}, not found {r.not_found}")
+    return 0
+
+
+def _print_curves(stats: Any, as_json: bool, plot: str | None) -> int:
+    """``kvcached mrc``: the curves of Stats as a table (or JSON), and a plot."""
+    from google.protobuf.json_format import MessageToDict
+
+    from kvcached.sim.replay import Result
+    from kvcached.sim.report import svg
+    from kvcached.v1 import kvcache_pb2 as pb
+
+    if not stats.HasField("curves"):
+        return _die(1, "mrc: this daemon keeps no curves (kv.curves = false)")
+    c = stats.curves
+    if as_json:
+        print(json.dumps(MessageToDict(c, preserving_proto_field_name=True), indent=2))
+    results = []
+    for tier in (pb.TIER_RAM, pb.TIER_SSD):
+        points = [p for p in c.points if p.tier == tier]
+        if not points:
+            continue
+        name = pb.Tier.Name(tier)[5:]
+        one = next((p.size_blocks for p in points if p.size_multiple == 1.0), 0)
+        if not as_json:
+            print(f"{name} tier ({points[0].policy}): {one} blocks of the mean size seen; hit rate by size")
+            print(f"  {'size':>6}  {'blocks':>10}  {points[0].policy:>8}  {'MIN':>6}")
+            for p in points:
+                rates = f"{p.hit_rate:8.3f}  {p.min_hit_rate:6.3f}" if p.known else f"{'-':>8}  {'-':>6}"
+                print(f"  {p.size_multiple:>5g}x  {p.size_blocks:>10}  {rates}")
+        results.append(Result(f"{name} tier (live)", c.sampled_accesses, one, [max(1, p.size_blocks) for p in points],
+                              {points[0].policy: [p.hit_rate for p in points], "belady": [p.min_hit_rate for p in points]}))
+    if not as_json:
+        print(f"from {c.accesses} block uses, {c.sampled_accesses} of them of the {c.sampled_keys} keys sampled "
+              f"({c.sampling_rate:.2%} of keys); MIN over the recent window")
+    if plot and results and all(r.unique for r in results):
+        Path(plot).write_text(svg(results, "kvcached: hit rate at other tier sizes (live)", "size (multiple of the tier)",
+                                  "{:g}x"))
+        print(f"plot: {plot}", file=sys.stderr)
     return 0
 
 

@@ -7,10 +7,11 @@ One place for them: the gRPC service, the client and the CLI all name blocks the
 from __future__ import annotations
 
 from kvcached.errors import InvalidArgument
+from kvcached.policies.curves import MissRatioCurves
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent.address import CROSS_LAYER, BlockAddress
 
-__all__ = ["address_from_pb", "address_to_pb", "tier_name"]
+__all__ = ["address_from_pb", "address_to_pb", "curve_stats", "tier_name"]
 
 
 def address_from_pb(msg: pb.BlockAddress, where: str = "address") -> BlockAddress:
@@ -31,3 +32,17 @@ def address_to_pb(address: BlockAddress) -> pb.BlockAddress:
 def tier_name(value: int) -> str:
     """``TIER_RAM`` for a known enum value, the number for any other (proto3 accepts any)."""
     return pb.Tier.Name(value) if value in pb.Tier.values() else str(value)
+
+
+_CURVE_TIERS = {"ram": pb.TIER_RAM, "ssd": pb.TIER_SSD}
+
+
+def curve_stats(curves: MissRatioCurves) -> pb.CurveStats:
+    """The live curves as Stats carries them (MIN computed if its last count is old: call it
+    off the event loop)."""
+    return pb.CurveStats(
+        points=[pb.CurvePoint(tier=_CURVE_TIERS[p.tier], policy=p.policy, size_multiple=p.multiple, size_blocks=p.blocks,
+                              hit_rate=p.hit_rate or 0.0, min_hit_rate=p.min_hit_rate or 0.0, known=p.hit_rate is not None)
+                for p in curves.points()],
+        sampled_keys=len(curves.sample), sampling_rate=curves.sample.rate, accesses=curves.accesses,
+        sampled_accesses=curves.sampled)

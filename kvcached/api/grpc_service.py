@@ -30,7 +30,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kvcached import __version__
 from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.api.callers import OPERATOR, Caller, Callers
-from kvcached.api.convert import address_from_pb, address_to_pb, tier_name
+from kvcached.api.convert import address_from_pb, address_to_pb, curve_stats, tier_name
 from kvcached.config import GrpcSection
 from kvcached.errors import (
     DataLoss,
@@ -481,8 +481,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             tiers.append(pb.TierStats(tier=pb.TIER_SSD, blocks=s["ssd_blocks"], bytes=s["ssd_bytes"],
                                       reserved_bytes=s["ssd_file_bytes"], capacity_bytes=s["ssd_capacity_bytes"],
                                       evictions=s["ssd_evictions_ttl"] + s["ssd_evictions_capacity"]))
+        curves = await asyncio.to_thread(curve_stats, self.store.curves) if self.store.curves is not None else None
         return pb.StatsResponse(
-            version=__version__, uptime_seconds=time.time() - self.started_at, tiers=tiers,
+            version=__version__, uptime_seconds=time.time() - self.started_at, tiers=tiers, curves=curves,
             index_entries=s["index_entries"], puts=s["puts"], put_bytes=s["put_bytes"], hits=s["hits"],
             hit_bytes=s["hit_bytes"], misses=s["misses"], lookups=s["lookups"], deletes=s["deletes"],
             promotions=s["promotions"], demotions=s["demotions"], ram_dirty_bytes=s["ram_dirty_bytes"],

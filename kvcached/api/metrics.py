@@ -26,6 +26,7 @@ from kvcached.api.callers import Refusals
 from kvcached.config import parse_listen
 from kvcached.events import EventCounters
 from kvcached.host.loop_lag import LoopLag
+from kvcached.policies.curves import MissRatioCurves
 from kvcached.store import Store
 from kvcached.store.keeper import StoreKeeper
 
@@ -300,6 +301,31 @@ class LoopLagCollector(Collector):
                                   "more (each also logged, at most one line every few seconds)", value=self.lag.stalls)
 
 
+class CurvesCollector(Collector):
+    """The live miss-ratio curves (kvcached.policies.curves): each tier's policy and Belady's MIN
+    at a fixed set of size multiples, so the labels are few and fixed."""
+
+    def __init__(self, curves: MissRatioCurves) -> None:
+        self.curves = curves
+
+    def collect(self) -> Iterator[Metric]:
+        curves = self.curves
+        rates = GaugeMetricFamily("kvcached_curve_hit_ratio", "Estimated hit ratio of a tier at a multiple of its "
+                                  "size: its policy's, and Belady's MIN over the recent window (estimator: docs/"
+                                  "operations.md)", labels=["tier", "multiple", "of"])
+        for p in curves.points():
+            if p.hit_rate is not None:
+                rates.add_metric([p.tier, f"{p.multiple:g}", "policy"], p.hit_rate)
+            if p.min_hit_rate is not None:
+                rates.add_metric([p.tier, f"{p.multiple:g}", "min"], p.min_hit_rate)
+        yield rates
+        yield GaugeMetricFamily("kvcached_curve_sampling_rate", "Share of the keys the curves sample",
+                                value=curves.sample.rate)
+        yield GaugeMetricFamily("kvcached_curve_sampled_keys", "Distinct keys in the curves' sample now",
+                                value=len(curves.sample))
+        yield CounterMetricFamily("kvcached_curve_accesses", "Block uses the curves counted", value=curves.accesses)
+
+
 class KeeperCollector(Collector):
     """The store keeper's periodic saves of the policies' state (kvcached.store.keeper)."""
 
@@ -413,6 +439,8 @@ def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: Lo
         registry.register(AgentsCollector(agents))
     if refusals is not None:
         registry.register(GrpcRefusalsCollector(refusals))
+    if store.curves is not None:
+        registry.register(CurvesCollector(store.curves))
     host = (address.host or "").strip("[]")
     if fd is None:
         httpd, _thread = start_http_server(address.port or 0, addr=host, registry=registry)

@@ -198,7 +198,8 @@ class Daemon:
                            prefetch=make_prefetch_policy(kv.prefetch_policy, kv.prefetch_timeout_ms / 1000),
                            timed_tiers=(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)   # read latencies
                                         + ["peer"] * peer_tier) if cfg.metrics.listen else (),
-                           count_tenants=self.tenants.several, ssd_shares=ssd_shares(cfg))
+                           count_tenants=self.tenants.several, ssd_shares=ssd_shares(cfg),
+                           curve_keys=kv.curve_sample_keys if kv.curves else 0)
         self.keeper = StoreKeeper(self.store, self.index, KeeperSettings(
             kv.policy_save_s, kv.ram_policy, kv.ssd_policy, kv.slru_ratio, cfg.grpc.grace_s), status=self.notifier.status)
         self.keeper.restore_policies()

@@ -183,6 +183,17 @@ class EvictionPolicy(ABC):
         """A fresh instance with the settings of the config; by default the class takes none."""
         return cls()
 
+    def miniature(self) -> "EvictionPolicy":
+        """A fresh, empty policy to run beside this one at another size on a sample of the keys
+        (kvcached.policies.curves): its settings as they are now, a tuned one fixed where it is
+        (a miniature's own tuner would tune on too few keys); :meth:`follow` keeps it there.
+        By default the class takes no settings."""
+        return type(self)()
+
+    def follow(self, tier: "EvictionPolicy") -> None:
+        """Take the settings ``tier``, the policy this one is a miniature of, has tuned to now.
+        By default there are none."""
+
     def size_for(self, capacity: int) -> None:
         """The tier hands out ids below ``capacity`` only: the policy may lay out its per-id
         columns for that many now (kvcached.policies.links.column: pages cost RAM once used)

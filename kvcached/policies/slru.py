@@ -74,6 +74,13 @@ class SlruPolicy(EvictionPolicy):
     def configured(cls, settings: PolicySettings) -> "SlruPolicy":
         return cls(settings.slru_ratio or None)
 
+    def miniature(self) -> "SlruPolicy":
+        return SlruPolicy(self.ratio)
+
+    def follow(self, tier: EvictionPolicy) -> None:
+        if isinstance(tier, SlruPolicy):
+            self.ratio = tier.ratio
+
     def size_for(self, capacity: int) -> None:
         self._links.size_for(capacity)
         if capacity > len(self._last):

@@ -25,13 +25,13 @@ prefix metric (MIN may keep the tail of a chain whose head it dropped, which no 
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Callable, Iterable, Iterator, Sequence
 
 from kvcached.policies import KeyedPolicy, make_keyed_policy
+from kvcached.policies.belady import belady_hits
 
 __all__ = ["Result", "accesses_of", "belady", "belady_hits", "prefix_count", "replay", "replay_hits",
            "replay_prefix", "replay_requests", "simulate"]
@@ -97,32 +97,6 @@ def replay(policy_name: str, capacity: int, accesses: Iterable[bytes]) -> int:
 def replay_prefix(policy_name: str, capacity: int, trace: Iterable[Iterable[bytes]]) -> int:
     """Prefix hits of ``policy_name`` with room for ``capacity`` blocks."""
     return sum(replay_requests(make_keyed_policy(policy_name), capacity, trace, prefix=True))
-
-
-def belady_hits(capacity: int, accesses: Sequence[bytes]) -> list[bool]:
-    """Per access, whether Belady's MIN had it: on a miss with a full cache, evict the resident
-    block used again furthest in the future (or never)."""
-    never = len(accesses)
-    next_use = [never] * len(accesses)
-    last: dict[bytes, int] = {}
-    for i in range(len(accesses) - 1, -1, -1):
-        next_use[i] = last.get(accesses[i], never)
-        last[accesses[i]] = i
-    resident: dict[bytes, int] = {}           # key -> its next use
-    heap: list[tuple[int, bytes]] = []        # (-next use, key); stale entries skipped
-    hits = [False] * len(accesses)
-    for i, key in enumerate(accesses):
-        if key in resident:
-            hits[i] = True
-        elif len(resident) >= capacity:
-            while True:
-                neg, victim = heapq.heappop(heap)
-                if resident.get(victim) == -neg:
-                    del resident[victim]
-                    break
-        resident[key] = next_use[i]
-        heapq.heappush(heap, (-next_use[i], key))
-    return hits
 
 
 def belady(capacity: int, accesses: Sequence[bytes]) -> int:

@@ -52,10 +52,11 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def svg(results: Sequence[Result], title: str = "kvcached policies: hit rate against cache size") -> str:
+def svg(results: Sequence[Result], title: str = "kvcached policies: hit rate against cache size",
+        x_label: str = "cache size (share of distinct blocks)", x_tick: str = "{:.1%}") -> str:
     """An SVG document: per workload a panel of block hits and, where replayed, one of prefix
-    hits; x = cache size as a share of the workload's distinct blocks (log scale), y = hit rate;
-    Belady's MIN dashed."""
+    hits; x = cache size as a share of the workload's ``unique`` blocks (log scale; ``x_label``
+    names it, ``x_tick`` formats a share), y = hit rate; Belady's MIN dashed."""
     panels = [(r, f"{r.workload}: {kind}", rates) for r in results
               for kind, rates in (("block hits", r.hit_rate), ("prefix hits", r.prefix_hit_rate)) if rates]
     cols = 2 if any(r.prefix_hit_rate for r in results) else 3
@@ -74,13 +75,13 @@ def svg(results: Sequence[Result], title: str = "kvcached policies: hit rate aga
     for k, (r, heading, rates) in enumerate(panels):
         x0 = margin + (k % cols) * (pw + margin)
         y0 = 60 + (k // cols) * (ph + margin + 24)
-        out += _panel(r, heading, rates, x0, y0, pw, ph, names)
+        out += _panel(r, heading, rates, x0, y0, pw, ph, names, x_label, x_tick)
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
 def _panel(r: Result, heading: str, rates: dict[str, list[float]], x0: float, y0: float, pw: float, ph: float,
-           names: list[str]) -> list[str]:
+           names: list[str], x_label: str, x_tick: str) -> list[str]:
     fractions = [n / r.unique if r.unique else 1.0 for n in r.sizes]
     lo, hi = math.log10(min(fractions)), math.log10(max(fractions))
     span = (hi - lo) or 1.0
@@ -97,14 +98,14 @@ def _panel(r: Result, heading: str, rates: dict[str, list[float]], x0: float, y0
         out.append(f'<line x1="{x0}" y1="{py(rate):.1f}" x2="{x0 + pw}" y2="{py(rate):.1f}" stroke="#eee"/>'
                    f'<text x="{x0 - 30}" y="{py(rate) + 4:.1f}">{rate:.2f}</text>')
     for f in fractions:
-        out.append(f'<text x="{px(f) - 12:.1f}" y="{y0 + ph + 14}">{f:.1%}</text>')
+        out.append(f'<text x="{px(f) - 12:.1f}" y="{y0 + ph + 14}">{x_tick.format(f)}</text>')
     for i, name in enumerate(names):
         if name not in rates:
             continue
         points = " ".join(f"{px(f):.1f},{py(rate):.1f}" for f, rate in zip(fractions, rates[name]))
         out.append(f'<polyline points="{points}" fill="none" stroke="{_color(name, i)}" stroke-width="2"'
                    f'{_dash(name)}/>')
-    out.append(f'<text x="{x0 + pw / 2 - 60}" y="{y0 + ph + 30}">cache size (share of distinct blocks)</text>')
+    out.append(f'<text x="{x0 + pw / 2 - 60}" y="{y0 + ph + 30}">{_escape(x_label)}</text>')
     return out
 
 

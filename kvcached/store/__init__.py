@@ -35,6 +35,7 @@ from kvcached.policies.prefetch import PrefetchPolicy
 from kvcached.policies.write import WritePolicy, make_write_policy
 from kvcached.store import admin
 from kvcached.store.adoption import SETTLE_BYTES, AdoptionReport, RamAdoption
+from kvcached.store.curves import tier_curves
 from kvcached.store.gpu_view import GpuView
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
@@ -81,8 +82,8 @@ class Store:
     after the boot reconcile (the keeper does it); until :meth:`adopt_ssd_order` the index's
     own queue orders SSD eviction. ``adoption``: the previous process's RAM tier being taken
     up. ``timed_tiers``: the tiers whose read latencies are timed (none: reads are counted, not timed).
-    ``ssd_shares``: file bytes of the SSD tier each tenant keeps for itself (tag -> bytes;
-    kvcached.tiers.ssd_shares); none: capacity eviction takes anyone's blocks."""
+    ``ssd_shares``: SSD file bytes each tenant keeps (tag -> bytes; kvcached.tiers.ssd_shares).
+    ``curve_keys``: the live miss-ratio curves sample that many keys (0: none; store.curves)."""
 
     def __init__(self, ram: RamTier, index: BlockIndex, *, ssd: SsdTier | None = None,
                  write_policy: WritePolicy | str = "write_back", ssd_ttl: float = 7 * 86400.0, gone_ttl: float = 3600.0,
@@ -91,7 +92,8 @@ class Store:
                  ssd_order: KeyedPolicy | None = None, rebuild_ssd_order: bool = False,
                  adoption: RamAdoption | None = None, mirror_pulls: bool = True,
                  prefetch: PrefetchPolicy | None = None, timed_tiers: Sequence[str] = (),
-                 count_tenants: bool = False, ssd_shares: Mapping[str, int] | None = None) -> None:
+                 count_tenants: bool = False, ssd_shares: Mapping[str, int] | None = None,
+                 curve_keys: int = 0) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
@@ -129,6 +131,7 @@ class Store:
         self.writer = WritePath(parts, ssd, self.mover, self.admission)
         self.pulls = PeerPulls(parts, self.writer, self.mover)
         self.reader = ReadPath(parts, self.writer, self.mover, self.pulls, self.gpu, self.reads)
+        self.curves = tier_curves(ram, ssd, ssd_order, time.monotonic, curve_keys) if curve_keys else None
 
     # -- what SIGHUP changes, the peer tier's late binding, views ----------------------------------
 
@@ -263,11 +266,13 @@ class Store:
 
     async def put(self, items: Sequence[PutItem]) -> PutResult:
         self._settle((item.address.key for item in items), None)
+        self._used((item.address.key, len(item.payload)) for item in items)
         return await self.writer.put(items)
 
     def reserve(self, entries: Sequence[tuple[BlockAddress, int]], tenant: str = "") -> list[RamBlock | SlotRefusal]:
         """Slots for an agent's blocks (kvcached.store.write_path), as ``tenant``'s (Tenant.tag)."""
         self._settle((address.key for address, _ in entries), None)
+        self._used((address.key, nbytes) for address, nbytes in entries)   # saved, or found saved: a use
         results = self.writer.reserve(entries, tenant)
         if self.routes:
             self.routes.reserved([a for (a, _), r in zip(entries, results) if not isinstance(r, SlotRefusal)])
@@ -302,12 +307,20 @@ class Store:
     async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
                   tenant: str = "") -> tuple[list[Fetched], list[Miss]]:
         self._settle(a.key for a in addresses)
-        return await self.reader.get(addresses, allow_partial=allow_partial, tenant=tenant)
+        found, misses = await self.reader.get(addresses, allow_partial=allow_partial, tenant=tenant)
+        self._used((f.address.key, len(f.payload)) for f in found)
+        return found, misses
 
     async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
                   peers: bool = True, tenant: str = "") -> list[Pinned | Miss]:
         self._settle(a.key for a in addresses)
-        return await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers, tenant=tenant)
+        results = await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers, tenant=tenant)
+        self._used((r.block.key, r.block.length) for r in results if isinstance(r, Pinned))
+        return results
+
+    def _used(self, uses: Iterable[tuple[bytes, int]]) -> None:   # blocks used (key, bytes): the curves count them
+        if self.curves is not None:
+            self.curves.uses(uses)
 
     def read(self, pinned: Pinned, start: int, length: int) -> bytes:
         return self.reader.read(pinned, start, length)

@@ -1,0 +1,282 @@
+"""Miss-ratio curves, live: what each tier would hit at other sizes, and what Belady's MIN would
+(no I/O; the clock is passed in). docs/operations.md says how to read them.
+
+Sampling (SHARDS, Waldspurger et al., FAST 2015, its fixed-size variant): a key is in the sample
+while its hash is below a threshold. The hash is the key's first 8 bytes: index keys are BLAKE3
+digests, uniform already. The threshold starts above every hash (every key sampled) and drops to
+the largest sampled hash whenever more than ``sample_keys`` distinct keys are in the sample,
+that key leaving it. So what the curves hold is bounded by ``sample_keys`` keys however many
+keys the traffic has, and the sampling rate R (the threshold over 2^64) follows the traffic.
+
+Policies at other sizes (miniature simulations, Waldspurger et al., USENIX ATC 2017): per tier,
+one copy of its eviction policy per size multiple m (:class:`kvcached.policies.tuning.ShadowCache`,
+the copies slru's tuner runs), with room for m x C x R keys, C the tier's size in blocks (its
+bytes over the mean footprint of the blocks sampled); every sampled access goes to every copy.
+A copy's hits over the sampled accesses estimate the tier's hit rate at m x C, counted from the
+daemon's start. The copies run the tier's policy with its settings of the moment: a tuned one
+(slru's ratio) follows the tier's own tuner (EvictionPolicy.miniature and follow), as a tuner
+run on a miniature's few keys tunes worse than the tier's (slru's copies missed by up to 0.04).
+
+The sample's accesses differ from their expected share of all accesses mostly by the very
+hottest keys, sampled or not (one system prompt's blocks may carry a tenth of the traffic); as
+SHARDS-adj does, the difference is counted as hits at every size (or taken off them). Without
+it the curves of the production trace came out 0.02 to 0.06 off; with it, within 0.01.
+
+MIN: the last ``window`` sampled accesses are kept; Belady's MIN over them with room for
+m x C x R keys estimates what MIN would hit at m x C over the same stretch of traffic. It is
+computed when asked, at most once per ``min_every_s`` (about a second of CPU per million
+window entries and size), and kept until then.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from kvcached.policies.base import EvictionPolicy
+from kvcached.policies.belady import belady_hits
+from kvcached.policies.tuning import ShadowCache
+
+__all__ = ["MAX_RATE", "MULTIPLES", "SAMPLE_KEYS", "WINDOW", "CurvePoint", "KeySample", "MissRatioCurves", "TierSpec"]
+
+MULTIPLES = (0.5, 1.0, 2.0, 4.0)
+SAMPLE_KEYS = 16384         # distinct keys in the sample at most
+MAX_RATE = 1 / 16           # the share of keys sampled at most: what every access may cost
+WINDOW = 65536              # sampled accesses MIN looks at
+SPACE = 1 << 64
+RESIZE_EVERY = 256          # sampled accesses between two looks at the tiers' size in blocks
+
+
+class KeySample:
+    """The fixed-size spatial sample: which keys are in it, at most ``limit``."""
+
+    def __init__(self, limit: int, rate: float = 1.0) -> None:
+        if limit < 1 or not 0 < rate <= 1:
+            raise ValueError(f"a sample of {limit} keys at most, at a rate of {rate} at most")
+        self.limit = limit
+        self.threshold = int(SPACE * rate)      # a key is sampled while its hash is below this
+        self._hashes: dict[bytes, int] = {}
+        self._largest: list[tuple[int, bytes]] = []    # (-hash, key): a heap, the largest first
+
+    @property
+    def rate(self) -> float:
+        """The share of the key space sampled."""
+        return self.threshold / SPACE
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._hashes
+
+    def take(self, key: bytes, hashed: int) -> list[bytes]:
+        """``key`` (its hash below the threshold) is in the sample; returns the keys that left it
+        to keep it within its limit (the key itself among them when its hash is the largest)."""
+        if key in self._hashes:
+            return []
+        self._hashes[key] = hashed
+        heapq.heappush(self._largest, (-hashed, key))
+        dropped = []
+        while len(self._hashes) > self.limit:
+            neg, out = heapq.heappop(self._largest)
+            del self._hashes[out]
+            self.threshold = -neg
+            dropped.append(out)
+        return dropped
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A tier the curves model: its name, its policy's name and the policy itself (the tier's
+    own, whose copies run at other sizes; or one like it, for a tier ordered otherwise), its
+    capacity in bytes, and the bytes a block of n payload bytes takes in it."""
+
+    name: str
+    policy_name: str
+    policy: EvictionPolicy
+    capacity_bytes: int
+    footprint: Callable[[int], int]
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One size of one tier: ``multiple`` of its configured size, ``blocks`` at the mean block
+    size seen; the hit rate its policy would have there (None: nothing sampled yet), and MIN's
+    over the window (None: not computed)."""
+
+    tier: str
+    policy: str
+    multiple: float
+    blocks: int
+    hit_rate: float | None
+    min_hit_rate: float | None
+
+
+class _TierCopies:
+    """One tier's policy at each multiple, as miniature copies."""
+
+    def __init__(self, spec: TierSpec, multiples: Sequence[float]) -> None:
+        self.spec = spec
+        self.multiples = tuple(multiples)
+        self.copies = [ShadowCache(spec.policy.miniature(), 1) for _ in self.multiples]
+        self.hits = [0.0] * len(self.multiples)     # per copy, scaled to the current sampling rate
+        self.footprint_sum = 0
+        self.footprint_n = 0
+        self.blocks = 0                     # the tier's size in blocks of the mean footprint seen
+
+    def seen(self, nbytes: int) -> None:
+        self.footprint_sum += self.spec.footprint(nbytes)
+        self.footprint_n += 1
+
+    def resize(self, rate: float) -> None:
+        if self.footprint_n:
+            self.blocks = int(self.spec.capacity_bytes * self.footprint_n / self.footprint_sum)
+        for m, copy in zip(self.multiples, self.copies):
+            copy.capacity = max(1, round(m * self.blocks * rate))
+            copy.policy.policy.follow(self.spec.policy)
+
+    def access(self, key: bytes) -> None:
+        hits = self.hits
+        for i, copy in enumerate(self.copies):
+            if copy.access(key):
+                hits[i] += 1.0
+
+    def scale(self, factor: float) -> None:
+        self.hits = [h * factor for h in self.hits]
+
+    def forget(self, key: bytes) -> None:
+        for copy in self.copies:
+            if key in copy.policy:
+                copy.policy.remove(key)
+
+
+class MissRatioCurves:
+    """The curves of ``tiers`` (see the module). The owner calls :meth:`access` for every use of
+    a block (a hit it serves, a block it stores or finds stored), reads :meth:`points`."""
+
+    def __init__(self, tiers: Sequence[TierSpec], clock: Callable[[], float], *, sample_keys: int = SAMPLE_KEYS,
+                 max_rate: float = MAX_RATE, window: int = WINDOW, multiples: Sequence[float] = MULTIPLES,
+                 min_every_s: float = 60.0) -> None:
+        self.sample = KeySample(sample_keys, max_rate)
+        self.tiers = [_TierCopies(spec, multiples) for spec in tiers]
+        self.multiples = tuple(multiples)
+        self.clock = clock
+        self.min_every_s = min_every_s
+        self.accesses = 0                   # every access offered
+        self.sampled = 0                    # of those, sampled
+        self.weight = 0.0                   # the sampled, scaled to the current sampling rate
+        self._window: list[tuple[bytes, int]] = [(b"", 0)] * window   # (key, its access number): a ring
+        self._at = 0
+        self._min: dict[str, list[float]] = {}
+        self._min_at = -float("inf")
+        self._min_sampled = 0               # the sampled accesses counted when MIN was
+        self._min_span = (0, 0)
+
+    def access(self, key: bytes, nbytes: int) -> None:
+        """One use of the block at ``key`` (an index key) of ``nbytes`` payload bytes."""
+        self.accesses += 1
+        hashed = int.from_bytes(key[:8], "little")
+        if hashed < self.sample.threshold:
+            self._sampled(key, hashed, nbytes)
+
+    def uses(self, uses: Iterable[tuple[bytes, int]]) -> None:
+        """:meth:`access` for each (key, nbytes)."""
+        threshold = self.sample.threshold
+        for key, nbytes in uses:
+            self.accesses += 1
+            hashed = int.from_bytes(key[:8], "little")
+            if hashed < threshold:
+                self._sampled(key, hashed, nbytes)
+                threshold = self.sample.threshold
+
+    def _sampled(self, key: bytes, hashed: int, nbytes: int) -> None:
+        before = self.sample.threshold
+        dropped = self.sample.take(key, hashed)
+        if dropped:
+            # Counts taken at a higher rate weigh what they would at the new one (SHARDS' rescaling),
+            # so traffic from before and after a drop of the threshold counts alike.
+            factor = self.sample.threshold / before
+            self.weight *= factor
+            for tier in self.tiers:
+                tier.scale(factor)
+                for out in dropped:
+                    tier.forget(out)
+            if key not in self.sample:
+                self._resize()
+                return
+        self.sampled += 1
+        self.weight += 1.0
+        for tier in self.tiers:
+            tier.seen(nbytes)
+        if dropped or self.sampled % RESIZE_EVERY == 1:
+            self._resize()
+        for tier in self.tiers:
+            tier.access(key)
+        window = self._window
+        window[self._at] = (key, self.accesses)
+        self._at = (self._at + 1) % len(window)
+
+    def _resize(self) -> None:
+        rate = self.sample.rate
+        for tier in self.tiers:
+            tier.resize(rate)
+
+    def points(self, with_min: bool = True) -> list[CurvePoint]:
+        """Every tier at every multiple; with ``with_min``, MIN's too (computed if the last is
+        older than ``min_every_s``)."""
+        mins = self.min_rates() if with_min else {}
+        out = []
+        for tier in self.tiers:
+            spec = tier.spec
+            for i, m in enumerate(tier.multiples):
+                rate = self._adjusted(tier.hits[i])
+                least = mins.get(spec.name)
+                out.append(CurvePoint(spec.name, spec.policy_name, m, int(m * tier.blocks), rate,
+                                      least[i] if least else None))
+        return out
+
+    def _adjusted(self, hits: float) -> float | None:
+        """The hit rate of a copy's ``hits``, adjusted as SHARDS-adj does: the sample's accesses
+        differ from the expected share of all accesses (every access offered times the rate)
+        mostly by the very hottest keys, sampled or missed, whose uses hit at every size; the
+        difference is counted as hits (or taken off them) at every size."""
+        expected = self.accesses * self.sample.rate
+        if not self.weight or expected <= 0:
+            return None
+        return min(1.0, max(0.0, (hits + expected - self.weight) / expected))
+
+    def window(self) -> list[tuple[bytes, int]]:
+        """The sampled accesses of the window still in the sample, oldest first, each with its
+        access number (1 for the first access offered): what MIN is computed over."""
+        ring = self._window[:]                 # one copy, atomic under the GIL: a reader thread is safe
+        at = self._at
+        sample = self.sample
+        return [(key, n) for key, n in ring[at:] + ring[:at] if n and key in sample]
+
+    def min_rates(self) -> dict[str, list[float]]:
+        """MIN's hit rate over the window per tier and multiple, recomputed once per
+        ``min_every_s`` at most, unless an eighth of the window is new since."""
+        now = self.clock()
+        fresh = self.sampled - self._min_sampled < max(16, min(len(self._window), self.sampled) // 8)
+        if now - self._min_at < self.min_every_s and fresh:
+            return self._min
+        entries = self.window()
+        keys = [key for key, _ in entries]
+        rate = self.sample.rate
+        # The window's stretch of traffic held this many sampled accesses by expectation; the
+        # difference is adjusted for as the curves' (_adjusted).
+        expected = (entries[-1][1] - entries[0][1] + 1) * rate if entries else 0.0
+        out: dict[str, list[float]] = {}
+        for tier in self.tiers:
+            out[tier.spec.name] = [
+                min(1.0, max(0.0, (sum(belady_hits(max(1, round(m * tier.blocks * rate)), keys)) + expected - len(keys))
+                             / expected)) for m in tier.multiples] if expected > 0 else []
+        self._min, self._min_at, self._min_sampled = out, now, self.sampled
+        self._min_span = (entries[0][1], entries[-1][1]) if entries else (0, 0)
+        return out
+
+    @property
+    def min_span(self) -> tuple[int, int]:
+        """The access numbers of the first and last sampled access the last MIN counted."""
+        return self._min_span
