@@ -4,10 +4,13 @@
 
 1. Cost. Three ``kvcached serve`` subprocesses alike (bench_core.start_kvcached: RAM 0.5 GiB,
    SSD 1 GiB written back): "curves" with ``kv.curves = true`` (the default: RAM and SSD
-   curves), "off" and "off-b" with ``kv.curves = false``. Gets of a working set and Puts of fresh
-   blocks through gRPC, 16 KiB x64 and 64 KiB x16, rounds interleaved (the order reversed each
-   round), each daemon filled once first so every Put round evicts. The ratio is the median over
-   rounds of curves / off. Target (issue 42): >= 0.98x. Figure 2 is the same against "off-b",
+   curves), "off" and "off-b" with ``kv.curves = false``. Gets of a working set, then Puts of
+   fresh blocks, through gRPC, 16 KiB x64 and 64 KiB x16, rounds interleaved (the order reversed
+   each round); before the Puts each daemon is filled once, so every Put round evicts, and its
+   write-back of the fill is waited out (and after each Put round, so that no daemon's round
+   runs beside another's write-back). The ratio is the median over
+   rounds of curves / off. Target (issue 42): >= 0.98x. Figures 1b and 2b: the daemon's CPU
+   time per call (the less noisy measure of what the curves add), the ratio off / curves. Figure 2 is the same against "off-b",
    two daemons alike (A/A): the spread that is noise.
 3. Accuracy. The curves fed, as the daemon feeds them, the block uses of the Mooncake trace
    (../shared/traces) and of every synthetic workload (at 8 times their default length; 2 with
@@ -28,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,9 +58,17 @@ from kvcached.sim.traces import load_trace  # noqa: E402
 from kvcached.sim.workloads import WORKLOADS, make_trace  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
-CASES = (Case("get", 16 << 10, 64), Case("put", 16 << 10, 64), Case("get", 64 << 10, 16), Case("put", 64 << 10, 16))
+CASES = (Case("get", 16 << 10, 64), Case("get", 64 << 10, 16), Case("put", 16 << 10, 64), Case("put", 64 << 10, 16))
 COST_TARGET = 0.98
 ACCURACY, MIN_ACCURACY = 0.02, 0.03
+
+
+def drained(backend: GrpcBackend, timeout: float = 120.0) -> None:
+    """Wait until ``backend``'s RAM tier holds no block still to be written back to SSD."""
+    from kvcached.v1 import kvcache_pb2 as pb
+    deadline = time.monotonic() + timeout
+    while backend.stub.Stats(pb.StatsRequest(), timeout=10).ram_dirty_bytes and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def cost_rows(backends: dict[str, GrpcBackend], rounds: int, seconds: float) -> list[Row]:
@@ -64,21 +76,34 @@ def cost_rows(backends: dict[str, GrpcBackend], rounds: int, seconds: float) -> 
     payloads = {case.size: os.urandom(case.size) for case in CASES}
     working = {size: load_working_set(list(backends.values()), size, max(64, (16 << 20) // size), payload)
                for size, payload in payloads.items()}
-    for backend in backends.values():
-        progress(f"filling {backend.name}: 0.6 GiB of 64 KiB puts, so every Put round evicts")
-        payload = payloads[64 << 10]
-        for _ in range(0, 10_000, 16):
-            backend.put(backend.put_request(fresh_keys(16), payload))
+    for backend in backends.values():        # the working sets written back before any round is timed
+        drained(backend)
     for case in CASES:
+        if case is CASES[2]:               # the Gets' working set is no longer needed: fill, so every Put evicts
+            for backend in backends.values():
+                progress(f"filling {backend.name}: 0.6 GiB of 64 KiB puts, so every Put round evicts")
+                for _ in range(0, 10_000, 16):
+                    backend.put(backend.put_request(fresh_keys(16), payloads[64 << 10]))
+            for backend in backends.values():        # the fill's write-back done: every daemon starts alike
+                drained(backend)
         runs: dict[str, list[float]] = {name: [] for name in backends}
+        cpu: dict[str, list[float]] = {name: [] for name in backends}
         for r in range(rounds):
             for name in (list(backends) if r % 2 == 0 else list(reversed(backends))):
-                runs[name].append(run_case(backends[name], case, working[case.size], payloads[case.size], seconds)["gbps"])
+                got = run_case(backends[name], case, working[case.size], payloads[case.size], seconds)
+                runs[name].append(got["gbps"])
+                cpu[name].append(got["server_user_us_per_call"] + got["server_sys_us_per_call"])
+                if case.op == "put":              # its write-back runs out before the next daemon's round
+                    drained(backends[name])
         for figure, name, base, target in ((1, "curves", "off", f">= {COST_TARGET:.2f}x"), (2, "off-b", "off", "")):
             ratio = statistics.median(a / b for a, b in zip(runs[name], runs[base]))
             rows.append(Row(figure, f"{case.label}, {name}", "GB/s", statistics.median(runs[name]), base,
                             statistics.median(runs[base]), True, target, ratio >= COST_TARGET if target else None,
                             {"rounds": runs}, ratio))
+            # The daemon's CPU per call: the less noisy measure of what the curves add.
+            mine, theirs = statistics.median(cpu[name]), statistics.median(cpu[base])
+            rows.append(Row(figure + 2, f"{case.label}, {name}", "us", mine, base, theirs, False, target,
+                            theirs / mine >= COST_TARGET if target else None, {"rounds": cpu}, theirs / mine))
         progress(f"{case.label}: " + ", ".join(f"{n} {statistics.median(v):.3f} GB/s" for n, v in runs.items()))
     return rows
 
@@ -88,7 +113,7 @@ def accuracy(name: str, stream: Sequence[bytes], policy: str, share: float = 0.1
     size = max(1, int(len(set(stream)) * share))
     tier = make_keyed_policy(policy)
     curves = MissRatioCurves([TierSpec("ram", policy, tier.policy, size * 4096, lambda n: n)], lambda: 0.0,
-                             min_every_s=0.0)
+                             min_every_s=0.0, sampled_per_s=None)
     for _hit, key in zip(replay_hits(tier, size, stream), stream):
         curves.access(key, 4096)
     points = {p.multiple: p for p in curves.points()}
@@ -148,7 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   else accesses_of(make_trace(name, scale)))
         results += accuracy(name if name == "trace" else f"{name} x{scale:g}", stream, policy)
     titles = {1: "1. Cost: Gets and Puts with the curves on against off (higher is better)",
-              2: "2. Spread: the same on two daemons alike, both off (A/A; how far from 1.00x is noise)"}
+              2: "2. Spread: the same on two daemons alike, both off (A/A; how far from 1.00x is noise)",
+              3: "1b. The daemon's CPU (user and system) per call, curves on against off (ratio: off / on)",
+              4: "2b. The same, A/A"}
     print_fitted(rows, f"kvcached curves benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
                  f"{rounds} rounds of {seconds:g} s", titles, lambda v, u: f"{v:.3f} {u}",
                  ["ratio: median over rounds of the two sides in the same round."])

@@ -72,6 +72,17 @@ class StoreCollector(Collector):
         for tag, n in self.store.ram.used_by_tenant().items():
             by_tenant.add_metric([tag or "default"], n)
         yield by_tenant
+        estimates = self.store.delivery.estimates()
+        if estimates:
+            rate = GaugeMetricFamily("kvcached_delivery_bytes_per_second", "What a source of blocks delivers lately "
+                                     "(ssd: promotions, peer: pulls), fitted over its last batches", labels=["source"])
+            latency = GaugeMetricFamily("kvcached_delivery_latency_seconds", "The latency of a batch from that "
+                                        "source, fitted with the rate", labels=["source"])
+            for source, d in estimates.items():
+                rate.add_metric([source], d.bytes_per_s)
+                latency.add_metric([source], d.latency_s)
+            yield rate
+            yield latency
         ssd_tier = self.store.ssd
         if ssd_tier is not None and self.store.tally.on:
             on_ssd = GaugeMetricFamily("kvcached_ssd_bytes_by_tenant", "SSD block file bytes by tenant (labels from "

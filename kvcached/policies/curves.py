@@ -2,8 +2,9 @@
 (no I/O; the clock is passed in). docs/operations.md says how to read them.
 
 Sampling (SHARDS, Waldspurger et al., FAST 2015, its fixed-size variant): a key is in the sample
-while its hash is below a threshold. The hash is the key's first 8 bytes: index keys are BLAKE3
-digests, uniform already. The threshold starts above every hash (every key sampled) and drops to
+while its hash is below a threshold. The hash is the key's first 8 bytes, big-endian: index keys
+are BLAKE3 digests, uniform already, and a key compares with the threshold as bytes (one memcmp,
+no number made for the fifteen keys in sixteen that are not sampled). The threshold starts above every hash (every key sampled) and drops to
 the largest sampled hash whenever more than ``sample_keys`` distinct keys are in the sample,
 that key leaving it. So what the curves hold is bounded by ``sample_keys`` keys however many
 keys the traffic has, and the sampling rate R (the threshold over 2^64) follows the traffic.
@@ -44,6 +45,7 @@ MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 SAMPLE_KEYS = 16384         # distinct keys in the sample at most
 MAX_RATE = 1 / 16           # the share of keys sampled at most: what every access may cost
 WINDOW = 65536              # sampled accesses MIN looks at
+SAMPLED_PER_S = 500         # sampled uses a second at most: past that the sampling rate halves
 SPACE = 1 << 64
 RESIZE_EVERY = 256          # sampled accesses between two looks at the tiers' size in blocks
 
@@ -64,11 +66,29 @@ class KeySample:
         """The share of the key space sampled."""
         return self.threshold / SPACE
 
+    @property
+    def bound(self) -> bytes:
+        """The threshold as a key: a key is sampled exactly when it compares below this."""
+        return self.threshold.to_bytes(8, "big") + bytes(24) if self.threshold < SPACE else b"\xff" * 33
+
     def __len__(self) -> int:
         return len(self._hashes)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._hashes
+
+    def lower(self, threshold: int) -> list[bytes]:
+        """Sample fewer keys: those with hashes below ``threshold`` only; returns the keys that
+        left the sample."""
+        if threshold >= self.threshold:
+            return []
+        self.threshold = threshold
+        dropped = [key for key, hashed in self._hashes.items() if hashed >= threshold]
+        for key in dropped:
+            del self._hashes[key]
+        self._largest = [(-h, k) for k, h in self._hashes.items()]
+        heapq.heapify(self._largest)
+        return dropped
 
     def take(self, key: bytes, hashed: int) -> list[bytes]:
         """``key`` (its hash below the threshold) is in the sample; returns the keys that left it
@@ -156,9 +176,11 @@ class MissRatioCurves:
     a block (a hit it serves, a block it stores or finds stored), reads :meth:`points`."""
 
     def __init__(self, tiers: Sequence[TierSpec], clock: Callable[[], float], *, sample_keys: int = SAMPLE_KEYS,
-                 max_rate: float = MAX_RATE, window: int = WINDOW, multiples: Sequence[float] = MULTIPLES,
-                 min_every_s: float = 60.0) -> None:
+                 max_rate: float = MAX_RATE, sampled_per_s: float | None = SAMPLED_PER_S, window: int = WINDOW,
+                 multiples: Sequence[float] = MULTIPLES, min_every_s: float = 60.0) -> None:
         self.sample = KeySample(sample_keys, max_rate)
+        self.sampled_per_s = sampled_per_s
+        self._second = (-1.0, 0)                # (the second being counted, sampled uses in it)
         self.tiers = [_TierCopies(spec, multiples) for spec in tiers]
         self.multiples = tuple(multiples)
         self.clock = clock
@@ -175,25 +197,29 @@ class MissRatioCurves:
 
     def access(self, key: bytes, nbytes: int) -> None:
         """One use of the block at ``key`` (an index key) of ``nbytes`` payload bytes."""
-        self.accesses += 1
-        hashed = int.from_bytes(key[:8], "little")
-        if hashed < self.sample.threshold:
-            self._sampled(key, hashed, nbytes)
+        self.uses(((key, nbytes),))
 
     def uses(self, uses: Iterable[tuple[bytes, int]]) -> None:
-        """:meth:`access` for each (key, nbytes)."""
-        threshold = self.sample.threshold
+        """:meth:`access` for each (key, nbytes), in order. Runs for every block served or
+        saved: the keys not sampled cost a comparison each."""
+        bound = self.sample.bound
+        n = 0
         for key, nbytes in uses:
-            self.accesses += 1
-            hashed = int.from_bytes(key[:8], "little")
-            if hashed < threshold:
-                self._sampled(key, hashed, nbytes)
-                threshold = self.sample.threshold
+            n += 1
+            if key < bound:
+                self.accesses += n
+                n = 0
+                self._sampled(key, int.from_bytes(key[:8], "big"), nbytes)
+                bound = self.sample.bound
+        self.accesses += n
 
     def _sampled(self, key: bytes, hashed: int, nbytes: int) -> None:
         before = self.sample.threshold
         dropped = self.sample.take(key, hashed)
-        if dropped:
+        if self.sampled_per_s is not None:
+            dropped += self._within_budget()
+        changed = self.sample.threshold != before
+        if changed:
             # Counts taken at a higher rate weigh what they would at the new one (SHARDS' rescaling),
             # so traffic from before and after a drop of the threshold counts alike.
             factor = self.sample.threshold / before
@@ -209,13 +235,26 @@ class MissRatioCurves:
         self.weight += 1.0
         for tier in self.tiers:
             tier.seen(nbytes)
-        if dropped or self.sampled % RESIZE_EVERY == 1:
+        if changed or self.sampled % RESIZE_EVERY == 1:
             self._resize()
         for tier in self.tiers:
             tier.access(key)
         window = self._window
         window[self._at] = (key, self.accesses)
         self._at = (self._at + 1) % len(window)
+
+    def _within_budget(self) -> list[bytes]:
+        """Past ``sampled_per_s`` sampled uses in one second of the clock, the rate halves (the
+        keys above the new threshold leave the sample): what the curves cost a busy daemon stays
+        bounded, and a busy daemon has uses enough to sample fewer."""
+        now = int(self.clock())
+        second, count = self._second
+        count = count + 1 if now == second else 1
+        self._second = (now, count)
+        if count <= self.sampled_per_s:     # type: ignore[operator]
+            return []
+        self._second = (now, 0)
+        return self.sample.lower(self.sample.threshold // 2)
 
     def _resize(self) -> None:
         rate = self.sample.rate

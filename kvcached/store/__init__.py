@@ -42,7 +42,7 @@ from kvcached.store.ledger import RecordLedger
 from kvcached.store.parts import StoreParts, StoreSettings
 from kvcached.store.peer_pulls import PeerPulls, PeerTierLike
 from kvcached.store.read_path import ReadPath
-from kvcached.store.reads import ReadStats
+from kvcached.store.reads import DeliveryRates, ReadStats
 from kvcached.store.results import (
     CommitOutcome,
     Counters,
@@ -121,7 +121,8 @@ class Store:
         # hold all of it: puts keep finding room in the other half.
         self.inflight = InFlight(max_held_bytes=ram.capacity // 2)
         self._budget = budget
-        parts = StoreParts(ram, index, self.ledger, self.inflight, self.counters, self.settings, clock, self.tally)
+        self.delivery = DeliveryRates()      # what SSD reads and peer pulls deliver lately (load cost rule)
+        parts = StoreParts(ram, index, self.ledger, self.inflight, self.counters, self.settings, clock, self.tally, self.delivery)
         self.evictor: SsdEvictor | None = None
         self.mover: SsdMover | None = None
         if ssd is not None:

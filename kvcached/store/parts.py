@@ -15,6 +15,7 @@ from kvcached.policies.prefetch import PrefetchPolicy, WaitComplete
 from kvcached.policies.write import WritePolicy
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
+from kvcached.store.reads import DeliveryRates
 from kvcached.store.results import Counters, TenantTally
 from kvcached.tiers.ram import RamTier
 
@@ -41,6 +42,7 @@ class StoreParts:
     settings: StoreSettings
     clock: Callable[[], float]
     tally: TenantTally = field(default_factory=TenantTally)
+    delivery: DeliveryRates = field(default_factory=DeliveryRates)   # what SSD reads and pulls deliver lately
 
 
 class Room:
@@ -55,3 +57,4 @@ class Room:
         self.settings = parts.settings
         self.clock = parts.clock
         self.tally = parts.tally
+        self.delivery = parts.delivery

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from kvcached.errors import Unavailable
@@ -106,7 +107,9 @@ class PeerPulls(Room):
         assert self.peers is not None
         got: list[tuple[BlockAddress, Any, Any]] = []
         try:
+            started = time.perf_counter()
             got = await self.peers.fetch(mine, functools.partial(self._reserve, tenant=tenant), self._abort, tenant)
+            self.delivery.took("peer", sum(head.payload_length for _, _, head in got), time.perf_counter() - started)
             now = self.clock()
             mirror = self.settings.mirror_pulls
             for address, (block, view), head in got:

@@ -20,12 +20,14 @@ collector reads from its scrape thread (kvcached.host.histogram says why no lock
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from time import perf_counter
 from typing import Iterable
 
 from kvcached.host.histogram import Histogram
+from kvcached.policies.load_cost import Delivery
 
-__all__ = ["LATENCY_BUCKETS", "OUTCOMES", "TIERS", "LatencyHistogram", "ReadStats", "outcome"]
+__all__ = ["LATENCY_BUCKETS", "OUTCOMES", "TIERS", "DeliveryRates", "LatencyHistogram", "ReadStats", "outcome"]
 
 TIERS = ("gpu", "ram", "ssd", "peer")
 OUTCOMES = ("hit", "partial", "miss")
@@ -90,3 +92,39 @@ class ReadStats:
                 seconds = perf_counter() - started
                 histogram.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
                 histogram.sum += seconds
+
+
+class DeliveryRates:
+    """What each source of blocks (``ssd``: promotions; ``peer``: pulls) delivered lately, from
+    its last :data:`WINDOW` batches: (bytes, seconds) each, fitted to ``seconds = latency +
+    bytes / rate`` (least squares where the batches' sizes differ enough to tell the two apart;
+    else all of it taken as rate, no latency). Measured from the daemon's own reads, never a
+    constant: a throttled disk or a slow link shows within a few batches."""
+
+    WINDOW = 32
+
+    def __init__(self) -> None:
+        self._batches: dict[str, deque[tuple[int, float]]] = {}
+
+    def took(self, source: str, nbytes: int, seconds: float) -> None:
+        """A batch of ``nbytes`` from ``source`` arrived ``seconds`` after it was asked for."""
+        if nbytes > 0 and seconds > 0:
+            self._batches.setdefault(source, deque(maxlen=self.WINDOW)).append((nbytes, seconds))
+
+    def estimate(self, source: str) -> Delivery | None:
+        batches = list(self._batches.get(source, ()))
+        if not batches:
+            return None
+        n = len(batches)
+        mean_b = sum(b for b, _ in batches) / n
+        mean_s = sum(s for _, s in batches) / n
+        var_b = sum((b - mean_b) ** 2 for b, _ in batches) / n
+        if n >= 4 and var_b ** 0.5 > 0.25 * mean_b:
+            slope = sum((b - mean_b) * (s - mean_s) for b, s in batches) / n / var_b
+            latency = mean_s - slope * mean_b
+            if slope > 0 and latency >= 0:
+                return Delivery(latency, 1 / slope)
+        return Delivery(0.0, mean_b / mean_s)
+
+    def estimates(self) -> dict[str, Delivery]:
+        return {source: d for source in list(self._batches) if (d := self.estimate(source)) is not None}

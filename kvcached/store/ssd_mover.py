@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from itertools import islice
 
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier, queue_entry
@@ -108,8 +109,11 @@ class SsdMover(Room):
         try:
             views = [self.ram.slot_view(b) for _, b, _ in mine]
             try:
+                started = time.perf_counter()
                 problems: list[ReadProblem | None] = await self.ssd.read_many(
                     [(b.key, header_of(r), v) for (r, b, _), v in zip(mine, views)])
+                self.delivery.took("ssd", sum(r.nbytes for (r, _, _), p in zip(mine, problems) if p is None),
+                                   time.perf_counter() - started)
             except Exception as exc:     # the reads themselves failed (not a bad file): every one is a miss
                 log.exception("SSD reads failed")
                 problems = [ReadProblem(ReadFault.IO_ERROR, f"{IO_ERROR}: {exc}")] * len(mine)

@@ -40,7 +40,7 @@ def test_live_curves_match_the_exact_replay(workload: str, scale: float, policy:
     size = int(len(set(stream)) * share)
     tier = make_keyed_policy(policy)
     curves = MissRatioCurves([TierSpec("ram", policy, tier.policy, size * 4096, lambda n: n)], lambda: 0.0,
-                             min_every_s=0.0)
+                             min_every_s=0.0, sampled_per_s=None)
     for _hit, key in zip(replay_hits(tier, size, stream), stream):      # the tier runs beside the curves
         curves.access(key, 4096)
     points = {p.multiple: p for p in curves.points()}
@@ -80,7 +80,8 @@ def test_what_the_curves_hold_is_bounded_by_the_sample_not_the_keys() -> None:
         return TierSpec(name, "lru", make_keyed_policy("lru").policy, 1 << 40, lambda n: n)
     tracemalloc.start()
     try:
-        curves = MissRatioCurves([tier("ram"), tier("ssd")], lambda: 0.0, sample_keys=1024, window=4096, max_rate=1.0)
+        curves = MissRatioCurves([tier("ram"), tier("ssd")], lambda: 0.0, sample_keys=1024, window=4096, max_rate=1.0,
+                                 sampled_per_s=None)
         for i in range(100_000):
             curves.access(os.urandom(32), 4096)
         held, _ = tracemalloc.get_traced_memory()
@@ -94,3 +95,24 @@ def test_nothing_sampled_yet_says_so() -> None:
     curves = MissRatioCurves([TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 20, lambda n: n)],
                              lambda: 0.0)
     assert all(p.hit_rate is None and p.min_hit_rate is None for p in curves.points())
+
+
+def test_a_busy_daemon_samples_fewer_keys_so_the_curves_cost_stays_bounded() -> None:
+    """Past ``sampled_per_s`` sampled uses in a second the rate halves, keys leave the sample
+    and the counts are rescaled: the curves stay an estimate (here of a loop every size holds)."""
+    now = [0.0]
+    curves = MissRatioCurves([TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 30, lambda n: n)],
+                             lambda: now[0], max_rate=1.0, sampled_per_s=100)
+    keys = [os.urandom(32) for _ in range(64)]
+    for _ in range(10):
+        curves.uses((k, 1) for k in keys)            # 640 uses within one second
+    assert curves.sample.rate < 1.0 and len(curves.sample) < 64
+    assert all(key not in curves.sample or int.from_bytes(key[:8], "big") < curves.sample.threshold for key in keys)
+    rate = curves.sample.rate
+    now[0] = 5.0
+    for _ in range(10):
+        now[0] += 1.0                                # 64 uses a second: within the budget
+        curves.uses((k, 1) for k in keys)
+    assert curves.sample.rate == rate
+    hit = next(p for p in curves.points(with_min=False) if p.multiple == 1.0).hit_rate
+    assert hit is not None and hit > 0.8, hit
