@@ -17,6 +17,10 @@ def _ip(*args: str, ns: str | None = None) -> None:
     subprocess.run(argv, check=True, capture_output=True, text=True)
 
 
+def _tc(ns: str, *args: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, "tc", *args], check=True, capture_output=True, text=True)
+
+
 def netns_usable() -> bool:
     """Root, with the ip tool: namespaces can be made here."""
     return os.geteuid() == 0 and shutil.which("ip") is not None
@@ -57,6 +61,16 @@ class Hosts:
         _ip("link", "set", "lo", "up", ns=ns)
         self.hosts[ns] = address
         return ns
+
+    def throttle(self, ns: str, rate: str | None) -> None:
+        """What host ``ns`` sends is held to ``rate`` (tc's units: "8mbit"); None lifts it. A
+        token bucket (tc tbf: netem is not in these machines' kernels)."""
+        n = list(self.hosts).index(ns) + 2
+        if rate is None:
+            _tc(ns, "qdisc", "del", "dev", f"{self.tag}i{n}", "root")
+        else:
+            _tc(ns, "qdisc", "replace", "dev", f"{self.tag}i{n}", "root", "tbf", "rate", rate, "burst", "16kb",
+                "latency", "2s")
 
     def exec(self, ns: str) -> list[str]:
         """The command prefix that runs a program in host ``ns``."""
