@@ -96,10 +96,10 @@ class ReadStats:
 
 class DeliveryRates:
     """What each source of blocks (``ssd``: promotions; ``peer``: pulls) delivered lately, from
-    its last :data:`WINDOW` batches (few, so that a throttle, or its end, shows within a few): (bytes, seconds) each, fitted to ``seconds = latency +
+    its last :data:`WINDOW` batches, (bytes, seconds) each, fitted to ``seconds = latency +
     bytes / rate`` (least squares where the batches' sizes differ enough to tell the two apart;
     else all of it taken as rate, no latency). Measured from the daemon's own reads, never a
-    constant: a throttled disk or a slow link shows within a few batches."""
+    constant, over few batches: a throttled disk or a slow link, or its end, shows within them."""
 
     WINDOW = 8
 
