@@ -258,6 +258,11 @@ class Agent:
         return p.LookupResult(join(first.longest, rest.longest), join(first.gpu, rest.gpu), join(first.ram, rest.ram),
                               join(first.ssd, rest.ssd), join(first.peer, rest.peer))
 
+    def plan_loads(self, digests: Sequence[bytes], recompute_s: float, layer: int = CROSS_LAYER) -> p.LoadPlan:
+        """How many blocks of the chain to load, the rest recomputed at ``recompute_s`` a block
+        (PlanLoads; docs/engines.md "Loads that pay"); nothing while the daemon is away."""
+        return self._guarded(lambda: _ask_plan(self, digests, recompute_s, layer), p.LoadPlan(0, 0, 0, 0, 0.0, 0.0, 0.0))
+
     def present(self, digests: Sequence[bytes], layer: int = CROSS_LAYER) -> bytes:
         """Per digest, the protocol's HELD_* flags of the tiers holding that block, each block on
         its own (not a chain's prefix); all 0 while the daemon is away (reconnect mode)."""
@@ -471,3 +476,21 @@ class Agent:
 
 
 __all__ += ["AgentError"]
+
+
+def _ask_plan(agent: Agent, digests: Sequence[bytes], recompute_s: float, layer: int) -> p.LoadPlan:
+    """:meth:`Agent.plan_loads` asked of a connected daemon: what the tiers hold, less SSD and
+    peer blocks slower to load than to recompute. A daemon that predates PlanLoads: what its
+    Lookup finds."""
+    assert agent.client is not None
+    hello = agent.hello
+    block_bytes = hello.layer_block_bytes * (hello.num_layers if layer == CROSS_LAYER else 1)
+    try:
+        answer = agent.client.call(p.PlanLoads(layer, recompute_s, block_bytes, list(digests[:p.MAX_BATCH])))
+    except AgentError as exc:
+        if exc.code != p.ErrorCode.UNKNOWN_TYPE:
+            raise
+        found = agent.lookup(digests, layer).longest
+        return p.LoadPlan(found, found, 0, 0, 0.0, 0.0, 0.0)
+    assert isinstance(answer, p.LoadPlan)
+    return answer

@@ -56,6 +56,7 @@ from kvcached_agent.replies import (
     Error,
     FeatureSet,
     Loaded,
+    LoadPlan,
     LookupResult,
     OverlapResult,
     PresentResult,
@@ -67,8 +68,9 @@ from kvcached_agent.replies import (
 __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "ErrorCode", "Status", "ProtocolError", "Frame",
     "FrameDecoder", "encode", "decode", "Message",
-    "Hello", "Allocate", "Commit", "Lookup", "Present", "Load", "Release", "Overlap", "Pinned", "Evicted",
-    "Heartbeat", "Route", "Features", "FeatureSet", "Welcome", "Slots", "Committed", "LookupResult", "PresentResult", "Loaded", "Released",
+    "Hello", "Allocate", "Commit", "Lookup", "Present", "PlanLoads", "Load", "Release", "Overlap", "Pinned", "Evicted",
+    "Heartbeat", "Route", "Features", "FeatureSet", "Welcome", "Slots", "Committed", "LookupResult", "PresentResult",
+    "LoadPlan", "Loaded", "Released",
     "OverlapResult", "AgentPrefix", "Error", "HELD_GPU", "HELD_RAM", "HELD_SSD", "HELD_PEER",
 ]
 
@@ -179,6 +181,33 @@ class Present(_LayerDigests):
     state snapshots (kvcached_agent.engines.hybrid). Answered by PresentResult."""
 
     TYPE: ClassVar[int] = 0x08
+
+
+@dataclass(frozen=True, slots=True)
+class PlanLoads:
+    """Of a chain, how many blocks are worth loading rather than recomputing (issue 42, "loads
+    that pay"): recomputing a block costs ``recompute_s`` (its tokens over the engine's prefill
+    rate) and a block is ``block_bytes``. Answered by LoadPlan. A daemon older than this
+    request answers UNKNOWN_TYPE: then load what Lookup finds."""
+
+    TYPE: ClassVar[int] = 0x09
+    layer: int
+    recompute_s: float
+    block_bytes: int
+    digests: Sequence[bytes]
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<IdQ")
+
+    def encode_body(self) -> bytes:
+        if not self.recompute_s >= 0 or self.block_bytes < 0:
+            raise ValueError(f"PlanLoads: recompute_s {self.recompute_s} and block_bytes {self.block_bytes} must be >= 0")
+        return self.FIXED.pack(self.layer, self.recompute_s, self.block_bytes) + _digests_body(self.digests, "PlanLoads")
+
+    @classmethod
+    def decode_body(cls, r: BodyReader) -> "PlanLoads":
+        layer, recompute_s, block_bytes = r.unpack(cls.FIXED)
+        if not 0 <= recompute_s < float("inf"):
+            raise ProtocolError(ErrorCode.MALFORMED, f"PlanLoads: recompute_s {recompute_s} is not a duration")
+        return cls(layer, recompute_s, block_bytes, _read_digests(r))
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,8 +323,9 @@ class Features:
         return cls()
 
 
-Message = Union[Hello, Allocate, Commit, Lookup, Present, Load, Release, Overlap, Pinned, Evicted, Heartbeat, Route, Features,
-                FeatureSet, Welcome, Slots, Committed, LookupResult, PresentResult, Loaded, Released, OverlapResult, Error]
+Message = Union[Hello, Allocate, Commit, Lookup, Present, PlanLoads, Load, Release, Overlap, Pinned, Evicted, Heartbeat, Route,
+                Features, FeatureSet, Welcome, Slots, Committed, LookupResult, PresentResult, LoadPlan, Loaded, Released,
+                OverlapResult, Error]
 
 
 class _Decodable(Protocol):
@@ -308,8 +338,8 @@ class _Decodable(Protocol):
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
-    Hello, Allocate, Commit, Lookup, Present, Load, Release, Overlap, Pinned, Evicted, Heartbeat, Route, Features,
-    FeatureSet, Welcome, Slots, Committed, LookupResult, PresentResult, Loaded, Released, OverlapResult, Error)}
+    Hello, Allocate, Commit, Lookup, Present, PlanLoads, Load, Release, Overlap, Pinned, Evicted, Heartbeat, Route, Features,
+    FeatureSet, Welcome, Slots, Committed, LookupResult, PresentResult, LoadPlan, Loaded, Released, OverlapResult, Error)}
 EVENTS = frozenset({Pinned.TYPE, Evicted.TYPE, Heartbeat.TYPE, Route.TYPE})   # requests that get no reply (unless an Error)
 
 

@@ -22,7 +22,7 @@ from kvcached_agent.codes import (
 )
 from kvcached_agent.framing import BodyReader, ProtocolError
 
-__all__ = ["FeatureSet", "Welcome", "Slots", "Committed", "LookupResult", "PresentResult", "Loaded", "Released",
+__all__ = ["FeatureSet", "Welcome", "Slots", "Committed", "LookupResult", "LoadPlan", "PresentResult", "Loaded", "Released",
            "OverlapResult", "AgentPrefix", "Error", "HELD_GPU", "HELD_RAM", "HELD_SSD", "HELD_PEER"]
 
 
@@ -117,6 +117,32 @@ class LookupResult:
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "LookupResult":
+        return cls(*r.unpack(cls.FIXED))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Answer to PlanLoads: load the first ``load`` blocks and recompute the rest. ``held``: the
+    chain's prefix some tier holds; ``skipped_ssd``, ``skipped_peer``: of it, blocks not worth
+    loading (slower than recomputing); ``seconds``: what the plan expects, against loading all
+    that is held (``load_all_s``) and recomputing everything (``recompute_all_s``)."""
+
+    TYPE: ClassVar[int] = 0x89
+    load: int
+    held: int
+    skipped_ssd: int
+    skipped_peer: int
+    seconds: float
+    load_all_s: float
+    recompute_all_s: float
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<4I3d")
+
+    def encode_body(self) -> bytes:
+        return self.FIXED.pack(self.load, self.held, self.skipped_ssd, self.skipped_peer, self.seconds,
+                               self.load_all_s, self.recompute_all_s)
+
+    @classmethod
+    def decode_body(cls, r: BodyReader) -> "LoadPlan":
         return cls(*r.unpack(cls.FIXED))
 
 

@@ -116,6 +116,11 @@ class AgentSession:
             if isinstance(message, p.Present):
                 return present_result(self.store.present(message.digests, message.layer, agent=self.session,
                                                          tenant=self._tag))
+            if isinstance(message, p.PlanLoads):
+                plan, held = self.store.reader.plan(message.digests, message.layer, message.recompute_s,
+                                                    message.block_bytes, agent=self.session)
+                return p.LoadPlan(plan.load, held, plan.skipped.get("ssd", 0), plan.skipped.get("peer", 0), plan.seconds,
+                                  plan.load_all, plan.recompute_all)
             if isinstance(message, p.Release):
                 return self._release(message)
             if isinstance(message, (p.Pinned, p.Evicted)):
@@ -271,6 +276,8 @@ def _scoped(message: p.Message, scope: Scope) -> p.Message:
         return type(message)(scope.digests(message.digests))
     if isinstance(message, p.Route):
         return p.Route([(scope.digest(d), layer, blob) for d, layer, blob in message.entries])
+    if isinstance(message, p.PlanLoads):
+        return p.PlanLoads(message.layer, message.recompute_s, message.block_bytes, scope.digests(message.digests))
     return message
 
 

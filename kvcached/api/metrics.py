@@ -72,6 +72,11 @@ class StoreCollector(Collector):
         for tag, n in self.store.ram.used_by_tenant().items():
             by_tenant.add_metric([tag or "default"], n)
         yield by_tenant
+        skipped = CounterMetricFamily("kvcached_loads_skipped", "Held blocks a load plan left to be recomputed, as "
+                                      "slower to load than to recompute (PlanLoads)", labels=["source"])
+        skipped.add_metric(["ssd"], self.store.counters.loads_skipped_ssd)
+        skipped.add_metric(["peer"], self.store.counters.loads_skipped_peer)
+        yield skipped
         estimates = self.store.delivery.estimates()
         if estimates:
             rate = GaugeMetricFamily("kvcached_delivery_bytes_per_second", "What a source of blocks delivers lately "

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from kvcached.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvcached.index import Tier
+from kvcached.policies.load_cost import LoadPlan, plan_loads
 from kvcached.store.gpu_view import GpuView
 from kvcached.store.parts import Room, StoreParts
 from kvcached.store.peer_pulls import PeerPulls
@@ -338,6 +339,27 @@ class ReadPath(Room):
                 else "ssd" if ssd_on else "ram")
         self.reads.took(tier, outcome(len(keys), longest), started)
         return LookupResult(longest=longest, ram=ram, ssd=ssd, gpu=gpu, peer=peer)
+
+    def plan(self, digests: Sequence[bytes], layer: int, recompute_s: float, block_bytes: int,
+             agent: int | None = None) -> tuple[LoadPlan, int]:
+        """Which of a chain's held blocks are worth loading (kvcached.policies.load_cost): each
+        block's source (this agent's GPU and RAM count as RAM, then SSD, then a usable peer), what
+        SSD reads and pulls deliver lately, ``recompute_s`` a block. Returns the plan and the
+        prefix held; blocks skipped as slower than recomputing are counted."""
+        self._check_digests(digests)
+        keys = [index_key(d, layer) for d in digests]
+        on_ssd = ([bool(t & Tier.SSD) for t in self.index.tiers_of(keys)] if self.mover is not None
+                  else [False] * len(keys))
+        peers = self.pulls.peers
+        on_peer = peers.held(digests, layer) if peers is not None else [False] * len(keys)
+        on_gpu = self.gpu.held(agent, digests) if agent is not None else set()
+        sources = ["ram" if d in on_gpu or k in self.ram else "ssd" if s else "peer" if q else None
+                   for d, k, s, q in zip(digests, keys, on_ssd, on_peer)]
+        plan = plan_loads(sources, [block_bytes] * len(keys), recompute_s, self.delivery.estimates())
+        self.counters.loads_skipped_ssd += plan.skipped.get("ssd", 0)
+        self.counters.loads_skipped_peer += plan.skipped.get("peer", 0)
+        held = next((i for i, s in enumerate(sources) if s is None), len(sources))
+        return plan, held
 
     def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None, tenant: str = "") -> Presence:
         """Which tiers hold each block, each on its own (not a chain's prefix): the resume

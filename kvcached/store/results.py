@@ -101,6 +101,8 @@ class Counters:
     misses: int = 0
     hit_bytes: int = 0
     lookups: int = 0
+    loads_skipped_ssd: int = 0         # held blocks a load plan skipped as slower than recomputing them
+    loads_skipped_peer: int = 0
     deletes: int = 0
     promotions: int = 0
     demotions: int = 0
