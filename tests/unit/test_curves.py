@@ -13,20 +13,24 @@ import pytest
 
 from kvcached.policies import make_keyed_policy
 from kvcached.policies.belady import belady_hits
-from kvcached.policies.curves import MULTIPLES, KeySample, MissRatioCurves, TierSpec
+from kvcached.policies.curves import MAX_RATE, MULTIPLES, KeySample, MissRatioCurves, TierSpec
 from kvcached.sim.replay import accesses_of, replay_hits
 from kvcached.sim.traces import load_trace
 from kvcached.sim.workloads import make_trace
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+FULL_TRACES = [Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl",
+               Path("/work/shared/traces/conversation_trace.jsonl")]
+SLICE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_slice.jsonl"
 
 
-def accesses(workload: str, scale: float) -> list[bytes]:
+def accesses(workload: str, scale: float) -> tuple[list[bytes], float]:
+    """The workload's block uses, and the most of its keys to sample: the production trace where
+    it is at hand (MAX_RATE), else its first 1,500 requests (tests/data), a seventh of its uses,
+    sampled at a quarter so the sample holds as many uses as the whole trace's does."""
     if workload == "trace":
-        if not TRACE.exists():
-            pytest.skip(f"no production trace at {TRACE}")
-        return accesses_of(load_trace(str(TRACE)).requests)
-    return accesses_of(make_trace(workload, scale))
+        full = next((t for t in FULL_TRACES if t.exists()), None)
+        return accesses_of(load_trace(str(full or SLICE)).requests), MAX_RATE if full else 0.25
+    return accesses_of(make_trace(workload, scale)), MAX_RATE
 
 
 @pytest.mark.parametrize(("workload", "scale", "policy", "share"), [
@@ -36,11 +40,11 @@ def test_live_curves_match_the_exact_replay(workload: str, scale: float, policy:
     """Fed as the daemon feeds them (every use of a block, beside the tier's own policy, whose
     tuned setting the copies follow), the curves match the exact replay at each size. Every
     synthetic workload and policy: bench/bench_curves.py (its accuracy table)."""
-    stream = accesses(workload, scale)
+    stream, rate = accesses(workload, scale)
     size = int(len(set(stream)) * share)
     tier = make_keyed_policy(policy)
     curves = MissRatioCurves([TierSpec("ram", policy, tier.policy, size * 4096, lambda n: n)], lambda: 0.0,
-                             min_every_s=0.0, sampled_per_s=None)
+                             min_every_s=0.0, sampled_per_s=None, max_rate=rate)
     for _hit, key in zip(replay_hits(tier, size, stream), stream):      # the tier runs beside the curves
         curves.access(key, 4096)
     points = {p.multiple: p for p in curves.points()}
