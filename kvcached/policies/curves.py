@@ -295,10 +295,11 @@ class MissRatioCurves:
 
     def min_rates(self) -> dict[str, list[float]]:
         """MIN's hit rate over the window per tier and multiple, recomputed once per
-        ``min_every_s`` at most, unless an eighth of the window is new since."""
+        ``min_every_s`` at most (each call of Stats and each scrape asks): sooner only while the
+        window is young, less than a full window of sampled uses, and an eighth of it is new."""
         now = self.clock()
-        fresh = self.sampled - self._min_sampled < max(16, min(len(self._window), self.sampled) // 8)
-        if now - self._min_at < self.min_every_s and fresh:
+        young = self.sampled < len(self._window) and self.sampled - self._min_sampled >= max(16, self.sampled // 8)
+        if now - self._min_at < self.min_every_s and not young:
             return self._min
         entries = self.window()
         keys = [key for key, _ in entries]
