@@ -120,3 +120,13 @@ def test_a_busy_daemon_samples_fewer_keys_so_the_curves_cost_stays_bounded() -> 
     assert curves.sample.rate == rate
     hit = next(p for p in curves.points(with_min=False) if p.multiple == 1.0).hit_rate
     assert hit is not None and hit > 0.8, hit
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("kv.curve_sample_keys=10", "kv.curve_sample_keys"), ("kv.curve_sample_keys=1.5", "kv.curve_sample_keys"),
+    ('kv.curves="yes"', "kv.curves"),
+])
+def test_bad_curve_settings_are_refused_at_start(override: str, says: str) -> None:
+    from kvcached.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, [override])
