@@ -142,6 +142,7 @@ bench: install engines-venv e2e-venv system-deps
 	$(PY) bench/bench_agent.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/gpu_copy.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_peers.py $(filter --quick,$(BENCH_ARGS))
+	$(PY) bench/bench_loads.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_lane.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_cluster.py $(filter --quick,$(BENCH_ARGS))
 	$(PY) bench/bench_cluster_daemons.py $(filter --quick,$(BENCH_ARGS))

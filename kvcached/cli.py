@@ -217,6 +217,9 @@ def _client_command(args: argparse.Namespace) -> int:
                       f"{s.dirty_dropped} dropped dirty, {s.ssd_corrupt} corrupt, {s.ssd_write_errors} write errors"
                       f"{'' if s.ssd_reconciled else ', boot reconcile running'}")
             print(f"  agents: {s.agents} connected, {s.agent_held_bytes} bytes held, {s.gpu_blocks} blocks in the GPU view")
+            if s.loads_skipped_ssd or s.loads_skipped_peer:
+                print(f"  load plans skipped {s.loads_skipped_ssd} SSD and {s.loads_skipped_peer} peer blocks "
+                      "as slower to load than to recompute")
             for peer in s.peers:
                 state = ("up" if peer.up else "down") + (", connected" if peer.connected else "")
                 error = f", last error: {peer.last_error}" if peer.last_error else ""
@@ -280,7 +283,9 @@ def _print_curves(stats: Any, as_json: bool, plot: str | None) -> int:
     from kvcached.v1 import kvcache_pb2 as pb
 
     if not stats.HasField("curves"):
-        return _die(1, "mrc: this daemon keeps no curves (kv.curves = false)")
+        return _die(1, "mrc: no curves in this daemon's Stats: either it keeps none (kv.curves = false) or this "
+                       "connection acts as a tenant, and the curves, which cover every tenant's traffic, are the "
+                       "operator's to read (the operator's socket or certificate)")
     c = stats.curves
     if as_json:
         print(json.dumps(MessageToDict(c, preserving_proto_field_name=True), indent=2))

@@ -261,7 +261,7 @@ class Agent:
     def plan_loads(self, digests: Sequence[bytes], recompute_s: float, layer: int = CROSS_LAYER) -> p.LoadPlan:
         """How many blocks of the chain to load, the rest recomputed at ``recompute_s`` a block
         (PlanLoads; docs/engines.md "Loads that pay"); nothing while the daemon is away."""
-        return self._guarded(lambda: _ask_plan(self, digests, recompute_s, layer), p.LoadPlan(0, 0, 0, 0, 0.0, 0.0, 0.0))
+        return self._guarded(lambda: _ask_plan(self, digests, recompute_s, layer), p.LoadPlan(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0))
 
     def present(self, digests: Sequence[bytes], layer: int = CROSS_LAYER) -> bytes:
         """Per digest, the protocol's HELD_* flags of the tiers holding that block, each block on
@@ -490,7 +490,9 @@ def _ask_plan(agent: Agent, digests: Sequence[bytes], recompute_s: float, layer:
     except AgentError as exc:
         if exc.code != p.ErrorCode.UNKNOWN_TYPE:
             raise
-        found = agent.lookup(digests, layer).longest
-        return p.LoadPlan(found, found, 0, 0, 0.0, 0.0, 0.0)
+        found = agent.lookup(digests, layer)
+        ram = min(max(found.gpu, found.ram), found.longest)
+        ssd = min(max(found.ssd, ram), found.longest) - ram
+        return p.LoadPlan(found.longest, found.longest, ram, ssd, 0, 0, 0.0, 0.0, 0.0)
     assert isinstance(answer, p.LoadPlan)
     return answer

@@ -122,24 +122,28 @@ class LookupResult:
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
-    """Answer to PlanLoads: load the first ``load`` blocks and recompute the rest. ``held``: the
-    chain's prefix some tier holds; ``skipped_ssd``, ``skipped_peer``: of it, blocks not worth
-    loading (slower than recomputing); ``seconds``: what the plan expects, against loading all
-    that is held (``load_all_s``) and recomputing everything (``recompute_all_s``)."""
+    """Answer to PlanLoads: load the first ``load`` blocks and recompute the rest; of those
+    loaded, ``ram`` come from RAM (or this agent's GPU) and ``ssd`` from SSD, the rest from
+    peers. ``held``: the chain's prefix some tier holds; ``skipped_ssd``, ``skipped_peer``: of
+    it, blocks not worth loading (slower than recomputing); ``seconds``: what the plan expects,
+    against loading all that is held (``load_all_s``) and recomputing everything
+    (``recompute_all_s``)."""
 
     TYPE: ClassVar[int] = 0x89
     load: int
     held: int
+    ram: int
+    ssd: int
     skipped_ssd: int
     skipped_peer: int
     seconds: float
     load_all_s: float
     recompute_all_s: float
-    FIXED: ClassVar[struct.Struct] = struct.Struct("<4I3d")
+    FIXED: ClassVar[struct.Struct] = struct.Struct("<6I3d")
 
     def encode_body(self) -> bytes:
-        return self.FIXED.pack(self.load, self.held, self.skipped_ssd, self.skipped_peer, self.seconds,
-                               self.load_all_s, self.recompute_all_s)
+        return self.FIXED.pack(self.load, self.held, self.ram, self.ssd, self.skipped_ssd, self.skipped_peer,
+                               self.seconds, self.load_all_s, self.recompute_all_s)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "LoadPlan":

@@ -119,7 +119,8 @@ class AgentSession:
             if isinstance(message, p.PlanLoads):
                 plan, held = self.store.reader.plan(message.digests, message.layer, message.recompute_s,
                                                     message.block_bytes, agent=self.session)
-                return p.LoadPlan(plan.load, held, plan.skipped.get("ssd", 0), plan.skipped.get("peer", 0), plan.seconds,
+                return p.LoadPlan(plan.load, held, plan.loaded.get("ram", 0), plan.loaded.get("ssd", 0),
+                                  plan.skipped.get("ssd", 0), plan.skipped.get("peer", 0), plan.seconds,
                                   plan.load_all, plan.recompute_all)
             if isinstance(message, p.Release):
                 return self._release(message)

@@ -490,6 +490,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             dirty_dropped=s["ram_dirty_evictions"] if "ssd_blocks" in s else 0, ssd_corrupt=s.get("ssd_corrupt", 0),
             ssd_write_errors=s.get("ssd_write_errors", 0), ssd_reconciled=bool(s.get("ssd_reconciled", 0)),
             agents=s["agents"], agent_held_bytes=s["held_bytes"], gpu_blocks=s["gpu_blocks"],
+            loads_skipped_ssd=s["loads_skipped_ssd"], loads_skipped_peer=s["loads_skipped_peer"],
             **_peer_stats(self.store))
 
     def _tenant_stats(self, tag: str) -> pb.StatsResponse:

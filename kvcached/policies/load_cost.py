@@ -31,15 +31,17 @@ class Delivery:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """``load`` blocks of the chain to load (a prefix); ``skipped``: blocks held but not loaded
-    past that, by source, as slower than recomputing them; ``seconds``: the time the plan
-    expects, and ``load_all`` and ``recompute_all`` the two plans it chose between at most."""
+    """``load`` blocks of the chain to load (a prefix), ``loaded`` of them by source;
+    ``skipped``: blocks held but not loaded past that, by source, as slower than recomputing
+    them; ``seconds``: the time the plan expects, and ``load_all`` and ``recompute_all`` the two
+    plans it chose between at most."""
 
     load: int
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     load_all: float = 0.0
     recompute_all: float = 0.0
+    loaded: dict[str, int] = field(default_factory=dict)
 
 
 def plan_loads(sources: Sequence[str | None], nbytes: Sequence[int], recompute_s: float,
@@ -66,8 +68,12 @@ def plan_loads(sources: Sequence[str | None], nbytes: Sequence[int], recompute_s
         time_if_here = spent + (len(sources) - i - 1) * recompute_s
         if time_if_here <= best_time:
             best, best_time = i + 1, time_if_here
-    skipped: dict[str, int] = {}
-    for source in chain[best:]:
-        skipped[source] = skipped.get(source, 0) + 1
     load_all = spent + (len(sources) - held) * recompute_s
-    return LoadPlan(best, skipped, best_time, load_all, total)
+    return LoadPlan(best, _count(chain[best:]), best_time, load_all, total, loaded=_count(chain[:best]))
+
+
+def _count(sources: Sequence[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for source in sources:
+        counts[source] = counts.get(source, 0) + 1
+    return counts

@@ -449,8 +449,8 @@ class Store:
             "ram_dirty_bytes": self.ram.dirty_bytes, "ram_dirty_evictions": self.ram.dirty_evictions,
             "promotions": c.promotions, "demotions": c.demotions,
             "agents": len(self.gpu), "held_bytes": self.inflight.held_bytes,
-            "gpu_blocks": sum(len(a.blocks) for a in self.gpu.agents()),
-            "admission_declined": c.declined,
+            "gpu_blocks": sum(len(a.blocks) for a in self.gpu.agents()), "admission_declined": c.declined,
+            "loads_skipped_ssd": c.loads_skipped_ssd, "loads_skipped_peer": c.loads_skipped_peer,
         }
         if self.ssd is not None:
             sc = self.ssd.counters

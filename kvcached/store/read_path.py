@@ -355,7 +355,7 @@ class ReadPath(Room):
         on_gpu = self.gpu.held(agent, digests) if agent is not None else set()
         sources = ["ram" if d in on_gpu or k in self.ram else "ssd" if s else "peer" if q else None
                    for d, k, s, q in zip(digests, keys, on_ssd, on_peer)]
-        plan = plan_loads(sources, [block_bytes] * len(keys), recompute_s, self.delivery.estimates())
+        plan = plan_loads(sources, [block_bytes] * len(keys), recompute_s, self.delivery.current())
         self.counters.loads_skipped_ssd += plan.skipped.get("ssd", 0)
         self.counters.loads_skipped_peer += plan.skipped.get("peer", 0)
         held = next((i for i, s in enumerate(sources) if s is None), len(sources))

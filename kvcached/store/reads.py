@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from time import perf_counter
-from typing import Iterable
+from time import monotonic, perf_counter
+from typing import Callable, Iterable
 
 from kvcached.host.histogram import Histogram
 from kvcached.policies.load_cost import Delivery
@@ -99,17 +99,35 @@ class DeliveryRates:
     its last :data:`WINDOW` batches, (bytes, seconds) each, fitted to ``seconds = latency +
     bytes / rate`` (least squares where the batches' sizes differ enough to tell the two apart;
     else all of it taken as rate, no latency). Measured from the daemon's own reads, never a
-    constant, over few batches: a throttled disk or a slow link, or its end, shows within them."""
+    constant, over few batches: a throttled disk or a slow link, or its end, shows within them.
+
+    A source judged too slow to load from is then not read, so nothing would tell when it is
+    fast again: an estimate older than :data:`STALE_S` is not :meth:`current` (a plan takes the
+    source to pay, and the next load measures it again), and the first batch after such a gap
+    starts a new window. At most one request per source in ``STALE_S`` pays that probe. A batch
+    that took :data:`CHANGE` times longer or shorter than the estimate said also starts a new
+    window: the link or the disk changed, and the batches before say nothing of it now."""
 
     WINDOW = 8
+    STALE_S = 30.0
+    CHANGE = 4.0
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = monotonic) -> None:
+        self._clock = clock
         self._batches: dict[str, deque[tuple[int, float]]] = {}
+        self._newest: dict[str, float] = {}
 
     def took(self, source: str, nbytes: int, seconds: float) -> None:
         """A batch of ``nbytes`` from ``source`` arrived ``seconds`` after it was asked for."""
         if nbytes > 0 and seconds > 0:
-            self._batches.setdefault(source, deque(maxlen=self.WINDOW)).append((nbytes, seconds))
+            now = self._clock()
+            batches = self._batches.setdefault(source, deque(maxlen=self.WINDOW))
+            said = self.estimate(source)
+            expected = said.latency_s + said.seconds(nbytes) if said is not None else seconds
+            if now - self._newest.get(source, now) > self.STALE_S or not expected / self.CHANGE <= seconds <= expected * self.CHANGE:
+                batches.clear()
+            batches.append((nbytes, seconds))
+            self._newest[source] = now
 
     def estimate(self, source: str) -> Delivery | None:
         batches = list(self._batches.get(source, ()))
@@ -126,5 +144,12 @@ class DeliveryRates:
                 return Delivery(latency, 1 / slope)
         return Delivery(0.0, mean_b / mean_s)
 
+    def current(self) -> dict[str, Delivery]:
+        """The estimates a load plan goes by: those measured within :data:`STALE_S`."""
+        now = self._clock()
+        return {source: d for source, d in self.estimates().items()
+                if now - self._newest.get(source, now) <= self.STALE_S}
+
     def estimates(self) -> dict[str, Delivery]:
+        """Every source's latest estimate, however old (what the metrics show)."""
         return {source: d for source in list(self._batches) if (d := self.estimate(source)) is not None}

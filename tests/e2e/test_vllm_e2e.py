@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from kvcached.v1 import kvcache_pb2 as pb
 from tests.e2e.conftest import ROOT, EngineRun
 from tests.integration.conftest import DaemonProcess, wait_for
 from tests.integration.test_peers import Cluster, connected, peer_stats
@@ -204,27 +205,47 @@ def test_after_a_daemon_restart_the_hit_comes_from_ssd(make_daemon, tiny_model: 
     """Write-through: the blocks are on SSD when the engine's request ends; the daemon restarts
     (its RAM tier empty) while the engine waits, then the engine, its own prefix cache emptied,
     loads them from SSD (its agent connects again), output bit-identical to vLLM's own
-    prefix-cache hit."""
+    prefix-cache hit.
+
+    Loads that pay: the engine's prefill rate is given as ten billion tokens a second, so a
+    block is always cheaper to recompute than to read. The restarted daemon has measured no
+    SSD read yet and the plan takes the SSD to pay (the hit above, its reads then measured);
+    once the blocks are back on SSD only, the plan leaves all of them to be recomputed: nothing
+    loaded, and the output bit-identical to the cold run's (a skipped load is a recompute)."""
     d = make_daemon('kv.write_policy="write_through"')
     p = prompt(7, 900)
-    stored, restarted = tmp_path / "stored", tmp_path / "restarted"
+    stored, restarted, loaded, evicted = (tmp_path / name for name in ("stored", "restarted", "loaded", "evicted"))
     rounds = [{"prompts": [p], "max_tokens": MAX_TOKENS},
               {"prompts": [p], "max_tokens": MAX_TOKENS, "signal_after": str(stored)},
-              {"prompts": [p], "max_tokens": MAX_TOKENS, "wait_for": str(restarted), "reset_prefix_cache": True}]
+              {"prompts": [p], "max_tokens": MAX_TOKENS, "wait_for": str(restarted), "reset_prefix_cache": True,
+               "signal_after": str(loaded)},
+              {"prompts": [p], "max_tokens": MAX_TOKENS, "wait_for": str(evicted), "reset_prefix_cache": True}]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        run = pool.submit(engine, tiny_model, rounds, kvcached(d, retry_s=0.2))
+        run = pool.submit(engine, tiny_model, rounds, kvcached(d, retry_s=0.2, prefill_tokens_per_s=1e10))
         wait_for(lambda: stored.exists() or run.done(), timeout=600, text="the engine's first rounds")
         assert d.stop() == 0
         d.start()
         with d.client() as c:
             ram_before = c.stats().tiers[0].blocks
         restarted.touch()
+        wait_for(lambda: loaded.exists() or run.done(), timeout=300, text="the hit from SSD")
+        with d.client() as c:
+            promoted = c.stats().promotions
+            for model in {info.model for info in c.list_blocks(tier=pb.TIER_RAM)}:
+                c.evict(model=model, tier=pb.TIER_RAM)
+            assert c.stats().tiers[0].blocks == 0
+        evicted.touch()
         result = run.result()
-    local_hit, hit = (r["outputs"][0] for r in result["rounds"][1:])
+    cold = result["rounds"][0]["outputs"][0]
+    local_hit, hit, skipped = (r["outputs"][0] for r in result["rounds"][1:])
     assert ram_before == 0 and hit["num_cached_tokens"] == loadable(len(p))
-    with d.client() as c:
-        assert c.stats().promotions >= loadable(len(p)) // BLOCK, "the blocks came from the SSD tier"
+    assert promoted >= loadable(len(p)) // BLOCK, "the blocks came from the SSD tier"
     assert same_output(hit, local_hit), (hit, local_hit)
+    assert skipped["num_cached_tokens"] == 0, "the plan left every SSD block to be recomputed"
+    with d.client() as c:
+        s = c.stats()
+    assert s.promotions == promoted and s.loads_skipped_ssd >= loadable(len(p)) // BLOCK
+    assert same_output(skipped, cold), (skipped, cold)
 
 
 def test_the_daemon_killed_during_a_request(daemon: DaemonProcess, tiny_model: Path, engine: EngineRun,

@@ -100,6 +100,28 @@ def test_pages_on_ssd_only_are_read_back(daemon: DaemonProcess) -> None:
         b.close()
 
 
+def test_pages_slower_to_fetch_than_to_recompute_are_not_fetched(daemon: DaemonProcess) -> None:
+    """Loads that pay, with ``prefill_tokens_per_s`` given: once the daemon has measured its SSD,
+    a server that recomputes ten billion tokens a second is told to fetch none of the pages on
+    SSD, one that recomputes one a second all of them."""
+    slow, fast = backend(daemon, prefill_tokens_per_s=1), backend(daemon, prefill_tokens_per_s=1e10)
+    try:
+        k, data = keys(5, "pay"), pages(5, seed=2)
+        assert slow.batch_set(k, data) and fast.batch_set(k, data)
+        evict_ram(daemon, slow.model)
+        assert slow.batch_exists(k) == 5
+        got = slow.batch_get(k, empty_pages(5))                    # the daemon's SSD reads: measured
+        assert all(g is not None and torch.equal(g, x) for g, x in zip(got, data))
+        evict_ram(daemon, slow.model)
+        assert fast.batch_exists(k) == 0
+        assert slow.batch_exists(k) == 5
+        with daemon.client() as c:
+            assert c.stats().loads_skipped_ssd == 5
+    finally:
+        slow.close()
+        fast.close()
+
+
 def test_ranks_do_not_read_each_others_pages(daemon: DaemonProcess) -> None:
     configs = [storage_config(daemon) for _ in range(2)]
     for rank, c in enumerate(configs):

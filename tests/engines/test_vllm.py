@@ -164,6 +164,49 @@ def test_blocks_on_ssd_are_loaded_asynchronously(daemon: DaemonProcess, model: P
         assert c.stats().promotions >= 12
 
 
+def test_ssd_blocks_slower_to_load_than_to_recompute_are_recomputed(daemon: DaemonProcess, model: Path,
+                                                                   make_engine) -> None:
+    """Loads that pay, with the engines' prefill rates given: an engine that recomputes a token
+    in a second loads SSD blocks; one that recomputes ten billion a second leaves them to be
+    recomputed once the daemon has measured its SSD, and its request runs to the end without a
+    load. Then, the same engine with ``skip_slow_loads`` off loads them again."""
+    slow = make_engine(daemon, model, extra={"prefill_tokens_per_s": 1})
+    prompt_on_ssd_only(slow, daemon, model)
+    loads_bit_exact(slow, "second", 12)                       # also the daemon's first SSD reads: measured
+    fast = make_engine(daemon, model, extra={"prefill_tokens_per_s": 1e10}, engine_id="fast")
+    evict_ram(daemon, fast.worker.model_name)
+    fast.add("third", PROMPT + [3])
+    assert fast.connector.get_num_new_matched_tokens(fast.requests["third"], 0) == (0, False)
+    assert computed_at_first_step(fast, "third") == 0
+    fast.run()
+    assert fast.worker.worker_side.loaded_blocks == 0
+    with daemon.client() as c:
+        assert c.stats().loads_skipped_ssd >= 12
+        assert c.lookup(chain_digests(PROMPT, PAGE_TOKENS, model=fast.worker.model_name, dtype="bfloat16",
+                                      namespace="tp0of1")).ram == 0     # still on SSD only
+    always = make_engine(daemon, model, extra={"prefill_tokens_per_s": 1e10, "skip_slow_loads": False},
+                         engine_id="always")
+    always.add("fourth", PROMPT + [4])
+    loads_bit_exact(always, "fourth", 12)
+
+
+def test_the_engines_prefill_rate_is_measured_from_its_own_steps(daemon: DaemonProcess, model: Path,
+                                                                 make_engine) -> None:
+    """No rate given: the scheduler fits one from the steps it schedules (chunked prefills of
+    up to 64 tokens and decodes here), and asks for load plans once it has one; a hit in RAM is
+    loaded whatever the rate."""
+    e = make_engine(daemon, model, max_tokens_per_step=64)
+    side = e.connector.scheduler_side
+    assert side.prefill is not None and side.prefill.seconds_per_token() is None
+    for req_id, prompt in (("first", PROMPT), ("other", [t + 1 for t in PROMPT])):
+        e.add(req_id, prompt)                             # 3 chunks of 64 tokens each, then decodes
+        e.run()
+    assert side.prefill.seconds_per_token() is not None and len(side.prefill.steps()) >= 4
+    assert e.scheduler.reset_prefix_cache()
+    e.add("second", PROMPT + [1])
+    loads_bit_exact(e, "second", 12)
+
+
 def test_an_aborted_asynchronous_load_frees_its_pages_after_the_load(daemon: DaemonProcess, model: Path,
                                                                      make_engine) -> None:
     e = make_engine(daemon, model)

@@ -57,4 +57,4 @@ def test_a_daemon_without_curves_says_so(make_daemon: Any) -> None:
     with d.client() as client:
         assert not client.stats().HasField("curves")
     refused = run_cli(["mrc", "--target", d.target])
-    assert refused.returncode == 1 and "keeps no curves" in refused.stderr
+    assert refused.returncode == 1 and "keeps none (kv.curves = false)" in refused.stderr

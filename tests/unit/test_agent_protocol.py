@@ -91,7 +91,7 @@ def test_reply_bytes() -> None:
     p.Welcome(1, 2, 3, 4, "v"), p.Slots([(0, 1, 2)]), p.Committed([0]), p.LookupResult(1, 2, 3, 4, 5),
     p.Loaded([(4, 0, 0, 0)]), p.Released(0, 0), p.OverlapResult([p.AgentPrefix(1, 2, 3, "é")]), p.Error(1, "x"),
     p.Present(0xFFFFFFFF, [D1, D2]), p.PresentResult(b""), p.PresentResult(bytes([1, 15])),
-    p.PlanLoads(3, 0.0015, 65536, [D1, D2]), p.LoadPlan(2, 6, 1, 3, 0.01, 0.02, 0.03),
+    p.PlanLoads(3, 0.0015, 65536, [D1, D2]), p.LoadPlan(2, 6, 1, 1, 1, 3, 0.01, 0.02, 0.03),
 ])
 def test_every_message_round_trips(message: p.Message) -> None:
     back = roundtrip(message)
@@ -204,7 +204,7 @@ def test_route_and_features_round_trip_and_bad_route_bodies_are_refused() -> Non
 def test_plan_loads_bytes_and_a_bad_duration() -> None:
     body = struct.pack("<IdQ", 3, 0.005, 65536) + struct.pack("<I", 1) + D1
     assert p.encode(p.PlanLoads(3, 0.005, 65536, [D1]), 9)[12:] == body
-    assert p.encode(p.LoadPlan(2, 6, 1, 3, 0.5, 1.0, 2.0), 9)[12:] == struct.pack("<4I3d", 2, 6, 1, 3, 0.5, 1.0, 2.0)
+    assert p.encode(p.LoadPlan(2, 6, 1, 1, 1, 3, 0.5, 1.0, 2.0), 9)[12:] == struct.pack("<6I3d", 2, 6, 1, 1, 1, 3, 0.5, 1.0, 2.0)
     bad = struct.pack("<IdQ", 3, float("nan"), 1) + struct.pack("<I", 0)
     with pytest.raises(p.ProtocolError, match="not a duration"):
         p.decode(p.Frame(p.PlanLoads.TYPE, 1, bad))

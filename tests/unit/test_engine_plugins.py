@@ -59,6 +59,9 @@ def test_vllms_cpu_build_is_recognised_by_its_distribution_name(tmp_path: Path, 
 def test_plugin_settings_reject_unknown_keys_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     s = PluginSettings.from_mapping({"socket": "/s", "retry_s": 1, "block_tokens": 32}, "where")
     assert (s.socket_path, s.retry_s, s.block_tokens) == ("/s", 1.0, 32)
+    s = PluginSettings.from_mapping({"skip_slow_loads": False, "prefill_tokens_per_s": 20000}, "where")
+    assert (s.skip_slow_loads, s.prefill_tokens_per_s) == (False, 20000.0)
+    assert PluginSettings().skip_slow_loads and PluginSettings().prefill_tokens_per_s == 0
     assert PluginSettings.from_mapping({"backend_name": "kvcached"}, "w", ignore=("backend_name",)) == PluginSettings()
     monkeypatch.setenv("KVCACHED_AGENT_SOCKET", "/env.sock")
     assert PluginSettings().socket_path == "/env.sock"
@@ -69,7 +72,11 @@ def test_plugin_settings_reject_unknown_keys_and_bad_values(monkeypatch: pytest.
                          ({"block_tokens": -16}, "whole number"),
                          ({"block_tokens": 1.5}, "whole number"),
                          ({"timeout_s": 0}, "a number > 0"),
-                         ({"retry_s": True}, "a number > 0")):
+                         ({"retry_s": True}, "a number > 0"),
+                         ({"skip_slow_loads": "no"}, "true or false"),
+                         ({"skip_slow_loads": 0}, "true or false"),
+                         ({"prefill_tokens_per_s": -1}, "a number >= 0"),
+                         ({"prefill_tokens_per_s": "fast"}, "a number >= 0")):
         with pytest.raises(ValueError, match=message):
             PluginSettings.from_mapping(bad, "kv_connector_extra_config")
 

@@ -16,7 +16,7 @@ MIB = 1 << 20
 def test_ram_is_always_loaded_and_a_slow_ssd_is_skipped() -> None:
     slow = {"ssd": Delivery(0.002, 50 * MIB)}             # 64 KiB: 1.25 ms a block, 2 ms to start
     plan = plan_loads(["ram"] * 4 + ["ssd"] * 4, [64 << 10] * 8, 0.0005, slow)
-    assert plan.load == 4 and plan.skipped == {"ssd": 4}
+    assert plan.load == 4 and plan.skipped == {"ssd": 4} and plan.loaded == {"ram": 4}
     assert plan.seconds == pytest.approx(4 * 0.0005) and plan.recompute_all == pytest.approx(8 * 0.0005)
 
 
@@ -34,7 +34,7 @@ def test_latency_is_paid_once_so_long_runs_pay_where_short_ones_do_not() -> None
 
 def test_a_source_not_measured_yet_is_taken_and_the_held_prefix_ends_at_the_first_gap() -> None:
     plan = plan_loads(["ssd", "ssd", None, "ram"], [1, 1, 1, 1], 0.001, {})
-    assert plan.load == 2 and plan.skipped == {}
+    assert plan.load == 2 and plan.skipped == {} and plan.loaded == {"ssd": 2}
 
 
 def test_never_slower_than_the_better_of_load_all_and_recompute_all() -> None:
@@ -63,3 +63,31 @@ def test_delivery_rates_fit_latency_and_rate_from_the_batches_a_source_delivered
     assert fitted is not None and fitted.latency_s == 0 and fitted.bytes_per_s == pytest.approx(10 * MIB)
     rates.took("peer", 0, 1.0)                           # nothing delivered: nothing learnt
     assert set(rates.estimates()) == {"ssd"}
+
+
+def test_a_stale_estimate_is_not_planned_by_and_the_next_batch_starts_a_new_window() -> None:
+    from kvcached.store.reads import DeliveryRates
+    now = [100.0]
+    rates = DeliveryRates(clock=lambda: now[0])
+    for _ in range(DeliveryRates.WINDOW):                # a throttled source: 1 MiB/s
+        rates.took("peer", MIB, 1.0)
+    assert rates.current()["peer"].bytes_per_s == pytest.approx(MIB)
+    now[0] += DeliveryRates.STALE_S + 1                  # skipped since: nothing measured it again
+    assert "peer" not in rates.current()                 # so a plan takes it (and measures it) again
+    assert rates.estimates()["peer"].bytes_per_s == pytest.approx(MIB)   # the metrics still show the last
+    rates.took("peer", MIB, 0.01)                        # the throttle is gone: one batch says so
+    assert rates.current()["peer"].bytes_per_s == pytest.approx(100 * MIB)
+
+
+def test_a_batch_far_from_the_estimate_starts_a_new_window() -> None:
+    """A link lifted from 1 MiB/s to 100 MiB/s shows in the next batch, not after eight."""
+    from kvcached.store.reads import DeliveryRates
+    rates = DeliveryRates(clock=lambda: 0.0)
+    for _ in range(DeliveryRates.WINDOW):
+        rates.took("peer", MIB, 1.0)
+    rates.took("peer", MIB, 0.5)                          # within CHANGE of the estimate: one of the window
+    assert rates.current()["peer"].bytes_per_s == pytest.approx(8 * MIB / 7.5)
+    rates.took("peer", MIB, 0.01)                         # 75x faster than it said: a new window
+    assert rates.current()["peer"].bytes_per_s == pytest.approx(100 * MIB)
+    rates.took("peer", MIB, 1.0)                          # and throttled again
+    assert rates.current()["peer"].bytes_per_s == pytest.approx(MIB)

@@ -31,6 +31,8 @@ class PluginSettings:
     timeout_s: float = 10.0       # one request to the daemon, at most
     retry_s: float = 0.5          # a down daemon is tried again after this, doubling ...
     retry_max_s: float = 10.0     # ... up to this
+    skip_slow_loads: bool = True  # ask for a load plan: SSD and peer blocks slower than recomputing are recomputed
+    prefill_tokens_per_s: float = 0.0   # the engine's prefill rate for that plan (0 = measured from its steps)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None, where: str, ignore: Sequence[str] = ()) -> "PluginSettings":
@@ -46,8 +48,12 @@ class PluginSettings:
             default = known[key].default
             if isinstance(default, str):
                 ok, want = isinstance(value, str), "a string"
+            elif isinstance(default, bool):
+                ok, want = isinstance(value, bool), "true or false"
             elif isinstance(default, int):
                 ok, want = type(value) is int and value >= 0, "a whole number >= 0"
+            elif default == 0:
+                ok, want = type(value) in (int, float) and value >= 0, "a number >= 0"
             else:
                 ok, want = type(value) in (int, float) and value > 0, "a number > 0"
             if not ok:

@@ -105,6 +105,7 @@ class KvcachedStorage(HiCacheStorage):
         self._agent: Any = None
         self._root = b""
         self.page_bytes = 0
+        self._recompute_s = 0.0                  # one page's prefill, where the config gives a rate
 
     # -- the connection: opened once the page size is known ------------------------------------
 
@@ -129,6 +130,8 @@ class KvcachedStorage(HiCacheStorage):
                                      layer_block_bytes=max(page_bytes // max(layers, 1), 1), namespace=self.namespace)
             self._root = self._agent.root
             self.page_bytes = page_bytes
+            rate = self.settings.prefill_tokens_per_s
+            self._recompute_s = page_tokens / rate if rate > 0 and self.settings.skip_slow_loads else 0.0
 
     def _digests(self, keys: List[str]) -> list[bytes]:
         return key_digests(self._root, [key.encode() for key in keys])
@@ -139,9 +142,14 @@ class KvcachedStorage(HiCacheStorage):
     # -- lookups -------------------------------------------------------------------------------
 
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
-        """How many keys, from the first, kvcached holds in any tier (RAM, SSD, a peer)."""
+        """How many keys, from the first, to fetch: those kvcached holds in any tier (RAM, SSD,
+        a peer), less SSD and peer pages slower to load than to recompute where the extra
+        config gives the engine's ``prefill_tokens_per_s`` (a load plan; SGLang shows the
+        backend none of its forward passes, so here the rate is given, never measured)."""
         if self._agent is None or not keys:
             return 0
+        if self._recompute_s > 0:
+            return min(self._agent.plan_loads(self._digests(keys), self._recompute_s).load, len(keys))
         return min(self._agent.lookup(self._digests(keys)).longest, len(keys))
 
     def exists(self, key: str) -> bool:

@@ -42,6 +42,7 @@ from kvcached_agent.engines.hybrid import FULL, PRIMARY, SLIDING, STATE, GroupKi
 from kvcached_agent.engines.vllm_routes import RouteBook  # noqa: E402
 from kvcached_agent.engines.vllm_scheduler import LoadOp, SaveOp, SchedulerSide  # noqa: E402
 from kvcached_agent.engines.vllm_worker import WorkerSide, page_views  # noqa: E402
+from kvcached_agent.prefill import PrefillRate  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -189,8 +190,10 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
             self.routes = RouteBook(agent, kinds, roots, block_tokens=block_tokens, page_tokens=page_tokens,
                                     convert=_hash_conversion(),
                                     engine_events=bool(events and getattr(events, "enable_kv_cache_events", False)))
+            prefill = (PrefillRate(settings.prefill_tokens_per_s, prefill_tokens=block_tokens)
+                       if settings.skip_slow_loads else None)
             self.scheduler_side = SchedulerSide(agent, root, block_tokens=block_tokens, page_tokens=page_tokens,
-                                                kinds=kinds, roots=roots, routes=self.routes)
+                                                kinds=kinds, roots=roots, routes=self.routes, prefill=prefill)
         else:
             self.worker_side = WorkerSide(agent, root, block_tokens=block_tokens, pages_per_block=per_block,
                                           reports_gpu=rank == 0 and pp_rank == 0, kinds=kinds, roots=roots)

@@ -23,12 +23,14 @@ module imports nothing of vLLM. Terms: a *page* is one vLLM block (``page_tokens
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvcached_agent.engines.common import TokenChain
 from kvcached_agent.engines.hybrid import FULL, PRIMARY, STATE, GroupKind, hit_length, kind_digests, resume_points
 from kvcached_agent.engines.vllm_routes import RouteBook
+from kvcached_agent.prefill import PrefillRate, StepClock
 
 __all__ = ["KindPages", "LoadOp", "SaveOp", "SchedulerSide"]
 
@@ -89,11 +91,14 @@ class SchedulerSide:
     """Per-request bookkeeping of the connector's scheduler role (no I/O but ``agent`` calls).
 
     ``kinds``: the model's kinds of KV cache group (a model with full attention only has one,
-    ``GroupKind("full", FULL, (0,))``); ``roots``: each kind's address root."""
+    ``GroupKind("full", FULL, (0,))``); ``roots``: each kind's address root. ``prefill``: the
+    engine's prefill rate, fed from its steps as they are scheduled (``clock``), for load plans
+    (docs/engines.md "Loads that pay"); None: every hit is loaded."""
 
     def __init__(self, agent: Any, root: bytes, *, block_tokens: int, page_tokens: int,
                  kinds: Sequence[GroupKind] | None = None, roots: Sequence[bytes] | None = None,
-                 routes: RouteBook | None = None) -> None:
+                 routes: RouteBook | None = None, prefill: PrefillRate | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if block_tokens % page_tokens:
             raise ValueError(f"kvcached block_tokens ({block_tokens}) must be a multiple of vLLM's "
                              f"block size ({page_tokens})")
@@ -105,6 +110,9 @@ class SchedulerSide:
         self.kinds = list(kinds or [GroupKind(PRIMARY, FULL, (0,))])
         self.roots = list(roots or [root] * len(self.kinds))
         self.routes = routes              # the engine's keys of saved and loaded blocks (KV events)
+        self.prefill = prefill
+        self._steps = StepClock(prefill) if prefill is not None else None
+        self._clock = clock
         # More than one KV cache group: a hit is asked of every kind, and loads are asynchronous
         # (vLLM takes a failed load of such a model only as the whole request's).
         self.hybrid = sum(len(k.group_ids) for k in self.kinds) > 1
@@ -142,8 +150,8 @@ class SchedulerSide:
         if usable <= first:
             return 0, False
         digests = state.chain.upto(request.all_token_ids, usable)
-        found = self.agent.lookup(digests[first:]) if self._gpu_group is not None else None
-        full = first + found.longest if found is not None else usable
+        found = self._loadable(digests[first:]) if self._gpu_group is not None else None
+        full = first + found[0] if found is not None else usable
         blocks = self._hybrid_hit(digests, first, usable, full) if self._present_kinds else full
         if self._present_kinds and full > blocks and not state.junction:
             # A prefix stored by another prompt ends here (the full-attention blocks reach it, the
@@ -158,11 +166,23 @@ class SchedulerSide:
         if blocks <= first or external <= 0:
             return 0, False
         longest = blocks - first
-        ram = min(found.ram, longest) if found is not None else 0
-        ssd = min(max(found.ssd, ram), longest) - ram if found is not None else 0
+        ram = min(found[1], longest) if found is not None else 0
+        ssd = min(found[2], longest - ram) if found is not None else 0
         state.hit = (blocks, self._present_kinds or self.hybrid or ram < longest)
         state.hit_tiers = (ram, ssd, longest - ram - ssd)
         return external, state.hit[1]
+
+    def _loadable(self, chain: list[bytes]) -> tuple[int, int, int]:
+        """How many blocks of ``chain`` to load, and of them how many from RAM and from SSD: a
+        load plan once the engine's prefill rate is known (SSD and peer blocks slower to load
+        than to recompute are left out), else every block some tier holds (Lookup)."""
+        per_token = self.prefill.seconds_per_token() if self.prefill is not None else None
+        if per_token is not None:
+            plan = self.agent.plan_loads(chain, per_token * self.block_tokens)
+            return plan.load, plan.ram, plan.ssd
+        found = self.agent.lookup(chain)
+        ram = min(found.ram, found.longest)
+        return found.longest, ram, min(max(found.ssd, ram), found.longest) - ram
 
     def _hybrid_hit(self, chain: list[bytes], first: int, usable: int, full: int) -> int:
         """The hit every kind can resume from (hybrid.hit_length): one Present for the blocks of
@@ -239,12 +259,15 @@ class SchedulerSide:
         """This step's loads and saves, and the GPU residency events gathered meanwhile
         (pinned, evicted digests)."""
         scheduled = scheduler_output.num_scheduled_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        if self._steps is not None:
+            self._steps.scheduled(self._clock(), sum(scheduled.values()), frozenset(scheduled),
+                                  frozenset(cached.req_ids) - resumed)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
                 self._assign(state, new.block_ids, new.num_computed_tokens)
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
             added = cached.new_block_ids[i]
