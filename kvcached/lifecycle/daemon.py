@@ -29,17 +29,12 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvcached import __version__
 from kvcached.api.access import Gate
 from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_servers import GrpcServers
-from kvcached.api.metrics import start_metrics
-from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
-from kvcached.cluster.member import Member
-from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier
-from kvcached.cluster.view import Change, MembershipView
 from kvcached.config import RELOADABLE, Config, ConfigError, changed_keys, parse_listen, with_reloaded
 from kvcached.events import EventStreams, streams_for
 from kvcached.host.aio import cancel_and_wait
@@ -64,10 +59,6 @@ from kvcached.lifecycle.succession import (
     same_listeners,
 )
 from kvcached.lifecycle.systemd import Notifier, listen_fds
-from kvcached.peers.certs import certificate_names
-from kvcached.peers.handshakes import HandshakeLimits
-from kvcached.peers.tier import PeerSettings, PeerTier
-from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
 from kvcached.policies import PolicySettings, make_eviction_policy, make_keyed_policy
 from kvcached.policies.admission import SsdWriteBudget, make_admission_policy
 from kvcached.policies.prefetch import make_prefetch_policy
@@ -80,6 +71,10 @@ from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory
 from kvcached.tiers.ssd import SsdTier
+
+if TYPE_CHECKING:          # the peer tier, the cluster and metrics are imported when configured (start-up time)
+    from kvcached.cluster.etcd import EtcdMembership
+    from kvcached.peers.tier import PeerTier
 
 __all__ = ["Daemon", "StartupError", "serve"]
 
@@ -229,6 +224,7 @@ class Daemon:
             log.info("agent socket listening", extra=fields(path=cfg.agent.socket, mode=cfg.agent.mode,
                                                             group=cfg.agent.group or None))
         if cfg.metrics.listen:
+            from kvcached.api.metrics import start_metrics
             try:
                 self.metrics_server = start_metrics(cfg.metrics.listen, self.store, passed("metrics"), self.loop_lag,
                                                    self.keeper, self.events.counters if self.events else None,
@@ -271,6 +267,11 @@ class Daemon:
 
     async def _start_peers(self, passed: Callable[[str], int | None]) -> None:
         """The peer tier: the QUIC server, and a link to each configured peer (docs/peers.md)."""
+        from kvcached.peers.certs import certificate_names
+        from kvcached.peers.handshakes import HandshakeLimits
+        from kvcached.peers.tier import PeerSettings, PeerTier
+        from kvcached.peers.tls import PeerAuth, PeerRefused, QuicOptions
+
         assert self.store is not None and self.index is not None
         q, c = self.config.quic, self.config.cluster
         if c.etcd and c.name not in certificate_names(q.cert):
@@ -315,6 +316,11 @@ class Daemon:
     async def _join_cluster(self, listen_host: str) -> None:
         """Register in etcd and follow the membership ([cluster], docs/cluster.md): the peer
         tier dials the members and shares the homes of blocks with them."""
+        from kvcached.cluster.etcd import EtcdMembership, EtcdSettings
+        from kvcached.cluster.member import Member
+        from kvcached.cluster.proof import RegistrationSigner, RegistrationVerifier
+        from kvcached.cluster.view import Change, MembershipView
+
         peers, c = self.peers, self.config.cluster
         assert peers is not None and peers.address is not None, "a cluster needs quic.listen (config checks it)"
         port = peers.address[1]

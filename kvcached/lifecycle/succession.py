@@ -22,7 +22,7 @@ import os
 import socket
 import subprocess
 import time
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from kvcached import __version__
 from kvcached.api.agent_server import AgentServer
@@ -42,11 +42,13 @@ from kvcached.lifecycle.handover import (
     wait_serving,
 )
 from kvcached.lifecycle.systemd import LISTEN_FDS_START, Notifier
-from kvcached.peers.tier import PeerTier
 from kvcached.store import Store
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory, SlotEntry
+
+if TYPE_CHECKING:
+    from kvcached.peers.tier import PeerTier
 
 __all__ = ["ARENA_FD_NAME", "SLOTS_FD_NAME", "Predecessor", "Succession", "begin_takeover", "exec_with_fds",
            "nothing_passed", "open_arena", "same_listeners"]

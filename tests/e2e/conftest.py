@@ -49,26 +49,32 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 EngineRun = Callable[..., dict[str, Any]]
 
 
+def run_engine(folder: Path, n: int, model: Path, rounds: list[dict[str, Any]],
+               connector: dict[str, Any] | None = None, **plan: Any) -> dict[str, Any]:
+    """Run one engine process (tests/e2e/engine_run.py) through ``rounds``, its plan, result and
+    log in ``folder`` (number ``n``), and return its result; a failed engine fails the test with
+    the end of its output."""
+    plan_path, result_path = folder / f"plan-{n}.json", folder / f"result-{n}.json"
+    plan_path.write_text(json.dumps({"model": str(model), "connector": connector, "rounds": rounds, "eager": True,
+                                     **plan}))
+    env = {**os.environ, "KVCACHED_FINGERPRINT_CACHE": str(folder / "weights.json")}
+    proc = subprocess.run([sys.executable, "-m", "tests.e2e.engine_run", str(plan_path), str(result_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    (folder / f"engine-{n}.log").write_text(proc.stdout + proc.stderr)   # kept for a failed test's reader
+    if proc.returncode != 0:
+        raise AssertionError(f"engine exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(result_path.read_text())
+
+
 @pytest.fixture
 def engine(tmp_path: Path) -> EngineRun:
     """``engine(model, rounds, connector=None, **plan)``: run one engine process through the
-    rounds (tests/e2e/engine_run.py) and return its result; a failed engine fails the test with
-    the end of its output. Engines run eager (no torch.compile: 7 s less to start each, and the
-    KV connector's path is the same) unless the plan says ``eager=False``; one test runs
+    rounds (:func:`run_engine`). Engines run eager (no torch.compile: 7 s less to start each, and
+    the KV connector's path is the same) unless the plan says ``eager=False``; one test runs
     compiled engines, as vLLM's default is."""
     runs = itertools.count()
 
     def run(model: Path, rounds: list[dict[str, Any]], connector: dict[str, Any] | None = None,
             **plan: Any) -> dict[str, Any]:
-        n = next(runs)
-        plan_path, result_path = tmp_path / f"plan-{n}.json", tmp_path / f"result-{n}.json"
-        plan_path.write_text(json.dumps({"model": str(model), "connector": connector, "rounds": rounds, "eager": True,
-                                         **plan}))
-        env = {**os.environ, "KVCACHED_FINGERPRINT_CACHE": str(tmp_path / "weights.json")}
-        proc = subprocess.run([sys.executable, "-m", "tests.e2e.engine_run", str(plan_path), str(result_path)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
-        (tmp_path / f"engine-{n}.log").write_text(proc.stdout + proc.stderr)   # kept for a failed test's reader
-        if proc.returncode != 0:
-            raise AssertionError(f"engine exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
-        return json.loads(result_path.read_text())
+        return run_engine(tmp_path, next(runs), model, rounds, connector, **plan)
     return run

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvcached.v1 import kvcache_pb2 as pb
-from tests.e2e.conftest import ROOT, EngineRun
+from tests.e2e.conftest import ROOT, EngineRun, run_engine
 from tests.integration.conftest import DaemonProcess, wait_for
 from tests.integration.test_peers import Cluster, connected, peer_stats
 
@@ -56,6 +56,32 @@ def close_to_cold(hit: dict[str, Any], cold: dict[str, Any]) -> None:
     assert hit["token_ids"] == cold["token_ids"]
     worst = max(abs(x - y) for x, y in zip(hit["logprobs"], cold["logprobs"]))
     assert worst <= COLD_TOLERANCE, f"logprobs differ by {worst} from the cold run"
+
+
+# The prompts three tests compare with an engine without kvcached. One such engine serves all of
+# them, round by round, for the module (an engine takes 20-30 s to start and serve here).
+HALF_FIRST = prompt(2, 1000)
+HALF_SHARED = 500
+HALF_SECOND = HALF_FIRST[:HALF_SHARED] + prompt(3, 500)
+DOWN_PROMPTS = [prompt(4, 700), prompt(5, 300)]
+KILLED_A = [prompt(10 + i, 1500) for i in range(4)]
+KILLED_B = [prompt(20 + i, 400) for i in range(2)]
+KILLED_C = [prompt(30, 700)]
+PLAIN_ROUNDS = {
+    "half": {"prompts": [HALF_SECOND], "max_tokens": MAX_TOKENS},
+    "down": {"prompts": DOWN_PROMPTS, "max_tokens": MAX_TOKENS},
+    "killed-a": {"prompts": KILLED_A, "max_tokens": MAX_TOKENS},
+    "killed-b": {"prompts": KILLED_B, "max_tokens": MAX_TOKENS},
+    "killed-c": {"prompts": KILLED_C, "max_tokens": MAX_TOKENS},
+    "killed-c-again": {"prompts": KILLED_C, "max_tokens": MAX_TOKENS},      # from vLLM's own prefix cache
+}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Each round of PLAIN_ROUNDS served by one engine without the connector: its outputs by name."""
+    result = run_engine(tmp_path_factory.mktemp("plain"), 0, tiny_model, list(PLAIN_ROUNDS.values()))
+    return {name: r["outputs"] for name, r in zip(PLAIN_ROUNDS, result["rounds"])}
 
 
 class EventTap:
@@ -156,30 +182,26 @@ def same_blocks_in_both_streams(events: dict[str, list[Any]], tokens: list[int])
 
 
 def test_a_prompt_sharing_half_matches_whole_blocks_of_the_shared_part(
-        daemon: DaemonProcess, tiny_model: Path, engine: EngineRun) -> None:
-    first, shared = prompt(2, 1000), 500
-    second = first[:shared] + prompt(3, 500)
+        daemon: DaemonProcess, tiny_model: Path, engine: EngineRun, plain: dict[str, Any]) -> None:
     # One engine: the second prompt after vLLM's own prefix cache is emptied (as a new engine's
     # is), so its shared part can only come from kvcached.
-    run = engine(tiny_model, [{"prompts": [first], "max_tokens": 1},
-                              {"prompts": [second], "max_tokens": MAX_TOKENS, "reset_prefix_cache": True}], kvcached(daemon))
+    run = engine(tiny_model, [{"prompts": [HALF_FIRST], "max_tokens": 1},
+                              {"prompts": [HALF_SECOND], "max_tokens": MAX_TOKENS, "reset_prefix_cache": True}],
+                 kvcached(daemon))
     hit = run["rounds"][1]["outputs"][0]
-    assert hit["num_cached_tokens"] == shared // BLOCK * BLOCK
-    cold = engine(tiny_model, [{"prompts": [second], "max_tokens": MAX_TOKENS}])["rounds"][0]["outputs"][0]
-    close_to_cold(hit, cold)
+    assert hit["num_cached_tokens"] == HALF_SHARED // BLOCK * BLOCK
+    close_to_cold(hit, plain["half"][0])
 
 
 def test_with_the_daemon_down_the_engine_serves_as_without_kvcached(
-        daemon: DaemonProcess, tiny_model: Path, engine: EngineRun) -> None:
+        daemon: DaemonProcess, tiny_model: Path, engine: EngineRun, plain: dict[str, Any]) -> None:
     """No daemon behind the socket: every request is served, computed, with the output of an
     engine without the connector, bit for bit (nothing is loaded, so nothing can differ)."""
     assert daemon.stop() == 0
-    prompts = [prompt(4, 700), prompt(5, 300)]
-    rounds = [{"prompts": prompts, "max_tokens": MAX_TOKENS}]
+    rounds = [PLAIN_ROUNDS["down"]]
     down = engine(tiny_model, rounds, kvcached(daemon, retry_s=0.2))["rounds"][0]["outputs"]
-    plain = engine(tiny_model, rounds)["rounds"][0]["outputs"]
     assert [o["num_cached_tokens"] for o in down] == [0, 0]
-    assert all(same_output(a, b) for a, b in zip(down, plain)), (down, plain)
+    assert all(same_output(a, b) for a, b in zip(down, plain["down"])), (down, plain["down"])
 
 
 def test_the_cache_follows_the_model_not_its_path(daemon: DaemonProcess, engine: EngineRun, tmp_path: Path) -> None:
@@ -249,20 +271,17 @@ def test_after_a_daemon_restart_the_hit_comes_from_ssd(make_daemon, tiny_model: 
 
 
 def test_the_daemon_killed_during_a_request(daemon: DaemonProcess, tiny_model: Path, engine: EngineRun,
-                                            tmp_path: Path) -> None:
+                                            tmp_path: Path, plain: dict[str, Any]) -> None:
     """SIGKILL while the engine serves a batch: that batch and the next (daemon down) complete
     with the tokens of an engine without kvcached (logprobs within ``COLD_TOLERANCE``: while
     lookups fail, vLLM may step the batch's requests in other groupings, and bfloat16 sums
     depend on the batch); once the daemon is back, a prompt stored then loads from it again
     (vLLM's own prefix cache emptied first), bit-identical to vLLM's own prefix-cache hit."""
     started, back = tmp_path / "round-started", tmp_path / "daemon-back"
-    a = [prompt(10 + i, 1500) for i in range(4)]
-    b = [prompt(20 + i, 400) for i in range(2)]
-    c = [prompt(30, 700)]
-    rounds = [{"prompts": a, "max_tokens": MAX_TOKENS, "signal": str(started)},
-              {"prompts": b, "max_tokens": MAX_TOKENS},
-              {"prompts": c, "max_tokens": MAX_TOKENS, "wait_for": str(back)},
-              {"prompts": c, "max_tokens": MAX_TOKENS, "reset_prefix_cache": True}]
+    rounds = [{"prompts": KILLED_A, "max_tokens": MAX_TOKENS, "signal": str(started)},
+              {"prompts": KILLED_B, "max_tokens": MAX_TOKENS},
+              {"prompts": KILLED_C, "max_tokens": MAX_TOKENS, "wait_for": str(back)},
+              {"prompts": KILLED_C, "max_tokens": MAX_TOKENS, "reset_prefix_cache": True}]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         run = pool.submit(engine, tiny_model, rounds, kvcached(daemon, retry_s=0.2, retry_max_s=RETRY_MAX_S))
         deadline = time.monotonic() + 300
@@ -275,13 +294,13 @@ def test_the_daemon_killed_during_a_request(daemon: DaemonProcess, tiny_model: P
         time.sleep(2 * RETRY_MAX_S)      # the agents try again at their next call once their backoff ends
         back.touch()
         served = run.result()["rounds"]
-    plain = engine(tiny_model, rounds[:2] + [{"prompts": c, "max_tokens": MAX_TOKENS}] * 2)["rounds"]
+    wanted = [plain[name] for name in ("killed-a", "killed-b", "killed-c", "killed-c-again")]
     for k in range(3):                   # a batch may be stepped otherwise while lookups fail: close, same tokens
-        for got, want in zip(served[k]["outputs"], plain[k]["outputs"]):
+        for got, want in zip(served[k]["outputs"], wanted[k]):
             close_to_cold(got, want)
     hit = served[3]["outputs"][0]
-    assert hit["num_cached_tokens"] == loadable(len(c[0])), "hits return once the daemon is back"
-    assert same_output(hit, plain[3]["outputs"][0])
+    assert hit["num_cached_tokens"] == loadable(len(KILLED_C[0])), "hits return once the daemon is back"
+    assert same_output(hit, wanted[3][0])
 
 
 def test_a_peer_daemon_holding_the_blocks(cluster: Cluster, tiny_model: Path, engine: EngineRun) -> None:
