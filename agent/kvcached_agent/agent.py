@@ -25,6 +25,7 @@ import logging
 import mmap
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar, Union
 
@@ -478,18 +479,26 @@ class Agent:
 __all__ += ["AgentError"]
 
 
+# Connections to a daemon that answered PlanLoads with UNKNOWN_TYPE (older than the request).
+_NO_PLANS: "weakref.WeakSet[AgentClient]" = weakref.WeakSet()
+
+
 def _ask_plan(agent: Agent, digests: Sequence[bytes], recompute_s: float, layer: int) -> p.LoadPlan:
     """:meth:`Agent.plan_loads` asked of a connected daemon: what the tiers hold, less SSD and
     peer blocks slower to load than to recompute. A daemon that predates PlanLoads: what its
     Lookup finds."""
-    assert agent.client is not None
+    client = agent.client
+    assert client is not None
     hello = agent.hello
     block_bytes = hello.layer_block_bytes * (hello.num_layers if layer == CROSS_LAYER else 1)
     try:
-        answer = agent.client.call(p.PlanLoads(layer, recompute_s, block_bytes, list(digests[:p.MAX_BATCH])))
+        if client in _NO_PLANS:
+            raise AgentError(p.ErrorCode.UNKNOWN_TYPE, "this daemon does not know PlanLoads")
+        answer = client.call(p.PlanLoads(layer, recompute_s, block_bytes, list(digests[:p.MAX_BATCH])))
     except AgentError as exc:
         if exc.code != p.ErrorCode.UNKNOWN_TYPE:
             raise
+        _NO_PLANS.add(client)     # asked once a connection: a daemon does not learn it while connected
         found = agent.lookup(digests, layer)
         ram = min(max(found.gpu, found.ram), found.longest)
         ssd = min(max(found.ssd, ram), found.longest) - ram

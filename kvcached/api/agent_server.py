@@ -24,7 +24,7 @@ from itertools import count
 from typing import Any, cast
 
 from kvcached import __version__
-from kvcached.api.agent_session import WAITING, AgentSession, PeerCredentials, check_hello
+from kvcached.api.agent_session import LOCATING, WAITING, AgentSession, PeerCredentials, Waiting, check_hello
 from kvcached.host.logs import fields
 from kvcached.store import Store
 from kvcached.tenants import TenantMap
@@ -208,7 +208,7 @@ class AgentConnection(asyncio.Protocol):
         if self.session is None:
             self._hello(message, frame.request_id)
             return
-        if isinstance(message, WAITING) or (isinstance(message, (p.Lookup, p.Present)) and self.server.store.asks_homes):
+        if isinstance(message, WAITING) or (isinstance(message, LOCATING) and self.server.store.asks_homes):
             task = asyncio.ensure_future(self._answer_later(message, frame.request_id))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
@@ -223,8 +223,7 @@ class AgentConnection(asyncio.Protocol):
         if answer is not None:
             self._send(answer, frame.request_id)
 
-    async def _answer_later(self, message: p.Allocate | p.Commit | p.Load | p.Lookup | p.Present,
-                            request_id: int) -> None:
+    async def _answer_later(self, message: Waiting, request_id: int) -> None:
         assert self.session is not None
         try:
             answer = await self.session.handle_waiting(message)

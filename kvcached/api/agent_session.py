@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from itertools import count
-from typing import Iterator, Sequence, TypeVar, cast
+from typing import Iterator, Sequence, TypeVar, Union, cast
 
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
 from kvcached.store import CommitOutcome, Miss, Pinned, Presence, SlotRefusal, Store
@@ -24,7 +24,7 @@ from kvcached_agent import protocol as p
 from kvcached_agent.address import BlockAddress
 from kvcached_agent.route import decode_routes
 
-__all__ = ["WAITING", "AgentSession", "PeerCredentials", "check_hello", "error_code", "scoped"]
+__all__ = ["LOCATING", "WAITING", "AgentSession", "PeerCredentials", "Waiting", "check_hello", "error_code", "scoped"]
 
 log = logging.getLogger("kvcached.agent")
 
@@ -41,6 +41,8 @@ _CODES: list[tuple[type[KvError], p.ErrorCode]] = [
 _M = TypeVar("_M", bound=p.Message)
 
 WAITING = (p.Allocate, p.Commit, p.Load)    # requests answered by AgentSession.handle_waiting
+LOCATING = (p.Lookup, p.Present, p.PlanLoads)   # ... and these in a cluster, once the homes are asked
+Waiting = Union[p.Allocate, p.Commit, p.Load, p.Lookup, p.Present, p.PlanLoads]
 
 
 def error_code(exc: KvError) -> p.ErrorCode:
@@ -117,8 +119,8 @@ class AgentSession:
                 return present_result(self.store.present(message.digests, message.layer, agent=self.session,
                                                          tenant=self._tag))
             if isinstance(message, p.PlanLoads):
-                plan, held = self.store.reader.plan(message.digests, message.layer, message.recompute_s,
-                                                    message.block_bytes, agent=self.session)
+                plan, held = self.store.plan(message.digests, message.layer, message.recompute_s, message.block_bytes,
+                                             agent=self.session, tenant=self._tag)
                 return p.LoadPlan(plan.load, held, plan.loaded.get("ram", 0), plan.loaded.get("ssd", 0),
                                   plan.skipped.get("ssd", 0), plan.skipped.get("peer", 0), plan.seconds,
                                   plan.load_all, plan.recompute_all)
@@ -140,13 +142,13 @@ class AgentSession:
         except KvError as exc:
             return p.Error(error_code(exc), str(exc))
 
-    async def handle_waiting(self, message: p.Allocate | p.Commit | p.Load | p.Lookup | p.Present) -> p.Message:
+    async def handle_waiting(self, message: Waiting) -> p.Message:
         """The answer to an Allocate (it may wait for write-back back-pressure), a Commit or a
         Load (they may wait for checksums, the SSD, promotions), or, in a cluster, a Lookup (it
         asks the home nodes where remote blocks are first)."""
         if self._scope is not None:
             message = scoped(message, self._scope)
-        if isinstance(message, (p.Lookup, p.Present)):
+        if isinstance(message, LOCATING):
             await self.store.locate(message.digests, message.layer)
             answer = self._answer(message)
             assert answer is not None

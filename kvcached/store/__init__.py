@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from kvcached.index import BlockIndex, BlockRecord, IndexUnwritable
 from kvcached.policies import KeyedPolicy
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit, SsdWriteBudget
+from kvcached.policies.load_cost import LoadPlan
 from kvcached.policies.prefetch import PrefetchPolicy
 from kvcached.policies.write import WritePolicy, make_write_policy
 from kvcached.store import admin
@@ -255,13 +256,11 @@ class Store:
     def _settle(self, keys: Iterable[bytes], budget: int | None = SETTLE_BYTES) -> None:
         """Blocks of the previous process's RAM tier among ``keys`` not checked yet: settled now
         (served again, or dropped), before the request that names them goes on."""
-        adoption = self.adoption
-        if adoption is not None and adoption.pending:
-            adoption.settle(keys, self.index, self.clock, budget)
+        if self.adoption is not None and self.adoption.pending:
+            self.adoption.settle(keys, self.index, self.clock, budget)
 
     def _settle_chain(self, digests: Sequence[bytes], layer: int) -> None:
-        if self.adoption is not None and self.adoption.pending:
-            self._settle(index_key(d, layer) for d in digests)
+        self._settle(index_key(d, layer) for d in digests)
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -333,6 +332,12 @@ class Store:
         self._settle_chain(digests, layer)
         return self.reader.lookup(digests, layer, agent, tenant)
 
+    def plan(self, digests: Sequence[bytes], layer: int, recompute_s: float, block_bytes: int,
+             agent: int | None = None, tenant: str = "") -> tuple[LoadPlan, int]:
+        """Which held blocks are worth loading (ReadPath.plan), counted as a lookup."""
+        self._settle_chain(digests, layer)
+        return self.reader.plan(digests, layer, recompute_s, block_bytes, agent, tenant)
+
     def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None, tenant: str = "") -> Presence:
         """Which tiers hold each block, each on its own (ReadPath.present)."""
         self._settle_chain(digests, layer)
@@ -340,14 +345,12 @@ class Store:
 
     @property
     def wants_routes(self) -> bool:
-        """Whether agents should send the engine's keys of the blocks they save: the daemon
-        publishes KV events (the index feeds them), which carry those keys (kvcached.events)."""
+        """Whether agents should send the engine's keys of the blocks they save (for KV events)."""
         return self.index.tier_feed is not None
 
     def keep_routes(self, entries: Sequence[tuple[bytes, int, bytes]]) -> None:
-        """The engine's keys (encoded, checked by the caller) of blocks (digest, layer) about to
-        be saved, for their KV events: kept once the blocks are reserved (store.routes).
-        Nothing while no events are published."""
+        """The engine's keys (encoded, checked by the caller) of blocks (digest, layer) about to be
+        saved, for their KV events, kept once reserved (store.routes); none without events."""
         if self.index.tier_feed is not None:
             self.routes.offer(entries)
 
@@ -365,8 +368,7 @@ class Store:
         return self.reader.stored_bytes(addresses)
 
     def present_wire_keys(self) -> list[bytes]:
-        """Every block this daemon holds, as the peer protocol's 36-byte wire keys (from the
-        index; a scan: call it off the event loop)."""
+        """Every block held, as the peer protocol's 36-byte wire keys (an index scan: off the loop)."""
         return self.index.present_wire_keys()
 
     def owners(self, keys: list[bytes]) -> list[tuple[str, str] | None]:
@@ -426,8 +428,7 @@ class Store:
         return self.ledger.flush_last_seen(self.ssd_order)
 
     async def drain(self, timeout: float) -> None:
-        """Wait (up to ``timeout``) for background promotions, publishes and checksums: on a
-        clean stop they finish before the tiers close."""
+        """Wait (up to ``timeout``) for background promotions, publishes and checksums to end."""
         await self.inflight.drain(timeout)
 
     def close(self) -> None:

@@ -25,6 +25,10 @@ from kvcached.store.parts import Room, StoreParts
 from kvcached.tiers.ram import WRITING, RamBlock, RamFull
 from kvcached_agent.address import BlockAddress
 
+# A pull that brought nothing after this long timed out rather than missed (a holder answers a
+# miss within a round trip): the delivery estimate counts it as one byte in that time.
+SILENT_S = 0.25
+
 if TYPE_CHECKING:
     from kvcached.store.ssd_mover import SsdMover
     from kvcached.store.write_path import WritePath
@@ -109,7 +113,11 @@ class PeerPulls(Room):
         try:
             started = time.perf_counter()
             got = await self.peers.fetch(mine, functools.partial(self._reserve, tenant=tenant), self._abort, tenant)
-            self.delivery.took("peer", sum(head.payload_length for _, _, head in got), time.perf_counter() - started)
+            took = time.perf_counter() - started
+            if got:
+                self.delivery.took("peer", sum(head.payload_length for _, _, head in got), took)
+            elif took >= SILENT_S:
+                self.delivery.nothing("peer", took)
             now = self.clock()
             mirror = self.settings.mirror_pulls
             for address, (block, view), head in got:

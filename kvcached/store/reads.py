@@ -102,54 +102,91 @@ class DeliveryRates:
     constant, over few batches: a throttled disk or a slow link, or its end, shows within them.
 
     A source judged too slow to load from is then not read, so nothing would tell when it is
-    fast again: an estimate older than :data:`STALE_S` is not :meth:`current` (a plan takes the
-    source to pay, and the next load measures it again), and the first batch after such a gap
-    starts a new window. At most one request per source in ``STALE_S`` pays that probe. A batch
-    that took :data:`CHANGE` times longer or shorter than the estimate said also starts a new
-    window: the link or the disk changed, and the batches before say nothing of it now."""
+    fast again: an estimate older than :data:`STALE_S` is stale, and the first plan that needs
+    that source (:meth:`current`) goes without its estimate (it takes the source to pay, and
+    its load measures it again: a probe); plans after it go by the old estimate until the probe
+    has delivered or another ``STALE_S`` has passed, so one request per source in ``STALE_S``
+    pays for a probe. The first batch after such a gap starts a new window, as does a batch
+    of a size like the window's (within 2x of their mean: a latency-bound source's batches of
+    other sizes are no change) that took :data:`CHANGE` times longer or shorter than the
+    estimate said: the link or the disk changed, and the batches before say nothing of it now. A batch that
+    delivered nothing (:meth:`nothing`: a pull that timed out) counts as one byte in its time.
+
+    The event loop records and plans; the metrics thread reads :meth:`estimates` (whole-object
+    reads under the GIL, as kvcached.host.histogram explains)."""
 
     WINDOW = 8
     STALE_S = 30.0
     CHANGE = 4.0
+    MIN_FIT = 4
 
     def __init__(self, clock: Callable[[], float] = monotonic) -> None:
         self._clock = clock
         self._batches: dict[str, deque[tuple[int, float]]] = {}
         self._newest: dict[str, float] = {}
+        self._probes: dict[str, float] = {}        # source -> when a plan was last let probe it
 
     def took(self, source: str, nbytes: int, seconds: float) -> None:
         """A batch of ``nbytes`` from ``source`` arrived ``seconds`` after it was asked for."""
         if nbytes > 0 and seconds > 0:
             now = self._clock()
             batches = self._batches.setdefault(source, deque(maxlen=self.WINDOW))
-            said = self.estimate(source)
-            expected = said.latency_s + said.seconds(nbytes) if said is not None else seconds
-            if now - self._newest.get(source, now) > self.STALE_S or not expected / self.CHANGE <= seconds <= expected * self.CHANGE:
+            if now - self._newest.get(source, now) > self.STALE_S or self._changed(batches, nbytes, seconds):
                 batches.clear()
             batches.append((nbytes, seconds))
             self._newest[source] = now
+            self._probes.pop(source, None)
+
+    def nothing(self, source: str, seconds: float) -> None:
+        """A batch from ``source`` delivered nothing in ``seconds`` (it timed out)."""
+        self.took(source, 1, seconds)
+
+    def _changed(self, batches: deque[tuple[int, float]], nbytes: int, seconds: float) -> bool:
+        if not batches:
+            return False
+        said = _fit(list(batches))
+        mean = sum(b for b, _ in batches) / len(batches)
+        expected = said.latency_s + said.seconds(nbytes)
+        return mean / 2 <= nbytes <= mean * 2 and not expected / self.CHANGE <= seconds <= expected * self.CHANGE
 
     def estimate(self, source: str) -> Delivery | None:
         batches = list(self._batches.get(source, ()))
-        if not batches:
-            return None
-        n = len(batches)
-        mean_b = sum(b for b, _ in batches) / n
-        mean_s = sum(s for _, s in batches) / n
-        var_b = sum((b - mean_b) ** 2 for b, _ in batches) / n
-        if n >= 4 and var_b ** 0.5 > 0.25 * mean_b:
-            slope = sum((b - mean_b) * (s - mean_s) for b, s in batches) / n / var_b
-            latency = mean_s - slope * mean_b
-            if slope > 0 and latency >= 0:
-                return Delivery(latency, 1 / slope)
-        return Delivery(0.0, mean_b / mean_s)
+        return _fit(batches) if batches else None
 
-    def current(self) -> dict[str, Delivery]:
-        """The estimates a load plan goes by: those measured within :data:`STALE_S`."""
+    def current(self, needed: Iterable[str] = ()) -> dict[str, Delivery]:
+        """The estimates a load plan goes by, of the sources it ``needed``: those measured
+        within :data:`STALE_S`, and stale ones while a probe granted earlier is out; a stale
+        source with no probe out is left out (this plan probes it)."""
         now = self._clock()
-        return {source: d for source, d in self.estimates().items()
-                if now - self._newest.get(source, now) <= self.STALE_S}
+        out = {}
+        for source in needed:
+            estimate = self.estimate(source)
+            if estimate is None:
+                continue
+            if now - self._newest.get(source, now) > self.STALE_S:
+                granted = self._probes.get(source)
+                if granted is None or now - granted > self.STALE_S:
+                    self._probes[source] = now
+                    continue
+            out[source] = estimate
+        return out
 
     def estimates(self) -> dict[str, Delivery]:
         """Every source's latest estimate, however old (what the metrics show)."""
         return {source: d for source in list(self._batches) if (d := self.estimate(source)) is not None}
+
+
+def _fit(batches: list[tuple[int, float]]) -> Delivery:
+    """``seconds = latency + bytes / rate`` over (bytes, seconds) batches: least squares where
+    there are :data:`DeliveryRates.MIN_FIT` of them and their sizes differ enough to tell the two
+    apart, else all of it taken as rate."""
+    n = len(batches)
+    mean_b = sum(b for b, _ in batches) / n
+    mean_s = sum(s for _, s in batches) / n
+    var_b = sum((b - mean_b) ** 2 for b, _ in batches) / n
+    if n >= DeliveryRates.MIN_FIT and var_b ** 0.5 > 0.25 * mean_b:
+        slope = sum((b - mean_b) * (s - mean_s) for b, s in batches) / n / var_b
+        latency = mean_s - slope * mean_b
+        if slope > 0 and latency >= 0:
+            return Delivery(latency, 1 / slope)
+    return Delivery(0.0, mean_b / mean_s)

@@ -65,18 +65,22 @@ def test_delivery_rates_fit_latency_and_rate_from_the_batches_a_source_delivered
     assert set(rates.estimates()) == {"ssd"}
 
 
-def test_a_stale_estimate_is_not_planned_by_and_the_next_batch_starts_a_new_window() -> None:
+def test_a_stale_estimate_lets_one_plan_probe_and_the_next_batch_starts_a_new_window() -> None:
     from kvcached.store.reads import DeliveryRates
     now = [100.0]
     rates = DeliveryRates(clock=lambda: now[0])
     for _ in range(DeliveryRates.WINDOW):                # a throttled source: 1 MiB/s
         rates.took("peer", MIB, 1.0)
-    assert rates.current()["peer"].bytes_per_s == pytest.approx(MIB)
+    assert rates.current(["peer", "ssd"])["peer"].bytes_per_s == pytest.approx(MIB)
     now[0] += DeliveryRates.STALE_S + 1                  # skipped since: nothing measured it again
-    assert "peer" not in rates.current()                 # so a plan takes it (and measures it) again
-    assert rates.estimates()["peer"].bytes_per_s == pytest.approx(MIB)   # the metrics still show the last
-    rates.took("peer", MIB, 0.01)                        # the throttle is gone: one batch says so
-    assert rates.current()["peer"].bytes_per_s == pytest.approx(100 * MIB)
+    assert "peer" not in rates.current(["ssd"])          # a plan that does not need it probes nothing
+    assert "peer" not in rates.current(["peer"])         # the first that does: no estimate, a probe
+    assert rates.current(["peer"])["peer"].bytes_per_s == pytest.approx(MIB)   # the rest: the old one
+    assert rates.estimates()["peer"].bytes_per_s == pytest.approx(MIB)         # and the metrics show it
+    rates.took("peer", MIB, 0.01)                        # the probe: the throttle is gone
+    assert rates.current(["peer"])["peer"].bytes_per_s == pytest.approx(100 * MIB)
+    now[0] += 2 * DeliveryRates.STALE_S                  # stale again, and the probe granted long ago
+    assert "peer" not in rates.current(["peer"])
 
 
 def test_a_batch_far_from_the_estimate_starts_a_new_window() -> None:
@@ -86,8 +90,24 @@ def test_a_batch_far_from_the_estimate_starts_a_new_window() -> None:
     for _ in range(DeliveryRates.WINDOW):
         rates.took("peer", MIB, 1.0)
     rates.took("peer", MIB, 0.5)                          # within CHANGE of the estimate: one of the window
-    assert rates.current()["peer"].bytes_per_s == pytest.approx(8 * MIB / 7.5)
+    assert rates.current(["peer"])["peer"].bytes_per_s == pytest.approx(8 * MIB / 7.5)
     rates.took("peer", MIB, 0.01)                         # 75x faster than it said: a new window
-    assert rates.current()["peer"].bytes_per_s == pytest.approx(100 * MIB)
-    rates.took("peer", MIB, 1.0)                          # and throttled again
-    assert rates.current()["peer"].bytes_per_s == pytest.approx(MIB)
+    assert rates.current(["peer"])["peer"].bytes_per_s == pytest.approx(100 * MIB)
+
+
+def test_batches_of_other_sizes_on_a_latency_bound_link_keep_their_fit() -> None:
+    """20 ms to start, then 10 GB/s: batches of 1 to 64 MiB differ 60x in size, not in what
+    the link is; the window keeps them and learns the latency."""
+    from kvcached.store.reads import DeliveryRates
+    rates = DeliveryRates(clock=lambda: 0.0)
+    for n in (1, 64, 8, 32, 2, 16, 4, 48):
+        rates.took("peer", n * MIB, 0.02 + n * MIB / 10e9)
+    fitted = rates.current(["peer"])["peer"]
+    assert fitted.latency_s == pytest.approx(0.02) and fitted.bytes_per_s == pytest.approx(10e9)
+
+
+def test_a_batch_that_delivered_nothing_counts_as_a_very_slow_one() -> None:
+    from kvcached.store.reads import DeliveryRates
+    rates = DeliveryRates(clock=lambda: 0.0)
+    rates.nothing("peer", 2.0)                            # a pull that timed out
+    assert rates.current(["peer"])["peer"].bytes_per_s == pytest.approx(0.5)

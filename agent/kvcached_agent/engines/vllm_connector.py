@@ -192,6 +192,12 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
                                     engine_events=bool(events and getattr(events, "enable_kv_cache_events", False)))
             prefill = (PrefillRate(settings.prefill_tokens_per_s, prefill_tokens=block_tokens)
                        if settings.skip_slow_loads else None)
+            if prefill is not None and not prefill.given and vllm_config.scheduler_config.async_scheduling:
+                # Steps overlap with asynchronous scheduling: the time between two schedules is
+                # not the step's own, so the rate is not measured; every hit is loaded.
+                log.info("kvcached: vLLM schedules asynchronously, so the prefill rate is not measured; "
+                         "give prefill_tokens_per_s to skip loads slower than recomputing")
+                prefill = None
             self.scheduler_side = SchedulerSide(agent, root, block_tokens=block_tokens, page_tokens=page_tokens,
                                                 kinds=kinds, roots=roots, routes=self.routes, prefill=prefill)
         else:

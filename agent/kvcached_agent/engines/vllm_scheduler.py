@@ -152,16 +152,17 @@ class SchedulerSide:
         digests = state.chain.upto(request.all_token_ids, usable)
         found = self._loadable(digests[first:]) if self._gpu_group is not None else None
         full = first + found[0] if found is not None else usable
+        stored = first + found[3] if found is not None else usable      # where the stored prefix ends
         blocks = self._hybrid_hit(digests, first, usable, full) if self._present_kinds else full
-        if self._present_kinds and full > blocks and not state.junction:
+        if self._present_kinds and stored > blocks and not state.junction:
             # A prefix stored by another prompt ends here (the full-attention blocks reach it, the
             # other kinds cannot resume there yet): keep this request's state there, as vLLM's
             # prefix cache keeps a shared-prefix junction, so the next prompt sharing it resumes.
             # vLLM's scheduler ends a prefill chunk at its request's junction (the state exists
             # only at a chunk's end); the one it found itself, if any, comes first.
-            state.junction = full
+            state.junction = stored
             if getattr(request, "shared_prefix_boundary", None) == 0:
-                request.shared_prefix_boundary = full * self.block_tokens
+                request.shared_prefix_boundary = stored * self.block_tokens
         external = blocks * self.block_tokens - num_computed
         if blocks <= first or external <= 0:
             return 0, False
@@ -172,17 +173,17 @@ class SchedulerSide:
         state.hit_tiers = (ram, ssd, longest - ram - ssd)
         return external, state.hit[1]
 
-    def _loadable(self, chain: list[bytes]) -> tuple[int, int, int]:
-        """How many blocks of ``chain`` to load, and of them how many from RAM and from SSD: a
-        load plan once the engine's prefill rate is known (SSD and peer blocks slower to load
-        than to recompute are left out), else every block some tier holds (Lookup)."""
+    def _loadable(self, chain: list[bytes]) -> tuple[int, int, int, int]:
+        """How many blocks of ``chain`` to load, of them how many from RAM and from SSD, and the
+        prefix some tier holds: a load plan once the engine's prefill rate is known (SSD and
+        peer blocks slower to load than to recompute are left out), else every block held."""
         per_token = self.prefill.seconds_per_token() if self.prefill is not None else None
         if per_token is not None:
             plan = self.agent.plan_loads(chain, per_token * self.block_tokens)
-            return plan.load, plan.ram, plan.ssd
+            return plan.load, plan.ram, plan.ssd, plan.held
         found = self.agent.lookup(chain)
         ram = min(found.ram, found.longest)
-        return found.longest, ram, min(max(found.ssd, ram), found.longest) - ram
+        return found.longest, ram, min(max(found.ssd, ram), found.longest) - ram, found.longest
 
     def _hybrid_hit(self, chain: list[bytes], first: int, usable: int, full: int) -> int:
         """The hit every kind can resume from (hybrid.hit_length): one Present for the blocks of
