@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/kvcached/v1/*.proto)
 PROTO_OUT := kvcached/v1/kvcache_pb2.py
 
-.PHONY: install setup run lint test test-unit test-integration test-reliability soak test-engines engines-venv test-e2e e2e-venv bench proto clean system-deps certs
+.PHONY: install nixl setup run lint test test-unit test-integration test-reliability soak test-engines engines-venv test-e2e e2e-venv bench proto clean system-deps certs
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -22,6 +22,13 @@ $(STAMP): pyproject.toml agent/pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(EDITABLE) $(PIP) install --quiet -e ./agent -e '.[dev]'
+	touch $@
+
+# NIXL for the peer tier's NIXL lane ([quic] lane = "nixl"; requirements-nixl.txt says why --no-deps).
+NIXL_STAMP := $(VENV)/.nixl
+nixl: $(NIXL_STAMP)
+$(NIXL_STAMP): requirements-nixl.txt | $(STAMP)
+	$(PIP) install --quiet --no-deps -r requirements-nixl.txt
 	touch $@
 
 proto $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
@@ -47,7 +54,7 @@ lint: install
 # environment sets PYTHONDONTWRITEBYTECODE (these machines do) each would otherwise compile every
 # module of kvcached from source as it starts (0.2 s a start here).
 test:
-	$(MAKE) --no-print-directory -j4 lint engines-venv e2e-venv system-deps
+	$(MAKE) --no-print-directory -j4 lint engines-venv e2e-venv system-deps nixl
 	$(PY) -m compileall -q kvcached agent/kvcached_agent tests > /dev/null
 	$(PY) -m pytest -q tests
 	$(ENGINES_PY) -m pytest -q tests/engines
