@@ -29,8 +29,8 @@ class PrefillRate:
     MIN_STEPS = 4
 
     def __init__(self, given: float = 0.0, *, prefill_tokens: int = 1) -> None:
-        if given < 0:
-            raise ValueError(f"prefill_tokens_per_s must be >= 0, not {given!r}")
+        if not 0 <= given < float("inf"):
+            raise ValueError(f"prefill_tokens_per_s must be a number >= 0, not {given!r}")
         self.given = given
         self.prefill_tokens = max(1, prefill_tokens)   # a step with fewer tokens is decode only
         self._steps: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)

@@ -343,23 +343,15 @@ class ReadPath(Room):
     def plan(self, digests: Sequence[bytes], layer: int, recompute_s: float, block_bytes: int,
              agent: int | None = None, tenant: str = "") -> tuple[LoadPlan, int]:
         """Which of a chain's held blocks are worth loading (kvcached.policies.load_cost): each
-        block's source (this agent's GPU and RAM count as RAM, then SSD, then a usable peer), what
-        SSD reads and pulls deliver lately, ``recompute_s`` a block. Returns the plan and the
-        prefix held; counted as a lookup (``tenant``'s), and the blocks skipped as slower than
-        recomputing are counted."""
-        self.counters.lookups += 1
-        self.tally.lookup(tenant)
-        self._check_digests(digests)
-        keys = [index_key(d, layer) for d in digests]
-        on_ssd = ([bool(t & Tier.SSD) for t in self.index.tiers_of(keys)] if self.mover is not None
-                  else [False] * len(keys))
-        peers = self.pulls.peers
-        on_peer = peers.held(digests, layer) if peers is not None else [False] * len(keys)
-        on_gpu = self.gpu.held(agent, digests) if agent is not None else set()
-        sources = ["ram" if d in on_gpu or k in self.ram else "ssd" if s else "peer" if q else None
-                   for d, k, s, q in zip(digests, keys, on_ssd, on_peer)]
+        block's source from :meth:`present` (this agent's GPU and RAM count as RAM, then SSD, then
+        a usable peer; counted as a lookup), what SSD reads and pulls deliver lately,
+        ``recompute_s`` a block. Returns the plan and the prefix held; the blocks skipped as
+        slower than recomputing are counted."""
+        seen = self.present(digests, layer, agent, tenant)
+        sources = ["ram" if g or r else "ssd" if s else "peer" if q else None
+                   for g, r, s, q in zip(seen.gpu, seen.ram, seen.ssd, seen.peer)]
         needed = {s for s in sources if s is not None and s != "ram"}
-        plan = plan_loads(sources, [block_bytes] * len(keys), recompute_s, self.delivery.current(needed))
+        plan = plan_loads(sources, [block_bytes] * len(sources), recompute_s, self.delivery.current(needed))
         self.counters.loads_skipped_ssd += plan.skipped.get("ssd", 0)
         self.counters.loads_skipped_peer += plan.skipped.get("peer", 0)
         held = next((i for i, s in enumerate(sources) if s is None), len(sources))

@@ -76,7 +76,9 @@ def test_plugin_settings_reject_unknown_keys_and_bad_values(monkeypatch: pytest.
                          ({"skip_slow_loads": "no"}, "true or false"),
                          ({"skip_slow_loads": 0}, "true or false"),
                          ({"prefill_tokens_per_s": -1}, "a number >= 0"),
-                         ({"prefill_tokens_per_s": "fast"}, "a number >= 0")):
+                         ({"prefill_tokens_per_s": "fast"}, "a number >= 0"),
+                         ({"prefill_tokens_per_s": float("inf")}, "a number >= 0"),
+                         ({"timeout_s": float("inf")}, "a number > 0")):
         with pytest.raises(ValueError, match=message):
             PluginSettings.from_mapping(bad, "kv_connector_extra_config")
 

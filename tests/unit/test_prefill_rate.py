@@ -11,8 +11,9 @@ from kvcached_agent.prefill import PrefillRate, StepClock
 def test_a_given_rate_is_used_as_is_and_a_negative_one_refused() -> None:
     assert PrefillRate(20000).seconds_per_token() == pytest.approx(1 / 20000)
     assert PrefillRate(20000).tokens_per_s() == pytest.approx(20000)
-    with pytest.raises(ValueError, match=">= 0"):
-        PrefillRate(-1)
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=">= 0"):
+            PrefillRate(bad)
 
 
 def test_the_rate_is_unknown_until_enough_prefill_steps_are_measured() -> None:

@@ -7,6 +7,7 @@ unknown key or a wrong value is an error at engine start, never a silent default
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
@@ -53,9 +54,9 @@ class PluginSettings:
             elif isinstance(default, int):
                 ok, want = type(value) is int and value >= 0, "a whole number >= 0"
             elif default == 0:
-                ok, want = type(value) in (int, float) and value >= 0, "a number >= 0"
+                ok, want = type(value) in (int, float) and 0 <= value < math.inf, "a number >= 0"
             else:
-                ok, want = type(value) in (int, float) and value > 0, "a number > 0"
+                ok, want = type(value) in (int, float) and 0 < value < math.inf, "a number > 0"
             if not ok:
                 raise ValueError(f"{where}: kvcached setting {key!r} must be {want}, not {value!r}")
             out[key] = float(value) if isinstance(default, float) else value
