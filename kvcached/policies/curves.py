@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from kvcached.policies.base import EvictionPolicy
 from kvcached.policies.belady import belady_hits
@@ -45,9 +45,10 @@ MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 SAMPLE_KEYS = 16384         # distinct keys in the sample at most
 MAX_RATE = 1 / 16           # the share of keys sampled at most: what every access may cost
 WINDOW = 65536              # sampled accesses MIN looks at
-SAMPLED_PER_S = 500         # sampled uses a second at most: past that the sampling rate halves
+SAMPLED_PER_S = 200         # sampled uses a second at most: past that the sampling rate halves (see _within_budget)
 SPACE = 1 << 64
 RESIZE_EVERY = 256          # sampled accesses between two looks at the tiers' size in blocks
+RESIZE_MOVE = 128           # ... or sooner, once the sampling rate fell by 1/128
 
 
 class KeySample:
@@ -140,7 +141,8 @@ class _TierCopies:
         self.spec = spec
         self.multiples = tuple(multiples)
         self.copies = [ShadowCache(spec.policy.miniature(), 1) for _ in self.multiples]
-        self.hits = [0.0] * len(self.multiples)     # per copy, scaled to the current sampling rate
+        self._hits = [0.0] * len(self.multiples)    # per copy, in units of 1 / _scale
+        self._scale = 1.0                   # what one unit of _hits weighs at the current sampling rate
         self.footprint_sum = 0
         self.footprint_n = 0
         self.blocks = 0                     # the tier's size in blocks of the mean footprint seen
@@ -156,14 +158,19 @@ class _TierCopies:
             copy.capacity = max(1, round(m * self.blocks * rate))
             copy.policy.policy.follow(self.spec.policy)
 
+    @property
+    def hits(self) -> list[float]:
+        """Per copy, its hits scaled to the current sampling rate."""
+        return [h * self._scale for h in self._hits]
+
     def access(self, key: bytes) -> None:
-        hits = self.hits
+        hits, unit = self._hits, 1.0 / self._scale
         for i, copy in enumerate(self.copies):
             if copy.access(key):
-                hits[i] += 1.0
+                hits[i] += unit
 
     def scale(self, factor: float) -> None:
-        self.hits = [h * factor for h in self.hits]
+        self._scale *= factor               # one multiplication, not one per copy, at each new key
 
     def forget(self, key: bytes) -> None:
         for copy in self.copies:
@@ -194,24 +201,28 @@ class MissRatioCurves:
         self._min_at = -float("inf")
         self._min_sampled = 0               # the sampled accesses counted when MIN was
         self._min_span = (0, 0)
+        self._resized_at = self.sample.rate
 
     def access(self, key: bytes, nbytes: int) -> None:
         """One use of the block at ``key`` (an index key) of ``nbytes`` payload bytes."""
-        self.uses(((key, nbytes),))
+        self.uses((key,), lambda _: nbytes)
 
-    def uses(self, uses: Iterable[tuple[bytes, int]]) -> None:
-        """:meth:`access` for each (key, nbytes), in order. Runs for every block served or
-        saved: the keys not sampled cost a comparison each."""
+    def uses(self, keys: Sequence[bytes], nbytes: Callable[[int], int]) -> None:
+        """:meth:`access` for each of ``keys`` in order, ``nbytes(i)`` the payload bytes of the
+        i-th (asked of the sampled ones only). Runs for every block served or saved: a call
+        none of whose keys is sampled costs one ``min`` over them (C, some 20 ns a key); the
+        others are looked at one by one."""
         bound = self.sample.bound
-        n = 0
-        for key, nbytes in uses:
-            n += 1
+        if not keys or min(keys) >= bound:
+            self.accesses += len(keys)
+            return
+        start = self.accesses
+        for i, key in enumerate(keys):
             if key < bound:
-                self.accesses += n
-                n = 0
-                self._sampled(key, int.from_bytes(key[:8], "big"), nbytes)
+                self.accesses = start + i + 1
+                self._sampled(key, int.from_bytes(key[:8], "big"), nbytes(i))
                 bound = self.sample.bound
-        self.accesses += n
+        self.accesses = start + len(keys)
 
     def _sampled(self, key: bytes, hashed: int, nbytes: int) -> None:
         before = self.sample.threshold
@@ -229,14 +240,16 @@ class MissRatioCurves:
                 for out in dropped:
                     tier.forget(out)
             if key not in self.sample:
-                self._resize()
+                self._resize_if_moved()
                 return
         self.sampled += 1
         self.weight += 1.0
         for tier in self.tiers:
             tier.seen(nbytes)
-        if changed or self.sampled % RESIZE_EVERY == 1:
+        if self.sampled % RESIZE_EVERY == 1:
             self._resize()
+        elif changed:
+            self._resize_if_moved()
         for tier in self.tiers:
             tier.access(key)
         window = self._window
@@ -246,7 +259,9 @@ class MissRatioCurves:
     def _within_budget(self) -> list[bytes]:
         """Past ``sampled_per_s`` sampled uses in one second of the clock, the rate halves (the
         keys above the new threshold leave the sample): what the curves cost a busy daemon stays
-        bounded, and a busy daemon has uses enough to sample fewer."""
+        bounded, and a busy daemon has uses enough to sample fewer. A sampled use costs some
+        40 us of the copies' work with two tiers of four copies (eight ShadowCache accesses),
+        so 200 a second bound the curves near 1% of a core; 500 cost 2%."""
         now = int(self.clock())
         second, count = self._second
         count = count + 1 if now == second else 1
@@ -258,8 +273,16 @@ class MissRatioCurves:
 
     def _resize(self) -> None:
         rate = self.sample.rate
+        self._resized_at = rate
         for tier in self.tiers:
             tier.resize(rate)
+
+    def _resize_if_moved(self) -> None:
+        """The copies resized to a lower rate once it is 1/RESIZE_MOVE below the last they were
+        sized for: a full sample's threshold falls a little with each new key (fixed-size
+        SHARDS), and resizing every copy each time cost more than the copies' own work."""
+        if self.sample.rate < self._resized_at * (1 - 1 / RESIZE_MOVE):
+            self._resize()
 
     def points(self, with_min: bool = True) -> list[CurvePoint]:
         """Every tier at every multiple; with ``with_min``, MIN's too (computed if the last is

@@ -265,14 +265,16 @@ class Store:
     # -- writes ----------------------------------------------------------------------------------
 
     async def put(self, items: Sequence[PutItem]) -> PutResult:
-        self._settle((item.address.key for item in items), None)
-        self._used((item.address.key, len(item.payload)) for item in items)
+        keys = [item.address.key for item in items]
+        self._settle(keys, None)
+        self._used(keys, lambda i: len(items[i].payload))
         return await self.writer.put(items)
 
     def reserve(self, entries: Sequence[tuple[BlockAddress, int]], tenant: str = "") -> list[RamBlock | SlotRefusal]:
         """Slots for an agent's blocks (kvcached.store.write_path), as ``tenant``'s (Tenant.tag)."""
-        self._settle((address.key for address, _ in entries), None)
-        self._used((address.key, nbytes) for address, nbytes in entries)   # saved, or found saved: a use
+        keys = [address.key for address, _ in entries]
+        self._settle(keys, None)
+        self._used(keys, lambda i: entries[i][1])   # saved, or found saved: a use
         results = self.writer.reserve(entries, tenant)
         if self.routes:
             self.routes.reserved([a for (a, _), r in zip(entries, results) if not isinstance(r, SlotRefusal)])
@@ -308,19 +310,21 @@ class Store:
                   tenant: str = "") -> tuple[list[Fetched], list[Miss]]:
         self._settle(a.key for a in addresses)
         found, misses = await self.reader.get(addresses, allow_partial=allow_partial, tenant=tenant)
-        self._used((f.address.key, len(f.payload)) for f in found)
+        self._used([f.address.key for f in found], lambda i: len(found[i].payload))
         return found, misses
 
     async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
                   peers: bool = True, tenant: str = "") -> list[Pinned | Miss]:
         self._settle(a.key for a in addresses)
         results = await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers, tenant=tenant)
-        self._used((r.block.key, r.block.length) for r in results if isinstance(r, Pinned))
+        pinned = [r.block for r in results if isinstance(r, Pinned)]
+        self._used([block.key for block in pinned], lambda i: pinned[i].length)
         return results
 
-    def _used(self, uses: Iterable[tuple[bytes, int]]) -> None:   # blocks used (key, bytes): the curves count them
+    def _used(self, keys: Sequence[bytes], nbytes: Callable[[int], int]) -> None:
+        """Blocks used (``nbytes(i)``: the i-th's bytes): the curves count them."""
         if self.curves is not None:
-            self.curves.uses(uses)
+            self.curves.uses(keys, nbytes)
 
     def read(self, pinned: Pinned, start: int, length: int) -> bytes:
         return self.reader.read(pinned, start, length)

@@ -110,14 +110,14 @@ def test_a_busy_daemon_samples_fewer_keys_so_the_curves_cost_stays_bounded() -> 
                              lambda: now[0], max_rate=1.0, sampled_per_s=100)
     keys = [os.urandom(32) for _ in range(64)]
     for _ in range(10):
-        curves.uses((k, 1) for k in keys)            # 640 uses within one second
+        curves.uses(keys, lambda _: 1)               # 640 uses within one second
     assert curves.sample.rate < 1.0 and len(curves.sample) < 64
     assert all(key not in curves.sample or int.from_bytes(key[:8], "big") < curves.sample.threshold for key in keys)
     rate = curves.sample.rate
     now[0] = 5.0
     for _ in range(10):
         now[0] += 1.0                                # 64 uses a second: within the budget
-        curves.uses((k, 1) for k in keys)
+        curves.uses(keys, lambda _: 1)
     assert curves.sample.rate == rate
     hit = next(p for p in curves.points(with_min=False) if p.multiple == 1.0).hit_rate
     assert hit is not None and hit > 0.8, hit
