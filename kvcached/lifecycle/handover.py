@@ -78,17 +78,18 @@ def tcp_migrate_req() -> bool:
 
 def _exited(pid: int) -> bool:
     """Every thread of process ``pid`` has exited (its files are closed): a zombie leader with
-    threads still running is not gone yet, their exit closes the files."""
+    threads still running is not gone yet, their exit closes the files. A process reaped while
+    /proc is read answers ESRCH (ProcessLookupError), not ENOENT: gone as well."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
                     return False
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             pass
     return True
 

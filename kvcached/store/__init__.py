@@ -265,15 +265,13 @@ class Store:
     # -- writes ----------------------------------------------------------------------------------
 
     async def put(self, items: Sequence[PutItem]) -> PutResult:
-        keys = [item.address.key for item in items]
-        self._settle(keys, None)
+        self._settle(keys := [item.address.key for item in items], None)
         self._used(keys, lambda i: len(items[i].payload))
         return await self.writer.put(items)
 
     def reserve(self, entries: Sequence[tuple[BlockAddress, int]], tenant: str = "") -> list[RamBlock | SlotRefusal]:
         """Slots for an agent's blocks (kvcached.store.write_path), as ``tenant``'s (Tenant.tag)."""
-        keys = [address.key for address, _ in entries]
-        self._settle(keys, None)
+        self._settle(keys := [address.key for address, _ in entries], None)
         self._used(keys, lambda i: entries[i][1])   # saved, or found saved: a use
         results = self.writer.reserve(entries, tenant)
         if self.routes:
@@ -317,12 +315,10 @@ class Store:
                   peers: bool = True, tenant: str = "") -> list[Pinned | Miss]:
         self._settle(a.key for a in addresses)
         results = await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers, tenant=tenant)
-        pinned = [r.block for r in results if isinstance(r, Pinned)]
-        self._used([block.key for block in pinned], lambda i: pinned[i].length)
+        self._used(*_pinned_uses(results))
         return results
 
-    def _used(self, keys: Sequence[bytes], nbytes: Callable[[int], int]) -> None:
-        """Blocks used (``nbytes(i)``: the i-th's bytes): the curves count them."""
+    def _used(self, keys: Sequence[bytes], nbytes: Callable[[int], int]) -> None:  # blocks used: the curves count them
         if self.curves is not None:
             self.curves.uses(keys, nbytes)
 
@@ -474,3 +470,9 @@ class Store:
             if not self.ssd_budget.unlimited:
                 out["ssd_budget_remaining_bytes"] = self.ssd_budget.remaining(self.clock())
         return out
+
+
+def _pinned_uses(results: Sequence[Pinned | Miss]) -> tuple[list[bytes], Callable[[int], int]]:
+    """The keys of the blocks pinned among ``results``, and each one's length (Store._used)."""
+    blocks = [r.block for r in results if isinstance(r, Pinned)]
+    return [b.key for b in blocks], lambda i: blocks[i].length
