@@ -19,13 +19,16 @@
    the same window. Targets (issue 42): within 0.02, MIN within 0.03.
 
 --quick: 3 rounds of 0.3 s and the workloads at twice their length (about two minutes).
-Full: 5 rounds of 1 s (about ten minutes).
+Full: 5 rounds of 1 s (about ten minutes). --accuracy-only skips figures 1-2; --rekey SALT
+replays every stream with its keys re-hashed (other keys fall in the sample: runs with several
+salts show the spread sampling gives); --max-rate R sets the sample's rate cap (default 1/16).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import statistics
@@ -52,7 +55,7 @@ from bench_core import (  # noqa: E402
 
 from kvcached.policies import make_keyed_policy  # noqa: E402
 from kvcached.policies.belady import belady_hits  # noqa: E402
-from kvcached.policies.curves import MULTIPLES, MissRatioCurves, TierSpec  # noqa: E402
+from kvcached.policies.curves import MAX_RATE, MULTIPLES, MissRatioCurves, TierSpec  # noqa: E402
 from kvcached.sim.replay import accesses_of, replay_hits  # noqa: E402
 from kvcached.sim.traces import load_trace  # noqa: E402
 from kvcached.sim.workloads import WORKLOADS, make_trace  # noqa: E402
@@ -108,12 +111,13 @@ def cost_rows(backends: dict[str, GrpcBackend], rounds: int, seconds: float) -> 
     return rows
 
 
-def accuracy(name: str, stream: Sequence[bytes], policy: str, share: float = 0.1) -> list[dict[str, Any]]:
+def accuracy(name: str, stream: Sequence[bytes], policy: str, share: float = 0.1,
+             max_rate: float = MAX_RATE) -> list[dict[str, Any]]:
     """The live curves against the exact replay of ``stream`` (see the module)."""
     size = max(1, int(len(set(stream)) * share))
     tier = make_keyed_policy(policy)
     curves = MissRatioCurves([TierSpec("ram", policy, tier.policy, size * 4096, lambda n: n)], lambda: 0.0,
-                             min_every_s=0.0, sampled_per_s=None)
+                             min_every_s=0.0, sampled_per_s=None, max_rate=max_rate)
     for _hit, key in zip(replay_hits(tier, size, stream), stream):
         curves.access(key, 4096)
     points = {p.multiple: p for p in curves.points()}
@@ -129,6 +133,15 @@ def accuracy(name: str, stream: Sequence[bytes], policy: str, share: float = 0.1
                     "live_min": p.min_hit_rate, "exact_min": least, "rate": curves.sample.rate,
                     "sampled": curves.sampled})
     return out
+
+
+def rekeyed(stream: Sequence[bytes], salt: str) -> list[bytes]:
+    """``stream`` with every key replaced by its keyed BLAKE2b (the same key, the same new key):
+    the same traffic with other keys falling in the sample, so that runs apart show the spread
+    that which keys are sampled gives."""
+    new: dict[bytes, bytes] = {}
+    return [new.get(key) or new.setdefault(key, hashlib.blake2b(key, key=salt.encode(), digest_size=32).digest())
+            for key in stream]
 
 
 def print_accuracy(results: list[dict[str, Any]]) -> bool:
@@ -152,8 +165,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--accuracy-only", action="store_true", help="skip the cost figures (1-2)")
+    parser.add_argument("--rekey", metavar="SALT", help="accuracy of the streams re-keyed with SALT (see rekeyed)")
+    parser.add_argument("--max-rate", type=float, default=MAX_RATE, help=f"the sample's rate cap (default {MAX_RATE:g})")
     args = parser.parse_args(argv)
+    if not 0 < args.max_rate <= 1:
+        parser.error(f"--max-rate must be in (0, 1], not {args.max_rate}")
     rounds, seconds, scale = (3, 0.3, 2.0) if args.quick else (5, 1.0, 8.0)
+    rows = [] if args.accuracy_only else cost(rounds, seconds)
+    return _report(args, rows, rounds, seconds, scale)
+
+
+def cost(rounds: int, seconds: float) -> list[Row]:
+    """Figures 1-2: three daemons, the curves on in one (see the module)."""
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcb-curves-")))
         backends = {}
@@ -163,7 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc, channel = start_kvcached(stack, home, 0.5, ["kv.ssd_gib=1", f"kv.curves={on}"])
             backends[name] = GrpcBackend(name, channel, proc.proc.pid)
         progress(f"1-2. Gets and Puts with the curves on and off: {rounds} rounds of {seconds:g} s a case")
-        rows = cost_rows(backends, rounds, seconds)
+        return cost_rows(backends, rounds, seconds)
+
+
+def _report(args: argparse.Namespace, rows: list[Row], rounds: int, seconds: float, scale: float) -> int:
+    """The accuracy figures, then every figure printed (and written with --json)."""
     results = []
     streams = [("trace", "slru"), ("trace", "lru"), ("trace", "s3fifo")] if TRACE.exists() else []
     streams += [(name, "slru") for name in WORKLOADS]
@@ -171,14 +199,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress(f"3. accuracy: {name}, {policy}")
         stream = (accesses_of(load_trace(str(TRACE)).requests) if name == "trace"
                   else accesses_of(make_trace(name, scale)))
-        results += accuracy(name if name == "trace" else f"{name} x{scale:g}", stream, policy)
+        if args.rekey:
+            stream = rekeyed(stream, args.rekey)
+        results += accuracy(name if name == "trace" else f"{name} x{scale:g}", stream, policy, max_rate=args.max_rate)
     titles = {1: "1. Cost: Gets and Puts with the curves on against off (higher is better)",
               2: "2. Spread: the same on two daemons alike, both off (A/A; how far from 1.00x is noise)",
               3: "1b. The daemon's CPU (user and system) per call, curves on against off (ratio: off / on)",
               4: "2b. The same, A/A"}
-    print_fitted(rows, f"kvcached curves benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
-                 f"{rounds} rounds of {seconds:g} s", titles, lambda v, u: f"{v:.3f} {u}",
-                 ["ratio: median over rounds of the two sides in the same round."])
+    if rows:
+        print_fitted(rows, f"kvcached curves benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
+                     f"{rounds} rounds of {seconds:g} s", titles, lambda v, u: f"{v:.3f} {u}",
+                     ["ratio: median over rounds of the two sides in the same round."])
     print_accuracy(results)
     if args.json:
         Path(args.json).write_text(json.dumps({"cost": [r.__dict__ for r in rows], "accuracy": results}, indent=1,

@@ -210,8 +210,8 @@ class MissRatioCurves:
     def uses(self, keys: Sequence[bytes], nbytes: Callable[[int], int]) -> None:
         """:meth:`access` for each of ``keys`` in order, ``nbytes(i)`` the payload bytes of the
         i-th (asked of the sampled ones only). Runs for every block served or saved: a call
-        none of whose keys is sampled costs one ``min`` over them (C, some 20 ns a key); the
-        others are looked at one by one."""
+        none of whose keys is sampled costs one ``min`` over them (a C loop); the others are
+        looked at one by one."""
         bound = self.sample.bound
         if not keys or min(keys) >= bound:
             self.accesses += len(keys)
@@ -259,9 +259,8 @@ class MissRatioCurves:
     def _within_budget(self) -> list[bytes]:
         """Past ``sampled_per_s`` sampled uses in one second of the clock, the rate halves (the
         keys above the new threshold leave the sample): what the curves cost a busy daemon stays
-        bounded, and a busy daemon has uses enough to sample fewer. A sampled use costs some
-        40 us of the copies' work with two tiers of four copies (eight ShadowCache accesses),
-        so 200 a second bound the curves near 1% of a core; 500 cost 2%."""
+        bounded (each sampled use is one access to every copy of every tier), and a busy daemon
+        has uses enough to sample fewer."""
         now = int(self.clock())
         second, count = self._second
         count = count + 1 if now == second else 1

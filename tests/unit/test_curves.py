@@ -6,6 +6,7 @@ stretch of accesses. Also the sample's bound, its rescaling and what the curves 
 from __future__ import annotations
 
 import os
+import random
 import tracemalloc
 from pathlib import Path
 
@@ -94,6 +95,31 @@ def test_what_the_curves_hold_is_bounded_by_the_sample_not_the_keys() -> None:
         tracemalloc.stop()
     assert len(curves.sample) == 1024 and curves.accesses == 100_000
     assert held < 1024 * 2048 + 4096 * 100, held
+
+
+def test_a_call_of_many_uses_counts_as_the_same_uses_one_by_one() -> None:
+    """Store.put, get, pin and reserve hand the curves a call's keys at once (``uses``: a call
+    none of whose keys is sampled costs one ``min``). Fed in calls of 16 or one at a time, the
+    curves are the same: every use counted, each sampled use numbered where it stands in the
+    stream (MIN's window) and sized by its own bytes (the tier's size in blocks)."""
+    def tier() -> TierSpec:
+        return TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 20, lambda n: n)
+    rng = random.Random(5)
+    stream = [os.urandom(32) for _ in range(3000)]
+    stream += [rng.choice(stream) for _ in range(20_000)]
+    sizes = {key: rng.choice((1024, 4096, 65536)) for key in stream}
+    one, batched = (MissRatioCurves([tier()], lambda: 0.0, max_rate=0.25, sample_keys=256, sampled_per_s=None)
+                    for _ in range(2))
+    for key in stream:
+        one.access(key, sizes[key])
+    for start in range(0, len(stream), 16):
+        keys = stream[start:start + 16]
+        batched.uses(keys, lambda i: sizes[keys[i]])
+    assert batched.accesses == one.accesses == len(stream) and batched.sampled == one.sampled > 1000
+    assert batched.window() == one.window() and batched.sample.rate < 0.25
+    assert all(stream[n - 1] == key for key, n in batched.window())    # numbered as in the stream, from 1
+    assert batched.points() == one.points()
+    assert one.tiers[0].blocks != (1 << 20) // 4096          # the mean of the sampled sizes, not one size
 
 
 def test_nothing_sampled_yet_says_so() -> None:
