@@ -56,7 +56,7 @@ lint: install
 test:
 	$(MAKE) --no-print-directory -j4 lint engines-venv e2e-venv system-deps nixl
 	$(PY) -m compileall -q kvcached agent/kvcached_agent tests > /dev/null
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 	$(ENGINES_PY) -m pytest -q tests/engines
 	$(E2E_PY) -m pytest -q tests/e2e
 

@@ -306,8 +306,16 @@ class PeerClientProtocol(QuicConnectionProtocol):
         self._ids = RequestIds()
         self._events_stream: int | None = None
         self._lane_key: tuple[bytes, bytes] | None = None
+        self._closing = False         # close() was called: no new request goes out on it
 
     # -- handshake and lifetime --
+
+    def close(self, error_code: int = 0, reason_phrase: str = "") -> None:
+        """Close the connection; from now on it is not ``usable``, though aioquic reports it
+        closed only once the peer answers the close or the drain time passes: a request made in
+        between would wait on a connection that can no longer answer."""
+        self._closing = True
+        super().close(error_code=error_code, reason_phrase=reason_phrase)
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         if isinstance(event, events.StreamDataReceived):
@@ -369,7 +377,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
 
     @property
     def usable(self) -> bool:
-        return not self._closed.is_set() and self.refused is None
+        return not (self._closing or self._closed.is_set()) and self.refused is None
 
     # -- requests --
 

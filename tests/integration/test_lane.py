@@ -515,6 +515,7 @@ def test_a_mac_key_comes_over_quic_and_dies_with_the_session(tmp_path: Path, mod
             first = await client.lane_key()
             assert keys.get(first[0]) == (B, first[1])
             client.close()                                   # the session ends
+            assert not client.usable                         # no new request goes out on a closing session
             await until(lambda: keys.get(first[0]) is None, "A to revoke the key")
             pulls = b.t.counters.lane_pulls
             await c.connected()

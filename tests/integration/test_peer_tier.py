@@ -132,7 +132,7 @@ class Cluster:
     async def connected(self) -> None:
         """Every running tier holds a verified connection to every other running one."""
         up = [n for n in self.names if self.nodes[n].tier is not None]
-        await until(lambda: all((cl := self.nodes[n].t.links[m].client) is not None and cl.verified
+        await until(lambda: all((cl := self.nodes[n].t.links[m].client) is not None and cl.verified and cl.usable
                                 for n in up for m in up if m != n), "all peers connected")
 
 
