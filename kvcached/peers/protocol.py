@@ -29,11 +29,31 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any, ClassVar, Protocol, Sequence, Union
 
+from kvcached.peers.frames import (
+    ADDRESS,
+    DIGEST,
+    LIMITS,
+    MAX_BATCH,
+    MAX_BODY,
+    MAX_HOLDERS,
+    MAX_NAMES,
+    MAX_PAYLOAD,
+    MAX_TEXT,
+    U16,
+    U32,
+    VERSION,
+    ErrorCode,
+    MissReason,
+    addresses_body,
+    count_body,
+    digest_body,
+    text_body,
+)
+from kvcached.peers.protocol_nixl import NixlAgent, NixlDone, NixlOpen, NixlPull, NixlSpan, NixlSpans
 from kvcached_agent.address import DIGEST_BYTES
-from kvcached_agent.framing import HEADER, BodyReader, Frame, Limits, ProtocolError, count_field, text_field
+from kvcached_agent.framing import HEADER, BodyReader, Frame, ProtocolError
 from kvcached_agent.framing import frame as frame_bytes
 from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
 
@@ -43,72 +63,9 @@ __all__ = [
     "Pull", "TenantPull", "AnyPull", "pull_of", "Exists", "LaneOpen", "Locate", "Announce", "Drop", "Snapshot", "Block",
     "Blocks", "Miss", "ExistsResult",
     "Located", "LaneKey", "MAX_HOLDERS", "MAX_NAMES",
-    "Seal", "Error",
+    "Seal", "Error", "NixlOpen", "NixlAgent", "NixlPull", "NixlSpan", "NixlSpans", "NixlDone",
     "REQUESTS", "EVENTS", "EARLY_DATA_TYPES", "STATE_CHANGING", "allowed_as_early_data",
 ]
-
-VERSION = 1
-MAX_BODY = 4 << 20          # bytes after the header (a Block's payload not counted)
-MAX_BATCH = 65536           # entries in one frame: a full batch of addresses is 2.25 MiB
-MAX_TEXT = 1024             # bytes of one text field (UTF-8)
-MAX_PAYLOAD = 1 << 30       # the protocol's ceiling on one payload; a daemon sets its own, lower
-MAX_HOLDERS = 64            # holders of one block in a Located answer (a home names at most these)
-MAX_NAMES = 4096            # member names in one Located frame
-
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_ADDRESS = struct.Struct(f"<{DIGEST_BYTES}sI")
-_DIGEST = struct.Struct(f"<{DIGEST_BYTES}s")
-
-
-class ErrorCode(IntEnum):
-    """Why a request (or the whole stream) failed; carried by :class:`Error`. 1-4 and 6-8 mean
-    what they mean in the agent protocol; the two lists are separate all the same."""
-
-    MALFORMED = 1            # the body does not parse (counts, lengths, text, flags)
-    UNSUPPORTED_VERSION = 2  # a header version this side does not speak
-    UNKNOWN_TYPE = 3         # a message type this side does not know
-    TOO_LARGE = 4            # body over the limit, batch over MAX_BATCH, text over MAX_TEXT, payload over the limit
-    EARLY_DATA = 5           # a message that changes state arrived as 0-RTT early data: send it again after the handshake
-    INVALID_ARGUMENT = 6
-    RESOURCE_EXHAUSTED = 7
-    UNAVAILABLE = 8
-    UNEXPECTED = 9           # a message this side does not take here (an answer as a request, a Snapshot part out of order)
-    INTERNAL = 10
-
-
-class MissReason(IntEnum):
-    """Why a pulled block is not sent; carried by :class:`Miss`. Any Miss is a miss to the puller;
-    the reason says whether asking another peer (or later) can help."""
-
-    NOT_FOUND = 1    # no tier here holds it (dropped since it was announced)
-    DAMAGED = 2      # the copy here failed its checksum: quarantined, never served
-    BUSY = 3         # being written, or it cannot be pinned right now
-    OVERLOADED = 4   # too many pulls in flight here
-    TOO_LARGE = 5    # its payload is over the Pull's max_payload
-
-
-LIMITS = Limits(VERSION, MAX_BODY, MAX_BATCH, MAX_TEXT, ErrorCode)
-
-
-# -- body helpers ----------------------------------------------------------------------------
-
-def _text(value: str, name: str) -> bytes:
-    return text_field(value, name, LIMITS)
-
-
-def _digest(value: bytes, what: str) -> bytes:
-    if len(value) != DIGEST_BYTES:
-        raise ValueError(f"{what}: a digest is {len(value)} bytes, not {DIGEST_BYTES}")
-    return value
-
-
-def _count(n: int, what: str) -> bytes:
-    return count_field(n, what, LIMITS)
-
-
-def _addresses(rows: Sequence[tuple[bytes, int]], what: str) -> bytes:
-    return _count(len(rows), what) + b"".join(_ADDRESS.pack(_digest(d, what), layer) for d, layer in rows)
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -137,14 +94,14 @@ class Pull:
     def encode_body(self) -> bytes:
         if not 0 < self.max_payload <= MAX_PAYLOAD:
             raise ValueError(f"Pull: max_payload {self.max_payload} is outside 1..{MAX_PAYLOAD}")
-        return self.FIXED.pack(self.max_payload) + _addresses(self.addresses, "Pull")
+        return self.FIXED.pack(self.max_payload) + addresses_body(self.addresses, "Pull")
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Pull":
         (max_payload,) = r.unpack(cls.FIXED)
         if not 0 < max_payload <= MAX_PAYLOAD:
             raise ProtocolError(ErrorCode.MALFORMED, f"Pull: max_payload {max_payload} is outside 1..{MAX_PAYLOAD}")
-        return cls(r.entries(_ADDRESS), max_payload)
+        return cls(r.entries(ADDRESS), max_payload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +122,7 @@ class TenantPull:
     def encode_body(self) -> bytes:
         if not self.tenant:
             raise ValueError("TenantPull: no tenant (the default tenant's blocks go in a Pull)")
-        return _text(self.tenant, "tenant") + Pull(self.addresses, self.max_payload).encode_body()
+        return text_body(self.tenant, "tenant") + Pull(self.addresses, self.max_payload).encode_body()
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "TenantPull":
@@ -195,13 +152,13 @@ class Exists:
     digests: Sequence[bytes]
 
     def encode_body(self) -> bytes:
-        return _U32.pack(self.layer) + _count(len(self.digests), "Exists") + b"".join(
-            _digest(d, "Exists") for d in self.digests)
+        return U32.pack(self.layer) + count_body(len(self.digests), "Exists") + b"".join(
+            digest_body(d, "Exists") for d in self.digests)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Exists":
-        (layer,) = r.unpack(_U32)
-        return cls(layer, [d for (d,) in r.entries(_DIGEST)])
+        (layer,) = r.unpack(U32)
+        return cls(layer, [d for (d,) in r.entries(DIGEST)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,11 +188,11 @@ class Locate:
     addresses: Sequence[tuple[bytes, int]]
 
     def encode_body(self) -> bytes:
-        return _addresses(self.addresses, "Locate")
+        return addresses_body(self.addresses, "Locate")
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Locate":
-        return cls(r.entries(_ADDRESS))
+        return cls(r.entries(ADDRESS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,11 +200,11 @@ class _Addresses:
     addresses: Sequence[tuple[bytes, int]]
 
     def encode_body(self) -> bytes:
-        return _addresses(self.addresses, type(self).__name__)
+        return addresses_body(self.addresses, type(self).__name__)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "_Addresses":
-        return cls(r.entries(_ADDRESS))
+        return cls(r.entries(ADDRESS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,14 +234,14 @@ class Snapshot:
     FIXED: ClassVar[struct.Struct] = struct.Struct("<IB")
 
     def encode_body(self) -> bytes:
-        return self.FIXED.pack(self.part, 1 if self.last else 0) + _addresses(self.addresses, "Snapshot")
+        return self.FIXED.pack(self.part, 1 if self.last else 0) + addresses_body(self.addresses, "Snapshot")
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Snapshot":
         part, last = r.unpack(cls.FIXED)
         if last not in (0, 1):
             raise ProtocolError(ErrorCode.MALFORMED, f"Snapshot: last is {last}, not 0 or 1")
-        return cls(part, last == 1, r.entries(_ADDRESS))
+        return cls(part, last == 1, r.entries(ADDRESS))
 
 
 # -- answers ---------------------------------------------------------------------------------
@@ -317,8 +274,8 @@ class Block:
             raise ValueError(f"Block: payload_length {self.payload_length} is outside 1..{MAX_PAYLOAD}")
         if len(self.checksum) != CHECKSUM_BYTES:
             raise ValueError(f"Block: the checksum is {len(self.checksum)} bytes, not {CHECKSUM_BYTES}")
-        return (self.FIXED.pack(_digest(self.digest, "Block"), self.layer, self.payload_length, self.checksum)
-                + _text(self.model, "model"))
+        return (self.FIXED.pack(digest_body(self.digest, "Block"), self.layer, self.payload_length, self.checksum)
+                + text_body(self.model, "model"))
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Block":
@@ -340,7 +297,7 @@ class Miss:
     FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIB")
 
     def encode_body(self) -> bytes:
-        return self.FIXED.pack(_digest(self.digest, "Miss"), self.layer, self.reason)
+        return self.FIXED.pack(digest_body(self.digest, "Miss"), self.layer, self.reason)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Miss":
@@ -361,11 +318,11 @@ class Blocks:
     def encode_body(self) -> bytes:
         if not self.heads:
             raise ValueError("Blocks: at least one head")
-        return _count(len(self.heads), "Blocks") + b"".join(head.encode_body() for head in self.heads)
+        return count_body(len(self.heads), "Blocks") + b"".join(head.encode_body() for head in self.heads)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Blocks":
-        (n,) = r.unpack(_U32)
+        (n,) = r.unpack(U32)
         if n == 0:
             raise ProtocolError(ErrorCode.MALFORMED, "Blocks: no heads")
         if n > MAX_BATCH:
@@ -381,11 +338,11 @@ class ExistsResult:
     count: int
 
     def encode_body(self) -> bytes:
-        return _U32.pack(self.count)
+        return U32.pack(self.count)
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "ExistsResult":
-        return cls(*r.unpack(_U32))
+        return cls(*r.unpack(U32))
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,12 +371,12 @@ class Located:
             if not 0 < len(raw) <= 255:
                 raise ValueError(f"Located: a name of {len(raw)} bytes (1..255)")
             names.append(self._U8.pack(len(raw)) + raw)
-        return (_U16.pack(len(index)) + b"".join(names) + _count(len(rows), "Located")
+        return (U16.pack(len(index)) + b"".join(names) + count_body(len(rows), "Located")
                 + b"".join(self._U8.pack(len(row)) + struct.pack(f"<{len(row)}H", *row) for row in rows))
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Located":
-        (count,) = r.unpack(_U16)
+        (count,) = r.unpack(U16)
         if count > MAX_NAMES:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"Located: {count} names, over {MAX_NAMES}")
         names = []
@@ -433,7 +390,7 @@ class Located:
                 names.append(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 raise ProtocolError(ErrorCode.MALFORMED, "Located: a name is not UTF-8") from None
-        (entries,) = r.unpack(_U32)
+        (entries,) = r.unpack(U32)
         if entries > MAX_BATCH:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"Located: {entries} entries, over the limit of {MAX_BATCH}")
         holders: list[tuple[str, ...]] = []
@@ -498,16 +455,16 @@ class Error:
 
     def encode_body(self) -> bytes:
         cut = self.message.encode("utf-8")[:MAX_TEXT].decode("utf-8", "ignore")   # long messages are cut, not refused
-        return _U16.pack(self.code) + _text(cut, "message")
+        return U16.pack(self.code) + text_body(cut, "message")
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "Error":
-        (code,) = r.unpack(_U16)
+        (code,) = r.unpack(U16)
         return cls(code, r.text("message"))
 
 
 Message = Union[Pull, TenantPull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located,
-                LaneKey, Seal, Error]
+                LaneKey, Seal, Error, NixlOpen, NixlAgent, NixlPull, NixlSpans, NixlDone]
 
 class _Decodable(Protocol):
     """A message class as the decoder sees it: its type byte and how its body is read."""
@@ -520,18 +477,20 @@ class _Decodable(Protocol):
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
     Pull, TenantPull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located, LaneKey, Seal,
-    Error)}
+    Error, NixlOpen, NixlAgent, NixlPull, NixlSpans, NixlDone)}
 #: What one daemon sends another unasked; the rest are answers (and Seal, which is neither).
-REQUESTS = frozenset({Pull.TYPE, TenantPull.TYPE, Exists.TYPE, LaneOpen.TYPE, Locate.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+REQUESTS = frozenset({Pull.TYPE, TenantPull.TYPE, Exists.TYPE, LaneOpen.TYPE, Locate.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE,
+                      NixlOpen.TYPE, NixlPull.TYPE, NixlDone.TYPE})
 #: Requests that get no answer (unless an Error).
-EVENTS = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+EVENTS = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE, NixlDone.TYPE})
 #: Requests that may arrive as 0-RTT early data. Early data can be replayed by anyone who
 #: recorded it (RFC 8446 section 8, RFC 9001 section 9.2), so only requests that change
 #: nothing (idempotent: a replay costs bytes, not correctness) are taken from it.
 EARLY_DATA_TYPES = frozenset({Pull.TYPE, TenantPull.TYPE, Exists.TYPE, Locate.TYPE})
 #: Requests that change state at the receiver (what it believes the sender holds, the lane keys
 #: it granted): never taken as early data.
-STATE_CHANGING = frozenset({LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE})
+STATE_CHANGING = frozenset({LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE, NixlOpen.TYPE, NixlPull.TYPE,
+                            NixlDone.TYPE})
 
 
 def allowed_as_early_data(type_: int) -> bool:

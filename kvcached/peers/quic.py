@@ -220,6 +220,8 @@ class PeerServerProtocol(QuicConnectionProtocol):
             self._send(sid, p.encode(answer, frame.request_id), end=True)
         elif isinstance(message, (p.Announce, p.Drop, p.Snapshot)):
             self.handler.event(peer, message, frame.request_id)
+        elif isinstance(message, (p.NixlOpen, p.NixlPull)):      # the NIXL lane (issue 43) is not served yet
+            self._error(sid, frame.request_id, p.ErrorCode.UNAVAILABLE, "this daemon runs no NIXL lane")
         elif isinstance(message, p.LaneOpen):
             if self.lane_keys is None:
                 self._error(sid, frame.request_id, p.ErrorCode.UNAVAILABLE, "this daemon runs no mac lane")
@@ -431,6 +433,40 @@ class PeerClientProtocol(QuicConnectionProtocol):
             self._lane_key = (key.key_id, key.key)
         return self._lane_key
 
+    async def nixl_open(self) -> p.NixlAgent:
+        """How to read this peer's arena over NIXL (its agent metadata, the arena's base and
+        size), asked over this verified session. ProtocolError UNAVAILABLE where the peer runs
+        no NIXL lane, PeerGone if the connection ends first."""
+        agent: p.NixlAgent = await self._ask(p.NixlOpen(), p.NixlAgent)
+        return agent
+
+    async def nixl_pull(self, addresses: Sequence[tuple[bytes, int]], tenant: str = "") -> p.NixlSpans:
+        """Where ``tenant``'s blocks at ``addresses`` lie in this peer's arena, pinned there under
+        the answer's lease until :meth:`nixl_done` or ``hold_ms``. Errors as for :meth:`nixl_open`."""
+        spans: p.NixlSpans = await self._ask(p.NixlPull(addresses, self.max_payload, tenant), p.NixlSpans)
+        if len(spans.spans) != len(addresses):
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"NixlSpans answers {len(spans.spans)} of "
+                                  f"{len(addresses)} blocks")
+        return spans
+
+    def nixl_done(self, lease: int) -> None:
+        """Tell this peer the blocks of ``lease`` are read: it unpins them (no answer)."""
+        if lease and self.usable and self.verified:
+            sid = self._quic.get_next_available_stream_id()
+            self._quic.send_stream_data(sid, p.encode(p.NixlDone(lease)), end_stream=True)
+            self._transmit_soon()
+
+    async def _ask(self, message: p.Message, answer: type) -> Any:
+        """Send ``message`` and wait for its one answer, which must be an ``answer``."""
+        request = self._start(message)
+        try:
+            got = await request.done
+        finally:
+            self._abandon(request)
+        if not isinstance(got, answer):
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"{self.peer} ended the stream without a {answer.__name__}")
+        return got
+
     async def pull(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink, tenant: str = "") -> None:
         """Pull ``addresses``, ``tenant``'s blocks; answers go to ``sink`` as they arrive. Returns
         once every entry is answered; PeerGone if the connection or stream ends first,
@@ -491,7 +527,7 @@ class PeerClientProtocol(QuicConnectionProtocol):
         if isinstance(message, p.ExistsResult):
             if not request.done.done():
                 request.done.set_result(message.count)
-        elif isinstance(message, (p.LaneKey, p.Located)):
+        elif isinstance(message, (p.LaneKey, p.Located, p.NixlAgent, p.NixlSpans)):
             if not request.done.done():
                 request.done.set_result(message)
         elif message is not None:

@@ -668,3 +668,24 @@ def test_0rtt_requests_go_again_after_a_retry(tmp_path: Path) -> None:
             finally:
                 transport.close()
     asyncio.run(body())
+
+
+def test_nixl_requests_to_a_daemon_without_the_nixl_lane_are_refused_and_the_session_goes_on(tmp_path: Path) -> None:
+    """NixlOpen and NixlPull to a daemon that runs no NIXL lane: Error UNAVAILABLE over the
+    verified session (nothing pinned), NixlDone ignored; pulls over QUIC still work after."""
+    async def body() -> None:
+        async with cluster(tmp_path, (A, B)) as c:
+            a, b, n = c[A], c[B], 2
+            await a.store.put(items(range(n)))
+            client = b.t.links[A].client
+            assert client is not None
+            for ask in (client.nixl_open(), client.nixl_pull([(address(i).digest, 0) for i in range(n)])):
+                with pytest.raises(p.ProtocolError, match="runs no NIXL lane") as err:
+                    await ask
+                assert err.value.code == p.ErrorCode.UNAVAILABLE
+            client.nixl_done(12345)
+            assert a.store.pinned_bytes == 0
+            await until(lambda: b.t.locator.directory.count(A) == n, "announcements")
+            await get_exact(b, range(n))
+            assert client.usable and b.t.links[A].client is client
+    asyncio.run(body())
