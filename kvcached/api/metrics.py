@@ -117,6 +117,7 @@ class StoreCollector(Collector):
         if peers is not None:
             yield from _peer_metrics(peers)
             yield from _quic_server_metrics(self.store.peers.server_stats())  # type: ignore[union-attr]
+            yield from _nixl_metrics(self.store.peers.nixl_stats())  # type: ignore[union-attr]
         integrity = CounterMetricFamily("kvcached_integrity_failures", "Blocks that failed their checksum, never "
                                         "served (SSD: quarantined; peer: the pulled copy dropped)", labels=["tier"])
         if ssd:
@@ -295,6 +296,25 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         for reason in ("source_limit", "full", "displaced", "timeout"):
             limited.add_metric([reason], stats["lane_limited"].get(reason, 0))
         yield limited
+
+
+def _nixl_metrics(stats: dict[str, int]) -> Iterator[Metric]:
+    """The NIXL lane's holder side ([quic] nixl; docs/peers.md): nothing where it is not served."""
+    if not stats:
+        return
+    yield GaugeMetricFamily("kvcached_nixl_leases", "NIXL leases held: answers to peers' NixlPulls whose blocks "
+                            "stay pinned until the peer is done, quic.nixl_hold_s passes or its session ends",
+                            value=stats["leases"])
+    yield CounterMetricFamily("kvcached_nixl_pulls_answered", "NixlPulls answered (where each block lies in the "
+                              "arena, and its checksum)", value=stats["answered"])
+    yield CounterMetricFamily("kvcached_nixl_pulls_overloaded", "NixlPulls answered overloaded: the peer held its "
+                              "most leases already", value=stats["overloaded"])
+    ended = CounterMetricFamily("kvcached_nixl_leases_ended", "NIXL leases ended, by how: done (the peer said "
+                                "NixlDone), expired (quic.nixl_hold_s passed), session (its QUIC session ended)",
+                                labels=["how"])
+    for how, key in (("done", "leases_done"), ("expired", "leases_expired"), ("session", "leases_ended")):
+        ended.add_metric([how], stats[key])
+    yield ended
 
 
 class LoopLagCollector(Collector):

@@ -102,6 +102,12 @@ def _tcp_listen_list(v: list[str]) -> None:
         raise ValueError("lists the same listener twice")
 
 
+def _ucx_transports(v: list[str]) -> None:
+    for item in v:
+        if not re.fullmatch(r"[a-z0-9_]+(:[a-z0-9_]+)?", item):
+            raise ValueError(f"UCX transport names such as \"tcp\", \"rc\", \"sm\"; got {item!r}")
+
+
 @dataclass(frozen=True)
 class GrpcSection:
     listen: list[str] = setting("gRPC listeners in gRPC syntax: \"unix:PATH\" and/or \"HOST:PORT\".",
@@ -172,6 +178,15 @@ class QuicSection:
     lane_max_connections: int = setting("Verified lanes the lane server keeps open at once (connections in handshake "
                                      "are bounded apart, by max_handshakes and max_handshakes_per_source).", 256,
                                      count_1_to(65536), int)
+    nixl: bool = setting("Serve the NIXL lane (docs/peers.md): peers read pinned blocks straight from this daemon's "
+                      "arena by NIXL (RDMA where there is an RDMA NIC, else UCX over TCP or shared memory), told "
+                      "where and what checksum over the QUIC session. Needs NIXL (make nixl); where it cannot "
+                      "start, the daemon runs without it and says why.", False)
+    nixl_transports: list[str] = setting("UCX transports of the NIXL lane (UCX_TLS), e.g. [\"rc\", \"ud\", \"sm\", "
+                                      "\"self\"] for InfiniBand or RoCE, [\"tcp\", \"sm\"] on one host; [] lets "
+                                      "UCX choose.", [], _ucx_transports)
+    nixl_hold_s: float = setting("How long blocks a peer was told to read over NIXL stay pinned at most, if it "
+                              "never says it is done.", 10.0, between(0.1, 300, " seconds"), (int, float))
     pull_timeout_s: float = setting("Deadline of a pull from peers: what has not arrived by then is a miss.", 2.0,
                                  between(0.01, 300, " seconds"), (int, float))
     hedge_ms: float = setting("A pull not finished after this long is also asked of the next peer holding the "

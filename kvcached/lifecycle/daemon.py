@@ -300,8 +300,11 @@ class Daemon:
             backoff_s=q.backoff_s, backoff_max_s=q.backoff_max_s, max_payload=self.config.max_block_bytes,
             limits=HandshakeLimits(q.retry, q.max_handshakes, q.max_handshakes_per_source, q.max_connections,
                                    q.handshake_timeout_s, q.stateless_replies_per_s),
-            member=c.name if c.etcd else None, replicas=c.replicas, placement_bits=c.placement_bits)
-        self.peers = PeerTier(self.store, auth, settings)
+            member=c.name if c.etcd else None, replicas=c.replicas, placement_bits=c.placement_bits,
+            nixl_hold_s=q.nixl_hold_s)
+        assert self.arena is not None
+        self.peers = PeerTier(self.store, auth, settings,
+                              nixl=nixl_endpoint(self.arena.view, q.nixl_transports) if q.nixl else None)
         try:
             await self.peers.start(passed("quic"), passed("lane"))
         except OSError as exc:
@@ -508,3 +511,17 @@ def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeove
     if restart_with and argv is not None:
         exec_with_fds([a for a in argv if a != "--takeover"], restart_with)
     return code
+
+
+def nixl_endpoint(arena: memoryview, transports: list[str]) -> Any:
+    """The NIXL agent the NIXL lane reads this daemon's arena through ([quic] nixl), or None
+    where NIXL cannot load or start here: the daemon runs without the lane and says why."""
+    from kvcached.peers.nixl_transfer import NixlEndpoint, NixlUnavailable
+
+    try:
+        endpoint = NixlEndpoint(f"kvcached-{socket.gethostname()}-{os.getpid()}", arena, tuple(transports))
+    except NixlUnavailable as exc:
+        log.warning("NIXL lane off: NIXL cannot start here", extra=fields(reason=str(exc)))
+        return None
+    log.info("NIXL lane served", extra=fields(transports=",".join(transports) or "UCX's choice"))
+    return endpoint

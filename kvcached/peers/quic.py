@@ -30,6 +30,7 @@ from aioquic.tls import SessionTicket
 from kvcached.peers import protocol as p
 from kvcached.peers import stream as st
 from kvcached.peers.lane_mac import LaneKeys
+from kvcached.peers.nixl_holder import NixlHolder
 from kvcached.peers.session import REQUEST_BODY, PeerGone, PeerHandler, PullAnswers, PullSink, RequestIds, SendRoom, take_request
 from kvcached.peers.tls import PeerAuth, PeerRefused, ServerTickets
 
@@ -53,9 +54,10 @@ class PeerServerProtocol(QuicConnectionProtocol):
     ticket bound to a verified peer): until then nothing it sends is read."""
 
     def __init__(self, quic: QuicConnection, stream_handler: Any = None, *, auth: PeerAuth,
-                 tickets: ServerTickets, handler: PeerHandler, lane_keys: LaneKeys | None = None) -> None:
+                 tickets: ServerTickets, handler: PeerHandler, lane_keys: LaneKeys | None = None,
+                 nixl: NixlHolder | None = None) -> None:
         super().__init__(quic, stream_handler)
-        self.auth, self.tickets, self.handler, self.lane_keys = auth, tickets, handler, lane_keys
+        self.auth, self.tickets, self.handler, self.lane_keys, self.nixl = auth, tickets, handler, lane_keys, nixl
         self.peer: str | None = None
         self.verified = False
         self._issued: SessionTicket | None = None
@@ -107,6 +109,8 @@ class PeerServerProtocol(QuicConnectionProtocol):
             self._room.set()
             if self.lane_keys is not None:
                 self.lane_keys.revoke(self)     # lane keys live as long as the session that granted them
+            if self.nixl is not None:
+                self.nixl.session_ended(self)   # so do the NIXL leases granted over it
 
     def transmit(self) -> None:
         super().transmit()
@@ -220,14 +224,38 @@ class PeerServerProtocol(QuicConnectionProtocol):
             self._send(sid, p.encode(answer, frame.request_id), end=True)
         elif isinstance(message, (p.Announce, p.Drop, p.Snapshot)):
             self.handler.event(peer, message, frame.request_id)
-        elif isinstance(message, (p.NixlOpen, p.NixlPull)):      # the NIXL lane (issue 43) is not served yet
+        elif isinstance(message, (p.NixlOpen, p.NixlPull)) and self.nixl is None:
             self._error(sid, frame.request_id, p.ErrorCode.UNAVAILABLE, "this daemon runs no NIXL lane")
+        elif isinstance(message, p.NixlOpen):
+            assert self.nixl is not None
+            self._send(sid, p.encode(self.nixl.agent(), frame.request_id), end=True)
+        elif isinstance(message, p.NixlPull):
+            task = asyncio.ensure_future(self._serve_nixl_pull(peer, sid, frame.request_id, message))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(message, p.NixlDone):
+            if self.nixl is not None:
+                self.nixl.done(peer, message.lease)
         elif isinstance(message, p.LaneOpen):
             if self.lane_keys is None:
                 self._error(sid, frame.request_id, p.ErrorCode.UNAVAILABLE, "this daemon runs no mac lane")
             else:
                 key_id, key = self.lane_keys.grant(peer, self)
                 self._send(sid, p.encode(p.LaneKey(key_id, key), frame.request_id), end=True)
+
+    async def _serve_nixl_pull(self, peer: str, sid: int, request_id: int, request: p.NixlPull) -> None:
+        """Answer a NixlPull: the blocks pinned under a lease, where they lie (nixl_holder)."""
+        assert self.nixl is not None
+        try:
+            spans = await self.nixl.pull(peer, self, request)
+        except Exception as exc:
+            log.exception("serving a NIXL pull failed", extra={"fields": {"peer": peer}})
+            self._error(sid, request_id, p.ErrorCode.INTERNAL, f"serving the NIXL pull failed: {exc}", end=True)
+            return
+        if self._gone:                   # the session ended while the blocks were pinned: so did the lease
+            self.nixl.session_ended(self)
+            return
+        self._send(sid, p.encode(spans, request_id), end=True)
 
     async def _serve_pull(self, peer: str, sid: int, request_id: int, request: p.AnyPull) -> None:
         """Answer a Pull in order. Payloads are copied into aioquic only as the send queue has

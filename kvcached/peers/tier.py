@@ -41,6 +41,8 @@ from kvcached.peers.lane_mac import LaneKeys
 from kvcached.peers.lane_server import MAX_LANES, LaneServer
 from kvcached.peers.links import LinkSettings, PeerCounters, PeerLink, PeerLinks
 from kvcached.peers.locator import Locator, StaticLocator
+from kvcached.peers.nixl_holder import NixlHolder
+from kvcached.peers.nixl_leases import NixlLeases
 from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
 from kvcached.peers.server import GuardedQuicServer
 from kvcached.peers.session import PeerHandler
@@ -76,6 +78,8 @@ class PeerSettings:
     member: str | None = None                  # in a cluster ([cluster] etcd): this daemon's member name
     replicas: int = 2                          # in a cluster: home nodes of each block
     placement_bits: int = 18                   # in a cluster: 2**bits placement buckets
+    nixl_hold_s: float = 10.0                  # NIXL lane: how long a puller's lease keeps its blocks pinned at most
+    nixl_leases_per_peer: int = 16             # NIXL lane: leases one peer may hold at once
 
     def links(self) -> LinkSettings:
         return LinkSettings(self.options, self.pull_timeout_s, self.fail_limit, self.backoff_s, self.backoff_max_s,
@@ -87,7 +91,7 @@ class PeerTier(PeerHandler):
     cluster, set in ``settings`` (the homes locate blocks), else the static ``peers``."""
 
     def __init__(self, store: StoreLink, auth: PeerAuth, settings: PeerSettings,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, nixl: Any = None) -> None:
         self.store, self.auth, self.settings, self.clock = store, auth, settings, clock
         s = settings
         self.connections = PeerLinks(auth, s.links(), clock, on_connected=self._send_listing)
@@ -106,6 +110,11 @@ class PeerTier(PeerHandler):
         self._listing = 0
         self.lane_server: LaneServer | None = None
         self.lane_keys = LaneKeys() if settings.lane == "mac" else None
+        #: The NIXL lane's holder side, where ``nixl`` (a NixlEndpoint over the RAM tier's arena) is
+        #: given: the tier closes it when it stops.
+        self.nixl_endpoint = nixl
+        self.nixl = (NixlHolder(nixl, NixlLeases(s.nixl_hold_s, s.nixl_leases_per_peer, clock), self.pull)
+                     if nixl is not None else None)
         #: What this daemon's index gained and dropped, announced to peers (set it as the
         #: index's ``presence`` too).
         self.presence = PresenceFeed()
@@ -129,7 +138,7 @@ class PeerTier(PeerHandler):
             host, port = self.settings.listen
             config = self.auth.configuration(self.settings.options)
             protocol = functools.partial(PeerServerProtocol, auth=self.auth, tickets=self.tickets, handler=self,
-                                         lane_keys=self.lane_keys)
+                                         lane_keys=self.lane_keys, nixl=self.nixl)
             where: dict[str, Any] = ({"sock": socket.socket(fileno=quic_fd)} if quic_fd is not None
                                      else {"local_addr": (host, port)})
             self._server, self._server_protocol = await loop.create_datagram_endpoint(
@@ -168,6 +177,9 @@ class PeerTier(PeerHandler):
             self._server_protocol.close()      # closes every connection peers opened here, then the socket
         if self.lane_server is not None:
             await self.lane_server.stop()
+        if self.nixl is not None:
+            self.nixl.close()                  # every pin a puller could still read is released
+            self.nixl_endpoint.close()         # then NIXL lets go of the arena
         await asyncio.sleep(0)
 
     # -- membership (a cluster) --
@@ -334,6 +346,14 @@ class PeerTier(PeerHandler):
                           for name, link in self.links.items()},
                 **{f"peer_{k}": v for k, v in vars(self.counters).items()},
                 **({"cluster": cluster} if cluster else {})}
+
+    def nixl_stats(self) -> dict[str, int]:
+        """The NIXL lane's holder side (empty where this daemon does not serve it): leases held,
+        NixlPulls answered and answered overloaded, leases by how they ended."""
+        if self.nixl is None:
+            return {}
+        return {"leases": len(self.nixl.leases), "answered": self.nixl.answered, "overloaded": self.nixl.overloaded,
+                **{f"leases_{k}": v for k, v in vars(self.nixl.leases.counters).items()}}
 
     def server_stats(self) -> dict[str, Any]:
         """The QUIC server's connection state and what its bounds refused (handshakes.py), and

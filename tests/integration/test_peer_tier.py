@@ -96,6 +96,7 @@ class Cluster:
         self.files, _ = make_cluster(tmp_path / "certs", [A, B, C])
         self.ports = {name: free_port() for name in names}   # peers need each other's address up front
         self.nodes = {name: Node(name, tmp_path) for name in names}
+        self.nixl: dict[str, Any] = {}          # name -> the NixlEndpoint its tier serves the NIXL lane with
 
     def __getitem__(self, name: str) -> Node:
         return self.nodes[name]
@@ -113,7 +114,7 @@ class Cluster:
         kw = {"pull_timeout_s": 1.0, "hedge_s": 0.05, "fail_limit": 3, "backoff_s": 1.0, "lane": self.lane} | self.settings
         peers = {n: self.addr(n) for n in self.names if n != name}
         tier = PeerTier(node.store, self.auth(name), PeerSettings(listen=self.addr(name), peers=peers,
-                                                                  options=OPTIONS, **kw))
+                                                                  options=OPTIONS, **kw), nixl=self.nixl.get(name))
         await tier.start()
         assert tier.address == self.addr(name)
         node.tier = tier                       # wired as daemon._start_peers does
