@@ -299,7 +299,7 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
 
 
 def _nixl_metrics(stats: dict[str, int]) -> Iterator[Metric]:
-    """The NIXL lane's holder side ([quic] nixl; docs/peers.md): nothing where it is not served."""
+    """The NIXL lane, holder and puller sides ([quic] nixl; docs/peers.md): nothing where it is off."""
     if not stats:
         return
     yield GaugeMetricFamily("kvcached_nixl_leases", "NIXL leases held: answers to peers' NixlPulls whose blocks "
@@ -315,6 +315,16 @@ def _nixl_metrics(stats: dict[str, int]) -> Iterator[Metric]:
     for how, key in (("done", "leases_done"), ("expired", "leases_expired"), ("session", "leases_ended")):
         ended.add_metric([how], stats[key])
     yield ended
+    yield CounterMetricFamily("kvcached_nixl_pulled_blocks", "Blocks this daemon read from peers over NIXL and "
+                              "published (each checked against the checksum from the QUIC session)",
+                              value=stats["pull_pulled"])
+    yield CounterMetricFamily("kvcached_nixl_pulled_bytes", "Payload bytes of those blocks", value=stats["pull_pulled_bytes"])
+    yield CounterMetricFamily("kvcached_nixl_refused_blocks", "Blocks read over NIXL that did not match the checksum "
+                              "from the session: dropped, never served (also in kvcached_integrity_failures)",
+                              value=stats["pull_corrupt"])
+    yield CounterMetricFamily("kvcached_nixl_fallbacks", "Pulls that went over the TCP lane or QUIC because NIXL "
+                              "could not be used with the peer (it runs no NIXL lane, or a read failed)",
+                              value=stats["pull_fallbacks"])
 
 
 class LoopLagCollector(Collector):

@@ -22,6 +22,7 @@ from kvcached.peers.directory import wire_key
 from kvcached.peers.lane_client import LaneClient
 from kvcached.peers.links import PeerLinks
 from kvcached.peers.locator import Holders
+from kvcached.peers.nixl_pull import NixlUnusable
 from kvcached.peers.session import PeerGone, PullSink
 from kvcached_agent.address import BlockAddress
 
@@ -152,17 +153,28 @@ class Fetch:
         self.sinks.append(sink)
         try:
             client = await links.client(link, links.clock() + settings.pull_timeout_s)
+            if links.nixl is not None and links.nixl_usable(link, client):
+                try:                            # half of what is left: a NIXL that fails leaves the rest
+                    await links.nixl.pull(name, client, [split(k) for k in keys], keys, self, self.tenant,
+                                          (self.deadline - links.clock()) / 2)
+                    keys = []                   # what the holder did not have is the next holder's to give
+                except NixlUnusable as exc:
+                    links.nixl_failed(link, exc)
+                    keys = [k for k in keys if k not in self.got]
             lane_sink = sink
+            lane_keys = keys
 
             async def over_lane(lane: LaneClient, key: tuple[bytes, bytes] | None, setup_s: float) -> bool:
-                await lane.pull([split(k) for k in keys], lane_sink, key, setup_s, self.tenant)
+                await lane.pull([split(k) for k in lane_keys], lane_sink, key, setup_s, self.tenant)
                 return True
 
             # Half of what is left for opening a lane: a lane that cannot be had leaves QUIC the rest.
-            if await links.over_lane(link, client, over_lane, (self.deadline - links.clock()) / 2):
+            laned = bool(keys) and bool(await links.over_lane(link, client, over_lane,
+                                                              (self.deadline - links.clock()) / 2))
+            if laned:
                 counters.lane_pulls += 1
                 keys = []
-            else:                               # no lane, or it failed: what it left goes over QUIC
+            elif keys:                          # no lane, or it failed: what it left goes over QUIC
                 sink.close()                    # slots of payloads cut short on the lane go back
                 keys = [k for k in keys if k not in self.got]
                 sink = _Sink(self, name, set(keys))

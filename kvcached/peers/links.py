@@ -30,6 +30,7 @@ from kvcached.peers.directory import PeerHealth
 from kvcached.peers.lane import LANE_MODES
 from kvcached.peers.lane_client import LaneClient
 from kvcached.peers.lane_mac import MacRefused
+from kvcached.peers.nixl_pull import NixlPuller
 from kvcached.peers.quic import PeerClientProtocol
 from kvcached.peers.session import PeerGone
 from kvcached.peers.tls import TICKET_LIFETIME_S, PeerAuth, PeerRefused, QuicOptions
@@ -98,6 +99,7 @@ class PeerLink:
     transport: Any = None
     lane: LaneClient | None = None
     lane_retry_at: float = 0.0                 # the lane failed: QUIC until then
+    nixl_retry_at: float = 0.0                 # NIXL failed with this peer: the lane or QUIC until then
     task: "asyncio.Task[None] | None" = None   # the dial loop (cancelled when the member leaves)
 
     @property
@@ -117,6 +119,8 @@ class PeerLinks:
         self.on_connected = on_connected or _nothing
         self.links: dict[str, PeerLink] = {}
         self.counters = PeerCounters()
+        #: Where this daemon pulls over NIXL ([quic] nixl): its NixlPuller (set by the peer tier).
+        self.nixl: NixlPuller | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def __iter__(self) -> Iterator[PeerLink]:
@@ -306,6 +310,20 @@ class PeerLinks:
                         extra={"fields": {"peer": link.name, "error": type(exc).__name__}})
             self.lane_failed(link, exc)
         return None
+
+    def nixl_usable(self, link: PeerLink, client: PeerClientProtocol) -> bool:
+        """Whether to pull from ``link``'s peer over NIXL now (NIXL on here, the session
+        verified, and NIXL did not fail with this peer a short while ago)."""
+        return self.nixl is not None and client.verified and self.clock() >= link.nixl_retry_at
+
+    def nixl_failed(self, link: PeerLink, exc: BaseException) -> None:
+        """NIXL could not be used with ``link``'s peer: counted, left alone for ``lane_retry_s``
+        (what is left of the pull goes over the lane or QUIC), said once each time."""
+        assert self.nixl is not None
+        self.nixl.counters.fallbacks += 1
+        link.nixl_retry_at = self.clock() + self.settings.lane_retry_s
+        log.info("NIXL not usable; pulling over the lane or QUIC",
+                 extra={"fields": {"peer": link.name, "reason": why(exc), "retry_s": self.settings.lane_retry_s}})
 
     def lane_failed(self, link: PeerLink, exc: BaseException) -> None:
         self.counters.lane_fallbacks += 1

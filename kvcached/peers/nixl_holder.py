@@ -20,7 +20,6 @@ from typing import Any, Awaitable, Callable, Hashable
 
 from kvcached.peers import protocol as p
 from kvcached.peers.nixl_leases import NixlLeases
-from kvcached.peers.nixl_transfer import region_address
 
 __all__ = ["AnswerPull", "NixlHolder"]
 
@@ -59,7 +58,7 @@ class NixlHolder:
                     continue
                 head, view, release = answer
                 releases.append(release)
-                spans.append(p.NixlSpan(self.offset_of(view), head.payload_length, head.checksum, head.model))
+                spans.append(p.NixlSpan(self.endpoint.offset_of(view), head.payload_length, head.checksum, head.model))
         except BaseException:
             for release in releases:
                 release()
@@ -71,13 +70,6 @@ class NixlHolder:
         self.answered += 1
         self._arm()
         return p.NixlSpans(lease, int(self.leases.hold_s * 1000), spans)
-
-    def offset_of(self, view: memoryview) -> int:
-        """Where ``view`` (a pinned block's bytes, a slice of the arena) starts in the region."""
-        offset = region_address(view) - self.endpoint.base
-        if not 0 <= offset <= self.endpoint.size - len(view):
-            raise ValueError(f"a block view outside the registered arena (offset {offset})")
-        return offset
 
     def done(self, peer: str, lease: int) -> None:
         self.leases.done(peer, lease)

@@ -101,6 +101,13 @@ class NixlEndpoint:
         self._peers: dict[str, int] = {}            # NIXL agent name -> its region's base address
         self._lock = threading.Lock()
 
+    def offset_of(self, view: memoryview) -> int:
+        """Where ``view`` (a writable slice of the registered region: a block's slot) starts in it."""
+        offset = region_address(view) - self.base
+        if not 0 <= offset <= self.size - len(view):
+            raise ValueError(f"a view outside the registered region (offset {offset})")
+        return offset
+
     @property
     def metadata(self) -> bytes:
         """What a peer needs to read from this endpoint's region (NIXL's agent metadata):

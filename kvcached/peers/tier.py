@@ -43,6 +43,7 @@ from kvcached.peers.links import LinkSettings, PeerCounters, PeerLink, PeerLinks
 from kvcached.peers.locator import Locator, StaticLocator
 from kvcached.peers.nixl_holder import NixlHolder
 from kvcached.peers.nixl_leases import NixlLeases
+from kvcached.peers.nixl_pull import NixlPuller
 from kvcached.peers.quic import PeerClientProtocol, PeerServerProtocol
 from kvcached.peers.server import GuardedQuicServer
 from kvcached.peers.session import PeerHandler
@@ -115,6 +116,7 @@ class PeerTier(PeerHandler):
         self.nixl_endpoint = nixl
         self.nixl = (NixlHolder(nixl, NixlLeases(s.nixl_hold_s, s.nixl_leases_per_peer, clock), self.pull)
                      if nixl is not None else None)
+        self.connections.nixl = NixlPuller(nixl) if nixl is not None else None      # and pulls over it
         #: What this daemon's index gained and dropped, announced to peers (set it as the
         #: index's ``presence`` too).
         self.presence = PresenceFeed()
@@ -348,12 +350,16 @@ class PeerTier(PeerHandler):
                 **({"cluster": cluster} if cluster else {})}
 
     def nixl_stats(self) -> dict[str, int]:
-        """The NIXL lane's holder side (empty where this daemon does not serve it): leases held,
-        NixlPulls answered and answered overloaded, leases by how they ended."""
+        """The NIXL lane (empty where this daemon does not run it): as holder, leases held,
+        NixlPulls answered and answered overloaded, leases by how they ended; as puller, blocks
+        read and published, dropped for their checksum, pulls that fell back (``pull_*``)."""
         if self.nixl is None:
             return {}
+        puller = self.connections.nixl
+        assert puller is not None
         return {"leases": len(self.nixl.leases), "answered": self.nixl.answered, "overloaded": self.nixl.overloaded,
-                **{f"leases_{k}": v for k, v in vars(self.nixl.leases.counters).items()}}
+                **{f"leases_{k}": v for k, v in vars(self.nixl.leases.counters).items()},
+                **{f"pull_{k}": v for k, v in vars(puller.counters).items()}}
 
     def server_stats(self) -> dict[str, Any]:
         """The QUIC server's connection state and what its bounds refused (handshakes.py), and

@@ -14,6 +14,7 @@ import signal
 import ssl
 import time
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
@@ -81,6 +82,35 @@ class Cluster:
             if d.proc is not None and d.proc.poll() is None:
                 d.proc.kill()
                 d.proc.wait()
+
+
+def get_while_killed(puller: DaemonProcess, holder: DaemonProcess, data: dict[BlockAddress, bytes]) -> dict[str, Any]:
+    """``puller``'s Get of ``data`` while ``holder`` dies mid-pull: the holder is frozen while the
+    pull is sent, then runs for 5 ms at most and is killed; whatever it managed to send in those,
+    the rest is cut off. (A plain kill 50 ms after the pull started raced the pull: a mac lane
+    sent all 48 MiB sooner.) What came back: counts, seconds, whether every payload was exact."""
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def pull() -> None:
+        t0 = time.monotonic()
+        with puller.client() as client:
+            got, missing = client.get(list(data), allow_partial=True)
+        outcome.update(got=len(got), missing=len(missing), seconds=time.monotonic() - t0,
+                       exact=all(f.payload == data[f.address] for f in got))
+
+    assert holder.proc is not None
+    os.kill(holder.proc.pid, signal.SIGSTOP)
+    thread = threading.Thread(target=pull)
+    thread.start()
+    time.sleep(0.2)
+    os.kill(holder.proc.pid, signal.SIGCONT)
+    time.sleep(0.005)
+    holder.stop(signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive()
+    return outcome
 
 
 @pytest.fixture
@@ -196,29 +226,7 @@ def test_a_peer_killed_mid_pull_is_a_miss_within_the_deadline_and_used_again_aft
         client.put(list(shared.items()))
     wait_for(lambda: lookup(b, only_a).peer == 48 and lookup(b, shared).peer == 4, text="b learns")
 
-    import threading
-    outcome: dict[str, object] = {}
-
-    def pull() -> None:
-        t0 = time.monotonic()
-        with b.client() as client:
-            got, missing = client.get(list(only_a), allow_partial=True)
-        outcome.update(got=len(got), missing=len(missing), seconds=time.monotonic() - t0,
-                       exact=all(f.payload == only_a[f.address] for f in got))
-
-    # a is frozen while b's pull is sent, then runs for 5 ms at most and is killed: whatever it
-    # managed to send in those (at most a few MiB of the 48), the rest is cut off mid-pull. (A
-    # plain kill 50 ms after the pull started raced the pull: a mac lane sent all 48 MiB sooner.)
-    assert a.proc is not None
-    os.kill(a.proc.pid, signal.SIGSTOP)
-    thread = threading.Thread(target=pull)
-    thread.start()
-    time.sleep(0.2)
-    os.kill(a.proc.pid, signal.SIGCONT)
-    time.sleep(0.005)
-    a.stop(signal.SIGKILL)
-    thread.join(30)
-    assert not thread.is_alive()
+    outcome = get_while_killed(b, a, only_a)
     assert outcome["seconds"] < 2 + 1.5, outcome        # pull_timeout_s = 2, and some slack
     assert outcome["exact"] and outcome["missing"] > 0, outcome
 

@@ -1,0 +1,162 @@
+"""The NIXL lane's puller side: one holder's share of a fetch read over NIXL (issue 43;
+docs/peers.md, "The NIXL lane").
+
+Over the verified QUIC session the puller asks the holder's NIXL metadata once per session
+(NixlOpen) and, per batch, where the blocks lie (NixlPull -> NixlSpans, the blocks pinned there
+under a lease). It reserves a slot in its own arena for each found block, READs every span at
+once from the holder's arena into those slots by NIXL (in a worker thread: NIXL's calls block),
+then checks each payload against the checksum that came over the session. A payload that does
+not match (changed in the holder's arena after it answered, or damaged on the way) is dropped,
+counted and never published; a matching one is handed to the fetch as any pulled block. The
+lease ends with NixlDone whatever happened.
+
+A slot NIXL may still be writing into is never given back early: if the fetch is cancelled
+while a read is in flight, the read (bounded by its own deadline) is waited out first.
+
+Where the holder runs no NIXL lane, or NIXL fails here, :class:`NixlUnusable` says so: the
+caller pulls what is left over the TCP lane or QUIC and leaves NIXL to that peer alone for a
+while (kvcached.peers.links, ``lane_retry_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvcached.peers import protocol as p
+from kvcached.peers.nixl_transfer import NixlTransferError
+from kvcached_agent.integrity import payload_checksum
+
+__all__ = ["NixlPuller", "NixlPullCounters", "NixlUnusable"]
+
+log = logging.getLogger("kvcached.peers")
+
+
+class NixlUnusable(Exception):
+    """NIXL cannot be used with this peer now (it runs no NIXL lane, its metadata was refused,
+    or a read failed): pull over another transport."""
+
+
+@dataclass
+class NixlPullCounters:
+    pulled: int = 0          # blocks read over NIXL and published
+    pulled_bytes: int = 0
+    corrupt: int = 0         # read, did not match the checksum from the session: dropped, never served
+    fallbacks: int = 0       # pulls that went over the TCP lane or QUIC instead
+
+
+class NixlPuller:
+    """Reads pinned blocks from peers' arenas into this daemon's (``endpoint``: its NixlEndpoint,
+    over the RAM tier's arena)."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self.endpoint = endpoint
+        self.counters = NixlPullCounters()
+        self._agents: dict[str, tuple[Any, str]] = {}   # peer -> (the session its metadata came over, NIXL name)
+
+    async def pull(self, peer: str, client: Any, rows: Sequence[tuple[bytes, int]], keys: Sequence[bytes],
+                   fetch: Any, tenant: str, timeout_s: float) -> None:
+        """Read ``rows`` (their wire ``keys``) of ``tenant`` from ``peer`` over ``client``'s
+        session into slots ``fetch`` reserves; what arrives intact goes into ``fetch.got``.
+        NixlUnusable where NIXL cannot be used with this peer; PeerGone and ProtocolError pass."""
+        agent = await self._agent(peer, client)
+        try:
+            answer = await client.nixl_pull(rows, tenant)
+        except p.ProtocolError as exc:
+            if exc.code == p.ErrorCode.UNAVAILABLE:
+                raise NixlUnusable(str(exc)) from None
+            raise
+        try:
+            await self._read(agent, answer.spans, keys, fetch, timeout_s)
+        finally:
+            client.nixl_done(answer.lease)
+
+    def forget(self, peer: str) -> None:
+        """``peer``'s NIXL agent is to be asked again (its session ended)."""
+        known = self._agents.pop(peer, None)
+        if known is not None:
+            self.endpoint.remove_peer(known[1])
+
+    async def _agent(self, peer: str, client: Any) -> str:
+        known = self._agents.get(peer)
+        if known is not None and known[0] is client:
+            return known[1]
+        self.forget(peer)                       # a new session: the holder may have restarted
+        try:
+            offer = await client.nixl_open()
+        except p.ProtocolError as exc:
+            if exc.code == p.ErrorCode.UNAVAILABLE:
+                raise NixlUnusable(str(exc)) from None
+            raise
+        try:
+            name = self.endpoint.add_peer(offer.metadata, offer.base)
+        except NixlTransferError as exc:
+            raise NixlUnusable(str(exc)) from None
+        self._agents[peer] = (client, name)
+        return name
+
+    async def _read(self, agent: str, spans: Sequence[p.NixlSpan], keys: Sequence[bytes], fetch: Any,
+                    timeout_s: float) -> None:
+        slots: list[tuple[bytes, p.NixlSpan, Any, memoryview]] = []
+        jobs: list[tuple[int, int, int]] = []
+        try:
+            for key, span in zip(keys, spans):
+                if not span.found or key in fetch.got or span.length > fetch.settings.max_payload:
+                    continue
+                reserved = fetch.reserve(fetch.wanted[key], span.length)
+                if reserved is None:
+                    continue
+                handle, view = reserved
+                view = view[:span.length]
+                slots.append((key, span, handle, view))
+                jobs.append((span.offset, self.endpoint.offset_of(view), span.length))
+            if jobs:
+                await _uninterrupted(asyncio.get_running_loop().run_in_executor(
+                    None, self.endpoint.read, agent, jobs, max(timeout_s, 0.001)))
+        except NixlTransferError as exc:
+            for _, _, handle, _ in slots:
+                fetch.abort(handle)
+            raise NixlUnusable(str(exc)) from None
+        except BaseException:
+            for _, _, handle, _ in slots:
+                fetch.abort(handle)
+            raise
+        self._settle(slots, fetch)
+
+    def _settle(self, slots: list[tuple[bytes, p.NixlSpan, Any, memoryview]], fetch: Any) -> None:
+        """Each slot read: published to the fetch if it matches its checksum, else dropped."""
+        for key, span, handle, view in slots:
+            if key in fetch.got:
+                fetch.abort(handle)
+                continue
+            if payload_checksum(view) != span.checksum:
+                self.counters.corrupt += 1
+                fetch.counters.corrupt += 1
+                log.warning("block read over NIXL failed its checksum; dropped",
+                            extra={"fields": {"digest": key[:32].hex()}})
+                fetch.abort(handle)
+                continue
+            self.counters.pulled += 1
+            self.counters.pulled_bytes += span.length
+            fetch.counters.pulled += 1
+            fetch.counters.pulled_bytes += span.length
+            address = fetch.wanted[key]
+            fetch.got[key] = (address, handle, p.Block(address.digest, address.layer, span.model, span.length,
+                                                       span.checksum))
+
+
+async def _uninterrupted(future: "asyncio.Future[Any]") -> Any:
+    """Await ``future`` (a read in a worker thread); a cancel waits for it to end first, so that
+    no slot it writes into is given back while it still may."""
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        try:
+            await future
+        except Exception:
+            pass
+        raise
+
+
