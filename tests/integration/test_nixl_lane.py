@@ -20,6 +20,7 @@ import pytest
 
 from kvcached.peers import protocol as p
 from tests.integration.test_peer_tier import SIZE, A, B, Cluster, address, get_exact, items, payload, until
+from tests.netns import netns_usable
 
 pytest.importorskip("nixl", reason="NIXL is not installed here: make nixl (make test installs it)")
 
@@ -286,5 +287,67 @@ def test_a_holder_killed_mid_pull_over_nixl_leaves_the_other_holder_to_serve(tmp
         outcome = get_while_killed(b, a, data)
         assert outcome["exact"] and outcome["missing"] == 0 and outcome["seconds"] < 2 + 1.5, outcome
         assert b.stop() == 0 and c.stop() == 0
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.skipif(not netns_usable(), reason="network namespaces need root and the ip tool")
+def test_daemons_in_two_network_namespaces_pull_over_nixl_over_tcp(tmp_path: Path) -> None:
+    """Two hosts (network namespaces on a bridge): UCX over TCP between them carries the NIXL
+    READs, the QUIC session the control; the pull is bit-exact, read over NIXL."""
+    from tests.integration.conftest import wait_for
+    from tests.integration.test_peers import KIB, blocks, connected, lookup
+    from tests.integration.test_peers import Cluster as DaemonCluster
+    from tests.netns import Hosts
+
+    hosts = Hosts(tag="kvn", subnet="10.251.11")
+    try:
+        a_ns, b_ns = hosts.add("a"), hosts.add("b")
+        cluster = DaemonCluster(tmp_path, ("node-a", "node-b"))
+        cluster.addresses = {"node-a": f"{hosts.hosts[a_ns]}:7600", "node-b": f"{hosts.hosts[b_ns]}:7601"}
+        try:
+            nixl = ("quic.nixl=true", 'quic.nixl_transports=["tcp"]', "kv.mirror_pulls=false")
+            a = cluster.daemon("node-a", *nixl, start=False)
+            b = cluster.daemon("node-b", *nixl, start=False)
+            a.prefix, b.prefix = hosts.exec(a_ns), hosts.exec(b_ns)
+            a.start(), b.start()
+            wait_for(lambda: connected(a, "node-b") and connected(b, "node-a"), timeout=20, text="peers connected")
+            data = blocks(16, size=256 * KIB, seed=4)
+            with a.client() as client:
+                client.put(list(data.items()))
+            wait_for(lambda: lookup(b, data).peer == 16, text="b learns a's blocks")
+            with b.client() as client:
+                got, missing = client.get(list(data))
+                stats = client.stats()
+            assert not missing and {f.address: f.payload for f in got} == data
+            assert stats.peer_lane_pulls == 0, "read over NIXL, not the TCP lane"
+            assert "NIXL not usable" not in b.log()
+        finally:
+            cluster.stop()
+    finally:
+        hosts.close()
+
+
+@pytest.mark.parametrize("transports", ['["tcp", "sm"]'])      # one host: the bytes over shared memory (CMA)
+def test_daemons_on_one_host_pull_over_nixl_over_shared_memory(tmp_path: Path, transports: str) -> None:
+    from tests.integration.conftest import wait_for
+    from tests.integration.test_peers import KIB, blocks, connected, lookup
+    from tests.integration.test_peers import Cluster as DaemonCluster
+
+    cluster = DaemonCluster(tmp_path, ("node-a", "node-b"))
+    try:
+        nixl = ("quic.nixl=true", f"quic.nixl_transports={transports}", "kv.mirror_pulls=false")
+        a = cluster.daemon("node-a", *nixl)
+        b = cluster.daemon("node-b", *nixl)
+        wait_for(lambda: connected(a, "node-b") and connected(b, "node-a"), text="peers connected")
+        data = blocks(16, size=256 * KIB, seed=5)
+        with a.client() as client:
+            client.put(list(data.items()))
+        wait_for(lambda: lookup(b, data).peer == 16, text="b learns a's blocks")
+        with b.client() as client:
+            got, missing = client.get(list(data))
+            stats = client.stats()
+        assert not missing and {f.address: f.payload for f in got} == data
+        assert stats.peer_lane_pulls == 0 and "NIXL not usable" not in b.log()
     finally:
         cluster.stop()
