@@ -39,6 +39,12 @@ datagrams, and one pulling from the mac daemon with its pulls striped over 4 lan
    round trip of the same bytes. Target (issue 23): <= 2x. Also the uvloop pair's round trip
    against the same, and the mac lane against the uvloop pair.
 
+3. The NIXL lane (issue 43; bench/lane_nixl.py, one process per UCX transport set: "tcp", and
+   "tcp,sm" whose bytes go over shared memory): 64 blocks of 1 MiB pulled by a PeerTier with
+   ``[quic] nixl`` from a daemon serving it, against a bare NIXL READ of the same bytes (NIXL's
+   API only) and the same with each payload's BLAKE3. Target (issue 43): >= 0.8x the bare READ.
+   Skipped, with a note, where NIXL is not installed (``make nixl``).
+
 Notes after the table: for a 2,048-token prompt of Llama-3-8B (its KV bytes computed from the
 model's published shape), the pull time at this run's 1 MiB rate of each lane, against the
 prefill time one H100 needs at its published peak BF16 rate and at half of it.
@@ -70,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_peers  # noqa: E402
+import lane_nixl  # noqa: E402
 from bench_core import KiB, MiB, Proc, Row, progress, start_redis, tune_client_malloc  # noqa: E402
 from bench_peers import BATCH, MAX_MESSAGE, Clients, LoopThread, digest_of, free_port, payload_of  # noqa: E402
 
@@ -458,7 +465,8 @@ def run(quick: bool) -> tuple[list[Row], list[str]]:
 
 
 TITLES = {1: f"1. Pull throughput, {BATCH} blocks a call, loopback; GB/s of the median round",
-          2: "2. One 64 KiB block on a warm connection, p50 latency; lower is better"}
+          2: "2. One 64 KiB block on a warm connection, p50 latency; lower is better",
+          3: "3. The NIXL lane ([quic] nixl) against a bare NIXL transfer of the same bytes, per UCX transport set"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,6 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bare_server_main(args)
     tune_client_malloc()                 # as bench_peers does for its redis-py side
     rows, notes = run(args.quick)
+    nixl_rows, nixl_notes = lane_nixl.nixl_rows(args.quick, 3)     # a process per UCX transport set
+    rows, notes = rows + nixl_rows, notes + nixl_notes
     bench_peers.TITLES.update(TITLES)
     bench_peers.print_figures(rows, f"kvcached bulk lane benchmark ({os.uname().nodename}, {os.cpu_count()} CPUs)")
     for note in notes:

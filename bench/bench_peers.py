@@ -615,7 +615,7 @@ class Pair:
 
 
 def start_daemon(stack: contextlib.ExitStack, tmp: Path, certs: Path, me: str, peer: str, listen: int,
-                 peer_port: int, ram_gib: float, datagram: int) -> tuple[Proc, Any]:
+                 peer_port: int, ram_gib: float, datagram: int, extra: Sequence[str] = ()) -> tuple[Proc, Any]:
     tmp.mkdir()
     sets = ["kv.ssd_gib=0", 'kv.write_policy="write_back"', "kv.mirror_pulls=false",
             f"grpc.max_message_mib={MAX_MESSAGE // MiB}",
@@ -624,7 +624,8 @@ def start_daemon(stack: contextlib.ExitStack, tmp: Path, certs: Path, me: str, p
             f'quic.ca="{certs / "ca.pem"}"', f'quic.cert="{certs / f"{me}.pem"}"',
             f'quic.key="{certs / f"{me}-key.pem"}"',
             f"quic.max_datagram_size={datagram}", f"quic.max_data_mib={MAX_DATA / MiB:g}",
-            f"quic.max_stream_data_mib={MAX_STREAM_DATA / MiB:g}", "quic.pull_timeout_s=30", f'quic.lane="{LANE}"']
+            f"quic.max_stream_data_mib={MAX_STREAM_DATA / MiB:g}", "quic.pull_timeout_s=30", f'quic.lane="{LANE}"',
+            *extra]
     return start_kvcached(stack, tmp, ram_gib, sets, max_message=MAX_MESSAGE)
 
 

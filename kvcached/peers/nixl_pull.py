@@ -21,6 +21,7 @@ while (kvcached.peers.links, ``lane_retry_s``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -32,6 +33,8 @@ from kvcached_agent.integrity import payload_checksum
 __all__ = ["NixlPuller", "NixlPullCounters", "NixlUnusable"]
 
 log = logging.getLogger("kvcached.peers")
+
+PIPELINE_BYTES = 8 << 20     # one READ's share of a batch: the next run is read while this one is checked
 
 
 class NixlUnusable(Exception):
@@ -112,9 +115,7 @@ class NixlPuller:
                 view = view[:span.length]
                 slots.append((key, span, handle, view))
                 jobs.append((span.offset, self.endpoint.offset_of(view), span.length))
-            if jobs:
-                await _uninterrupted(asyncio.get_running_loop().run_in_executor(
-                    None, self.endpoint.read, agent, jobs, max(timeout_s, 0.001)))
+            matches = await self._read_and_check(agent, jobs, slots, timeout_s)
         except NixlTransferError as exc:
             for _, _, handle, _ in slots:
                 fetch.abort(handle)
@@ -123,15 +124,41 @@ class NixlPuller:
             for _, _, handle, _ in slots:
                 fetch.abort(handle)
             raise
-        self._settle(slots, fetch)
+        self._settle(slots, matches, fetch)
 
-    def _settle(self, slots: list[tuple[bytes, p.NixlSpan, Any, memoryview]], fetch: Any) -> None:
-        """Each slot read: published to the fetch if it matches its checksum, else dropped."""
-        for key, span, handle, view in slots:
+    async def _read_and_check(self, agent: str, jobs: list[tuple[int, int, int]],
+                              slots: list[tuple[bytes, p.NixlSpan, Any, memoryview]], timeout_s: float) -> list[bool]:
+        """READ ``jobs`` in runs of about PIPELINE_BYTES, each run's checksums computed in a
+        worker thread while the next run is read (BLAKE3 and NIXL's progress both leave the
+        GIL): the pull takes about the longer of reading and hashing, not their sum. Whether
+        each slot matches its checksum, in order."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.001)
+        matches: list[bool] = []
+        checking: asyncio.Future[list[bool]] | None = None
+        try:
+            for lo, hi in _runs([n for _, _, n in jobs]):
+                await _uninterrupted(loop.run_in_executor(None, self.endpoint.read, agent, jobs[lo:hi],
+                                                          max(deadline - loop.time(), 0.001)))
+                if checking is not None:
+                    matches += await _uninterrupted(checking)
+                checking = loop.run_in_executor(None, _checksums_match, slots[lo:hi])
+            if checking is not None:
+                matches += await _uninterrupted(checking)
+                checking = None
+        finally:
+            if checking is not None:             # a read failed or was cancelled: the check ends first
+                with contextlib.suppress(BaseException):
+                    await checking
+        return matches
+
+    def _settle(self, slots: list[tuple[bytes, p.NixlSpan, Any, memoryview]], matches: list[bool], fetch: Any) -> None:
+        """Each slot read: published to the fetch if it matched its checksum, else dropped."""
+        for (key, span, handle, view), matched in zip(slots, matches):
             if key in fetch.got:
                 fetch.abort(handle)
                 continue
-            if payload_checksum(view) != span.checksum:
+            if not matched:
                 self.counters.corrupt += 1
                 fetch.counters.corrupt += 1
                 log.warning("block read over NIXL failed its checksum; dropped",
@@ -145,6 +172,23 @@ class NixlPuller:
             address = fetch.wanted[key]
             fetch.got[key] = (address, handle, p.Block(address.digest, address.layer, span.model, span.length,
                                                        span.checksum))
+
+
+def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive index ranges of ``lengths``, each about PIPELINE_BYTES (at least one span)."""
+    runs, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        total += n
+        if total >= PIPELINE_BYTES:
+            runs.append((start, i + 1))
+            start, total = i + 1, 0
+    if start < len(lengths):
+        runs.append((start, len(lengths)))
+    return runs
+
+
+def _checksums_match(slots: Sequence[tuple[bytes, p.NixlSpan, Any, memoryview]]) -> list[bool]:
+    return [payload_checksum(view) == span.checksum for _, span, _, view in slots]
 
 
 async def _uninterrupted(future: "asyncio.Future[Any]") -> Any:

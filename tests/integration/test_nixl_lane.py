@@ -156,9 +156,11 @@ def test_a_payload_changed_after_its_checksum_was_sent_does_not_match_it(tmp_pat
 
 
 def test_daemons_pull_over_nixl_where_it_starts_and_run_without_it_where_it_cannot(tmp_path: Path) -> None:
-    """Real daemons with ``quic.nixl`` on: A's and B's NIXL start (UCX over TCP), C's cannot (a
-    UCX transport this machine lacks): C says why and runs without it. B's Get of A's blocks
-    reads them over NIXL (B's metrics count them); C's goes over the TCP lane; both bit-exact."""
+    """Real daemons on one host with ``quic.nixl`` on: A's and B's NIXL start (UCX's shared
+    memory for the bytes, TCP for its wire-up), C's cannot (a UCX transport this machine lacks):
+    C says why and runs without it. B's Get of A's blocks reads them over NIXL (B's metrics count
+    them); C's goes over the TCP lane; both bit-exact. (Two hosts, UCX over TCP: the network
+    namespace test below.)"""
     import urllib.request
 
     from tests.integration.conftest import wait_for
@@ -169,8 +171,8 @@ def test_daemons_pull_over_nixl_where_it_starts_and_run_without_it_where_it_cann
     cluster = DaemonCluster(tmp_path, names)
     try:
         port = free_udp_port()
-        a = cluster.daemon("node-a", "quic.nixl=true", 'quic.nixl_transports=["tcp"]')
-        b = cluster.daemon("node-b", "quic.nixl=true", 'quic.nixl_transports=["tcp"]', "kv.mirror_pulls=false",
+        a = cluster.daemon("node-a", "quic.nixl=true", 'quic.nixl_transports=["tcp", "sm"]')
+        b = cluster.daemon("node-b", "quic.nixl=true", 'quic.nixl_transports=["tcp", "sm"]', "kv.mirror_pulls=false",
                            f'metrics.listen="127.0.0.1:{port}"')
         c = cluster.daemon("node-c", "quic.nixl=true", 'quic.nixl_transports=["nosuchtransport"]')
         for d, name in ((a, "node-a"), (b, "node-b"), (c, "node-c")):
@@ -326,28 +328,3 @@ def test_daemons_in_two_network_namespaces_pull_over_nixl_over_tcp(tmp_path: Pat
             cluster.stop()
     finally:
         hosts.close()
-
-
-@pytest.mark.parametrize("transports", ['["tcp", "sm"]'])      # one host: the bytes over shared memory (CMA)
-def test_daemons_on_one_host_pull_over_nixl_over_shared_memory(tmp_path: Path, transports: str) -> None:
-    from tests.integration.conftest import wait_for
-    from tests.integration.test_peers import KIB, blocks, connected, lookup
-    from tests.integration.test_peers import Cluster as DaemonCluster
-
-    cluster = DaemonCluster(tmp_path, ("node-a", "node-b"))
-    try:
-        nixl = ("quic.nixl=true", f"quic.nixl_transports={transports}", "kv.mirror_pulls=false")
-        a = cluster.daemon("node-a", *nixl)
-        b = cluster.daemon("node-b", *nixl)
-        wait_for(lambda: connected(a, "node-b") and connected(b, "node-a"), text="peers connected")
-        data = blocks(16, size=256 * KIB, seed=5)
-        with a.client() as client:
-            client.put(list(data.items()))
-        wait_for(lambda: lookup(b, data).peer == 16, text="b learns a's blocks")
-        with b.client() as client:
-            got, missing = client.get(list(data))
-            stats = client.stats()
-        assert not missing and {f.address: f.payload for f in got} == data
-        assert stats.peer_lane_pulls == 0 and "NIXL not usable" not in b.log()
-    finally:
-        cluster.stop()
