@@ -11,9 +11,12 @@ NIXL agent starts). In that process, the same run, interleaved rounds of:
   certificate and its own NIXL agent over a 64 MiB region pulls them with ``PeerTier.fetch``:
   NixlPull over QUIC, one NIXL READ of the 64 spans into the region, every block's BLAKE3 checked
   against the checksum from the session, NixlDone.
-- "bare NIXL": a holder subprocess (this file with ``--bare-holder``: NIXL's own API only, no
-  kvcached code) registers a region holding the same 64 payloads back to back; a reader here,
-  also NIXL's API only, READs the 64 spans into its own region, polling until done. No checksum.
+- "bare NIXL": a holder subprocess (this file with ``--bare-holder``: NIXL's own API for every
+  call, no kvcached code on the transfer path) registers a region holding the same 64 payloads
+  back to back; a reader here, also NIXL's API, READs the 64 spans into its own region, polling
+  until done. No checksum. Both agents are built as the daemon's are, their progress threads
+  sleeping 10 us between polls: with NIXL's default (no sleep) each idle agent spins a core, and
+  on two cores the agents of one side would starve the other side's rounds.
 - "bare NIXL + BLAKE3": the same, then each payload's BLAKE3 computed: the floor of what the
   lane must do.
 
@@ -54,6 +57,13 @@ def _nixl_api(transports: str) -> Any:
     return _api
 
 
+def nixl_agent(api: Any, name: str) -> Any:
+    """A NIXL agent built as the daemon's is (kvcached.peers.nixl_transfer.nixl_agent: its
+    progress thread sleeps 10 us between polls); every transfer call on it is NIXL's own."""
+    from kvcached.peers.nixl_transfer import nixl_agent as build
+    return build(api, name)
+
+
 def _read_all(agent: Any, local: Any, remote: Any, peer: str) -> None:
     """One READ of every span, polled until done: what a bare NIXL reader does."""
     handle = agent.initialize_xfer("READ", local, remote, peer)
@@ -73,7 +83,7 @@ def bare_holder_main(args: argparse.Namespace) -> int:
     region = mmap.mmap(-1, BLOCKS * SIZE)
     for i in range(BLOCKS):
         region[i * SIZE:(i + 1) * SIZE] = payload_of(SIZE, i)
-    agent = api.nixl_agent("bare-holder", api.nixl_agent_config(backends=["UCX"]))
+    agent = nixl_agent(api, "bare-holder")
     base = _address(region)
     agent.register_memory([(base, len(region), 0, "")], "DRAM")
     Path(args.ready).write_text(json.dumps({"metadata": bytes(agent.get_agent_metadata()).hex(), "base": base}))
@@ -95,7 +105,7 @@ class BareReader:
 
     def __init__(self, api: Any, offer: dict[str, Any]) -> None:
         self.region = mmap.mmap(-1, BLOCKS * SIZE)
-        self.agent = api.nixl_agent("bare-reader", api.nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(api, "bare-reader")
         base = _address(self.region)
         self.agent.register_memory([(base, len(self.region), 0, "")], "DRAM")
         peer = self.agent.add_remote_agent(bytes.fromhex(offer["metadata"]))
