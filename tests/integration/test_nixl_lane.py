@@ -10,8 +10,10 @@ transport; real daemons pull over NIXL, or run without it where it cannot start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import mmap
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,15 @@ async def stopped(c: NixlCluster) -> None:
     await asyncio.sleep(0.05)
     for node in c.nodes.values():
         node.close()
+
+
+def arena_of(pid: int) -> str:
+    """The /proc path of daemon ``pid``'s arena (its memfd)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:kvcached-arena"):
+                return f"/proc/{pid}/fd/{fd}"
+    raise AssertionError(f"no arena memfd in process {pid}")
 
 
 def rows(ns: range) -> list[tuple[bytes, int]]:
@@ -159,8 +170,9 @@ def test_daemons_pull_over_nixl_where_it_starts_and_run_without_it_where_it_cann
     """Real daemons on one host with ``quic.nixl`` on: A's and B's NIXL start (UCX's shared
     memory for the bytes, TCP for its wire-up), C's cannot (a UCX transport this machine lacks):
     C says why and runs without it. B's Get of A's blocks reads them over NIXL (B's metrics count
-    them); C's goes over the TCP lane; both bit-exact. (Two hosts, UCX over TCP: the network
-    namespace test below.)"""
+    them); C's goes over the TCP lane; both bit-exact. B pulling from C falls back to the lane,
+    counted; a payload changed in A's arena is refused by B, counted, never served. (Two hosts,
+    UCX over TCP: the network namespace test below.)"""
     import urllib.request
 
     from tests.integration.conftest import wait_for
@@ -174,7 +186,8 @@ def test_daemons_pull_over_nixl_where_it_starts_and_run_without_it_where_it_cann
         a = cluster.daemon("node-a", "quic.nixl=true", 'quic.nixl_transports=["tcp", "sm"]')
         b = cluster.daemon("node-b", "quic.nixl=true", 'quic.nixl_transports=["tcp", "sm"]', "kv.mirror_pulls=false",
                            f'metrics.listen="127.0.0.1:{port}"')
-        c = cluster.daemon("node-c", "quic.nixl=true", 'quic.nixl_transports=["nosuchtransport"]')
+        c = cluster.daemon("node-c", "quic.nixl=true", 'quic.nixl_transports=["nosuchtransport"]',
+                           "kv.mirror_pulls=false")                 # A alone holds A's blocks
         for d, name in ((a, "node-a"), (b, "node-b"), (c, "node-c")):
             wait_for(lambda: connected(d, *(n for n in names if n != name)), text="peers connected")
         assert "NIXL lane served" in a.log() and "NIXL lane served" in b.log()
@@ -190,6 +203,30 @@ def test_daemons_pull_over_nixl_where_it_starts_and_run_without_it_where_it_cann
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "kvcached_nixl_pulled_blocks_total 6.0" in text and "kvcached_nixl_refused_blocks_total 0.0" in text
         assert "kvcached_nixl_fallbacks_total 0.0" in text
+        # A holder without NIXL (C): B's NixlOpen is refused, B counts a fallback and pulls over the lane.
+        only_c = blocks(3, seed=7)
+        with c.client() as client:
+            client.put(list(only_c.items()), model="llama")
+        wait_for(lambda: lookup(b, only_c).peer == 3, text="b learns c's blocks")
+        with b.client() as client:
+            got, missing = client.get(list(only_c))
+        assert not missing and {f.address: f.payload for f in got} == only_c
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "kvcached_nixl_fallbacks_total 1.0" in text
+        # A payload changed in A's arena (its memfd, as another process mapping it could): B reads
+        # it over NIXL, refuses it against the checksum A sent, counts it and serves nothing.
+        victim = next(iter(data))
+        assert a.proc is not None
+        with open(arena_of(a.proc.pid), "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+            at = arena.find(data[victim][:4096])
+            assert at >= 0
+            arena[at + 100] ^= 0xFF
+        with b.client() as client:
+            got, missing = client.get([victim], allow_partial=True)
+        assert not got and len(missing) == 1
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "kvcached_nixl_refused_blocks_total 1.0" in text
+        assert 'kvcached_integrity_failures_total{tier="peer"} 1.0' in text
         for d in (a, b, c):
             assert d.stop() == 0
     finally:
