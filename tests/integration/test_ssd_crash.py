@@ -55,8 +55,8 @@ from .conftest import DaemonProcess
 
 pytestmark = pytest.mark.integration
 
-# 15 kills in `make test` (a new seed each run, so runs add up); `make soak` runs 200.
-MAIN_ITERATIONS = int(os.environ.get("KVCACHED_CRASH_ITERATIONS", "15"))
+# 10 kills in `make test` (a new seed each run, so runs add up; its side cases 3 each); `make soak` runs 200.
+MAIN_ITERATIONS = int(os.environ.get("KVCACHED_CRASH_ITERATIONS", "10"))
 SIDE_ITERATIONS = max(2, MAIN_ITERATIONS // 3)
 MAX_BLOCK = 1 << 20               # kv.max_block_mib = 1
 # Per verifying Get. The blocks a Get promotes stay pinned until it answers, and each size class
