@@ -57,14 +57,15 @@ class NixlPuller:
     def __init__(self, endpoint: Any) -> None:
         self.endpoint = endpoint
         self.counters = NixlPullCounters()
-        self._agents: dict[str, tuple[Any, str]] = {}   # peer -> (the session its metadata came over, NIXL name)
+        # peer -> (the session its metadata came over, its NIXL name, the size of its registered arena)
+        self._agents: dict[str, tuple[Any, str, int]] = {}
 
     async def pull(self, peer: str, client: Any, rows: Sequence[tuple[bytes, int]], keys: Sequence[bytes],
                    fetch: Any, tenant: str, timeout_s: float) -> None:
         """Read ``rows`` (their wire ``keys``) of ``tenant`` from ``peer`` over ``client``'s
         session into slots ``fetch`` reserves; what arrives intact goes into ``fetch.got``.
         NixlUnusable where NIXL cannot be used with this peer; PeerGone and ProtocolError pass."""
-        agent = await self._agent(peer, client)
+        agent, size = await self._agent(peer, client)
         try:
             answer = await client.nixl_pull(rows, tenant)
         except p.ProtocolError as exc:
@@ -72,7 +73,7 @@ class NixlPuller:
                 raise NixlUnusable(str(exc)) from None
             raise
         try:
-            await self._read(agent, answer.spans, keys, fetch, timeout_s)
+            await self._read(agent, size, answer.spans, keys, fetch, timeout_s)
         finally:
             client.nixl_done(answer.lease)
 
@@ -82,10 +83,10 @@ class NixlPuller:
         if known is not None:
             self.endpoint.remove_peer(known[1])
 
-    async def _agent(self, peer: str, client: Any) -> str:
+    async def _agent(self, peer: str, client: Any) -> tuple[str, int]:
         known = self._agents.get(peer)
         if known is not None and known[0] is client:
-            return known[1]
+            return known[1], known[2]
         self.forget(peer)                       # a new session: the holder may have restarted
         try:
             offer = await client.nixl_open()
@@ -97,16 +98,19 @@ class NixlPuller:
             name = self.endpoint.add_peer(offer.metadata, offer.base)
         except NixlTransferError as exc:
             raise NixlUnusable(str(exc)) from None
-        self._agents[peer] = (client, name)
-        return name
+        self._agents[peer] = (client, name, offer.size)
+        return name, offer.size
 
-    async def _read(self, agent: str, spans: Sequence[p.NixlSpan], keys: Sequence[bytes], fetch: Any,
+    async def _read(self, agent: str, size: int, spans: Sequence[p.NixlSpan], keys: Sequence[bytes], fetch: Any,
                     timeout_s: float) -> None:
         slots: list[tuple[bytes, p.NixlSpan, Any, memoryview]] = []
         jobs: list[tuple[int, int, int]] = []
         try:
             for key, span in zip(keys, spans):
                 if not span.found or key in fetch.got or span.length > fetch.settings.max_payload:
+                    continue
+                if span.offset + span.length > size:       # outside the arena the holder registered: a wrong answer
+                    self._refuse(key, fetch, "a span outside the holder's arena")
                     continue
                 reserved = fetch.reserve(fetch.wanted[key], span.length)
                 if reserved is None:
@@ -159,10 +163,7 @@ class NixlPuller:
                 fetch.abort(handle)
                 continue
             if not matched:
-                self.counters.corrupt += 1
-                fetch.counters.corrupt += 1
-                log.warning("block read over NIXL failed its checksum; dropped",
-                            extra={"fields": {"digest": key[:32].hex()}})
+                self._refuse(key, fetch, "failed its checksum")
                 fetch.abort(handle)
                 continue
             self.counters.pulled += 1
@@ -172,6 +173,13 @@ class NixlPuller:
             address = fetch.wanted[key]
             fetch.got[key] = (address, handle, p.Block(address.digest, address.layer, span.model, span.length,
                                                        span.checksum))
+
+
+    def _refuse(self, key: bytes, fetch: Any, why: str) -> None:
+        """A block the holder's answer or its bytes do not vouch for: dropped, counted, never served."""
+        self.counters.corrupt += 1
+        fetch.counters.corrupt += 1
+        log.warning("block over NIXL dropped", extra={"fields": {"digest": key[:32].hex(), "reason": why}})
 
 
 def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:

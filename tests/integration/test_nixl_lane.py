@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import mmap
 import os
@@ -277,6 +278,35 @@ def test_a_payload_changed_in_the_holders_arena_is_refused_counted_and_never_ser
             assert [f.payload for f in found] == [payload(0, SIZE)] and len(misses) == 1
             assert b.t.nixl_stats()["pull_corrupt"] == 1 and b.t.counters.corrupt == 1
             assert b.store.lookup([address(1).digest], 0).ram == 0        # never published
+        finally:
+            await stopped(c)
+    asyncio.run(body())
+
+
+def test_a_span_outside_the_holders_arena_is_refused_before_any_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder whose NixlSpans names bytes past the arena it registered (a wrong or hostile
+    answer): B reads none of it, counts it refused, and the block is a miss; the others arrive."""
+    async def body() -> None:
+        c = await started(tmp_path, serving=(A, B))
+        try:
+            a, b = c[A], c[B]
+            await a.store.put(items(range(2)))
+            await until(lambda: b.t.locator.directory.count(A) == 2, "announcements")
+            holder = a.t.nixl
+            assert holder is not None
+            answer = holder.pull
+
+            async def past_the_arena(*args: Any) -> p.NixlSpans:
+                spans: p.NixlSpans = await answer(*args)
+                wrong = dataclasses.replace(spans.spans[1], offset=a.arena.size - 1)
+                return dataclasses.replace(spans, spans=(spans.spans[0], wrong))
+
+            monkeypatch.setattr(holder, "pull", past_the_arena)
+            found, misses = await b.store.get([address(0), address(1)], allow_partial=True)
+            assert [f.payload for f in found] == [payload(0, SIZE)] and len(misses) == 1
+            stats = b.t.nixl_stats()
+            assert stats["pull_corrupt"] == 1 and stats["pull_pulled"] == 1 and stats["pull_fallbacks"] == 0
         finally:
             await stopped(c)
     asyncio.run(body())
