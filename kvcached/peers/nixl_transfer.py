@@ -74,8 +74,8 @@ def nixl_agent(api: Any, name: str) -> Any:
     runs (3.0 s of CPU in 3 s here). The thread cannot simply be left off: over UCX's TCP the
     holder's worker must progress for a peer's READ to be served (without it a read hangs). So
     the delay is set on the agent's configuration as it is built: 10 us took an idle agent to
-    0.09 s of CPU in 3 s, and a 64 MiB READ between two processes over TCP from 0.99 to
-    0.86 GB/s (this machine, one run each; 100 us: 0.68 GB/s)."""
+    0.09 s of CPU in 3 s. It slows a READ over TCP somewhat (longer delays more); bench_lane's
+    figure 3 measures the lane with it against a bare READ whose agents are built alike."""
     bindings = api.nixlBind
     build = bindings.nixlAgent
 
