@@ -53,10 +53,18 @@ lint: install
 # compiled to bytecode first: the tests start some 600 daemons and CLI processes, and where the
 # environment sets PYTHONDONTWRITEBYTECODE (these machines do) each would otherwise compile every
 # module of kvcached from source as it starts (0.2 s a start here).
+#
+# The main suite runs in TEST_WORKERS processes (pytest-xdist; worksteal keeps the long tests from
+# leaving one worker alone at the end): alone it keeps less than one core busy (its tests wait on
+# daemons, disks and timers). Its temporary folders lie under a short fresh path (the tests'
+# Unix sockets must fit AF_UNIX's 108 bytes with xdist's per-worker folder added), removed when
+# every test passed and kept for a reader when one failed.
+TEST_WORKERS ?= 2
 test:
 	$(MAKE) --no-print-directory -j4 lint engines-venv e2e-venv system-deps nixl
 	$(PY) -m compileall -q kvcached agent/kvcached_agent tests > /dev/null
-	$(PY) -m pytest -q --durations=15 tests
+	tmp=$$(mktemp -d /tmp/kvt.XXXXXX) && $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
+		--basetemp=$$tmp --durations=15 tests && rm -rf $$tmp
 	$(ENGINES_PY) -m pytest -q tests/engines
 	$(E2E_PY) -m pytest -q tests/e2e
 

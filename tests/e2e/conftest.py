@@ -56,7 +56,7 @@ def run_engine(folder: Path, n: int, model: Path, rounds: list[dict[str, Any]],
     the end of its output."""
     plan_path, result_path = folder / f"plan-{n}.json", folder / f"result-{n}.json"
     plan_path.write_text(json.dumps({"model": str(model), "connector": connector, "rounds": rounds, "eager": True,
-                                     **plan}))
+                                     "in_process": True, **plan}))
     env = {**os.environ, "KVCACHED_FINGERPRINT_CACHE": str(folder / "weights.json")}
     proc = subprocess.run([sys.executable, "-m", "tests.e2e.engine_run", str(plan_path), str(result_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
@@ -70,8 +70,10 @@ def run_engine(folder: Path, n: int, model: Path, rounds: list[dict[str, Any]],
 def engine(tmp_path: Path) -> EngineRun:
     """``engine(model, rounds, connector=None, **plan)``: run one engine process through the
     rounds (:func:`run_engine`). Engines run eager (no torch.compile: 7 s less to start each, and
-    the KV connector's path is the same) unless the plan says ``eager=False``; one test runs
-    compiled engines, as vLLM's default is."""
+    the KV connector's path is the same) and with vLLM's engine core in the engine's process
+    (about 20 s less to start each: engine_run's ``in_process``) unless the plan says
+    ``eager=False`` or ``in_process=False``; one test runs an engine as vLLM's defaults have it,
+    compiled, its engine core a process of its own."""
     runs = itertools.count()
 
     def run(model: Path, rounds: list[dict[str, Any]], connector: dict[str, Any] | None = None,

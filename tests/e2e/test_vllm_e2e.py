@@ -23,8 +23,8 @@ from tests.e2e.conftest import ROOT, EngineRun, run_engine
 from tests.integration.conftest import DaemonProcess, wait_for
 from tests.integration.test_peers import Cluster, connected, peer_stats
 
-# A test runs two or three engines, each 25-60 s to start on two cores (the first of a fresh
-# machine also compiles vLLM's kernels; eager ones less): the suite's 120 s default is for one
+# A test runs one to three engines, each 15-60 s to start on two cores (the first of a fresh
+# machine also compiles vLLM's kernels; eager, in-process ones least): the suite's 120 s default is for one
 # daemon's tests.
 pytestmark = pytest.mark.timeout(900)
 
@@ -128,7 +128,8 @@ class EventTap:
 
 def test_a_kvcached_hit_in_a_new_engine_gives_vllms_own_prefix_cache_output(
         make_daemon, tiny_model: Path, engine: EngineRun, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """With vLLM's default execution (torch.compile): the other tests run eager engines. One
+    """With vLLM's default execution (torch.compile, the engine core a process of its own): the
+    other tests run eager engines, their engine cores in the engine's process. One
     engine serves the prompt cold, then from its own prefix cache, then, that cache emptied (as
     a new engine's is), from kvcached: the last bit-identical to the second. The engine publishes
     its KV events, and the daemon its own: a router reading both sees the blocks kvcached holds
@@ -140,7 +141,7 @@ def test_a_kvcached_hit_in_a_new_engine_gives_vllms_own_prefix_cache_output(
     try:
         run = engine(tiny_model, [{"prompts": [p], "max_tokens": MAX_TOKENS}] * 2
                      + [{"prompts": [p], "max_tokens": MAX_TOKENS, "reset_prefix_cache": True}],
-                     kvcached(daemon), eager=False, kv_events=engine_events)
+                     kvcached(daemon), eager=False, in_process=False, kv_events=engine_events)
         wait_for(lambda: sum(len(e.block_hashes) for e in tap.events["daemon"] if type(e).__name__ == "BlockStored")
                  >= loadable(len(p)) // BLOCK, text="the daemon's BlockStored events")
     finally:

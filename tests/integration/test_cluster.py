@@ -196,6 +196,7 @@ def test_a_lost_home_is_rebuilt_from_the_holders(cluster: Cluster) -> None:
     assert get_all(asker, on_a) == on_a
 
 
+@pytest.mark.slow
 def test_etcd_away_keeps_serving_adds_nobody_and_recovers(cluster: Cluster) -> None:
     names = NODES[:3]
     daemons = start_all(cluster, names)
@@ -225,6 +226,7 @@ def test_a_daemon_whose_certificate_does_not_carry_its_name_refuses_to_start(clu
     assert "cluster.name" in d.log() and "node-a" in d.log()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not netns_usable(), reason="network namespaces need root and the ip tool")
 def test_a_partition_serves_what_each_side_reaches_and_converges_after_healing(tmp_path: Path) -> None:
     """Hosts h1 (a, b, c) and h2 (d, e, f) in their own network namespaces, etcd beside the bridge.

@@ -302,6 +302,7 @@ def check_logs(state: Path) -> int:
 
 
 @pytest.mark.parametrize(("durability", "direct_io", "iterations"), CASES)
+@pytest.mark.slow
 @pytest.mark.timeout(60 + 12 * MAIN_ITERATIONS)
 def test_sigkill_loop_loses_no_acknowledged_block(make_daemon: Callable[..., DaemonProcess], tmp_path: Path,
                                                   durability: str, direct_io: str, iterations: int) -> None:

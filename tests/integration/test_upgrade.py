@@ -108,6 +108,7 @@ def test_upgrade_keeps_the_ram_tier_and_the_same_memory(service: Service) -> Non
     assert answer["elapsed_s"] < 30
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_twenty_upgrades_under_load(service: Service, tmp_path: Path) -> None:
     """Agents save and load and gRPC clients put and get, each in a process of its own, while

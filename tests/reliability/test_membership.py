@@ -64,6 +64,7 @@ def _timed_gets(d: DaemonProcess, data: dict[BlockAddress, bytes], per_get: int)
     return times, misses
 
 
+@pytest.mark.slow
 def test_unproven_registrations_are_no_members_and_cost_nothing(cluster: Cluster, tmp_path: Path) -> None:
     """Three daemons, then two registrations written into etcd by hand among them, at a real
     member's address: one without any proof (node-x, whose certificate the cluster did issue),

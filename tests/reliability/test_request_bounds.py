@@ -386,6 +386,7 @@ def test_largest_allowed_lookup_answers_exactly(loaded: tuple[DaemonProcess, lis
         assert (miss_first.longest, miss_first.ram, miss_first.ssd) == (0, 0, 0)
 
 
+@pytest.mark.slow
 def test_largest_allowed_get_and_get_stream_answer_in_order(loaded: tuple[DaemonProcess, list[bytes]]) -> None:
     d, resident = loaded
     chain = resident + unknown(MAX_BATCH - RESIDENT)

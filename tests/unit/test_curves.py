@@ -37,6 +37,7 @@ def accesses(workload: str, scale: float) -> tuple[list[bytes], float]:
 @pytest.mark.parametrize(("workload", "scale", "policy", "share"), [
     ("trace", 1.0, "slru", 0.1), ("batch_summarization", 8.0, "s3fifo", 0.1),
 ])
+@pytest.mark.slow
 def test_live_curves_match_the_exact_replay(workload: str, scale: float, policy: str, share: float) -> None:
     """Fed as the daemon feeds them (every use of a block, beside the tier's own policy, whose
     tuned setting the copies follow), the curves match the exact replay at each size. Every

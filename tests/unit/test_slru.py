@@ -134,6 +134,7 @@ def _recency(n: int) -> list[bytes]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload, capacity, best", [(_scan_mix, 1000, GRID[-2:]), (_recency, 1000, GRID[:1])])
 def test_the_tuner_finds_the_setting_the_workload_rewards(workload, capacity: int, best: tuple[float, ...]) -> None:
     trace = workload(120_000)
