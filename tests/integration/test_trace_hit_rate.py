@@ -59,6 +59,7 @@ def daemon_replay(agent: Agent, trace: list[list[BlockAddress]], prefix: bool) -
         assert not saved.skipped and saved.stored + saved.present == len(todo)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, share, policy", [("prefix", 0.05, "slru"), ("block", 0.10, "slru"),
                                                  ("prefix", 0.10, "arc"), ("block", 0.05, "s3fifo")])
 def test_the_daemon_counts_the_hits_the_simulator_predicts(make_daemon, mode: str, share: float, policy: str) -> None:
