@@ -33,6 +33,7 @@ sets the iteration count of the main (batch) case for soak runs (the others get 
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -327,8 +328,13 @@ def test_sigkill_loop_loses_no_acknowledged_block(make_daemon: Callable[..., Dae
 
     writer: Writer | None = None
     try:
-        for i in range(iterations):
-            mode = rng.choices(["stream", "boot", "reconcile"], weights=[70, 10, 20])[0]
+        for i in itertools.count():
+            # Past the iterations asked for, only while no Put was ever acknowledged (on a busy
+            # machine short runs may all be killed first): a served run, killed once one is.
+            extra = i >= iterations
+            if extra and (acked or i >= iterations + 3):
+                break
+            mode = "stream" if extra else rng.choices(["stream", "boot", "reconcile"], weights=[70, 10, 20])[0]
             stale = tmp_files(ssd_dir)        # left by the previous kill: the reconcile must remove them
             doubtful = [b for batch in in_doubt for b in batch if b.serial not in acked]
             if mode != "stream":
@@ -357,6 +363,8 @@ def test_sigkill_loop_loses_no_acknowledged_block(make_daemon: Callable[..., Dae
                 writer = Writer(d.target, workload, in_doubt, connected=True)
                 writer.start()
                 time.sleep(rng.uniform(0.05, 1.5))
+                if extra:
+                    wait_for(lambda: bool(writer.acked), 20, "a first acknowledged Put", d.log)
             writer.killed.set()
             d.stop(signal.SIGKILL)
             log_before_kill = d.log()         # all the daemon wrote before it died
