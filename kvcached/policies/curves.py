@@ -222,7 +222,6 @@ class _KeyUses:
             self.uses_hits[i] -= uses * counts[i + 1]
 
 
-
 class MissRatioCurves:
     """The curves of ``tiers`` (see the module). The owner calls :meth:`access` for every use of
     a block (a hit it serves, a block it stores or finds stored), reads :meth:`points`."""

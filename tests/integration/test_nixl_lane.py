@@ -16,7 +16,7 @@ import itertools
 import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import blake3
 import pytest
@@ -254,26 +254,36 @@ def test_a_fetch_reads_blocks_over_nixl_bit_exact_and_releases_the_holders_pins(
     asyncio.run(body())
 
 
+async def answered_otherwise(c: NixlCluster, monkeypatch: pytest.MonkeyPatch,
+                             change: Callable[[Any, p.NixlSpans], p.NixlSpans]) -> tuple[Any, Any]:
+    """Two blocks put on A and announced to B; from now on A's holder passes each NixlSpans it
+    answers through ``change(A, spans)`` first. Returns A and B."""
+    a, b = c[A], c[B]
+    await a.store.put(items(range(2)))
+    await until(lambda: b.t.locator.directory.count(A) == 2, "announcements")
+    holder = a.t.nixl
+    assert holder is not None
+    answer = holder.pull
+
+    async def changed(*args: Any) -> p.NixlSpans:
+        return change(a, await answer(*args))
+
+    monkeypatch.setattr(holder, "pull", changed)
+    return a, b
+
+
 def test_a_payload_changed_in_the_holders_arena_is_refused_counted_and_never_served(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A's slot changes after A sent its checksum (between NixlSpans and B's read): B's check
     refuses what it read, counts it, and the block is a miss; nothing wrong is ever served."""
+    def changed_after_answering(a: Any, spans: p.NixlSpans) -> p.NixlSpans:
+        a.arena.view[spans.spans[1].offset] ^= 0xFF          # the second block's slot changes
+        return spans
+
     async def body() -> None:
         c = await started(tmp_path, serving=(A, B))
         try:
-            a, b = c[A], c[B]
-            await a.store.put(items(range(2)))
-            await until(lambda: b.t.locator.directory.count(A) == 2, "announcements")
-            holder = a.t.nixl
-            assert holder is not None
-            answer = holder.pull
-
-            async def changed_after_answering(*args: Any) -> p.NixlSpans:
-                spans: p.NixlSpans = await answer(*args)
-                a.arena.view[spans.spans[1].offset] ^= 0xFF          # the second block's slot changes
-                return spans
-
-            monkeypatch.setattr(holder, "pull", changed_after_answering)
+            a, b = await answered_otherwise(c, monkeypatch, changed_after_answering)
             found, misses = await b.store.get([address(0), address(1)], allow_partial=True)
             assert [f.payload for f in found] == [payload(0, SIZE)] and len(misses) == 1
             assert b.t.nixl_stats()["pull_corrupt"] == 1 and b.t.counters.corrupt == 1
@@ -287,22 +297,14 @@ def test_a_span_outside_the_holders_arena_is_refused_before_any_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A holder whose NixlSpans names bytes past the arena it registered (a wrong or hostile
     answer): B reads none of it, counts it refused, and the block is a miss; the others arrive."""
+    def past_the_arena(a: Any, spans: p.NixlSpans) -> p.NixlSpans:
+        wrong = dataclasses.replace(spans.spans[1], offset=a.arena.size - 1)
+        return dataclasses.replace(spans, spans=(spans.spans[0], wrong))
+
     async def body() -> None:
         c = await started(tmp_path, serving=(A, B))
         try:
-            a, b = c[A], c[B]
-            await a.store.put(items(range(2)))
-            await until(lambda: b.t.locator.directory.count(A) == 2, "announcements")
-            holder = a.t.nixl
-            assert holder is not None
-            answer = holder.pull
-
-            async def past_the_arena(*args: Any) -> p.NixlSpans:
-                spans: p.NixlSpans = await answer(*args)
-                wrong = dataclasses.replace(spans.spans[1], offset=a.arena.size - 1)
-                return dataclasses.replace(spans, spans=(spans.spans[0], wrong))
-
-            monkeypatch.setattr(holder, "pull", past_the_arena)
+            a, b = await answered_otherwise(c, monkeypatch, past_the_arena)
             found, misses = await b.store.get([address(0), address(1)], allow_partial=True)
             assert [f.payload for f in found] == [payload(0, SIZE)] and len(misses) == 1
             stats = b.t.nixl_stats()

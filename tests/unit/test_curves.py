@@ -14,7 +14,7 @@ import pytest
 
 from kvcached.policies import make_keyed_policy
 from kvcached.policies.belady import belady_hits
-from kvcached.policies.curves import MAX_RATE, MULTIPLES, KeySample, MissRatioCurves, TierSpec
+from kvcached.policies.curves import MAX_RATE, MULTIPLES, KeySample, MissRatioCurves, TierSpec, adjusted_rate
 from kvcached.sim.replay import accesses_of, replay_hits
 from kvcached.sim.traces import load_trace
 from kvcached.sim.workloads import make_trace
@@ -158,3 +158,17 @@ def test_bad_curve_settings_are_refused_at_start(override: str, says: str) -> No
     from kvcached.config import ConfigError, load_config
     with pytest.raises(ConfigError, match=says):
         load_config(None, [override])
+
+
+def test_the_gap_is_weighed_by_the_hits_per_use_unless_hotter_keys_are_missing() -> None:
+    """adjusted_rate: 1,000 sampled keys of 10 uses, 4 of them hits each (4,000 hits in 10,000
+    uses). A shortfall within the sampled keys' own spread (variance (1 - rate) x 100,000) is the
+    luck of how many keys fell in the sample, and those hit as the rest: the rate stays 0.4, where
+    counting the gap as hits (SHARDS-adj) reads 0.415. A shortfall far beyond that spread is keys
+    hotter than any sampled, which hit at every size: counted as hits, as SHARDS-adj does. A
+    surplus is taken off at the sampled keys' hits per use."""
+    rate, uses_squared, uses_hits = 1 / 16, 1000 * 10 * 10, 1000 * 10 * 4
+    assert adjusted_rate(4000, 10_000, 10_250, uses_squared, uses_hits, rate) == pytest.approx(0.4)
+    assert adjusted_rate(4000, 10_000, 15_000, uses_squared, uses_hits, rate) == pytest.approx(9000 / 15_000, abs=0.002)
+    assert adjusted_rate(4000, 10_000, 9_000, uses_squared, uses_hits, rate) == pytest.approx(0.4)
+    assert adjusted_rate(0, 0, 0, 0, 0, rate) == 0.0
