@@ -307,6 +307,8 @@ def _print_curves(stats: Any, as_json: bool, plot: str | None) -> int:
     if not as_json:
         print(f"from {c.accesses} block uses, {c.sampled_accesses} of them of the {c.sampled_keys} keys sampled "
               f"({c.sampling_rate:.2%} of keys); MIN over the recent window")
+        print(f"what they took since start: {c.busy_seconds:.3f} s counting uses (on the event loop), "
+              f"{c.min_busy_seconds:.3f} s computing MIN")
     if plot and results and all(r.unique for r in results):
         Path(plot).write_text(svg(results, "kvcached: hit rate at other tier sizes (live)", "size (multiple of the tier)",
                                   "{:g}x"))

@@ -45,4 +45,4 @@ def curve_stats(curves: MissRatioCurves) -> pb.CurveStats:
                               hit_rate=p.hit_rate or 0.0, min_hit_rate=p.min_hit_rate or 0.0, known=p.hit_rate is not None)
                 for p in curves.points()],
         sampled_keys=len(curves.sample), sampling_rate=curves.sample.rate, accesses=curves.accesses,
-        sampled_accesses=curves.sampled)
+        sampled_accesses=curves.sampled, busy_seconds=curves.busy_s, min_busy_seconds=curves.min_busy_s)

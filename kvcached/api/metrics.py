@@ -370,6 +370,11 @@ class CurvesCollector(Collector):
         yield GaugeMetricFamily("kvcached_curve_sampled_keys", "Distinct keys in the curves' sample now",
                                 value=len(curves.sample))
         yield CounterMetricFamily("kvcached_curve_accesses", "Block uses the curves counted", value=curves.accesses)
+        busy = CounterMetricFamily("kvcached_curve_busy_seconds", "What keeping the curves took: counting block "
+                                   "uses (on the event loop), computing MIN (off it)", labels=["part"])
+        busy.add_metric(["uses"], curves.busy_s)
+        busy.add_metric(["min"], curves.min_busy_s)
+        yield busy
 
 
 class KeeperCollector(Collector):

@@ -48,7 +48,7 @@ MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 SAMPLE_KEYS = 16384         # distinct keys in the sample at most
 MAX_RATE = 1 / 16           # the share of keys sampled at most: what every access may cost
 WINDOW = 65536              # sampled accesses MIN looks at
-SAMPLED_PER_S = 200         # sampled uses a second at most: past that the sampling rate halves (see _within_budget)
+SAMPLED_PER_S = 100         # sampled uses a second at most: past that the sampling rate halves (see _within_budget)
 SPACE = 1 << 64
 RESIZE_EVERY = 256          # sampled accesses between two looks at the tiers' size in blocks
 RESIZE_MOVE = 128           # ... or sooner, once the sampling rate fell by 1/128
@@ -228,8 +228,17 @@ class MissRatioCurves:
 
     def __init__(self, tiers: Sequence[TierSpec], clock: Callable[[], float], *, sample_keys: int = SAMPLE_KEYS,
                  max_rate: float = MAX_RATE, sampled_per_s: float | None = SAMPLED_PER_S, window: int = WINDOW,
-                 multiples: Sequence[float] = MULTIPLES, min_every_s: float = 60.0) -> None:
+                 multiples: Sequence[float] = MULTIPLES, min_every_s: float = 60.0,
+                 timer: Callable[[], float] | None = None) -> None:
         self.sample = KeySample(sample_keys, max_rate)
+        #: With ``timer`` (the thread's CPU clock: time.thread_time), what the curves cost is
+        #: counted: ``busy_s`` in :meth:`uses` calls with a sampled key (the copies' work, which
+        #: the budget bounds; a call with none costs one ``min`` of its keys and is not timed, as
+        #: reading that clock costs about as much), ``min_busy_s`` in MIN's counts (the thread that
+        #: asks for them). Two counters, each added to by one thread only.
+        self.timer = timer
+        self.busy_s = 0.0
+        self.min_busy_s = 0.0
         self.sampled_per_s = sampled_per_s
         self._second = (-1.0, 0)                # (the second being counted, sampled uses in it)
         self.tiers = [_TierCopies(spec, multiples) for spec in tiers]
@@ -261,6 +270,8 @@ class MissRatioCurves:
         if not keys or min(keys) >= bound:
             self.accesses += len(keys)
             return
+        timer = self.timer
+        started = timer() if timer is not None else 0.0
         start = self.accesses
         for i, key in enumerate(keys):
             if key < bound:
@@ -268,6 +279,8 @@ class MissRatioCurves:
                 self._sampled(key, int.from_bytes(key[:8], "big"), nbytes(i))
                 bound = self.sample.bound
         self.accesses = start + len(keys)
+        if timer is not None:
+            self.busy_s += timer() - started
 
     def _sampled(self, key: bytes, hashed: int, nbytes: int) -> None:
         before = self.sample.threshold
@@ -372,6 +385,7 @@ class MissRatioCurves:
         young = self.sampled < len(self._window) and self.sampled - self._min_sampled >= max(16, self.sampled // 8)
         if now - self._min_at < self.min_every_s and not young:
             return self._min
+        started = self.timer() if self.timer is not None else 0.0
         entries = self.window()
         keys = [key for key, _ in entries]
         rate = self.sample.rate
@@ -389,6 +403,8 @@ class MissRatioCurves:
                           rate) for m in tier.multiples] if expected > 0 else []
         self._min, self._min_at, self._min_sampled = out, now, self.sampled
         self._min_span = (entries[0][1], entries[-1][1]) if entries else (0, 0)
+        if self.timer is not None:
+            self.min_busy_s += self.timer() - started
         return out
 
     @property

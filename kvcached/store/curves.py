@@ -5,6 +5,7 @@ reader in another thread (the metrics) only reads."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from kvcached.policies import EVICTION_POLICIES, EvictionPolicy, KeyedPolicy
@@ -25,7 +26,8 @@ def tier_curves(ram: RamTier, ssd: SsdTier | None, ssd_order: KeyedPolicy | None
                 sample_keys: int) -> MissRatioCurves:
     """Curves of the RAM tier (its policy; a block takes its slab class's slot) and of the SSD
     tier where there is one (its in-memory order's policy, or LRU for the index's own queue,
-    which is LRU with a second chance; a block takes its file), sampling ``sample_keys`` keys."""
+    which is LRU with a second chance; a block takes its file), sampling ``sample_keys`` keys;
+    what they cost is counted (MissRatioCurves.busy_s, min_busy_s: Stats and the metrics)."""
     slabs = ram.slabs
     tiers = [TierSpec("ram", _name(ram.policy), ram.policy, ram.capacity,
                       lambda n: slabs.classes[min(slabs.class_for(n), len(slabs.classes) - 1)])]
@@ -33,4 +35,4 @@ def tier_curves(ram: RamTier, ssd: SsdTier | None, ssd_order: KeyedPolicy | None
         order = ssd_order.policy if ssd_order is not None else LruPolicy()
         tiers.append(TierSpec("ssd", _name(order) if ssd_order is not None else "lru", order, ssd.capacity,
                               file_bytes))
-    return MissRatioCurves(tiers, clock, sample_keys=sample_keys)
+    return MissRatioCurves(tiers, clock, sample_keys=sample_keys, timer=time.thread_time)

@@ -40,16 +40,21 @@ def test_curves_of_a_cyclic_stream(make_daemon: Any, tmp_path: Path) -> None:
     assert ram[4.0].hit_rate > 0.5, "at 4x the loop fits: every pass after the first hits"
     assert all(p.min_hit_rate >= p.hit_rate - 0.02 for p in points.values()), [(k, p.hit_rate, p.min_hit_rate) for k, p in points.items()]
     assert ram[1.0].min_hit_rate > 0.2, "MIN keeps half the loop at 1x"
+    assert 0 < curves.busy_seconds < 60 and 0 < curves.min_busy_seconds < 60, "what they took is counted"
 
     text = run_cli(["mrc", "--target", d.target, "--plot", str(tmp_path / "mrc.svg")])
     assert text.returncode == 0, text
     assert "RAM tier (lru): 1024 blocks" in text.stdout and "SSD tier (lru)" in text.stdout
+    assert "s counting uses (on the event loop)" in text.stdout
     assert "<svg" in (tmp_path / "mrc.svg").read_text() and "polyline" in (tmp_path / "mrc.svg").read_text()
     as_json = json.loads(run_cli(["mrc", "--json", "--target", d.target]).stdout)
     assert len(as_json["points"]) == 8 and int(as_json["accesses"]) == KEYS * PASSES
     scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
     assert 'kvcached_curve_hit_ratio{multiple="4",of="policy",tier="ram"}' in scraped
     assert 'kvcached_curve_hit_ratio{multiple="1",of="min",tier="ssd"}' in scraped
+    busy = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in scraped.splitlines()
+            if line.startswith("kvcached_curve_busy_seconds_total{")}
+    assert set(busy) == {'part="uses"', 'part="min"'} and all(v > 0 for v in busy.values()), busy
 
 
 def test_a_daemon_without_curves_says_so(make_daemon: Any) -> None:

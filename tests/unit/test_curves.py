@@ -123,6 +123,32 @@ def test_a_call_of_many_uses_counts_as_the_same_uses_one_by_one() -> None:
     assert one.tiers[0].blocks != (1 << 20) // 4096          # the mean of the sampled sizes, not one size
 
 
+def test_what_the_curves_take_is_counted_where_a_timer_is_given() -> None:
+    """With a timer, a call of ``uses`` with a sampled key adds its time to ``busy_s`` (one with
+    none costs a ``min`` and is not timed), and each MIN count its own to ``min_busy_s`` (Stats
+    and the metrics carry both); without, nothing is timed. The timer here ticks once a
+    reading, so each timed call counts one tick."""
+    ticks = iter(range(10**6))
+
+    def make(**timer: object) -> MissRatioCurves:
+        return MissRatioCurves([TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 20, lambda n: n)],
+                               lambda: 0.0, max_rate=0.5, sampled_per_s=None, min_every_s=3600.0, **timer)
+    curves, untimed = make(timer=lambda: float(next(ticks))), make()
+    sampled = [b"\x00" + os.urandom(31) for _ in range(64)]        # below a rate of 1/2: sampled
+    unsampled = [b"\xff" + os.urandom(31) for _ in range(64)]
+    for start in range(0, 64, 8):
+        for c in (curves, untimed):
+            c.uses(sampled[start:start + 8], lambda i: 4096)
+            c.uses(unsampled[start:start + 8], lambda i: 4096)
+    assert curves.busy_s == 8.0 and curves.min_busy_s == 0.0 and curves.sampled == 64
+    assert curves.accesses == untimed.accesses == 128
+    curves.points()
+    curves.points()          # MIN kept from the first count: not counted again
+    assert curves.min_busy_s == 1.0 and curves.busy_s == 8.0
+    untimed.points()
+    assert untimed.busy_s == untimed.min_busy_s == 0.0
+
+
 def test_nothing_sampled_yet_says_so() -> None:
     curves = MissRatioCurves([TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 20, lambda n: n)],
                              lambda: 0.0)
