@@ -13,7 +13,7 @@ from typing import Sequence
 
 import blake3
 
-__all__ = ["CHECKSUM_BYTES", "payload_checksum", "payload_checksums"]
+__all__ = ["CHECKSUM_BYTES", "Hasher", "payload_checksum", "payload_checksums"]
 
 CHECKSUM_BYTES = 32
 # From this size on BLAKE3 hashes on every core; below it, on 2 cores, starting the threads
@@ -32,21 +32,51 @@ def payload_checksum(payload: bytes | bytearray | memoryview) -> bytes:
 # hashes (measured: 16 x 1 MiB in ~5.6 ms on two threads, ~8.4 ms on one; for 64 KiB payloads
 # the hand-offs cost more than they give).
 _PARALLEL_BATCH_MIN_PAYLOAD = 256 << 10
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
-def _hash_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(2, thread_name_prefix="blake3")
-        return _pool
+class Hasher:
+    """Checksums of batches on at most ``threads`` threads (the daemon's ``kv.hash_threads``):
+    payloads of a few hundred KiB and more spread over a pool of that many, one of 4 MiB and
+    more hashed by BLAKE3 itself on that many; with 1, everything on the caller's thread. The
+    pool starts on first use."""
+
+    def __init__(self, threads: int = 2) -> None:
+        if threads < 1:
+            raise ValueError(f"a hasher needs a thread at least, got {threads}")
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def checksum(self, payload: bytes | bytearray | memoryview) -> bytes:
+        if len(payload) >= _PARALLEL_HASH_BYTES and self.threads > 1:
+            return blake3.blake3(payload, max_threads=self.threads).digest()
+        return blake3.blake3(payload).digest()
+
+    def checksums(self, payloads: Sequence[bytes | bytearray | memoryview]) -> list[bytes]:
+        """The checksums of ``payloads``, in order."""
+        big = sum(1 for p in payloads if _PARALLEL_BATCH_MIN_PAYLOAD <= len(p) < _PARALLEL_HASH_BYTES)
+        if big < 2 or self.threads < 2:
+            return [self.checksum(p) for p in payloads]
+        return list(self._started().map(self.checksum, payloads))
+
+    def _started(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="blake3")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the pool (after the checksums asked of it); a later batch starts it again."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+_shared = Hasher(2)
 
 
 def payload_checksums(payloads: Sequence[bytes | bytearray | memoryview]) -> list[bytes]:
-    """Checksums of a batch, hashed on two threads when the payloads are big enough to gain."""
-    big = sum(1 for p in payloads if _PARALLEL_BATCH_MIN_PAYLOAD <= len(p) < _PARALLEL_HASH_BYTES)
-    if big < 2:
-        return [payload_checksum(p) for p in payloads]
-    return list(_hash_pool().map(payload_checksum, payloads))
+    """Checksums of a batch, hashed on two threads when the payloads are big enough to gain
+    (an agent's; the daemon hashes on its own :class:`Hasher`)."""
+    return _shared.checksums(payloads)

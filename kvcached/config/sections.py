@@ -80,6 +80,8 @@ class KvSection:
                                 between(0, 1000, " ms"), (int, float))
     ssd_direct_io: str = setting("O_DIRECT for SSD reads and writes: auto, on or off.", "auto", one_of("auto", "on", "off"))
     ssd_io_threads: int = setting("Threads doing SSD I/O (blocks in flight at once).", 8, between(1, 256), int)
+    hash_threads: int = setting("Threads checksumming saved blocks (BLAKE3; 0: one per CPU this daemon may run on, "
+                                "16 at most).", 0, between(0, 256, zero="0 (one per CPU, 16 at most)"), int)
     index_dir: str = setting("RocksDB directory of the persistent block index.", "var/index", path)
     mirror_pulls: bool = setting("Keep a local copy of blocks pulled from peers.", True)
     curves: bool = setting("Keep live miss-ratio curves of the RAM and SSD tiers (kvcached mrc, docs/operations.md).",

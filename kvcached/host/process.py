@@ -1,5 +1,5 @@
 """What the daemon does to its process and its sockets before it serves: glibc malloc settings,
-the interpreter's thread switch interval, claiming a Unix socket path (a stale one is removed, a
+the interpreter's thread switch interval, the threads it may keep busy, claiming a Unix socket path (a stale one is removed, a
 live one refused), group ids from names.
 """
 
@@ -11,7 +11,7 @@ import sys
 
 from kvcached.host.fsmodes import make_dirs, socket_dir_mode
 
-__all__ = ["StartupError", "claim_unix_socket", "group_id", "tune_malloc", "tune_switch_interval"]
+__all__ = ["StartupError", "claim_unix_socket", "cpu_threads", "group_id", "tune_malloc", "tune_switch_interval"]
 
 
 # glibc malloc settings (mallopt(3)): keep freed memory in the heap instead of handing it back
@@ -52,6 +52,17 @@ _SWITCH_INTERVAL_S = 0.0005
 def tune_switch_interval() -> None:
     """Apply the switch interval above."""
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
+
+
+AUTO_THREADS_MOST = 16      # kv.hash_threads = 0: one a CPU, up to this many (a GPU host's engines need theirs)
+
+
+def cpu_threads(configured: int, most: int = AUTO_THREADS_MOST) -> int:
+    """``configured`` threads; 0: one per CPU this process may run on (its affinity, which
+    systemd's CPUAffinity= and a cgroup's cpuset set), ``most`` at most."""
+    if configured > 0:
+        return configured
+    return max(1, min(most, len(os.sched_getaffinity(0))))
 
 
 class StartupError(Exception):

@@ -41,7 +41,14 @@ from kvcached.host.aio import cancel_and_wait
 from kvcached.host.fsmodes import set_daemon_umask
 from kvcached.host.logs import fields, set_level
 from kvcached.host.loop_lag import LoopLag, watch_loop
-from kvcached.host.process import StartupError, claim_unix_socket, group_id, tune_malloc, tune_switch_interval
+from kvcached.host.process import (
+    StartupError,
+    claim_unix_socket,
+    cpu_threads,
+    group_id,
+    tune_malloc,
+    tune_switch_interval,
+)
 from kvcached.index import BlockIndex
 from kvcached.lifecycle.handover import (
     HandoverServer,
@@ -194,7 +201,7 @@ class Daemon:
                            timed_tiers=(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)   # read latencies
                                         + ["peer"] * peer_tier) if cfg.metrics.listen else (),
                            count_tenants=self.tenants.several, ssd_shares=ssd_shares(cfg),
-                           curve_keys=kv.curve_sample_keys if kv.curves else 0)
+                           curve_keys=kv.curve_sample_keys if kv.curves else 0, hash_threads=cpu_threads(kv.hash_threads))
         self.keeper = StoreKeeper(self.store, self.index, KeeperSettings(
             kv.policy_save_s, kv.ram_policy, kv.ssd_policy, kv.slru_ratio, cfg.grpc.grace_s), status=self.notifier.status)
         self.keeper.restore_policies()

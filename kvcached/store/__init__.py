@@ -94,7 +94,7 @@ class Store:
                  adoption: RamAdoption | None = None, mirror_pulls: bool = True,
                  prefetch: PrefetchPolicy | None = None, timed_tiers: Sequence[str] = (),
                  count_tenants: bool = False, ssd_shares: Mapping[str, int] | None = None,
-                 curve_keys: int = 0) -> None:
+                 curve_keys: int = 0, hash_threads: int = 2) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
@@ -112,7 +112,7 @@ class Store:
         self.adoption = adoption
         self.settings = StoreSettings(
             writes=make_write_policy(write_policy) if isinstance(write_policy, str) else write_policy,
-            dirty_limit=ram.capacity // 2, ssd_ttl=ssd_ttl, gone_ttl=gone_ttl, mirror_pulls=mirror_pulls)
+            dirty_limit=ram.capacity // 2, ssd_ttl=ssd_ttl, gone_ttl=gone_ttl, mirror_pulls=mirror_pulls, hash_threads=hash_threads)
         if prefetch is not None:
             self.settings.prefetch = prefetch
         ram.prefer_clean = ssd is not None

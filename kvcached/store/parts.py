@@ -30,6 +30,7 @@ class StoreSettings:
     gone_ttl: float = 3600.0            # [kv] gone_ttl: how long a tombstone says why a block went
     mirror_pulls: bool = True           # [kv] mirror_pulls: a pulled block is stored here too
     prefetch: PrefetchPolicy = field(default_factory=WaitComplete)   # [kv] prefetch_policy
+    hash_threads: int = 2               # [kv] hash_threads, resolved: threads checksumming saved blocks
 
 
 @dataclass(frozen=True, slots=True)

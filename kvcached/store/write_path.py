@@ -34,7 +34,7 @@ from kvcached.store.write_policy import DIRTY_WAIT_S, AppliedWritePolicy
 from kvcached.tiers.ram import WRITING, RamBlock, RamFull
 from kvcached.tiers.ssd import SsdTier
 from kvcached_agent.address import DIGEST_BYTES, BlockAddress
-from kvcached_agent.integrity import payload_checksums
+from kvcached_agent.integrity import Hasher
 
 __all__ = ["DIRTY_WAIT_S", "MAX_MODEL_BYTES", "WritePath"]
 
@@ -54,10 +54,14 @@ class WritePath(Room):
         self.mover = mover
         self.admission = admission
         self.policy = AppliedWritePolicy(parts, ssd, mover)
+        #: Checksums of saved blocks, on ``settings.hash_threads`` threads (kv.hash_threads); an
+        #: agent's batch is handed to them from one more thread, so the event loop never waits.
+        self.hasher = Hasher(parts.settings.hash_threads)
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-hash")
 
     def close(self) -> None:
         self._hasher.shutdown(wait=True)
+        self.hasher.close()
 
     # -- put ----------------------------------------------------------------------------------
 
@@ -114,7 +118,7 @@ class WritePath(Room):
                                          "(reserved, not committed yet); nothing was stored: retry shortly")
         if hold and todo:
             self.policy.check_room(todo)
-        checksums = payload_checksums([item.payload for _, item in todo])
+        checksums = self.hasher.checksums([item.payload for _, item in todo])
         for (i, item), checksum in zip(todo, checksums):
             if item.checksum and item.checksum != checksum:
                 raise DataLoss(f"block {i} ({item.address}): payload does not match its BLAKE3 checksum "
@@ -338,7 +342,7 @@ class WritePath(Room):
         views = [self.ram.view(b) for _, b in batch]
         checksums: list[bytes] | None = None
         try:
-            checksums = await asyncio.get_running_loop().run_in_executor(self._hasher, payload_checksums, views)
+            checksums = await asyncio.get_running_loop().run_in_executor(self._hasher, self.hasher.checksums, views)
         except Exception:
             log.exception("checksumming agent blocks failed; they are dropped")
         finally:

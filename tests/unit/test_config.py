@@ -257,6 +257,8 @@ def test_wrong_type_in_a_file(tmp_path: Path) -> None:
     ('kv.write_policy="write_around"', "kv.write_policy", ("write_through_selective",)),
     ("kv.write_through_threshold=0", "kv.write_through_threshold", ("greater than 0",)),
     ("kv.policy_save_s=0.5", "kv.policy_save_s", ("0 (save on a clean stop only)",)),
+    ("kv.hash_threads=-1", "kv.hash_threads", ("0 (one per CPU, 16 at most)", "256")),
+    ("kv.hash_threads=300", "kv.hash_threads", ("256",)),
     ("grpc.max_message_mib=0", "grpc.max_message_mib", ("1..2047",)),
     ("grpc.max_message_mib=2048", "grpc.max_message_mib", ("1..2047",)),
     ("grpc.grace_s=-1", "grpc.grace_s", ("0 or more",)),

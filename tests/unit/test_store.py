@@ -526,9 +526,8 @@ def test_the_ledger_takes_what_the_ram_tier_evicted(store: Store) -> None:
 def test_re_put_of_present_blocks_skips_hashing_and_copying(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     store.put([item(1), item(2)])
     hashed: list[int] = []
-    import kvcached.store.write_path as store_module
-
-    real = store_module.payload_checksums
-    monkeypatch.setattr(store_module, "payload_checksums", lambda ps: hashed.append(len(ps)) or real(ps))
+    hasher = store.writer.hasher
+    real = hasher.checksums
+    monkeypatch.setattr(hasher, "checksums", lambda ps: hashed.append(len(ps)) or real(ps))
     r = store.put([item(1), item(3), item(2)])
     assert (r.stored, r.present) == (1, 2) and hashed == [1]
