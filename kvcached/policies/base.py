@@ -8,9 +8,9 @@ import json
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Iterable, Iterator, Optional, TypeVar, cast
+from typing import Callable, Generator, Iterable, Iterator, Optional, Protocol, TypeVar, cast
 
-__all__ = ["EvictionPolicy", "PolicySettings", "PolicySnapshot", "SnapshotError", "Steps", "blob", "finished",
+__all__ = ["EvictionPolicy", "PolicySettings", "PolicySnapshot", "SettingTuner", "SnapshotError", "Steps", "blob", "finished",
            "resident_keys", "through"]
 
 _MAGIC = b"KVPS1"
@@ -166,6 +166,15 @@ class PolicySettings:
     slru_ratio: float = 0.0
 
 
+class SettingTuner(Protocol):
+    """What tunes a policy's setting online (kvcached.policies.tuning.RatioTuner): it sees each
+    use of a key with the size of the cache in entries, and says the setting to use."""
+
+    ratio: float
+
+    def access(self, key: bytes, capacity: int) -> None: ...
+
+
 class EvictionPolicy(ABC):
     """Orders the resident entries of one tier for eviction.
 
@@ -186,13 +195,26 @@ class EvictionPolicy(ABC):
     def miniature(self) -> "EvictionPolicy":
         """A fresh, empty policy to run beside this one at another size on a sample of the keys
         (kvcached.policies.curves): its settings as they are now, a tuned one fixed where it is
-        (a miniature's own tuner would tune on too few keys); :meth:`follow` keeps it there.
-        By default the class takes no settings."""
+        (no tuner of its own: :meth:`follow` keeps it where this one's is, or
+        :meth:`miniature_tuner`'s choice is given to it). By default the class takes no
+        settings."""
         return type(self)()
 
     def follow(self, tier: "EvictionPolicy") -> None:
         """Take the settings ``tier``, the policy this one is a miniature of, has tuned to now.
         By default there are none."""
+
+    def miniature_tuner(self) -> "SettingTuner | None":
+        """For a miniature of this policy run at another size (kvcached.policies.curves): the
+        tuner a tier of that size would run, fed the miniature's keys (a sample already, so it
+        takes them all), whose choice the miniature takes (:meth:`tuned_to`) instead of
+        following this one's, tuned for its own size. None (the default): nothing is tuned, or
+        a fixed setting was configured."""
+        return None
+
+    def tuned_to(self, value: float) -> None:
+        """Use ``value`` for the setting :meth:`miniature_tuner`'s tuner tunes. By default there
+        is none."""
 
     def size_for(self, capacity: int) -> None:
         """The tier hands out ids below ``capacity`` only: the policy may lay out its per-id

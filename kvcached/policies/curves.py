@@ -14,9 +14,14 @@ one copy of its eviction policy per size multiple m (:class:`kvcached.policies.t
 the copies slru's tuner runs), with room for m x C x R keys, C the tier's size in blocks (its
 bytes over the mean footprint of the blocks sampled); every sampled access goes to every copy.
 A copy's hits over the sampled accesses estimate the tier's hit rate at m x C, counted from the
-daemon's start. The copies run the tier's policy with its settings of the moment: a tuned one
-(slru's ratio) follows the tier's own tuner (EvictionPolicy.miniature and follow), as a tuner
-run on a miniature's few keys tunes worse than the tier's (slru's copies missed by up to 0.04).
+daemon's start. A policy's tuned setting (slru's ratio) depends on the size: the 1x copy
+follows the tier's own tuner (EvictionPolicy.miniature and follow); the others each run the
+tuner a tier of their size would (EvictionPolicy.miniature_tuner: its grid of copies at the
+copy's size, fed every sampled use, as the sample is one already), whose choice they take.
+Following the 1x tuner instead put rag's curve 0.011 under the exact replay at 0.5x and 0.017
+over it at 4x on average over seven keyings (a larger tier tunes later); with their own tuners
+within 0.020 everywhere, 0.006 on average. The cost: a tuned tier's copies do seven times the
+work at each multiple but 1x, and hold up to 4 KiB more per sampled key (bounded as below).
 
 The sample's accesses differ from their expected share of all accesses by the luck of which
 keys fell in it: on skewed traffic mostly by the very hottest keys, sampled or not (one system
@@ -48,7 +53,9 @@ MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 SAMPLE_KEYS = 16384         # distinct keys in the sample at most
 MAX_RATE = 1 / 16           # the share of keys sampled at most: what every access may cost
 WINDOW = 65536              # sampled accesses MIN looks at
-SAMPLED_PER_S = 100         # sampled uses a second at most: past that the sampling rate halves (see _within_budget)
+SAMPLED_PER_S = 200         # sampled uses a second at most: past that the sampling rate halves (see _within_budget)
+BUSY_SHARE = 0.01           # with a timer: the share of one core the sampled uses may take (see _within_budget)
+BUSY_WINDOW_S = 10          # ... measured over this many seconds of the clock (one slow call is not a trend)
 SPACE = 1 << 64
 RESIZE_EVERY = 256          # sampled accesses between two looks at the tiers' size in blocks
 RESIZE_MOVE = 128           # ... or sooner, once the sampling rate fell by 1/128
@@ -138,12 +145,16 @@ class CurvePoint:
 
 
 class _TierCopies:
-    """One tier's policy at each multiple, as miniature copies."""
+    """One tier's policy at each multiple, as miniature copies: at 1x following the tier's tuned
+    setting, elsewhere each tuned by a tuner of its own (EvictionPolicy.miniature_tuner), where
+    the policy has one."""
 
-    def __init__(self, spec: TierSpec, multiples: Sequence[float]) -> None:
+    def __init__(self, spec: TierSpec, multiples: Sequence[float], sample_keys: int) -> None:
         self.spec = spec
         self.multiples = tuple(multiples)
         self.copies = [ShadowCache(spec.policy.miniature(), 1) for _ in self.multiples]
+        self.tuners = [None if m == 1.0 else spec.policy.miniature_tuner() for m in self.multiples]
+        self._most = sample_keys            # entries a tuner's copies hold at most (their keys may have left the sample)
         self._hits = [0.0] * len(self.multiples)    # per copy, in units of 1 / _scale
         self._scale = 1.0                   # what one unit of _hits weighs at the current sampling rate
         self.footprint_sum = 0
@@ -157,9 +168,10 @@ class _TierCopies:
     def resize(self, rate: float) -> None:
         if self.footprint_n:
             self.blocks = int(self.spec.capacity_bytes * self.footprint_n / self.footprint_sum)
-        for m, copy in zip(self.multiples, self.copies):
+        for m, copy, tuner in zip(self.multiples, self.copies, self.tuners):
             copy.capacity = max(1, round(m * self.blocks * rate))
-            copy.policy.policy.follow(self.spec.policy)
+            if tuner is None:
+                copy.policy.policy.follow(self.spec.policy)
 
     @property
     def hits(self) -> list[float]:
@@ -168,6 +180,10 @@ class _TierCopies:
 
     def access(self, key: bytes) -> list[bool]:
         hits, unit = self._hits, 1.0 / self._scale
+        for copy, tuner in zip(self.copies, self.tuners):
+            if tuner is not None:
+                tuner.access(key, min(copy.capacity, self._most))
+                copy.policy.policy.tuned_to(tuner.ratio)
         out = [copy.access(key) for copy in self.copies]
         for i, hit in enumerate(out):
             if hit:
@@ -229,7 +245,7 @@ class MissRatioCurves:
     def __init__(self, tiers: Sequence[TierSpec], clock: Callable[[], float], *, sample_keys: int = SAMPLE_KEYS,
                  max_rate: float = MAX_RATE, sampled_per_s: float | None = SAMPLED_PER_S, window: int = WINDOW,
                  multiples: Sequence[float] = MULTIPLES, min_every_s: float = 60.0,
-                 timer: Callable[[], float] | None = None) -> None:
+                 timer: Callable[[], float] | None = None, busy_share: float | None = BUSY_SHARE) -> None:
         self.sample = KeySample(sample_keys, max_rate)
         #: With ``timer`` (the thread's CPU clock: time.thread_time), what the curves cost is
         #: counted: ``busy_s`` in :meth:`uses` calls with a sampled key (the copies' work, which
@@ -239,9 +255,11 @@ class MissRatioCurves:
         self.timer = timer
         self.busy_s = 0.0
         self.min_busy_s = 0.0
+        self.busy_share = busy_share if timer is not None else None
+        self._window_busy = (-1, 0.0)       # (the window of BUSY_WINDOW_S being counted, busy_s at its start)
         self.sampled_per_s = sampled_per_s
         self._second = (-1.0, 0)                # (the second being counted, sampled uses in it)
-        self.tiers = [_TierCopies(spec, multiples) for spec in tiers]
+        self.tiers = [_TierCopies(spec, multiples, sample_keys) for spec in tiers]
         self.multiples = tuple(multiples)
         self._key_uses = _KeyUses(len(self.tiers) * len(self.multiples))
         self.clock = clock
@@ -285,7 +303,7 @@ class MissRatioCurves:
     def _sampled(self, key: bytes, hashed: int, nbytes: int) -> None:
         before = self.sample.threshold
         dropped = self.sample.take(key, hashed)
-        if self.sampled_per_s is not None:
+        if self.sampled_per_s is not None or self.busy_share is not None:
             dropped += self._within_budget()
         changed = self.sample.threshold != before
         if changed:
@@ -319,17 +337,28 @@ class MissRatioCurves:
         self._at = (self._at + 1) % len(window)
 
     def _within_budget(self) -> list[bytes]:
-        """Past ``sampled_per_s`` sampled uses in one second of the clock, the rate halves (the
-        keys above the new threshold leave the sample): what the curves cost a busy daemon stays
-        bounded (each sampled use is one access to every copy of every tier), and a busy daemon
-        has uses enough to sample fewer."""
-        now = int(self.clock())
+        """Past ``sampled_per_s`` sampled uses in one second of the clock, or (with a timer)
+        once the sampled uses took more than ``busy_share`` of the CPU time of a window of
+        BUSY_WINDOW_S seconds, the rate halves (the keys above the new threshold leave the
+        sample): what the curves cost a busy daemon stays bounded (each sampled use is one
+        access to every copy of every tier, and what that costs depends on the machine and the
+        policies: the CPU time is the bound that holds on any), and a busy daemon has uses
+        enough to sample fewer."""
+        now = self.clock()
         second, count = self._second
-        count = count + 1 if now == second else 1
-        self._second = (now, count)
-        if count <= self.sampled_per_s:     # type: ignore[operator]
+        count = count + 1 if int(now) == second else 1
+        self._second = (int(now), count)
+        over = self.sampled_per_s is not None and count > self.sampled_per_s
+        if self.busy_share is not None:
+            window, start = self._window_busy
+            if int(now // BUSY_WINDOW_S) != window:
+                self._window_busy = window, start = (int(now // BUSY_WINDOW_S), self.busy_s)
+            if self.busy_s - start > self.busy_share * BUSY_WINDOW_S:
+                over = True
+                self._window_busy = (window, self.busy_s)
+        if not over:
             return []
-        self._second = (now, 0)
+        self._second = (int(now), 0)
         return self.sample.lower(self.sample.threshold // 2)
 
     def _resize(self) -> None:

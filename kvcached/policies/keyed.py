@@ -48,6 +48,15 @@ class KeyedPolicy:
         if entry is not None:
             self.policy.touch(entry)
 
+    def touched(self, key: bytes) -> bool:
+        """:meth:`touch` if the policy holds ``key``; whether it did (one lookup, not two: the
+        miniature copies of kvcached.policies.tuning and curves ask this on every use)."""
+        entry = self._ids.index.get(key)
+        if entry is None or entry not in self.policy:
+            return False
+        self.policy.touch(entry)
+        return True
+
     def remove(self, key: bytes) -> None:
         entry = self._ids.discard(key)
         if entry is not None:

@@ -81,6 +81,12 @@ class SlruPolicy(EvictionPolicy):
         if isinstance(tier, SlruPolicy):
             self.ratio = tier.ratio
 
+    def miniature_tuner(self) -> RatioTuner | None:
+        return RatioTuner(lambda r: SlruPolicy(r), presampled=True) if self.tuner is not None else None
+
+    def tuned_to(self, value: float) -> None:
+        self.ratio = value
+
     def size_for(self, capacity: int) -> None:
         self._links.size_for(capacity)
         if capacity > len(self._last):

@@ -58,8 +58,7 @@ class ShadowCache:
 
     def access(self, key: bytes) -> bool:
         policy = self.policy
-        if key in policy:
-            policy.touch(key)
+        if policy.touched(key):
             self.hits += 1
             return True
         while len(policy) >= self.capacity:
@@ -73,9 +72,14 @@ class RatioTuner:
 
     The owner asks :meth:`samples` for each new key and calls :meth:`access` for every use of
     a sampled key (its insert and each touch), with the number of entries the real cache holds
-    at most (``capacity``); then reads :attr:`ratio`."""
+    at most (``capacity``); then reads :attr:`ratio`. ``presampled``: the keys given are a
+    spatial sample already (the live curves' miniature of a cache, kvcached.policies.curves),
+    so every one counts and the copies have ``capacity`` entries, the miniature's own; rounds
+    then span as many of the miniature's uses as the full cache's tuner's span of its own."""
 
-    def __init__(self, make: Callable[[float], EvictionPolicy], grid: Sequence[float] = GRID) -> None:
+    def __init__(self, make: Callable[[float], EvictionPolicy], grid: Sequence[float] = GRID, *,
+                 presampled: bool = False) -> None:
+        self.presampled = presampled
         self.grid = tuple(grid)
         self._make = make
         self.ratio = self.grid[0]
@@ -89,17 +93,19 @@ class RatioTuner:
         return zlib.crc32(key) & self._mask == 0
 
     def access(self, key: bytes, capacity: int) -> None:
-        rate = rate_for(capacity)
-        if rate > self.rate:
-            self.rate = rate
-            self._mask = rate - 1      # a subset of the keys sampled so far: the others age out
-        if not self.samples(key):
-            return
+        if not self.presampled:
+            rate = rate_for(capacity)
+            if rate > self.rate:
+                self.rate = rate
+                self._mask = rate - 1      # a subset of the keys sampled so far: the others age out
+            if not self.samples(key):
+                return
         size = capacity // self.rate
         if not self._copies:
             self._copies = [ShadowCache(self._make(r), size) for r in self.grid]
+        room = max(1, size)
         for copy in self._copies:
-            copy.capacity = max(1, size)
+            copy.capacity = room
             copy.access(key)
         self._uses += 1
         if self._uses >= max(size, 4 * MIN_ENTRIES):

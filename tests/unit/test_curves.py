@@ -14,7 +14,7 @@ import pytest
 
 from kvcached.policies import make_keyed_policy
 from kvcached.policies.belady import belady_hits
-from kvcached.policies.curves import MAX_RATE, MULTIPLES, KeySample, MissRatioCurves, TierSpec, adjusted_rate
+from kvcached.policies.curves import BUSY_WINDOW_S, MAX_RATE, MULTIPLES, KeySample, MissRatioCurves, TierSpec, adjusted_rate
 from kvcached.sim.replay import accesses_of, replay_hits
 from kvcached.sim.traces import load_trace
 from kvcached.sim.workloads import make_trace
@@ -79,23 +79,27 @@ def test_the_sample_holds_at_most_its_limit_and_its_threshold_only_falls() -> No
         KeySample(0)
 
 
-def test_what_the_curves_hold_is_bounded_by_the_sample_not_the_keys() -> None:
+@pytest.mark.parametrize(("ram", "ssd", "per_key"), [("lru", "lru", 2048), ("slru", "lru", 5120), ("slru", "slru", 8192)])
+def test_what_the_curves_hold_is_bounded_by_the_sample_not_the_keys(ram: str, ssd: str, per_key: int) -> None:
     """A hundred thousand distinct keys through curves of two tiers (every copy with room for
     all of the sample): what stays allocated is the sample's keys and the window, as
-    docs/operations.md states (under 2 KiB a sampled key, 100 bytes a window entry)."""
-    def tier(name: str) -> TierSpec:
-        return TierSpec(name, "lru", make_keyed_policy("lru").policy, 1 << 40, lambda n: n)
+    docs/operations.md states (a sampled key under 2 KiB where no tier tunes, 5 KiB with a
+    tuned slru RAM tier, the default, 8 KiB with both; 100 bytes a window entry): a tuned
+    tier's tuners at 0.5x, 2x and 4x hold at most the sample's size each, however many keys
+    left the sample since."""
+    def tier(name: str, policy: str) -> TierSpec:
+        return TierSpec(name, policy, make_keyed_policy(policy).policy, 1 << 40, lambda n: n)
     tracemalloc.start()
     try:
-        curves = MissRatioCurves([tier("ram"), tier("ssd")], lambda: 0.0, sample_keys=1024, window=4096, max_rate=1.0,
-                                 sampled_per_s=None)
+        curves = MissRatioCurves([tier("ram", ram), tier("ssd", ssd)], lambda: 0.0, sample_keys=1024, window=4096,
+                                 max_rate=1.0, sampled_per_s=None)
         for i in range(100_000):
             curves.access(os.urandom(32), 4096)
         held, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert len(curves.sample) == 1024 and curves.accesses == 100_000
-    assert held < 1024 * 2048 + 4096 * 100, held
+    assert held < 1024 * per_key + 4096 * 100, held
 
 
 def test_a_call_of_many_uses_counts_as_the_same_uses_one_by_one() -> None:
@@ -147,6 +151,30 @@ def test_what_the_curves_take_is_counted_where_a_timer_is_given() -> None:
     assert curves.min_busy_s == 1.0 and curves.busy_s == 8.0
     untimed.points()
     assert untimed.busy_s == untimed.min_busy_s == 0.0
+
+
+def test_the_sampled_uses_cpu_time_is_bounded_where_a_timer_is_given() -> None:
+    """With a timer, once the sampled uses took more than ``busy_share`` of a window of
+    BUSY_WINDOW_S seconds the rate halves, whatever the count: here each timed call reads as
+    2 ms, so 53 calls take more than 1.05% of 10 s and the one after halves the rate; the next
+    window starts its count again."""
+    now, reading = [0.0], [0.0]
+
+    def timer() -> float:
+        reading[0] += 0.001
+        return reading[0] * 2
+    curves = MissRatioCurves([TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 30, lambda n: n)],
+                             lambda: now[0], max_rate=1.0, sampled_per_s=None, timer=timer, busy_share=0.0105)
+    keys = [b"\x00" + os.urandom(31) for _ in range(200)]
+    for key in keys[:53]:
+        curves.uses([key], lambda _: 1)
+    assert curves.sample.rate == 1.0 and abs(curves.busy_s - 0.106) < 1e-9
+    curves.uses([keys[53]], lambda _: 1)
+    assert curves.sample.rate == 0.5
+    now[0] = BUSY_WINDOW_S + 1.0                           # a new window: 52 calls more fit
+    for key in keys[60:112]:
+        curves.uses([key], lambda _: 1)
+    assert curves.sample.rate == 0.5
 
 
 def test_nothing_sampled_yet_says_so() -> None:

@@ -167,3 +167,20 @@ def test_the_ids_fed_to_the_tuner_follow_its_rate_as_the_tier_grows() -> None:
         p.insert(n, k(f"grow{n}"))
     assert p.tuner is not None and p.tuner.rate == 64
     assert 0.8 * 100_000 / 64 < len(p._sampled) < 1.2 * 100_000 / 64     # not the 1-in-16 of its youth
+
+
+def test_a_miniatures_tuner_takes_every_key_it_is_given_and_tunes_at_the_miniatures_size() -> None:
+    """The live curves' copies of a tuned slru at other sizes run the tuner a tier of their size
+    would (EvictionPolicy.miniature_tuner), fed keys that are a sample already: it samples none
+    away, its copies have the miniature's room, and its choice is the copy's (tuned_to). A fixed
+    ratio has nothing to tune."""
+    assert SlruPolicy(4.0).miniature_tuner() is None
+    tuner = SlruPolicy().miniature_tuner()
+    assert isinstance(tuner, RatioTuner) and tuner.presampled
+    for key in _scan_mix(60_000):
+        tuner.access(key, 1000)
+    assert tuner.rate == 1 and all(tuner.samples(k(n)) for n in range(1000))   # a tier of 1,000 would sample 1 in 8
+    assert tuner.ratio in GRID[-2:]                                            # the scan mix's setting, as above
+    copy = SlruPolicy(1.0)
+    copy.tuned_to(tuner.ratio)
+    assert copy.ratio == tuner.ratio
