@@ -26,7 +26,8 @@
 --quick: 3 rounds of 0.3 s and the workloads at twice their length (about two minutes).
 Full: 5 rounds of 1 s (about ten minutes). --accuracy-only skips figures 1-2; --rekey SALT
 replays every stream with its keys re-hashed (other keys fall in the sample: runs with several
-salts show the spread sampling gives); --max-rate R sets the sample's rate cap (default 1/16).
+salts show the spread sampling gives); --cost-only skips figure 3; --max-rate R sets the sample's
+rate cap (default 1/16).
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--accuracy-only", action="store_true", help="skip the cost figures (1-2)")
+    parser.add_argument("--cost-only", action="store_true", help="skip the accuracy figure (3)")
     parser.add_argument("--rekey", metavar="SALT", help="accuracy of the streams re-keyed with SALT (see rekeyed)")
     parser.add_argument("--max-rate", type=float, default=MAX_RATE, help=f"the sample's rate cap (default {MAX_RATE:g})")
     args = parser.parse_args(argv)
@@ -223,6 +225,8 @@ def _report(args: argparse.Namespace, rows: list[Row], rounds: int, seconds: flo
     results = []
     streams = [("trace", "slru"), ("trace", "lru"), ("trace", "s3fifo")] if TRACE.exists() else []
     streams += [(name, "slru") for name in WORKLOADS]
+    if args.cost_only:
+        streams = []
     for name, policy in streams:
         progress(f"3. accuracy: {name}, {policy}")
         stream = (accesses_of(load_trace(str(TRACE)).requests) if name == "trace"
@@ -240,7 +244,8 @@ def _report(args: argparse.Namespace, rows: list[Row], rounds: int, seconds: flo
         print_fitted(rows, f"kvcached curves benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
                      f"{rounds} rounds of {seconds:g} s", titles, lambda v, u: f"{v:.3f} {u}",
                      ["ratio: median over rounds of the two sides in the same round."])
-    print_accuracy(results)
+    if results:
+        print_accuracy(results)
     if args.json:
         Path(args.json).write_text(json.dumps({"cost": [r.__dict__ for r in rows], "accuracy": results}, indent=1,
                                               default=str))

@@ -54,8 +54,9 @@ SAMPLE_KEYS = 16384         # distinct keys in the sample at most
 MAX_RATE = 1 / 16           # the share of keys sampled at most: what every access may cost
 WINDOW = 65536              # sampled accesses MIN looks at
 SAMPLED_PER_S = 200         # sampled uses a second at most: past that the sampling rate halves (see _within_budget)
-BUSY_SHARE = 0.01           # with a timer: the share of one core the sampled uses may take (see _within_budget)
-BUSY_WINDOW_S = 10          # ... measured over this many seconds of the clock (one slow call is not a trend)
+BUSY_SHARE = 0.01           # with timers: the share of the process's CPU time the sampled uses may take (_within_budget)
+BUSY_FLOOR = 0.001          # ... once they took this share of one core (an idle daemon's few uses cost nothing)
+BUSY_WINDOW_S = 10          # ... both measured over this many seconds of the clock (one slow call is not a trend)
 SPACE = 1 << 64
 RESIZE_EVERY = 256          # sampled accesses between two looks at the tiers' size in blocks
 RESIZE_MOVE = 128           # ... or sooner, once the sampling rate fell by 1/128
@@ -245,7 +246,8 @@ class MissRatioCurves:
     def __init__(self, tiers: Sequence[TierSpec], clock: Callable[[], float], *, sample_keys: int = SAMPLE_KEYS,
                  max_rate: float = MAX_RATE, sampled_per_s: float | None = SAMPLED_PER_S, window: int = WINDOW,
                  multiples: Sequence[float] = MULTIPLES, min_every_s: float = 60.0,
-                 timer: Callable[[], float] | None = None, busy_share: float | None = BUSY_SHARE) -> None:
+                 timer: Callable[[], float] | None = None, process_timer: Callable[[], float] | None = None,
+                 busy_share: float | None = BUSY_SHARE) -> None:
         self.sample = KeySample(sample_keys, max_rate)
         #: With ``timer`` (the thread's CPU clock: time.thread_time), what the curves cost is
         #: counted: ``busy_s`` in :meth:`uses` calls with a sampled key (the copies' work, which
@@ -255,8 +257,11 @@ class MissRatioCurves:
         self.timer = timer
         self.busy_s = 0.0
         self.min_busy_s = 0.0
-        self.busy_share = busy_share if timer is not None else None
-        self._window_busy = (-1, 0.0)       # (the window of BUSY_WINDOW_S being counted, busy_s at its start)
+        #: With ``process_timer`` too (the process's CPU clock: time.process_time), the sampled
+        #: uses may take ``busy_share`` of the process's CPU time (see :meth:`_within_budget`).
+        self.process_timer = process_timer
+        self.busy_share = busy_share if timer is not None and process_timer is not None else None
+        self._window_busy = (-1, 0.0, 0.0)  # (the window of BUSY_WINDOW_S being counted, busy_s and CPU at its start)
         self.sampled_per_s = sampled_per_s
         self._second = (-1.0, 0)                # (the second being counted, sampled uses in it)
         self.tiers = [_TierCopies(spec, multiples, sample_keys) for spec in tiers]
@@ -337,25 +342,27 @@ class MissRatioCurves:
         self._at = (self._at + 1) % len(window)
 
     def _within_budget(self) -> list[bytes]:
-        """Past ``sampled_per_s`` sampled uses in one second of the clock, or (with a timer)
-        once the sampled uses took more than ``busy_share`` of the CPU time of a window of
-        BUSY_WINDOW_S seconds, the rate halves (the keys above the new threshold leave the
-        sample): what the curves cost a busy daemon stays bounded (each sampled use is one
-        access to every copy of every tier, and what that costs depends on the machine and the
-        policies: the CPU time is the bound that holds on any), and a busy daemon has uses
-        enough to sample fewer."""
+        """Past ``sampled_per_s`` sampled uses in one second of the clock, or (with timers) once
+        the sampled uses took more than ``busy_share`` of the process's CPU time in a window of
+        BUSY_WINDOW_S seconds (and BUSY_FLOOR of a core's: an idle daemon's are left alone),
+        the rate halves (the keys above the new threshold leave the sample): what the curves
+        take of a busy daemon stays bounded (each sampled use is one access to every copy of
+        every tier, and what that costs depends on the machine and the policies: the share of
+        the CPU is the bound that holds on any, and the one a daemon's throughput feels), and a
+        busy daemon has uses enough to sample fewer."""
         now = self.clock()
         second, count = self._second
         count = count + 1 if int(now) == second else 1
         self._second = (int(now), count)
         over = self.sampled_per_s is not None and count > self.sampled_per_s
-        if self.busy_share is not None:
-            window, start = self._window_busy
+        if self.busy_share is not None and self.process_timer is not None:
+            window, busy, cpu = self._window_busy
             if int(now // BUSY_WINDOW_S) != window:
-                self._window_busy = window, start = (int(now // BUSY_WINDOW_S), self.busy_s)
-            if self.busy_s - start > self.busy_share * BUSY_WINDOW_S:
+                self._window_busy = window, busy, cpu = (int(now // BUSY_WINDOW_S), self.busy_s, self.process_timer())
+            took = self.busy_s - busy
+            if took > BUSY_FLOOR * BUSY_WINDOW_S and took > self.busy_share * (self.process_timer() - cpu):
                 over = True
-                self._window_busy = (window, self.busy_s)
+                self._window_busy = (window, self.busy_s, self.process_timer())
         if not over:
             return []
         self._second = (int(now), 0)

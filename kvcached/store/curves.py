@@ -35,4 +35,5 @@ def tier_curves(ram: RamTier, ssd: SsdTier | None, ssd_order: KeyedPolicy | None
         order = ssd_order.policy if ssd_order is not None else LruPolicy()
         tiers.append(TierSpec("ssd", _name(order) if ssd_order is not None else "lru", order, ssd.capacity,
                               file_bytes))
-    return MissRatioCurves(tiers, clock, sample_keys=sample_keys, timer=time.thread_time)
+    return MissRatioCurves(tiers, clock, sample_keys=sample_keys, timer=time.thread_time,
+                           process_timer=time.process_time)

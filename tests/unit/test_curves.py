@@ -153,28 +153,34 @@ def test_what_the_curves_take_is_counted_where_a_timer_is_given() -> None:
     assert untimed.busy_s == untimed.min_busy_s == 0.0
 
 
-def test_the_sampled_uses_cpu_time_is_bounded_where_a_timer_is_given() -> None:
-    """With a timer, once the sampled uses took more than ``busy_share`` of a window of
-    BUSY_WINDOW_S seconds the rate halves, whatever the count: here each timed call reads as
-    2 ms, so 53 calls take more than 1.05% of 10 s and the one after halves the rate; the next
-    window starts its count again."""
-    now, reading = [0.0], [0.0]
+def test_the_sampled_uses_share_of_the_process_cpu_is_bounded_where_timers_are_given() -> None:
+    """With timers, once the sampled uses took more than ``busy_share`` of the process's CPU time
+    in a window of BUSY_WINDOW_S seconds (and more than BUSY_FLOOR of a core's), the rate
+    halves, whatever the count. Here each timed call reads as 2 ms and the process used 5 s of
+    CPU in the window: 1.05% of it is 52.5 ms, so the 28th call halves the rate; the next window
+    starts again, and a process that used 1,000 s in it leaves them alone."""
+    now, reading, process = [0.0], [0.0], [0.0]
 
     def timer() -> float:
-        reading[0] += 0.001
-        return reading[0] * 2
+        reading[0] += 0.002
+        return reading[0]
     curves = MissRatioCurves([TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 30, lambda n: n)],
-                             lambda: now[0], max_rate=1.0, sampled_per_s=None, timer=timer, busy_share=0.0105)
-    keys = [b"\x00" + os.urandom(31) for _ in range(200)]
-    for key in keys[:53]:
+                             lambda: now[0], max_rate=1.0, sampled_per_s=None, timer=timer,
+                             process_timer=lambda: process[0], busy_share=0.0105)
+    keys = [b"\x00" + os.urandom(31) for _ in range(400)]
+    curves.uses([keys[0]], lambda _: 1)                 # the window starts: the process's CPU is read
+    process[0] = 5.0
+    for key in keys[1:27]:
         curves.uses([key], lambda _: 1)
-    assert curves.sample.rate == 1.0 and abs(curves.busy_s - 0.106) < 1e-9
-    curves.uses([keys[53]], lambda _: 1)
+    assert curves.sample.rate == 1.0 and abs(curves.busy_s - 0.054) < 1e-9
+    curves.uses([keys[27]], lambda _: 1)
     assert curves.sample.rate == 0.5
-    now[0] = BUSY_WINDOW_S + 1.0                           # a new window: 52 calls more fit
-    for key in keys[60:112]:
+    now[0] = BUSY_WINDOW_S + 1.0
+    curves.uses([keys[28]], lambda _: 1)
+    process[0] = 1005.0
+    for key in keys[29:400]:
         curves.uses([key], lambda _: 1)
-    assert curves.sample.rate == 0.5
+    assert curves.sample.rate == 0.5, "0.74 s of 1,000 s: under 1.05%"
 
 
 def test_nothing_sampled_yet_says_so() -> None:
