@@ -41,14 +41,16 @@ which is what write_back does for RAM too). One agent (kvcached_agent.Agent, CPU
    digests). Also a 1-digest lookup (52-byte request). Interleaved rounds (agent, echo, then the
    reverse), warm-up calls first; the ratio is the median over rounds of the p50 ratio within a
    round. Target: 32-digest lookup <= 3x the echo.
+3. (bench/agent_sustained.py) Sustained saves at 4 KiB, 64 KiB and 1 MiB blocks, with the SSD
+   tier off, written back and written through, each against the same copies back to back.
 
 Also printed as notes: where a save's and a load's time goes (the same requests as Agent.save
 and Agent.load, issued step by step with a clock around each: the Allocate round trip, the copy,
 the Commit round trip; the Load round trip, the copy, the Release, which is sent without
 waiting), and the daemon's CPU time per batch (from /proc/PID/stat).
 
---quick: 0.5 GiB arena, 20 repetitions, 16 sustained batches, 4 lookup rounds: a smoke test
-(under 20 s). Progress goes to stderr, the table to stdout. bench/gpu_copy.py runs figure 1 with
+--quick: 0.5 GiB arena, 20 repetitions, 16 sustained batches, 4 lookup rounds, 0.5 s a figure 3 case: a smoke test
+(under a minute). Progress goes to stderr, the table to stdout. bench/gpu_copy.py runs figure 1 with
 GPU tensors where CUDA exists, with the functions of this module.
 """
 
@@ -73,6 +75,9 @@ from typing import Any, Callable, Sequence
 
 warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)   # torch's CPU build; numpy is not used
 import torch  # noqa: E402
+from agent_sustained import FIGURE as SUSTAINED_FIGURE  # noqa: E402
+from agent_sustained import TITLE as SUSTAINED_TITLE  # noqa: E402
+from agent_sustained import sustained_rows  # noqa: E402
 from bench_core import (  # noqa: E402
     BENCH_DIR,
     MiB,
@@ -107,10 +112,11 @@ class Settings:
     phase_reps: int         # step-by-step repetitions for the time breakdown
     lookup_rounds: int
     lookup_calls: int       # per side and round
+    sustained_case_s: float  # figure 3: seconds of saves per block size and SSD setting
 
 
-FULL = Settings(ram_gib=1.0, reps=150, sustained=48, phase_reps=20, lookup_rounds=10, lookup_calls=400)
-QUICK = Settings(ram_gib=0.5, reps=20, sustained=16, phase_reps=8, lookup_rounds=4, lookup_calls=200)
+FULL = Settings(ram_gib=1.0, reps=150, sustained=48, phase_reps=20, lookup_rounds=10, lookup_calls=400, sustained_case_s=2.0)
+QUICK = Settings(ram_gib=0.5, reps=20, sustained=16, phase_reps=8, lookup_rounds=4, lookup_calls=200, sustained_case_s=0.5)
 
 
 # =============================================================================================
@@ -556,6 +562,7 @@ TITLES = {
        "of the same bytes; GB/s of the p50 batch",
     2: "2. Agent lookup round trip, p50 (blocking client, Unix socket), pinned as said, vs a bare uvloop echo of "
        "the same frame sizes; lower is better",
+    SUSTAINED_FIGURE: SUSTAINED_TITLE,
 }
 
 
@@ -626,7 +633,7 @@ def cpu_case() -> CopyCase:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvcached agent benchmark (figures with same-run baselines)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    parser.add_argument("--quick", action="store_true", help="smoke test (< 20 s): 0.5 GiB arena, fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="smoke test (under a minute): 0.5 GiB arena, fewer repetitions")
     args = parser.parse_args(argv)
     s = QUICK if args.quick else FULL
     # One intra-op thread: the other core is the daemon's. With two, every copy_ is an OpenMP region
@@ -666,6 +673,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BaseException:
             progress(f"kvcached log, last lines:\n{proc.tail(20)}")
             raise
+    more, more_notes = sustained_rows(s.sustained_case_s)      # figure 3: daemons of their own
+    rows += more
+    notes += more_notes
 
     header = (f"kvcached agent benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
               f"Python {platform.python_version()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "

@@ -315,6 +315,14 @@ class GrpcBackend(Backend):
         return [b.payload for b in self.stub.Get(request, timeout=60).blocks]
 
 
+def drained(backend: GrpcBackend, timeout: float = 300.0) -> None:
+    """Wait until ``backend``'s RAM tier holds no block still to be written back to SSD (a daemon
+    without an SSD tier has none)."""
+    deadline = time.monotonic() + timeout
+    while backend.stub.Stats(backend.pb.StatsRequest(), timeout=10).ram_dirty_bytes and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 class RedisBackend(Backend):
     """redis-py: SET/GET for one block, MSET/MGET for a batch."""
 

@@ -40,7 +40,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,6 +50,7 @@ from bench_core import (  # noqa: E402
     Case,
     GrpcBackend,
     Row,
+    drained,
     fresh_keys,
     load_working_set,
     print_fitted,
@@ -71,14 +71,6 @@ CASES = (Case("get", 16 << 10, 64), Case("get", 64 << 10, 16), Case("put", 16 <<
 COST_TARGET = 0.98
 WARM_UP_S = 2.0     # of each case on each daemon before its rounds: a busy daemon's curves lower their rate within seconds
 ACCURACY, MIN_ACCURACY = 0.02, 0.03
-
-
-def drained(backend: GrpcBackend, timeout: float = 120.0) -> None:
-    """Wait until ``backend``'s RAM tier holds no block still to be written back to SSD."""
-    from kvcached.v1 import kvcache_pb2 as pb
-    deadline = time.monotonic() + timeout
-    while backend.stub.Stats(pb.StatsRequest(), timeout=10).ram_dirty_bytes and time.monotonic() < deadline:
-        time.sleep(0.2)
 
 
 def cost_rows(backends: dict[str, GrpcBackend], rounds: int, seconds: float) -> list[Row]:
