@@ -62,13 +62,15 @@ TITLE = (f"{FIGURE}. Sustained agent saves, {BATCH} fresh blocks a batch back to
          "SSD setting, vs the same copy_ calls back to back (GB/s, higher is better; no target)")
 
 
-def connect(tmp: Path, block_bytes: int, proc: Any, timeout: float = 30.0) -> Agent:
+def connect(tmp: Path, block_bytes: int, proc: Any, *, agent_id: str = "bench-sustained",
+            model: str = "bench/sustained", use_cuda: bool = False, timeout: float = 30.0) -> Agent:
+    """An agent connected to the daemon ``proc`` started in ``tmp`` (bench_core.start_kvcached),
+    once its agent socket listens."""
     deadline = time.monotonic() + timeout
     while True:      # the agent socket listens right after gRPC does
         try:
-            return Agent.connect(str(tmp / "agent.sock"), agent_id="bench-sustained", model="bench/sustained",
-                                 dtype="bfloat16", block_tokens=16, num_layers=1, layer_block_bytes=block_bytes,
-                                 use_cuda=False)
+            return Agent.connect(str(tmp / "agent.sock"), agent_id=agent_id, model=model, dtype="bfloat16",
+                                 block_tokens=16, num_layers=1, layer_block_bytes=block_bytes, use_cuda=use_cuda)
         except (FileNotFoundError, ConnectionRefusedError):
             if not proc.alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"no agent socket from kvcached:\n{proc.tail()}") from None

@@ -77,7 +77,7 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)   #
 import torch  # noqa: E402
 from agent_sustained import FIGURE as SUSTAINED_FIGURE  # noqa: E402
 from agent_sustained import TITLE as SUSTAINED_TITLE  # noqa: E402
-from agent_sustained import sustained_rows  # noqa: E402
+from agent_sustained import connect, sustained_rows  # noqa: E402
 from bench_core import (  # noqa: E402
     BENCH_DIR,
     MiB,
@@ -127,16 +127,7 @@ def start_agent(stack: contextlib.ExitStack, tmp: Path, ram_gib: float, block_by
                 use_cuda: bool, timeout: float = 30.0) -> tuple[Proc, Agent]:
     """A ``kvcached serve`` subprocess (SSD off) and an agent connected to it."""
     proc, _ = start_kvcached(stack, tmp, ram_gib, ["kv.ssd_gib=0", 'kv.write_policy="write_back"'])
-    deadline = time.monotonic() + timeout
-    while True:     # the agent socket listens right after gRPC does
-        try:
-            agent = Agent.connect(str(tmp / "agent.sock"), agent_id="bench", model=MODEL, dtype="bfloat16",
-                                  block_tokens=16, num_layers=1, layer_block_bytes=block_bytes, use_cuda=use_cuda)
-            break
-        except (FileNotFoundError, ConnectionRefusedError):
-            if not proc.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"no agent socket from kvcached:\n{proc.tail()}") from None
-            time.sleep(0.05)
+    agent = connect(tmp, block_bytes, proc, agent_id="bench", model=MODEL, use_cuda=use_cuda, timeout=timeout)
     stack.callback(agent.close)
     return proc, agent
 

@@ -13,10 +13,11 @@ from typing import Sequence
 
 import blake3
 
-__all__ = ["CHECKSUM_BYTES", "Hasher", "payload_checksum", "payload_checksums"]
+__all__ = ["CHECKSUM_BYTES", "Hasher", "payload_checksum"]
 
 CHECKSUM_BYTES = 32
-# From this size on BLAKE3 hashes on every core; below it, on 2 cores, starting the threads
+# From this size on BLAKE3 hashes on several threads (payload_checksum: every core; a Hasher:
+# its own threads); below it, on 2 cores, starting the threads
 # costs more than they give (measured: 1 MiB takes ~0.31 ms on one thread, ~0.36 ms on two).
 _PARALLEL_HASH_BYTES = 4 << 20
 
@@ -71,12 +72,3 @@ class Hasher:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-
-
-_shared = Hasher(2)
-
-
-def payload_checksums(payloads: Sequence[bytes | bytearray | memoryview]) -> list[bytes]:
-    """Checksums of a batch, hashed on two threads when the payloads are big enough to gain
-    (an agent's; the daemon hashes on its own :class:`Hasher`)."""
-    return _shared.checksums(payloads)

@@ -1,6 +1,6 @@
 """What the daemon does to its process and its sockets before it serves: glibc malloc settings,
-the interpreter's thread switch interval, the threads it may keep busy, claiming a Unix socket path (a stale one is removed, a
-live one refused), group ids from names.
+the interpreter's thread switch interval, the threads it may keep busy, claiming a Unix socket
+path (a stale one is removed, a live one refused), group ids from names.
 """
 
 from __future__ import annotations

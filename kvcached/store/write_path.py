@@ -55,12 +55,13 @@ class WritePath(Room):
         self.admission = admission
         self.policy = AppliedWritePolicy(parts, ssd, mover)
         #: Checksums of saved blocks, on ``settings.hash_threads`` threads (kv.hash_threads); an
-        #: agent's batch is handed to them from one more thread, so the event loop never waits.
+        #: agent's batch is handed to them from one more thread (``_hand_off``), so the event
+        #: loop never waits.
         self.hasher = Hasher(parts.settings.hash_threads)
-        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-hash")
+        self._hand_off = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-hash")
 
     def close(self) -> None:
-        self._hasher.shutdown(wait=True)
+        self._hand_off.shutdown(wait=True)
         self.hasher.close()
 
     # -- put ----------------------------------------------------------------------------------
@@ -342,7 +343,7 @@ class WritePath(Room):
         views = [self.ram.view(b) for _, b in batch]
         checksums: list[bytes] | None = None
         try:
-            checksums = await asyncio.get_running_loop().run_in_executor(self._hasher, self.hasher.checksums, views)
+            checksums = await asyncio.get_running_loop().run_in_executor(self._hand_off, self.hasher.checksums, views)
         except Exception:
             log.exception("checksumming agent blocks failed; they are dropped")
         finally:

@@ -7,7 +7,7 @@ import os
 import blake3
 import pytest
 
-from kvcached_agent.integrity import CHECKSUM_BYTES, Hasher, payload_checksum, payload_checksums
+from kvcached_agent.integrity import CHECKSUM_BYTES, Hasher, payload_checksum
 
 
 @pytest.mark.parametrize("size", [1, 4096, 300 << 10, (4 << 20) + 1])
@@ -21,7 +21,11 @@ def test_checksum_is_plain_blake3_at_every_size(size: int) -> None:
 @pytest.mark.parametrize("sizes", [[], [10], [64 << 10] * 5, [300 << 10] * 4, [1 << 20, 5, 2 << 20]])
 def test_batch_equals_one_by_one_in_order(sizes: list[int]) -> None:
     payloads = [os.urandom(n) for n in sizes]
-    assert payload_checksums(payloads) == [blake3.blake3(p).digest() for p in payloads]
+    hasher = Hasher(2)
+    try:
+        assert hasher.checksums(payloads) == [blake3.blake3(p).digest() for p in payloads]
+    finally:
+        hasher.close()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
