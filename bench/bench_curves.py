@@ -27,7 +27,7 @@
 Full: 5 rounds of 1 s (about ten minutes). --accuracy-only skips figures 1-2; --rekey SALT
 replays every stream with its keys re-hashed (other keys fall in the sample: runs with several
 salts show the spread sampling gives); --cost-only skips figure 3; --max-rate R sets the sample's
-rate cap (default 1/16).
+rate cap (default 1/8).
 """
 
 from __future__ import annotations

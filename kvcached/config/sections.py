@@ -87,7 +87,7 @@ class KvSection:
     curves: bool = setting("Keep live miss-ratio curves of the RAM and SSD tiers (kvcached mrc, docs/operations.md).",
                            True)
     curve_sample_keys: int = setting("Distinct keys the live curves sample at most (their memory: 2-8 KiB a key).",
-                                     16384, between(256, 1 << 22), int)
+                                     32768, between(256, 1 << 22), int)
     prefetch_policy: str = setting("How long a load waits for SSD reads and peer pulls: wait_complete, best_effort (not at "
                                 "all) or timeout (prefetch_timeout_ms).", "wait_complete",
                                 one_of(*PREFETCH_POLICIES))

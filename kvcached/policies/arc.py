@@ -44,6 +44,11 @@ class ArcPolicy(EvictionPolicy):
                 return True
         return False
 
+    def resized(self, entries: int) -> None:
+        self.c = max(1, entries)
+        self.p = min(self.p, float(self.c))
+        self._trim_ghosts()
+
     def size_for(self, capacity: int) -> None:
         self._links.size_for(capacity)
 

@@ -216,6 +216,13 @@ class EvictionPolicy(ABC):
         """Use ``value`` for the setting :meth:`miniature_tuner`'s tuner tunes. By default there
         is none."""
 
+    def resized(self, entries: int) -> None:
+        """The cache holds at most ``entries`` from now on, fewer than it may have held (a
+        miniature copy whose sampling rate fell, kvcached.policies.curves and tuning): a policy
+        whose state is sized by the most entries it ever held (slru's ghosts, ARC's target)
+        sizes it by ``entries`` instead, as a cache that size would. By default nothing
+        happens."""
+
     def size_for(self, capacity: int) -> None:
         """The tier hands out ids below ``capacity`` only: the policy may lay out its per-id
         columns for that many now (kvcached.policies.links.column: pages cost RAM once used)

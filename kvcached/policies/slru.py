@@ -87,6 +87,9 @@ class SlruPolicy(EvictionPolicy):
     def tuned_to(self, value: float) -> None:
         self.ratio = value
 
+    def resized(self, entries: int) -> None:
+        self.c = max(1, entries)
+
     def size_for(self, capacity: int) -> None:
         self._links.size_for(capacity)
         if capacity > len(self._last):

@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvcached.policies.curves import MAX_RATE
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent.address import BlockAddress
 from tests.integration.conftest import run_cli
@@ -30,7 +31,7 @@ def test_curves_of_a_cyclic_stream(make_daemon: Any, tmp_path: Path) -> None:
             for i in range(0, KEYS, 128):
                 client.put([(a, bytes([i % 251]) * BLOCK) for a in addresses[i:i + 128]])
         curves = client.stats().curves
-    assert curves.accesses == KEYS * PASSES and 0 < curves.sampling_rate <= 1 / 16
+    assert curves.accesses == KEYS * PASSES and 0 < curves.sampling_rate <= MAX_RATE
     points = {(pb.Tier.Name(p.tier), p.size_multiple): p for p in curves.points}
     assert sorted(points) == sorted((t, m) for t in ("TIER_RAM", "TIER_SSD") for m in (0.5, 1.0, 2.0, 4.0))
     ram = {m: points["TIER_RAM", m] for m in (0.5, 1.0, 2.0, 4.0)}

@@ -96,6 +96,16 @@ def test_arc_ghost_lists_stay_bounded() -> None:
     assert len(p.t1) + len(p.b1) <= 8 and len(p.t1) + len(p.t2) + len(p.b1) + len(p.b2) <= 16
 
 
+def test_arc_made_smaller_bounds_its_target_and_ghosts_by_the_new_size() -> None:
+    """A miniature copy whose sampling rate fell (EvictionPolicy.resized): ARC's c, its target
+    and its ghost lists follow the new size, not the most entries it ever held."""
+    p = arc_state("abcd", "efgh", "ijkl", "mnop", 6.0, 8)
+    p.resized(4)
+    assert p.c == 4 and p.p == 4.0
+    assert len(p.t1) + len(p.b1) <= 4 or not p.b1
+    assert len(p.t1) + len(p.t2) + len(p.b1) + len(p.b2) <= 8 or not p.b2
+
+
 def hot_then_scan(hot: int, scan: int, rounds: int) -> list[str]:
     """A hot set used again and again, each round followed by a scan of one-off keys."""
     out = []

@@ -4,13 +4,14 @@ setting, and what a restart keeps."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
 
 from kvcached.policies import KeyedPolicy, PolicySettings, PolicySnapshot, make_eviction_policy
 from kvcached.policies.slru import SlruPolicy
-from kvcached.policies.tuning import GRID, MIN_RATE, RatioTuner, rate_for
+from kvcached.policies.tuning import GRID, MIN_RATE, RatioTuner, ShadowCache, rate_for
 from kvcached.sim.replay import replay_hits
 
 
@@ -184,3 +185,24 @@ def test_a_miniatures_tuner_takes_every_key_it_is_given_and_tunes_at_the_miniatu
     copy = SlruPolicy(1.0)
     copy.tuned_to(tuner.ratio)
     assert copy.ratio == tuner.ratio
+
+
+def test_a_copy_made_smaller_remembers_evictions_as_a_cache_of_its_new_size() -> None:
+    """A miniature copy whose sampling rate fell (kvcached.policies.curves) shrinks
+    (ShadowCache.capacity, EvictionPolicy.resized): its ghosts then span what a cache of the new
+    size remembers (its last 100 to 200 evictions), not what the 1,000 it held once would.
+    Ghosts kept for the size it once had put slru's curves 0.02-0.05 under the exact replay on
+    rag after a tenfold fall of the rate (bench/bench_curves.py, docs/operations.md)."""
+    copy = ShadowCache(SlruPolicy(4.0), 1000)
+    keys = [hashlib.blake2b(k(i)).digest() for i in range(3000)]        # digests, as the daemon's keys
+    for key in keys[:1000]:
+        copy.access(key)
+    copy.capacity = 100
+    for key in keys[1000:]:
+        copy.access(key)                    # 2,000 keys more, one eviction each
+    policy = copy.policy.policy
+    assert isinstance(policy, SlruPolicy) and policy.c == 100 and len(copy.policy) == 100
+    assert sum(key in policy.ghosts for key in keys[-200:-100]) >= 95          # evicted last: remembered
+    assert sum(key in policy.ghosts for key in keys[1000:2500]) <= 30          # 500 evictions ago and more: gone
+    copy.capacity = 400                     # made larger again: the copy grows, the ghosts follow what it holds
+    assert policy.c == 100
