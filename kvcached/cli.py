@@ -217,6 +217,8 @@ def _client_command(args: argparse.Namespace) -> int:
                       f"{s.dirty_dropped} dropped dirty, {s.ssd_corrupt} corrupt, {s.ssd_write_errors} write errors"
                       f"{'' if s.ssd_reconciled else ', boot reconcile running'}")
             print(f"  agents: {s.agents} connected, {s.agent_held_bytes} bytes held, {s.gpu_blocks} blocks in the GPU view")
+            print(f"  threads: {s.hash_threads} checksumming saved blocks"
+                  + (f", {s.ssd_io_threads} for SSD I/O" if s.ssd_io_threads else ""))
             if s.loads_skipped_ssd or s.loads_skipped_peer:
                 print(f"  load plans skipped {s.loads_skipped_ssd} SSD and {s.loads_skipped_peer} peer blocks "
                       "as slower to load than to recompute")

@@ -491,7 +491,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             ssd_write_errors=s.get("ssd_write_errors", 0), ssd_reconciled=bool(s.get("ssd_reconciled", 0)),
             agents=s["agents"], agent_held_bytes=s["held_bytes"], gpu_blocks=s["gpu_blocks"],
             loads_skipped_ssd=s["loads_skipped_ssd"], loads_skipped_peer=s["loads_skipped_peer"],
-            **_peer_stats(self.store))
+            hash_threads=s["hash_threads"], ssd_io_threads=s.get("ssd_io_threads", 0), **_peer_stats(self.store))
 
     def _tenant_stats(self, tag: str) -> pb.StatsResponse:
         """A tenant's own Stats: its blocks in RAM and on SSD and its own puts and reads; what

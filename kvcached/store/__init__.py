@@ -449,7 +449,7 @@ class Store:
             "hit_bytes": c.hit_bytes, "lookups": c.lookups, "deletes": c.deletes,
             "ram_dirty_bytes": self.ram.dirty_bytes, "ram_dirty_evictions": self.ram.dirty_evictions,
             "promotions": c.promotions, "demotions": c.demotions,
-            "agents": len(self.gpu), "held_bytes": self.inflight.held_bytes,
+            "agents": len(self.gpu), "held_bytes": self.inflight.held_bytes, "hash_threads": self.writer.hasher.threads,
             "gpu_blocks": sum(len(a.blocks) for a in self.gpu.agents()), "admission_declined": c.declined,
             "loads_skipped_ssd": c.loads_skipped_ssd, "loads_skipped_peer": c.loads_skipped_peer,
         }
@@ -464,7 +464,7 @@ class Store:
                 "ssd_writes": sc.writes, "ssd_write_bytes": sc.write_bytes,
                 "ssd_file_bytes_written": sc.file_bytes_written, "ssd_write_errors": sc.write_errors,
                 "ssd_no_space": sc.no_space, "ssd_missing": sc.missing, "ssd_group_commits": sc.group_commits,
-                "ssd_reconciled": int(self.ssd_reconciled),
+                "ssd_reconciled": int(self.ssd_reconciled), "ssd_io_threads": self.ssd.threads,
                 "ssd_budget_declined": c.ssd_budget_declined, "held_written": c.held_written,
             }
             if not self.ssd_budget.unlimited:

@@ -132,6 +132,19 @@ def test_stats_counts(daemon) -> None:
         assert s.tiers[0].tier == pb.TIER_RAM and s.tiers[0].blocks == 4 and s.index_entries >= 4
 
 
+def test_stats_says_the_threads_the_daemon_resolved(make_daemon, tmp_path) -> None:
+    """kv.hash_threads and kv.ssd_io_threads reach the Store and the SSD tier as configured,
+    and 0 (the default) is one hashing thread per CPU of the daemon's affinity, 16 at most
+    (docs/operations.md "Threads and cores")."""
+    with make_daemon("kv.hash_threads=3", "kv.ssd_gib=0.0625", "kv.ssd_io_threads=5").client() as c:
+        s = c.stats()
+        assert (s.hash_threads, s.ssd_io_threads) == (3, 5)
+    (tmp_path / "defaults").mkdir()
+    with make_daemon("kv.ssd_gib=0", state=tmp_path / "defaults").client() as c:
+        s = c.stats()
+        assert (s.hash_threads, s.ssd_io_threads) == (min(16, len(os.sched_getaffinity(0))), 0)
+
+
 def test_metrics_endpoint(make_daemon) -> None:
     import socket
     import urllib.request

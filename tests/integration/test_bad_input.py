@@ -172,6 +172,7 @@ def test_cli_client_errors(daemon, tmp_path: Path) -> None:
     assert r.returncode == 0 and "ab" * 32 + ":7" in r.stdout and "cli" in r.stdout
     r = run_cli(["stat", *target])
     assert r.returncode == 0 and "ram" in r.stdout and "ssd: " in r.stdout and "promotions" in r.stdout
+    assert "checksumming saved blocks" in r.stdout and "for SSD I/O" in r.stdout
     r = run_cli(["rm", *target, "ab" * 32 + ":7"])
     assert r.returncode == 0 and "deleted 1" in r.stdout
 
