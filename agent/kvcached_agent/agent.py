@@ -26,66 +26,19 @@ import mmap
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar, Union
-
-import torch
+from typing import Callable, Sequence, TypeVar
 
 from kvcached_agent import protocol as p
 from kvcached_agent.address import CROSS_LAYER, BlockAddress, chain_digests, chain_root
 from kvcached_agent.client import AgentClient, AgentError, ConnectionClosed, unreachable_reason
-from kvcached_agent.copy import ArenaCopier, PageRows, Piece
+from kvcached_agent.copy import ArenaCopier
+from kvcached_agent.transfer import Block, LoadResult, SaveResult, load_batch, save_batch
 
 __all__ = ["Agent", "Block", "SaveResult", "LoadResult", "Lookup"]
 
 Lookup = p.LookupResult
 log = logging.getLogger("kvcached_agent")
 _T = TypeVar("_T")
-
-# One block's bytes on the engine side: a contiguous tensor, or several pieces whose bytes follow
-# each other in the block (an engine's paged cache keeps a block's layers, or K and V, apart):
-# tensors, and PageRows for the block's pages in each layer. In a load, an int stands for that many
-# bytes of the block that are not copied (pages the engine already holds).
-Block = Union[Piece, Sequence[Union[Piece, int]]]
-
-
-def _pieces(block: Block) -> list[Piece | int]:
-    return [block] if isinstance(block, (torch.Tensor, PageRows)) else list(block)
-
-
-def _size(pieces: Sequence[Piece | int]) -> int:
-    return sum(p if isinstance(p, int) else p.nbytes for p in pieces)
-
-
-def _placed(pieces: Sequence[Piece | int], offset: int, tensors: list[Piece], offsets: list[int]) -> None:
-    """Append each piece and its arena offset (pieces follow each other from ``offset``)."""
-    for piece in pieces:
-        if isinstance(piece, int):
-            offset += piece
-            continue
-        tensors.append(piece)
-        offsets.append(offset)
-        offset += piece.nbytes
-
-
-@dataclass(slots=True)
-class SaveResult:
-    stored: int = 0                                        # written and committed now (confirm=False: commit sent)
-    present: int = 0                                       # the daemon had them already
-    declined: int = 0                                      # the daemon's admission policy did not take them
-    skipped: list[int] = field(default_factory=list)       # indexes not stored (busy, full, failed)
-
-
-@dataclass(slots=True)
-class LoadResult:
-    loaded: int = 0
-    missing: list[int] = field(default_factory=list)       # indexes no tier holds (tensors untouched)
-
-    @property
-    def prefix(self) -> int:
-        """How many blocks from the first were loaded."""
-        return self.missing[0] if self.missing else self.loaded
-
 
 class Agent:
     def __init__(self, client: AgentClient | None, hello: p.Hello, *, use_cuda: bool | None = None,
@@ -341,45 +294,7 @@ class Agent:
     def _save_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], base: int,
                     result: SaveResult, confirm: bool = True) -> None:
         assert self.client is not None
-        blocks = [_pieces(t) for t in tensors]
-        if any(isinstance(piece, int) for pieces in blocks for piece in pieces):
-            raise ValueError("a saved block must be given as tensors only")
-        sizes = [_size(pieces) for pieces in blocks]
-        slots = self.client.call(p.Allocate([(a.digest, a.layer, n) for a, n in zip(addresses, sizes)]))
-        assert isinstance(slots, p.Slots)
-        todo: list[tuple[int, int, int]] = []        # (index, handle, offset)
-        for i, (status, handle, offset) in enumerate(slots.entries):
-            if status == p.Status.OK:
-                todo.append((i, handle, offset))
-            elif status == p.Status.PRESENT:
-                result.present += 1
-            elif status == p.Status.DECLINED:
-                result.declined += 1
-            else:
-                result.skipped.append(base + i)
-        if not todo:
-            return
-        handles = [h for _, h, _ in todo]
-        sources: list[Piece] = []
-        offsets: list[int] = []
-        for i, _, offset in todo:
-            _placed(blocks[i], offset, sources, offsets)
-        try:
-            self.copier.save(sources, offsets)
-        except BaseException:
-            self.client.send(p.Release(handles))      # the slots go back; nothing half-written is kept
-            raise
-        if not confirm:
-            self.client.send(p.Commit(handles))          # its answer is read (and dropped) by a later call
-            result.stored += len(todo)
-            return
-        committed = self.client.call(p.Commit(handles))
-        assert isinstance(committed, p.Committed)
-        for (i, _, _), status in zip(todo, committed.statuses):
-            if status == p.Status.OK:
-                result.stored += 1
-            else:
-                result.skipped.append(base + i)
+        save_batch(self.client, self.copier, addresses, tensors, base, result, confirm)
 
     def load(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block]) -> LoadResult:
         """Copy each block into the tensor (or the list of tensors and skipped byte counts) at
@@ -406,31 +321,7 @@ class Agent:
     def _load_batch(self, addresses: Sequence[BlockAddress], tensors: Sequence[Block], base: int,
                     result: LoadResult) -> None:
         assert self.client is not None
-        loaded = self.client.call(p.Load([(a.digest, a.layer) for a in addresses]))
-        assert isinstance(loaded, p.Loaded)
-        handles = [h for status, h, _, _ in loaded.entries if status == p.Status.OK]
-        try:
-            targets: list[Piece] = []
-            offsets: list[int] = []
-            found = 0
-            for i, (status, _, offset, length) in enumerate(loaded.entries):
-                if status != p.Status.OK:
-                    result.missing.append(base + i)
-                    continue
-                pieces = _pieces(tensors[i])
-                size = _size(pieces)
-                if size != length:
-                    raise ValueError(f"block {addresses[i]} is {length} bytes but its tensor holds {size}")
-                _placed(pieces, offset, targets, offsets)
-                found += 1
-            self.copier.load(targets, offsets)
-            result.loaded += found
-        finally:
-            if handles:
-                try:
-                    self.client.send(p.Release(handles))     # no need to wait: the copies are complete
-                except ConnectionClosed:
-                    pass           # the daemon is gone: nothing of this connection is held any more
+        load_batch(self.client, self.copier, addresses, tensors, base, result)
 
     def report_pinned(self, digests: Sequence[bytes]) -> None:
         """Event: these blocks are now on this engine's GPU (remembered, and told again to a

@@ -89,6 +89,8 @@ class AgentClient:
         self._call_lock = threading.Lock()
         self._next_id = 1
         self._ignore: set[int] = set()     # request ids whose replies nobody waits for
+        self._submitted: set[int] = set()  # request ids sent by submit whose answers answer() will take
+        self._answers: dict[int, p.Frame] = {}     # ... those read already (by a reader waiting for another)
         self._last_send = time.monotonic()
         self._closed = False
         self.arena_fd = -1
@@ -147,15 +149,48 @@ class AgentClient:
     def call(self, message: p.Message) -> p.Message:
         """Send a request and return its answer; an Error answer raises AgentError."""
         with self._call_lock:
-            request_id = self._send(message)
-            while True:
-                frame = self._read_frame()
-                if frame.request_id == request_id:
-                    answer = p.decode(frame)
-                    if isinstance(answer, p.Error):
-                        raise AgentError(answer.code, answer.message)
-                    return answer
-                self._stray(frame)
+            return self._await(self._send(message))
+
+    def submit(self, message: p.Message) -> int:
+        """Send a request and return its id, whose answer :meth:`answer` takes later: requests in
+        flight together (kvcached_agent.transfer asks for the next chunk's slots while it copies
+        this one's). Each id submitted must be answered once, in any order."""
+        with self._send_lock:
+            request_id = self._next_id
+            self._submitted.add(request_id)     # before it is sent: a reader in another thread keeps its answer
+            try:
+                sent = self._send_locked(message)
+            except BaseException:
+                self._submitted.discard(request_id)
+                raise
+        assert sent == request_id
+        return request_id
+
+    def answer(self, request_id: int) -> p.Message:
+        """The answer to a request :meth:`submit` sent (waiting for it if not read yet); an Error
+        answer raises AgentError."""
+        with self._call_lock:
+            return self._await(request_id)
+
+    def _await(self, request_id: int) -> p.Message:
+        """Read frames until ``request_id``'s answer (one read before is taken from those kept);
+        answers to other submitted requests are kept, the rest are strays. Under the call lock."""
+        frame = self._answers.pop(request_id, None)
+        try:
+            while frame is None:
+                read = self._read_frame()
+                if read.request_id == request_id:
+                    frame = read
+                elif read.request_id in self._submitted:
+                    self._answers[read.request_id] = read
+                else:
+                    self._stray(read)
+        finally:
+            self._submitted.discard(request_id)
+        answer = p.decode(frame)
+        if isinstance(answer, p.Error):
+            raise AgentError(answer.code, answer.message)
+        return answer
 
     def send(self, message: p.Message) -> None:
         """Send a request without waiting: an event, or a request whose answer does not matter
