@@ -103,6 +103,7 @@ class RatioTuner:
         self._copies: list[ShadowCache] = []
         self._scores = [0.0] * len(self.grid)
         self._uses = 0
+        self._room = 0                      # the copies' capacity now
 
     def samples(self, key: bytes) -> bool:
         return zlib.crc32(key) & self._mask == 0
@@ -119,8 +120,11 @@ class RatioTuner:
         if not self._copies:
             self._copies = [ShadowCache(self._make(r), size) for r in self.grid]
         room = max(1, size)
+        if room != self._room:               # resized when the size moves only: this runs on every sampled use
+            self._room = room
+            for copy in self._copies:
+                copy.capacity = room
         for copy in self._copies:
-            copy.capacity = room
             copy.access(key)
         self._uses += 1
         if self._uses >= max(size, 4 * MIN_ENTRIES):
