@@ -4,16 +4,19 @@ A save asks the daemon for slots (Allocate), copies the blocks into them and com
 (Commit); a load asks for the blocks' places (Load), copies them out and releases them. Done
 whole, a batch of 64 blocks of 1 MiB waited some 2.3 ms for its slots and 0.8 ms for its
 commit around a 7 ms copy: the daemon's work per block (its index, its policy, its records)
-sat between the engine and its copy. Here a batch goes in chunks of about ``CHUNK_BYTES``: the
-request of the next chunk is in flight while this one's bytes are copied, and its commit is
-sent as soon as they are, so the daemon allocates, checks and records on its own core while the
-engine copies on this one, and only the first chunk's request and the last one's commit are
-waited for. The daemon also starts checksumming a chunk while the next is copied.
+sat between the engine and its copy. Here a batch goes in chunks (:func:`chunks`: about
+``CHUNK_BYTES``, the first a quarter of that): the request of the next chunk is in flight while
+this one's bytes are copied, so the daemon reserves (or pins) on its own core while the engine
+copies on this one, and only the first chunk's request is waited for. A save sends one Commit
+of every chunk's slots after the last copy: committed chunk by chunk, the daemon's checksums of
+one chunk competed with the next one's copy on a 2-core machine (bench/README.md). A loaded
+chunk is released as soon as it is copied.
 
 What a block goes through is unchanged: a saved block is in the daemon's arena before its
 Commit is sent, and the daemon checks it before any load may see it; a loaded block is pinned
-from its Load until its Release, which follows its copy. Blocks of a few KiB make one chunk of
-the whole batch, as before: their requests cost more than their copies.
+from its Load until its Release, which follows its copy. A copy that fails releases every slot
+or pin of the batch, the request in flight included. Blocks of a few KiB make one chunk of the
+whole batch, as before: their requests cost more than their copies.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ def save_batch(client: AgentClient, copier: ArenaCopier, addresses: Sequence[Blo
         raise ValueError("a saved block must be given as tensors only")
     sizes = [size_of(pieces) for pieces in blocks]
     spans = chunks(sizes)
+    if not spans:
+        return
 
     def allocate(span: range) -> int:
         return client.submit(p.Allocate([(addresses[i].digest, addresses[i].layer, sizes[i]) for i in span]))
@@ -186,6 +191,8 @@ def load_batch(client: AgentClient, copier: ArenaCopier, addresses: Sequence[Blo
     (the blocks' own, checked against what the daemon says)."""
     blocks = [pieces_of(t) for t in tensors]
     spans = chunks([size_of(pieces) for pieces in blocks])
+    if not spans:
+        return
 
     def ask(span: range) -> int:
         return client.submit(p.Load([(addresses[i].digest, addresses[i].layer) for i in span]))
