@@ -4,10 +4,14 @@ A save asks the daemon for slots (Allocate), copies the blocks into them and com
 (Commit); a load asks for the blocks' places (Load), copies them out and releases them. Done
 whole, a batch of 64 blocks of 1 MiB waited some 2.3 ms for its slots and 0.8 ms for its
 commit around a 7 ms copy: the daemon's work per block (its index, its policy, its records)
-sat between the engine and its copy. Here a batch goes in chunks (:func:`chunks`: about
-``CHUNK_BYTES``, the first a quarter of that): the request of the next chunk is in flight while
-this one's bytes are copied, so the daemon reserves (or pins) on its own core while the engine
-copies on this one, and only the first chunk's request is waited for. A save sends one Commit
+sat between the engine and its copy. Here a batch goes in chunks (:func:`chunks`): the request
+of the next chunk is in flight while this one's bytes are copied, so the daemon reserves (or
+pins) on its own core while the engine copies on this one, and only the first chunk's request
+is waited for. That first chunk is small (``FIRST_CHUNK_BYTES``) and each next one up to
+``GROWTH`` times bigger, up to ``CHUNK_BYTES``: the daemon answers for a block several times
+faster than its bytes are copied (some 10-25 us a block against ~70 us a MiB on a 2-core
+machine), so the next chunk's request is ready by the end of this chunk's copy while the wait
+for the first is as short as can be. A save sends one Commit
 of every chunk's slots after the last copy: committed chunk by chunk, the daemon's checksums of
 one chunk competed with the next one's copy on a 2-core machine (bench/README.md). A loaded
 chunk is released as soon as it is copied.
@@ -31,7 +35,8 @@ from kvcached_agent.address import BlockAddress
 from kvcached_agent.client import AgentClient, AgentError, ConnectionClosed
 from kvcached_agent.copy import ArenaCopier, PageRows, Piece
 
-__all__ = ["Block", "CHUNK_BYTES", "LoadResult", "SaveResult", "chunks", "load_batch", "save_batch"]
+__all__ = ["Block", "CHUNK_BYTES", "FIRST_CHUNK_BYTES", "GROWTH", "LoadResult", "SaveResult", "WHOLE_BATCH_BYTES", "chunks",
+           "load_batch", "save_batch"]
 
 # One block's bytes on the engine side: a contiguous tensor, or several pieces whose bytes follow
 # each other in the block (an engine's paged cache keeps a block's layers, or K and V, apart):
@@ -39,7 +44,10 @@ __all__ = ["Block", "CHUNK_BYTES", "LoadResult", "SaveResult", "chunks", "load_b
 # bytes of the block that are not copied (pages the engine already holds).
 Block = Union[Piece, Sequence[Union[Piece, int]]]
 
-CHUNK_BYTES = 16 << 20      # bytes a chunk holds at most (a larger block is a chunk alone): see the module
+FIRST_CHUNK_BYTES = 1 << 20  # bytes the first chunk holds at most (its request is the one waited for)
+GROWTH = 4                   # each next chunk holds at most this many times the bytes of the one before
+CHUNK_BYTES = 64 << 20       # bytes a chunk holds at most (a larger block is a chunk alone): see the module
+WHOLE_BATCH_BYTES = 4 << 20  # a batch of at most this many bytes is one chunk: its requests would cost more than its copies
 
 
 @dataclass(slots=True)
@@ -80,16 +88,19 @@ def placed(pieces: Sequence[Piece | int], offset: int, tensors: list[Piece], off
         offset += piece.nbytes
 
 
-def chunks(sizes: Sequence[int], most: int = CHUNK_BYTES) -> list[range]:
-    """Consecutive blocks of ``sizes`` bytes grouped into chunks of at most ``most`` bytes each,
-    the first of a quarter of that (its request is the one waited for); a block larger than its
-    chunk's bound is a chunk of its own. Every block in one chunk, in order."""
+def chunks(sizes: Sequence[int], first: int = FIRST_CHUNK_BYTES, most: int = CHUNK_BYTES) -> list[range]:
+    """Consecutive blocks of ``sizes`` bytes grouped into chunks: the first of at most ``first``
+    bytes, each next one of at most ``GROWTH`` times the bound of the one before, never more
+    than ``most``; a block larger than its chunk's bound is a chunk of its own, and a batch of
+    at most ``WHOLE_BATCH_BYTES`` is one chunk. Every block in one chunk, in order."""
+    if sum(sizes) <= WHOLE_BATCH_BYTES:
+        return [range(len(sizes))] if sizes else []
     out: list[range] = []
-    start, held, bound = 0, 0, most // 4
+    start, held, bound = 0, 0, min(first, most)
     for i, n in enumerate(sizes):
         if i > start and held + n > bound:
             out.append(range(start, i))
-            start, held, bound = i, 0, most
+            start, held, bound = i, 0, min(bound * GROWTH, most)
         held += n
     if sizes:
         out.append(range(start, len(sizes)))
