@@ -481,6 +481,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             tiers.append(pb.TierStats(tier=pb.TIER_SSD, blocks=s["ssd_blocks"], bytes=s["ssd_bytes"],
                                       reserved_bytes=s["ssd_file_bytes"], capacity_bytes=s["ssd_capacity_bytes"],
                                       evictions=s["ssd_evictions_ttl"] + s["ssd_evictions_capacity"]))
+        if self.store.curves is not None:
+            self.store.curves.drain()          # the sampled uses still queued (kvcached.store.curves), here on the loop
         curves = await asyncio.to_thread(curve_stats, self.store.curves) if self.store.curves is not None else None
         return pb.StatsResponse(
             version=__version__, uptime_seconds=time.time() - self.started_at, tiers=tiers, curves=curves,

@@ -43,6 +43,7 @@ window entries and size), and kept until then.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -50,8 +51,8 @@ from kvcached.policies.base import EvictionPolicy
 from kvcached.policies.belady import belady_hits
 from kvcached.policies.tuning import ShadowCache
 
-__all__ = ["MAX_RATE", "MULTIPLES", "SAMPLE_KEYS", "WINDOW", "CurvePoint", "KeySample", "MissRatioCurves", "TierSpec",
-           "adjusted_rate"]
+__all__ = ["MAX_PENDING", "MAX_RATE", "MULTIPLES", "SAMPLE_KEYS", "WINDOW", "CurvePoint", "KeySample", "MissRatioCurves",
+           "TierSpec", "adjusted_rate"]
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 SAMPLE_KEYS = 32768         # distinct keys in the sample at most
@@ -64,6 +65,7 @@ BUSY_WINDOW_S = 10          # ... both measured over this many seconds of the cl
 SPACE = 1 << 64
 RESIZE_EVERY = 256          # sampled accesses between two looks at the tiers' size in blocks
 RESIZE_MOVE = 128           # ... or sooner, once the sampling rate fell by 1/128
+MAX_PENDING = 1024          # deferred: sampled uses waiting for drain() at most (past that, uses() counts the oldest)
 
 
 class KeySample:
@@ -251,12 +253,18 @@ class MissRatioCurves:
                  max_rate: float = MAX_RATE, sampled_per_s: float | None = SAMPLED_PER_S, window: int = WINDOW,
                  multiples: Sequence[float] = MULTIPLES, min_every_s: float = 60.0,
                  timer: Callable[[], float] | None = None, process_timer: Callable[[], float] | None = None,
-                 busy_share: float | None = BUSY_SHARE) -> None:
+                 busy_share: float | None = BUSY_SHARE, deferred: bool = False) -> None:
         self.sample = KeySample(sample_keys, max_rate)
+        #: ``deferred``: :meth:`uses` only queues the sampled uses (a few hundred us each: every
+        #: copy of every tier) and the owner counts them with :meth:`drain` once the request that
+        #: made them is answered. The counts come out as if each were counted at once: the queue
+        #: is counted in order and each use keeps its access number. At most MAX_PENDING wait.
+        self.deferred = deferred
+        self._pending: deque[tuple[bytes, int, int]] = deque()     # (key, its access number, payload bytes)
         #: With ``timer`` (the thread's CPU clock: time.thread_time), what the curves cost is
-        #: counted: ``busy_s`` in :meth:`uses` calls with a sampled key (the copies' work, which
-        #: the budget bounds; a call with none costs one ``min`` of its keys and is not timed, as
-        #: reading that clock costs about as much), ``min_busy_s`` in MIN's counts (the thread that
+        #: counted: ``busy_s`` in counting sampled uses (:meth:`drain`: the copies' work, which
+        #: the budget bounds; a :meth:`uses` call with none costs one ``min`` of its keys and is not
+        #: timed, as reading that clock costs about as much), ``min_busy_s`` in MIN's counts (the thread that
         #: asks for them). Two counters, each added to by one thread only.
         self.timer = timer
         self.busy_s = 0.0
@@ -292,24 +300,43 @@ class MissRatioCurves:
         """:meth:`access` for each of ``keys`` in order, ``nbytes(i)`` the payload bytes of the
         i-th (asked of the sampled ones only). Runs for every block served or saved: a call
         none of whose keys is sampled costs one ``min`` over them (a C loop); the others are
-        looked at one by one."""
+        counted (or queued, ``deferred``) one by one."""
         bound = self.sample.bound
+        start = self.accesses
+        self.accesses = start + len(keys)
         if not keys or min(keys) >= bound:
-            self.accesses += len(keys)
             return
+        pending = self._pending
+        pending.extend((key, start + i + 1, nbytes(i)) for i, key in enumerate(keys) if key < bound)
+        if not self.deferred:
+            self.drain()
+        elif len(pending) > MAX_PENDING:
+            self.drain(len(pending) - MAX_PENDING)
+
+    @property
+    def pending(self) -> int:
+        """Sampled uses queued and not counted yet (``deferred``)."""
+        return len(self._pending)
+
+    def drain(self, limit: int | None = None) -> int:
+        """Count the queued sampled uses, oldest first, ``limit`` of them at most; returns how
+        many are left. A use whose key left the sample while it waited is dropped, as it would
+        have been had it been counted at once (the threshold only falls)."""
+        pending = self._pending
+        if not pending:
+            return 0
         timer = self.timer
         started = timer() if timer is not None else 0.0
-        start = self.accesses
-        for i, key in enumerate(keys):
-            if key < bound:
-                self.accesses = start + i + 1
-                self._sampled(key, int.from_bytes(key[:8], "big"), nbytes(i))
-                bound = self.sample.bound
-        self.accesses = start + len(keys)
+        sample = self.sample
+        for _ in range(len(pending) if limit is None else min(limit, len(pending))):
+            key, number, nbytes = pending.popleft()
+            if key < sample.bound:
+                self._sampled(key, int.from_bytes(key[:8], "big"), nbytes, number)
         if timer is not None:
             self.busy_s += timer() - started
+        return len(pending)
 
-    def _sampled(self, key: bytes, hashed: int, nbytes: int) -> None:
+    def _sampled(self, key: bytes, hashed: int, nbytes: int, number: int) -> None:
         before = self.sample.threshold
         dropped = self.sample.take(key, hashed)
         if self.sampled_per_s is not None or self.busy_share is not None:
@@ -342,7 +369,7 @@ class MissRatioCurves:
             hits += tier.access(key)
         self._key_uses.used(key, hits)
         window = self._window
-        window[self._at] = (key, self.accesses)
+        window[self._at] = (key, number)
         self._at = (self._at + 1) % len(window)
 
     def _within_budget(self) -> list[bytes]:

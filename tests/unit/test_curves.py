@@ -5,6 +5,7 @@ stretch of accesses. Also the sample's bound, its rescaling and what the curves 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import tracemalloc
@@ -14,10 +15,11 @@ import pytest
 
 from kvcached.policies import make_keyed_policy
 from kvcached.policies.belady import belady_hits
-from kvcached.policies.curves import BUSY_WINDOW_S, MAX_RATE, MULTIPLES, KeySample, MissRatioCurves, TierSpec, adjusted_rate
+from kvcached.policies.curves import BUSY_WINDOW_S, MAX_PENDING, MAX_RATE, MULTIPLES, KeySample, MissRatioCurves, TierSpec, adjusted_rate
 from kvcached.sim.replay import accesses_of, replay_hits
 from kvcached.sim.traces import load_trace
 from kvcached.sim.workloads import make_trace
+from kvcached.store.curves import DRAIN_SLICE, LiveCurves
 
 FULL_TRACES = [Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl",
                Path("/work/shared/traces/conversation_trace.jsonl")]
@@ -122,18 +124,26 @@ def test_what_the_curves_hold_is_bounded_by_the_sample_not_the_keys(ram: str, ss
     assert held < 1024 * per_key + 4096 * 100, held
 
 
+def mib_tier(policy: str) -> TierSpec:
+    """A 1 MiB tier of ``policy`` whose blocks take their own bytes."""
+    return TierSpec("ram", policy, make_keyed_policy(policy).policy, 1 << 20, lambda n: n)
+
+
+def reused_stream(seed: int) -> tuple[list[bytes], dict[bytes, int]]:
+    """3,000 keys, then 20,000 uses of them at random; each key's payload bytes."""
+    rng = random.Random(seed)
+    stream = [os.urandom(32) for _ in range(3000)]
+    stream += [rng.choice(stream) for _ in range(20_000)]
+    return stream, {key: rng.choice((1024, 4096, 65536)) for key in stream}
+
+
 def test_a_call_of_many_uses_counts_as_the_same_uses_one_by_one() -> None:
     """Store.put, get, pin and reserve hand the curves a call's keys at once (``uses``: a call
     none of whose keys is sampled costs one ``min``). Fed in calls of 16 or one at a time, the
     curves are the same: every use counted, each sampled use numbered where it stands in the
     stream (MIN's window) and sized by its own bytes (the tier's size in blocks)."""
-    def tier() -> TierSpec:
-        return TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 20, lambda n: n)
-    rng = random.Random(5)
-    stream = [os.urandom(32) for _ in range(3000)]
-    stream += [rng.choice(stream) for _ in range(20_000)]
-    sizes = {key: rng.choice((1024, 4096, 65536)) for key in stream}
-    one, batched = (MissRatioCurves([tier()], lambda: 0.0, max_rate=0.25, sample_keys=256, sampled_per_s=None)
+    stream, sizes = reused_stream(5)
+    one, batched = (MissRatioCurves([mib_tier("lru")], lambda: 0.0, max_rate=0.25, sample_keys=256, sampled_per_s=None)
                     for _ in range(2))
     for key in stream:
         one.access(key, sizes[key])
@@ -145,6 +155,51 @@ def test_a_call_of_many_uses_counts_as_the_same_uses_one_by_one() -> None:
     assert all(stream[n - 1] == key for key, n in batched.window())    # numbered as in the stream, from 1
     assert batched.points() == one.points()
     assert one.tiers[0].blocks != (1 << 20) // 4096          # the mean of the sampled sizes, not one size
+
+
+def test_uses_queued_and_counted_later_make_the_same_curves_as_uses_counted_at_once() -> None:
+    """``deferred`` (the daemon's: kvcached.store.curves.LiveCurves): a request only queues its
+    sampled uses and the event loop counts them after its answer, a few at a time. Counted in
+    order, each with its access number, they give the very curves of uses counted at once,
+    while the sample's threshold falls under them; the queue holds MAX_PENDING at most."""
+    stream, sizes = reused_stream(7)
+    rng = random.Random(7)
+    now, later = (MissRatioCurves([mib_tier("slru")], lambda: 0.0, max_rate=0.25, sample_keys=256, sampled_per_s=None,
+                                  deferred=deferred) for deferred in (False, True))
+    waited = 0
+    for start in range(0, len(stream), 16):
+        keys = stream[start:start + 16]
+        now.uses(keys, lambda i: sizes[keys[i]])
+        later.uses(keys, lambda i: sizes[keys[i]])
+        waited = max(waited, later.pending)
+        if rng.random() < 0.1:
+            later.drain(rng.choice((1, 4, None)))
+        assert later.pending <= MAX_PENDING and now.pending == 0
+    assert waited > 16 and later.pending > 0           # some waited over several requests
+    assert later.accesses == now.accesses and later.sampled < now.sampled
+    assert later.drain() == 0
+    assert later.sampled == now.sampled > 1000 and later.sample.rate == now.sample.rate < 0.25
+    assert later.window() == now.window() and later.points() == now.points()
+
+
+def test_the_daemons_curves_count_queued_uses_on_the_event_loop_after_the_request() -> None:
+    keys = [os.urandom(32) for _ in range(64)]
+    alone = LiveCurves([mib_tier("lru")], lambda: 0.0, max_rate=1.0, sample_keys=1024, sampled_per_s=None)
+    alone.uses(keys, lambda i: 4096)                      # no event loop: counted at once
+    assert alone.pending == 0 and alone.sampled == 64
+
+    async def request() -> tuple[int, int, int]:
+        curves = LiveCurves([mib_tier("lru")], lambda: 0.0, max_rate=1.0, sample_keys=1024, sampled_per_s=None)
+        curves.uses(keys, lambda i: 4096)
+        queued = curves.pending                             # what the request left for later
+        await asyncio.sleep(0)                              # one turn of the loop: one slice
+        after_one = curves.pending
+        for _ in range(64):
+            await asyncio.sleep(0)
+        return queued, after_one, curves.sampled
+
+    queued, after_one, sampled = asyncio.run(request())
+    assert queued == 64 and after_one == 64 - DRAIN_SLICE and sampled == 64
 
 
 def test_what_the_curves_take_is_counted_where_a_timer_is_given() -> None:
