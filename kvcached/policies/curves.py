@@ -65,7 +65,7 @@ BUSY_WINDOW_S = 10          # ... both measured over this many seconds of the cl
 SPACE = 1 << 64
 RESIZE_EVERY = 256          # sampled accesses between two looks at the tiers' size in blocks
 RESIZE_MOVE = 128           # ... or sooner, once the sampling rate fell by 1/128
-MAX_PENDING = 1024          # deferred: sampled uses waiting for drain() at most (past that, uses() counts the oldest)
+MAX_PENDING = 256           # deferred: sampled uses waiting for drain() at most (past that, uses() counts the oldest)
 
 
 class KeySample:

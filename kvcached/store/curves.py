@@ -56,22 +56,23 @@ class LiveCurves(MissRatioCurves):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, deferred=True, **kwargs)
-        self._draining = False
+        self._draining: asyncio.AbstractEventLoop | None = None   # the loop asked to drain, until the queue is empty
 
     def uses(self, keys: Sequence[bytes], nbytes: Callable[[int], int]) -> None:
         super().uses(keys, nbytes)
-        if not self.pending or self._draining:
+        if not self.pending:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self.drain()
             return
-        self._draining = True
-        loop.call_soon(self._drain_slice)
+        if self._draining is not loop:        # not asked yet, or asked of a loop that has since ended
+            self._draining = loop
+            loop.call_soon(self._drain_slice)
 
     def _drain_slice(self) -> None:
         if self.drain(DRAIN_SLICE):
             asyncio.get_running_loop().call_soon(self._drain_slice)
         else:
-            self._draining = False
+            self._draining = None

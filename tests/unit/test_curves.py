@@ -201,6 +201,23 @@ def test_the_daemons_curves_count_queued_uses_on_the_event_loop_after_the_reques
     queued, after_one, sampled = asyncio.run(request())
     assert queued == 64 and after_one == 64 - DRAIN_SLICE and sampled == 64
 
+    shared = LiveCurves([mib_tier("lru")], lambda: 0.0, max_rate=1.0, sample_keys=1024, sampled_per_s=None)
+
+    async def uses_and_leaves(n: int) -> int:
+        shared.uses(keys[:n], lambda i: 4096)
+        return shared.pending
+
+    assert asyncio.run(uses_and_leaves(8)) == 8           # that loop ended before its turn came
+    assert asyncio.run(request_on(shared, keys[8:])) == 0   # the next loop counts what it left too
+    assert shared.sampled == 64
+
+
+async def request_on(curves: LiveCurves, keys: list[bytes]) -> int:
+    curves.uses(keys, lambda i: 4096)
+    for _ in range(64):
+        await asyncio.sleep(0)
+    return curves.pending
+
 
 def test_what_the_curves_take_is_counted_where_a_timer_is_given() -> None:
     """With a timer, a call of ``uses`` with a sampled key adds its time to ``busy_s`` (one with
