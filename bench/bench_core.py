@@ -424,6 +424,7 @@ def run_case(backend: Backend, case: Case, keys: list[bytes], payload: bytes, se
     return {"gbps": n * case.batch * case.size / spent / 1e9,
             "calls_per_s": n / spent,
             "p50_us": statistics.median(durations) * 1e6,
+            "p99_us": percentile(durations, 0.99) * 1e6,
             "calls": n,
             "server_user_us_per_call": (after[0] - before[0]) / n * 1e6,
             "server_sys_us_per_call": (after[1] - before[1]) / n * 1e6,

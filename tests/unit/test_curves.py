@@ -164,22 +164,24 @@ def test_uses_queued_and_counted_later_make_the_same_curves_as_uses_counted_at_o
     while the sample's threshold falls under them; the queue holds MAX_PENDING at most."""
     stream, sizes = reused_stream(7)
     rng = random.Random(7)
-    now, later = (MissRatioCurves([mib_tier("slru")], lambda: 0.0, max_rate=0.25, sample_keys=256, sampled_per_s=None,
-                                  deferred=deferred) for deferred in (False, True))
-    waited = 0
+    now, later, never = (MissRatioCurves([mib_tier("slru")], lambda: 0.0, max_rate=0.25, sample_keys=256,
+                                         sampled_per_s=None, deferred=deferred) for deferred in (False, True, True))
+    waited = most = 0
     for start in range(0, len(stream), 16):
         keys = stream[start:start + 16]
-        now.uses(keys, lambda i: sizes[keys[i]])
-        later.uses(keys, lambda i: sizes[keys[i]])
-        waited = max(waited, later.pending)
+        for curves in (now, later, never):
+            curves.uses(keys, lambda i: sizes[keys[i]])
+        waited, most = max(waited, later.pending), max(most, never.pending)
         if rng.random() < 0.1:
             later.drain(rng.choice((1, 4, None)))
-        assert later.pending <= MAX_PENDING and now.pending == 0
+        assert later.pending <= MAX_PENDING and never.pending <= MAX_PENDING and now.pending == 0
     assert waited > 16 and later.pending > 0           # some waited over several requests
+    assert most == MAX_PENDING                          # never drained: past the bound, uses() counted the oldest
     assert later.accesses == now.accesses and later.sampled < now.sampled
-    assert later.drain() == 0
-    assert later.sampled == now.sampled > 1000 and later.sample.rate == now.sample.rate < 0.25
-    assert later.window() == now.window() and later.points() == now.points()
+    assert later.drain() == 0 and never.drain() == 0
+    for curves in (later, never):
+        assert curves.sampled == now.sampled > 1000 and curves.sample.rate == now.sample.rate < 0.25
+        assert curves.window() == now.window() and curves.points() == now.points()
 
 
 def test_the_daemons_curves_count_queued_uses_on_the_event_loop_after_the_request() -> None:
