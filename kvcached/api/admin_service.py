@@ -90,7 +90,7 @@ class AdminService(pb_grpc.AdminServicer):
         evicted = busy = absent = 0
         async for addresses in self._selected(request, caller):
             if tier == "all":
-                deleted, missing = await self.store.delete(addresses, skip_busy=True)
+                deleted, missing = await self.store.delete(addresses, skip_busy=True, tenant=caller.tag)
                 counts = (deleted, len(set(addresses)) - deleted - missing, missing)
             elif tier == "ram":
                 counts = self.store.drop_from_ram([a.key for a in addresses])

@@ -97,7 +97,7 @@ class AgentSession:
         self._handles: Iterator[int] = count(1)
         self._writes: dict[int, tuple[BlockAddress, RamBlock]] = {}   # reserved, not committed
         self._reads: dict[int, Pinned] = {}                           # loaded, not released
-        store.gpu.add_agent(session, hello.agent_id, peer.pid, tenant.name if tenant is not None else "")
+        store.gpu.add_agent(session, hello.agent_id, peer.pid, self._tag)
 
     @property
     def held(self) -> tuple[int, int]:
@@ -135,7 +135,7 @@ class AgentSession:
             if isinstance(message, p.Features):
                 return p.FeatureSet(p.FeatureSet.ROUTE_KEYS if self.store.wants_routes else 0)
             if isinstance(message, p.Overlap):
-                return overlap_result(self.store, message.digests, self.tenant.name if self.tenant is not None else None)
+                return overlap_result(self.store, message.digests, self._tag)
             if isinstance(message, p.Hello):
                 return p.Error(p.ErrorCode.HANDSHAKE, "this connection has said Hello already")
             return p.Error(p.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not a request an agent may send")
@@ -285,7 +285,7 @@ def _scoped(message: p.Message, scope: Scope) -> p.Message:
 
 
 def overlap_result(store: Store, digests: Sequence[bytes], tenant: str | None = None) -> p.OverlapResult:
-    """Every connected agent (of ``tenant``, where given) with the prefix of ``digests`` it holds
-    on its GPU, longest first."""
+    """Every connected agent (of ``tenant``, a Tenant.tag, where given) with the prefix of
+    ``digests`` it holds on its GPU, longest first."""
     return p.OverlapResult([p.AgentPrefix(info.session, info.pid, prefix, info.agent_id)
                             for info, prefix in store.gpu.overlap(digests, tenant)])

@@ -204,8 +204,9 @@ class _AgentRun:
     """:meth:`GpuView.longest` (the longest prefix any one agent holds) slice by slice: after the
     first slice only the agents that held every earlier slice whole can make it longer."""
 
-    def __init__(self, view: GpuView) -> None:
+    def __init__(self, view: GpuView, tenant: str | None) -> None:
         self.view = view
+        self.tenant = tenant
         self.count = 0
         self.holders: list[int] | None = None     # sessions that held every slice so far; None: no slice yet
 
@@ -217,7 +218,7 @@ class _AgentRun:
         if not self.open:
             return
         if self.holders is None:
-            runs = [(info.session, held) for info, held in self.view.overlap(part)]
+            runs = [(info.session, held) for info, held in self.view.overlap(part, self.tenant)]
         else:
             runs = [(session, self.view.prefix(session, part)) for session in self.holders]
         self.count += max((held for _, held in runs), default=0)
@@ -225,13 +226,14 @@ class _AgentRun:
 
 
 async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, size: int,
-                           tenant: str = "") -> LookupResult:
+                           tenant: str | None = "") -> LookupResult:
     """``store.lookup(digests, layer)`` in slices of ``size`` digests, other requests running
     between slices; the answer is the one a single call gives on a store nobody changes
     meanwhile (under concurrent Puts and evictions each slice sees the store as it is when its
     turn comes: a Lookup is a hint either way). It stops after the first slice past which no
     count can grow, so a chain that misses early costs one slice. Each slice is one lookup in
-    the store's counters (``lookups``, the read-latency histogram), ``tenant``'s.
+    the store's counters (``lookups``, the read-latency histogram), ``tenant``'s (a Tenant.tag,
+    whose blocks alone count; None: the operator's, everyone's).
 
     ``ram``, ``longest``, ``ssd`` and ``peer`` are runs from the first digest of a test on one
     block at a time (in RAM; in some tier; on SSD; held by a usable peer), which Store.lookup
@@ -243,7 +245,7 @@ async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, s
     if len(digests) <= size:
         return store.lookup(digests, layer, tenant=tenant)
     ram, longest, ssd, peer = _Run(), _Run(), _Run(), _Run()
-    gpu = _AgentRun(store.gpu)
+    gpu = _AgentRun(store.gpu, tenant)
     for start in range(0, len(digests), size):
         if start:
             await asyncio.sleep(0)
@@ -378,7 +380,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         count = len(addresses)
         total = 128 * count
         async for start, end in self._slices(count):
-            total += self.store.stored_bytes(addresses[start:end])
+            total += self.store.stored_bytes(addresses[start:end], caller.tag)
         if total > self.max_message_bytes:
             raise ResourceExhausted(f"the {count} blocks make a response of about {total} bytes, over the "
                                     f"message limit of {self.max_message_bytes} bytes (grpc.max_message_mib); "
@@ -387,7 +389,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         async for start, end in self._slices(count):
             try:
                 found, misses = await self.store.get(addresses[start:end], allow_partial=request.allow_partial,
-                                                     tenant=caller.tag or "")
+                                                     tenant=caller.tag)
             except NotFound as exc:
                 raise _stopped_at(exc, start, end, count) from None
             response.blocks.extend(pb.Block(address=address_to_pb(_named(f.address, as_sent)), payload=f.payload,
@@ -417,7 +419,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             async for start, end in self._slices(len(addresses)):
                 try:
                     entries += await self.store.pin(addresses[start:end], allow_partial=request.allow_partial,
-                                                    tenant=caller.tag or "")
+                                                    tenant=caller.tag)
                 except NotFound as exc:
                     raise _stopped_at(exc, start, end, len(addresses)) from None
         except KvError as exc:
@@ -457,14 +459,14 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         digests = await self._decoded("Lookup", request.digests, "digests", _digests, self.lookup_slice)
         digests = list(caller.scope.digests(digests))
         layer = request.layer if request.HasField("layer") else CROSS_LAYER
-        r = await lookup_in_slices(self.store, digests, layer, self.lookup_slice, tenant=caller.tag or "")
+        r = await lookup_in_slices(self.store, digests, layer, self.lookup_slice, tenant=caller.tag)
         return pb.LookupResponse(longest=r.longest, gpu=r.gpu, ram=r.ram, ssd=r.ssd, peer=r.peer)
 
     @errors_to_status
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         caller = self.callers.of(context)
         addresses = _scoped_addresses(caller, await self._addresses("Delete", request))
-        deleted, missing = await self.store.delete(addresses)
+        deleted, missing = await self.store.delete(addresses, tenant=caller.tag)
         return pb.DeleteResponse(deleted=deleted, not_found=missing)
 
     @errors_to_status
@@ -513,7 +515,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     async def Overlap(self, request: pb.OverlapRequest, context: grpc.aio.ServicerContext) -> pb.OverlapResponse:
         caller = self.callers.of(context)
         digests = await self._decoded("Overlap", request.digests, "digests", _digests, self.lookup_slice)
-        overlap = self.store.gpu.overlap(caller.scope.digests(digests), tenant=caller.name)
+        overlap = self.store.gpu.overlap(caller.scope.digests(digests), tenant=caller.tag)
         return pb.OverlapResponse(agents=[pb.AgentOverlap(session=info.session, agent_id=info.agent_id, pid=info.pid,
                                                           prefix=prefix) for info, prefix in overlap])
 

@@ -110,7 +110,10 @@ class StoreCollector(Collector):
                                ("promotions", "promotions", "Blocks read from SSD into RAM"),
                                ("demotions", "demotions", "Blocks published on SSD from RAM"),
                                ("admission_declined", "admission_declined",
-                                "New blocks offered that the admission policy did not store (kv.admission)")):
+                                "New blocks offered that the admission policy did not store (kv.admission)"),
+                               ("other_tenant_blocks", "other_tenant_blocks",
+                                "Blocks a caller named that another tenant stores: answered as never stored (reads, "
+                                "deletes) or declined (saves)")):
             yield CounterMetricFamily(f"kvcached_{name}", doc, value=s[key])
         yield from self._reads(ssd)
         peers = self.store.peers.stats() if self.store.peers is not None else None
@@ -131,9 +134,10 @@ class StoreCollector(Collector):
             taken = GaugeMetricFamily("kvcached_ram_takeover_blocks", "Blocks of the RAM tier the previous process "
                                       "left (an upgrade, or systemd's fd store after a crash), by outcome",
                                       labels=["outcome"])
-            settled = adoption.adopted + adoption.mismatched + adoption.unrecorded
+            settled = adoption.adopted + adoption.mismatched + adoption.unrecorded + adoption.other_tenants
             for outcome, n in (("adopted", adoption.adopted), ("mismatched", adoption.mismatched),
                                ("unrecorded", adoption.unrecorded), ("conflicting", adoption.conflicting),
+                               ("other_tenant", adoption.other_tenants),
                                ("pending", 0 if adoption.done else max(0, adoption.placed - settled))):
                 taken.add_metric([outcome], n)
             yield taken

@@ -339,7 +339,14 @@ def _check_events(config: Config) -> None:
         raise ConfigError("events.replay_endpoint", "set events.endpoint too: a replay endpoint replays its stream")
     if e.endpoint and e.endpoint == e.replay_endpoint:
         raise ConfigError("events.replay_endpoint", "must differ from events.endpoint")
+    t = config.tenants
+    tenants = sorted({*t.uids, *t.gids, *t.certs, t.default} - {"", "default"})
     for key, value in (("endpoint", e.endpoint), ("replay_endpoint", e.replay_endpoint)):
+        if value and tenants and value.startswith("tcp://"):
+            raise ConfigError(f"events.{key}", f"{value} admits every process that reaches it, and with tenants "
+                              f"configured ({', '.join(tenants)}) the operator's stream names every tenant's blocks: "
+                              "bind an ipc:// path (only the daemon's user may open it), and give each tenant a stream "
+                              "of its own (tenants.events)")
         if value and not e.remote and not zmq_endpoint_is_local(value):
             raise ConfigError(f"events.{key}", f"{value} can be reached from other machines, and the events name every "
                               "block this daemon holds: bind loopback or ipc://, or set events.remote = true")

@@ -233,6 +233,9 @@ def zmq_endpoint_or_empty(v: str) -> None:
     ``ipc://PATH``; "" for none."""
     if v == "":
         return
+    if v.startswith("ipc://@"):
+        raise ValueError(f"{v} is an abstract Unix socket, which has no file mode: every local user could connect. "
+                         "Give a path (ipc:///run/kvcached/events)")
     if v.startswith("ipc://") and len(v) > len("ipc://"):
         return
     if v.startswith("tcp://"):
@@ -318,9 +321,9 @@ def tenant_event_endpoints(v: dict[str, Any]) -> None:
     """``{tenant: "ipc://PATH"}``: a ZMQ ipc endpoint of its own for each tenant (TCP would
     admit every local process)."""
     def ipc(name: str, endpoint: str) -> None:
-        if not endpoint.startswith("ipc://"):
-            raise ValueError(f"{name}: {endpoint} is not ipc://PATH; a tenant's stream needs a Unix socket that "
-                             "admits the tenant alone")
+        if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+            raise ValueError(f"{name}: {endpoint} is not ipc://PATH; a tenant's stream needs a Unix socket file that "
+                             "admits the tenant alone (an abstract socket, ipc://@NAME, has no file mode to admit by)")
         unix_path_or_empty(endpoint[len("ipc://"):])
     _tenant_map(v, lambda e: isinstance(e, str) and len(e) > len("ipc://"), "an ipc://PATH endpoint", many=False,
                 same=lambda e: os.path.abspath(e[len("ipc://"):]), check=ipc)

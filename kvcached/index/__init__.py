@@ -7,7 +7,7 @@ kept beside the records. The names below are the index's public face; the rest o
 imports them from here.
 """
 
-from kvcached.index.block_index import BlockIndex
+from kvcached.index.block_index import FOREIGN, BlockIndex
 from kvcached.index.database import (
     KEEP_LOG_FILES,
     MAX_WAL_BYTES,
@@ -29,6 +29,6 @@ from kvcached.index.format import (
 )
 from kvcached.index.presence import PresenceFeed
 
-__all__ = ["BlockIndex", "PresenceFeed", "BlockRecord", "Tier", "GoneReason", "IndexError_", "IndexUnwritable", "queue_entry",
+__all__ = ["FOREIGN", "BlockIndex", "PresenceFeed", "BlockRecord", "Tier", "GoneReason", "IndexError_", "IndexUnwritable", "queue_entry",
            "queue_time", "raw_ssd_view", "record_tenant", "SCHEMA_VERSION", "KEEP_LOG_FILES", "MAX_WAL_BYTES", "MEMTABLE_BYTES",
            "RECOVERY_HEADROOM", "RETRY_FIRST_S"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, cast
 
 from rocksdict import Rdict, WriteBatch
@@ -35,8 +34,8 @@ from rocksdict import Rdict, WriteBatch
 from kvcached.index.database import IndexDatabase, IndexUnwritable
 from kvcached.index.format import (
     AGE,
-    CHECKSUM_AT,
     F64,
+    FOREIGN,
     GONE_AT_AT,
     LAST_SEEN_AT,
     REASON_AT,
@@ -46,17 +45,20 @@ from kvcached.index.format import (
     BlockRecord,
     GoneReason,
     Tier,
+    checksum_for,
     is_expired_tombstone,
     is_present,
     record_model,
     record_route,
     record_tenant,
+    tiers_for,
     wire_key_of,
     with_route,
+    writable_tiers_for,
 )
 from kvcached.index.presence import PresenceFeed, TierFeed
 
-__all__ = ["BlockIndex"]
+__all__ = ["FOREIGN", "BlockIndex"]
 
 
 class BlockIndex:
@@ -138,11 +140,13 @@ class BlockIndex:
     def get_many(self, keys: list[bytes]) -> list[BlockRecord | None]:
         return [None if raw is None else BlockRecord.decode(raw) for raw in self.raw_many(keys)]
 
-    def checksums(self, keys: list[bytes]) -> list[bytes | None]:
+    def checksums(self, keys: list[bytes], tenant: str | None = None) -> list[bytes | None]:
         """The payload checksums of ``keys`` (None where absent), read straight from the stored
-        bytes: the Get path needs nothing else from the record."""
-        return [None if raw is None or len(raw) < RECORD.size else raw[CHECKSUM_AT:CHECKSUM_AT + 32]
-                for raw in self.raw_many(keys)]
+        bytes: the Get path needs nothing else from the record. With ``tenant`` (a Tenant.tag),
+        a block of another tenant gives :data:`FOREIGN`: a read serves a block to its own
+        tenant alone, whatever address it was asked by (docs/security.md)."""
+        tag = None if tenant is None else tenant.encode()
+        return [checksum_for(raw, tag) for raw in self.raw_many(keys)]
 
     def owners(self, keys: list[bytes]) -> list[tuple[str, str] | None]:
         """(model, tenant) of each of ``keys`` (None where absent), read straight from the stored
@@ -151,10 +155,16 @@ class BlockIndex:
         return [(record_model(raw), record_tenant(raw)) if raw is not None and len(raw) >= RECORD.size
                 and raw[0] == SCHEMA_VERSION else None for raw in self.raw_many(keys)]
 
-    def tiers_of(self, keys: list[bytes]) -> list[Tier]:
-        """The tier set of each of ``keys`` (NONE where absent), from the raw bytes."""
-        return [Tier(raw[TIERS_AT]) if raw is not None and len(raw) >= RECORD.size else Tier.NONE
-                for raw in self.raw_many(keys)]
+    def tiers_of(self, keys: list[bytes], tenant: str | None = None) -> list[Tier]:
+        """The tier set of each of ``keys`` (NONE where absent, or another tenant's than
+        ``tenant``, a Tenant.tag, where given), from the raw bytes."""
+        tag = None if tenant is None else tenant.encode()
+        return [tiers_for(raw, tag) for raw in self.raw_many(keys)]
+
+    def writable_tiers(self, keys: list[bytes], tenant: str) -> list[Tier | None]:
+        """For a writer acting as ``tenant``: format.writable_tiers_for of each of ``keys``."""
+        tag = tenant.encode()
+        return [writable_tiers_for(raw, tag) for raw in self.raw_many(keys)]
 
     def write(self, puts: Iterable[tuple[bytes, BlockRecord | bytes]] = (), deletes: Iterable[bytes] = (), *,
               queue: Iterable[bytes] = (), unqueue: Iterable[bytes] = (), sync: bool = False,
@@ -379,53 +389,13 @@ class BlockIndex:
     def count_estimate(self) -> int:
         return self._blocks.property_int_value("rocksdb.estimate-num-keys") or 0
 
-    def reconcile_at_boot(self, now: float, gone_ttl: float,
-                          progress: Callable[[int], None] | None = None, batch: int = 10_000,
-                          ram_kept: set[bytes] | frozenset[bytes] = frozenset()) -> dict[str, int]:
-        """Make the index true after a (re)start; returns counts.
-
-        RAM held only bytes, and they are gone now, except for the blocks of ``ram_kept``: the
-        ones a predecessor's arena still holds, being taken up (kvcached.store.adoption, which
-        writes those it drops). Other records lose RAM; those whose only tier was RAM become
-        tombstones (reason: lost at restart). Tombstones older than ``gone_ttl`` are deleted.
-        Unreadable records are deleted. ``progress(seen)`` is called every ``batch`` records.
-        """
-        counts = {"seen": 0, "kept": 0, "lost_at_restart": 0, "pruned": 0, "unreadable": 0}
-        puts: list[tuple[bytes, BlockRecord]] = []
-        deletes: list[bytes] = []
+    def raw_records(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, raw record) in key order (kvcached.index.boot reads them all at a start)."""
         it = self._blocks.iter()
         it.seek_to_first()
         while it.valid():
-            key = it.key()
-            counts["seen"] += 1
-            try:
-                record = BlockRecord.decode(it.value())
-            except (ValueError, UnicodeDecodeError):
-                deletes.append(key)
-                counts["unreadable"] += 1
-            else:
-                if record.tiers & Tier.RAM and key not in ram_kept:
-                    rest = record.tiers & ~Tier.RAM
-                    if rest:
-                        puts.append((key, replace(record, tiers=rest)))
-                        counts["kept"] += 1
-                    else:
-                        puts.append((key, record.gone(GoneReason.LOST_AT_RESTART, now)))
-                        counts["lost_at_restart"] += 1
-                elif not record.present and now - record.gone_at > gone_ttl:
-                    deletes.append(key)
-                    counts["pruned"] += 1
-                else:
-                    counts["kept"] += 1
-            if len(puts) + len(deletes) >= batch:
-                self.write(puts, deletes)
-                puts, deletes = [], []
-            if progress is not None and counts["seen"] % batch == 0:
-                progress(counts["seen"])
+            yield it.key(), it.value()
             it.next()
-        del it
-        self.write(puts, deletes)
-        return counts
 
     def expired_tombstones(self, now: float, gone_ttl: float, stop: Callable[[], bool] = lambda: False) -> list[bytes]:
         """Keys of tombstones older than ``gone_ttl``, read from the raw records (no decode).

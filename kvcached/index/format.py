@@ -25,10 +25,11 @@ import struct
 from dataclasses import dataclass, replace
 
 __all__ = [
-    "AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "FLAGS_AT", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT",
+    "AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "FLAGS_AT", "FOREIGN", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT",
     "RECORD", "REASON_AT", "ROUTED", "SCHEMA_VERSION", "TENANTED", "TIERS_AT", "U64", "BlockRecord", "GoneReason",
-    "Tier", "is_expired_tombstone", "is_present", "queue_entry", "queue_time", "raw_ssd_view", "record_model",
-    "record_route", "record_tenant", "split_tail", "wire_key_of", "with_route"
+    "Tier", "checksum_for", "is_expired_tombstone", "is_present", "owned_by", "queue_entry", "queue_time", "raw_ssd_view",
+    "record_model", "record_route", "record_tenant", "split_tail", "tiers_for", "wire_key_of", "with_route",
+    "writable_tiers_for"
 ]
 
 SCHEMA_VERSION = 1
@@ -39,6 +40,7 @@ TIERS_AT, REASON_AT, LAST_SEEN_AT, GONE_AT_AT, CHECKSUM_AT = 1, 2, 24, 32, 40
 FLAGS_AT, LAYER_AT, NBYTES_AT, DIGEST_AT = 3, 4, 8, 72
 ROUTED = 1                     # flags: the tail holds route keys after the model
 TENANTED = 2                   # flags: the tail starts with the tenant's name
+FOREIGN = b""                  # checksum_for: a block of another tenant than the reader's
 U64 = struct.Struct("<Q")
 U16 = struct.Struct("<H")
 AGE = struct.Struct(">Q")      # big-endian microseconds: the queue sorts oldest first
@@ -112,6 +114,42 @@ def record_tenant(raw: bytes) -> str:
     if not raw[FLAGS_AT] & TENANTED:
         return ""
     return raw[RECORD.size + 1:_tenant_end(raw)].decode("utf-8", "replace")
+
+
+def owned_by(raw: bytes, tenant: bytes) -> bool:
+    """Whether a readable raw record is the block of ``tenant`` (a Tenant.tag, encoded; b"":
+    the default tenant's), compared in place: every read checks it for every block it serves."""
+    if not raw[FLAGS_AT] & TENANTED:
+        return not tenant
+    size = raw[RECORD.size]
+    return size == len(tenant) and raw[RECORD.size + 1:RECORD.size + 1 + size] == tenant
+
+
+# What one reader may know of a raw record (None: absent or unreadable), ``tenant`` the reader's
+# (a Tenant.tag, encoded; None: the operator's, who may know every block).
+
+def checksum_for(raw: bytes | None, tenant: bytes | None) -> bytes | None:
+    """The record's payload checksum; :data:`FOREIGN` for a block of another tenant."""
+    if raw is None or len(raw) < RECORD.size:
+        return None
+    return raw[CHECKSUM_AT:CHECKSUM_AT + 32] if tenant is None or owned_by(raw, tenant) else FOREIGN
+
+
+def tiers_for(raw: bytes | None, tenant: bytes | None) -> Tier:
+    """The record's tier set; NONE (absent) for a block of another tenant."""
+    if raw is None or len(raw) < RECORD.size or (tenant is not None and not owned_by(raw, tenant)):
+        return Tier.NONE
+    return Tier(raw[TIERS_AT])
+
+
+def writable_tiers_for(raw: bytes | None, tenant: bytes) -> Tier | None:
+    """For a writer: the record's tier set (NONE: absent or a tombstone), or None where a block
+    of another tenant is stored, which the writer may neither replace nor be told of."""
+    if raw is None or len(raw) < RECORD.size:
+        return Tier.NONE
+    if owned_by(raw, tenant):
+        return Tier(raw[TIERS_AT])
+    return None if raw[TIERS_AT] else Tier.NONE
 
 
 def record_model(raw: bytes) -> str:

@@ -13,6 +13,7 @@ from kvcached.host.fsmodes import UnsafeDirectory, check_state_dir, make_dirs
 from kvcached.host.logs import fields
 from kvcached.host.process import StartupError
 from kvcached.index import BlockIndex, IndexError_
+from kvcached.index.boot import reconcile_at_boot
 from kvcached.index.presence import TierFeed
 from kvcached.tiers.ssd import SsdTier
 
@@ -85,7 +86,7 @@ def open_index(config: Config, status: Callable[..., object], ram_kept: set[byte
         status(f"reconciling the index: {seen} of about {estimate} records", extend_timeout_s=INDEX_PROGRESS_GRACE_S)
 
     try:
-        counts = index.reconcile_at_boot(time.time(), cfg.kv.gone_ttl, progress, batch=100_000, ram_kept=ram_kept)
+        counts = reconcile_at_boot(index, time.time(), cfg.kv.gone_ttl, progress, batch=100_000, ram_kept=ram_kept)
     except IndexError_ as exc:
         index.close()
         raise StartupError(f"kv.index_dir {cfg.kv.index_dir}: the boot reconcile cannot write the index "

@@ -9,10 +9,11 @@ contract:
 - ``ledger``: the index writes of the request in progress, tombstones, last-seen times;
 - ``inflight``: blocks being fetched, published or checksummed, and the background tasks;
 - ``write_path``: Puts and agents' reserve/commit, admission, write policies;
-- ``read_path``: Get, pin, Lookup, and making blocks resident (promotion, peer pulls);
+- ``read_path``: Get and pin, and making blocks resident (promotion, peer pulls);
+- ``lookups``: Lookup, Present, load plans: what the tiers hold, without serving bytes;
 - ``ssd_mover``: promotion from SSD, publishing and write-back, the SSD write budget;
 - ``ssd_evictor``: TTL, capacity and forced evictions, the SSD order, the boot reconcile;
-- ``admin``: Delete, dropping RAM copies, listing;
+- ``admin``: Delete, dropping RAM copies, listing; ``stats``: the Stats table;
 - ``peer_pulls``: pulls from peers (serving a peer's pull is kvcached.peers.store_link's).
 
 Everything runs on the event loop thread, except :meth:`Store.stats`, which the Prometheus
@@ -40,6 +41,7 @@ from kvcached.store.curves import tier_curves
 from kvcached.store.gpu_view import GpuView
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
+from kvcached.store.lookups import Lookups
 from kvcached.store.parts import StoreParts, StoreSettings
 from kvcached.store.peer_pulls import PeerPulls, PeerTierLike
 from kvcached.store.read_path import ReadPath
@@ -61,6 +63,7 @@ from kvcached.store.routes import RouteKeys
 from kvcached.store.ssd_evictor import SsdEvictor
 from kvcached.store.ssd_mover import SsdMover, load_budget
 from kvcached.store.ssd_reconcile import ReconcileReport
+from kvcached.store.stats import stats_table
 from kvcached.store.write_path import WritePath
 from kvcached.tiers.ram import RamBlock, RamTier
 from kvcached.tiers.ssd import SsdTier
@@ -132,7 +135,8 @@ class Store:
             self.mover = SsdMover(parts, ssd, self.evictor, budget)
         self.writer = WritePath(parts, ssd, self.mover, self.admission)
         self.pulls = PeerPulls(parts, self.writer, self.mover)
-        self.reader = ReadPath(parts, self.writer, self.mover, self.pulls, self.gpu, self.reads)
+        self.reader = ReadPath(parts, self.writer, self.mover, self.pulls, self.reads)
+        self.lookups = Lookups(parts, self.mover, self.pulls, self.gpu, self.reads)
         self.curves = tier_curves(ram, ssd, ssd_order, time.monotonic, curve_keys) if curve_keys else None
 
     # -- what SIGHUP changes, the peer tier's late binding, views ----------------------------------
@@ -305,14 +309,14 @@ class Store:
     # -- reads -----------------------------------------------------------------------------------
 
     async def get(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
-                  tenant: str = "") -> tuple[list[Fetched], list[Miss]]:
+                  tenant: str | None = "") -> tuple[list[Fetched], list[Miss]]:
         self._settle(a.key for a in addresses)
         found, misses = await self.reader.get(addresses, allow_partial=allow_partial, tenant=tenant)
         self._used([f.address.key for f in found], lambda i: len(found[i].payload))
         return found, misses
 
     async def pin(self, addresses: Sequence[BlockAddress], *, allow_partial: bool = False,
-                  peers: bool = True, tenant: str = "") -> list[Pinned | Miss]:
+                  peers: bool = True, tenant: str | None = "") -> list[Pinned | Miss]:
         self._settle(a.key for a in addresses)
         results = await self.reader.pin(addresses, allow_partial=allow_partial, peers=peers, tenant=tenant)
         self._used(*_pinned_uses(results))
@@ -328,20 +332,22 @@ class Store:
     def unpin(self, pinned: Pinned) -> None:
         self.reader.unpin(pinned)
 
-    def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None, tenant: str = "") -> LookupResult:
+    def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None,
+               tenant: str | None = "") -> LookupResult:
         self._settle_chain(digests, layer)
-        return self.reader.lookup(digests, layer, agent, tenant)
+        return self.lookups.lookup(digests, layer, agent, tenant)
 
     def plan(self, digests: Sequence[bytes], layer: int, recompute_s: float, block_bytes: int,
-             agent: int | None = None, tenant: str = "") -> tuple[LoadPlan, int]:
+             agent: int | None = None, tenant: str | None = "") -> tuple[LoadPlan, int]:
         """Which held blocks are worth loading (ReadPath.plan), counted as a lookup."""
         self._settle_chain(digests, layer)
-        return self.reader.plan(digests, layer, recompute_s, block_bytes, agent, tenant)
+        return self.lookups.plan(digests, layer, recompute_s, block_bytes, agent, tenant)
 
-    def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None, tenant: str = "") -> Presence:
+    def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None,
+                tenant: str | None = "") -> Presence:
         """Which tiers hold each block, each on its own (ReadPath.present)."""
         self._settle_chain(digests, layer)
-        return self.reader.present(digests, layer, agent, tenant)
+        return self.lookups.present(digests, layer, agent, tenant)
 
     @property
     def wants_routes(self) -> bool:
@@ -356,16 +362,16 @@ class Store:
 
     async def locate(self, digests: Sequence[bytes], layer: int) -> None:
         """Before a Lookup, in a cluster: ask where remote blocks are (ReadPath.locate)."""
-        await self.reader.locate(digests, layer)
+        await self.lookups.locate(digests, layer)
 
     @property
     def asks_homes(self) -> bool:
         """Whether a Lookup should be preceded by :meth:`locate` (a cluster)."""
         return self.pulls.peers is not None and self.pulls.peers.asks_homes
 
-    def stored_bytes(self, addresses: Sequence[BlockAddress]) -> int:
+    def stored_bytes(self, addresses: Sequence[BlockAddress], tenant: str | None = "") -> int:
         self._settle(a.key for a in addresses)
-        return self.reader.stored_bytes(addresses)
+        return self.reader.stored_bytes(addresses, tenant)
 
     def present_wire_keys(self) -> list[bytes]:
         """Every block held, as the peer protocol's 36-byte wire keys (an index scan: off the loop)."""
@@ -381,7 +387,7 @@ class Store:
 
     def local_prefix(self, digests: Sequence[bytes], layer: int) -> int:
         self._settle_chain(digests, layer)
-        return self.reader.local_prefix(digests, layer)
+        return self.lookups.local_prefix(digests, layer)
 
     # -- the SSD tier ------------------------------------------------------------------------------
 
@@ -409,10 +415,11 @@ class Store:
 
     # -- operator actions, upkeep ----------------------------------------------------------------
 
-    async def delete(self, addresses: Sequence[BlockAddress], *, skip_busy: bool = False) -> tuple[int, int]:
+    async def delete(self, addresses: Sequence[BlockAddress], *, skip_busy: bool = False,
+                     tenant: str | None = None) -> tuple[int, int]:
         self._settle((a.key for a in addresses), None)
         return await admin.delete(self.ram, self.index, self.ssd, self.evictor, self.ledger, self.inflight,
-                                  self.counters, addresses, skip_busy=skip_busy)
+                                  self.counters, addresses, skip_busy=skip_busy, tenant=tenant)
 
     def drop_from_ram(self, keys: Sequence[bytes]) -> tuple[int, int, int]:
         self._settle(keys, None)
@@ -436,40 +443,9 @@ class Store:
         self.writer.close()
 
     def stats(self) -> dict[str, int]:
-        c = self.counters
-        out = {
-            "ram_blocks": len(self.ram),
-            "ram_bytes": self.ram.used_bytes,
-            "ram_reserved_bytes": self.ram.slabs.reserved_bytes,
-            "ram_capacity_bytes": self.ram.capacity,
-            "ram_evictions": self.ram.evictions,
-            "ram_dropped": self.ram.dropped,
-            "index_entries": self.index.count_estimate(),
-            "puts": c.puts, "put_bytes": c.put_bytes, "hits": c.hits, "misses": c.misses,
-            "hit_bytes": c.hit_bytes, "lookups": c.lookups, "deletes": c.deletes,
-            "ram_dirty_bytes": self.ram.dirty_bytes, "ram_dirty_evictions": self.ram.dirty_evictions,
-            "promotions": c.promotions, "demotions": c.demotions,
-            "agents": len(self.gpu), "held_bytes": self.inflight.held_bytes, "hash_threads": self.writer.hasher.threads,
-            "gpu_blocks": sum(len(a.blocks) for a in self.gpu.agents()), "admission_declined": c.declined,
-            "loads_skipped_ssd": c.loads_skipped_ssd, "loads_skipped_peer": c.loads_skipped_peer,
-        }
-        if self.ssd is not None:
-            sc = self.ssd.counters
-            out |= {
-                "ssd_blocks": self.ssd.blocks, "ssd_bytes": self.ssd.payload_bytes, "ssd_file_bytes": self.ssd.used_bytes,
-                "ssd_capacity_bytes": self.ssd.capacity,
-                "ssd_evictions_ttl": c.ssd_evictions_ttl, "ssd_evictions_capacity": c.ssd_evictions_capacity,
-                "ssd_evictions_admin": c.ssd_evictions_admin, "ssd_full_disk_evictions": c.ssd_full_disk_evictions,
-                "ssd_corrupt": c.ssd_corrupt, "ssd_reads": sc.reads, "ssd_read_bytes": sc.read_bytes,
-                "ssd_writes": sc.writes, "ssd_write_bytes": sc.write_bytes,
-                "ssd_file_bytes_written": sc.file_bytes_written, "ssd_write_errors": sc.write_errors,
-                "ssd_no_space": sc.no_space, "ssd_missing": sc.missing, "ssd_group_commits": sc.group_commits,
-                "ssd_reconciled": int(self.ssd_reconciled), "ssd_io_threads": self.ssd.threads,
-                "ssd_budget_declined": c.ssd_budget_declined, "held_written": c.held_written,
-            }
-            if not self.ssd_budget.unlimited:
-                out["ssd_budget_remaining_bytes"] = self.ssd_budget.remaining(self.clock())
-        return out
+        """Every count the store keeps, by name (kvcached.store.stats)."""
+        return stats_table(self.ram, self.index, self.counters, self.gpu, self.inflight, self.writer.hasher.threads,
+                           self.ssd, self.ssd_reconciled, self.ssd_budget, self.clock)
 
 
 def _pinned_uses(results: Sequence[Pinned | Miss]) -> tuple[list[bytes], Callable[[int], int]]:

@@ -28,13 +28,21 @@ _TIERS = {"": None, "ram": Tier.RAM, "ssd": Tier.SSD, "gone": Tier.NONE}
 
 async def delete(ram: RamTier, index: BlockIndex, ssd: SsdTier | None, evictor: SsdEvictor | None,
                  ledger: RecordLedger, inflight: InFlight, counters: Counters, addresses: Sequence[BlockAddress],
-                 *, skip_busy: bool = False) -> tuple[int, int]:
+                 *, skip_busy: bool = False, tenant: str | None = None) -> tuple[int, int]:
     """Remove blocks from every tier and the index; returns (deleted, not_found). Waits for the
     daemon's own SSD writes and reads of them to finish; a block that a client is reading or
     writing raises FailedPrecondition and nothing is deleted, or with ``skip_busy`` is left
-    alone (counted in neither number)."""
+    alone (counted in neither number). ``tenant`` (a Tenant.tag; None: the operator's call,
+    any block): a block of another tenant is not found, as one never stored (counted)."""
     addresses = list(dict.fromkeys(addresses))   # the same block twice counts once
     keys = [a.key for a in addresses]
+    theirs: set[bytes] = set()
+    if tenant is not None and keys:
+        theirs = {k for k, tiers in zip(keys, index.writable_tiers(keys, tenant))
+                  if tiers is None or ram.tenant_of(k) not in (None, tenant)}
+        counters.other_tenant += len(theirs)
+        addresses = [a for a in addresses if a.key not in theirs]
+        keys = [a.key for a in addresses]
     await inflight.settled(keys)
     busy_keys = {key: busy for key in keys if (busy := ram.busy_reason(key)) is not None}
     if busy_keys and not skip_busy:
@@ -57,7 +65,7 @@ async def delete(ram: RamTier, index: BlockIndex, ssd: SsdTier | None, evictor: 
                 ssd.remove_now(key, header_of(record), record.tenant)
         evictor.forget(keys)
     counters.deletes += deleted
-    return deleted, len(keys) - deleted
+    return deleted, len(keys) - deleted + len(theirs)
 
 
 def drop_from_ram(ram: RamTier, index: BlockIndex, ssd_on: bool, ledger: RecordLedger, inflight: InFlight,

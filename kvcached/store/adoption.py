@@ -59,6 +59,7 @@ class AdoptionReport:
     mismatched: int = 0     # bytes did not hash to the record's checksum: dropped
     unrecorded: int = 0     # no record saying RAM with this length (its write never reached the index)
     conflicting: int = 0    # directory entries that overlap (never from a sound directory)
+    other_tenants: int = 0  # blocks of tenants the configuration no longer counts: dropped
     trusted: bool = False
     elapsed_s: float = 0.0
     settled_on_demand: int = 0   # settled because a request named them before the background pass did
@@ -67,7 +68,8 @@ class AdoptionReport:
     def summary(self) -> dict[str, int | float | bool]:
         return {"listed": self.listed, "adopted": self.adopted, "adopted_bytes": self.adopted_bytes,
                 "mismatched": self.mismatched, "unrecorded": self.unrecorded, "conflicting": self.conflicting,
-                "on_demand": self.settled_on_demand, "trusted": self.trusted, "elapsed_s": round(self.elapsed_s, 3),
+                "other_tenants": self.other_tenants, "on_demand": self.settled_on_demand, "trusted": self.trusted,
+                "elapsed_s": round(self.elapsed_s, 3),
                 "done": self.done}
 
 
@@ -126,6 +128,12 @@ class RamAdoption:
             tiers = _tiers_of(raw, block.length)
             if not tiers & _RAM:
                 report.unrecorded += 1
+                ram.abort(block)
+                lost.append(block.key)
+            elif ram.shares is None and record_tenant(raw):     # type: ignore[arg-type]
+                # tenants not counted (one configured): the tier holds the default tenant's
+                # blocks alone, so no read takes another's for the default tenant's
+                report.other_tenants += 1
                 ram.abort(block)
                 lost.append(block.key)
             elif checksum is None or checksum == raw[CHECKSUM_AT:CHECKSUM_AT + CHECKSUM_BYTES]:  # type: ignore[index]

@@ -28,7 +28,7 @@ class AgentInfo:
     agent_id: str
     pid: int
     blocks: set[bytes] = field(default_factory=set)
-    tenant: str = ""            # kvcached.tenants: whose blocks these are ("": the default tenant's)
+    tenant: str = ""            # kvcached.tenants: whose blocks these are, a Tenant.tag ("": the default tenant's)
 
 
 class GpuView:
@@ -75,15 +75,17 @@ class GpuView:
 
     def overlap(self, digests: Sequence[bytes], tenant: str | None = None) -> list[tuple[AgentInfo, int]]:
         """Every agent with the prefix it holds, longest first (ties by session); with
-        ``tenant``, that tenant's agents only (another tenant's agents are not named at all)."""
+        ``tenant`` (a Tenant.tag), that tenant's agents only (another tenant's agents are not
+        named at all)."""
         out = [(info, _prefix(info.blocks, digests)) for info in self._agents.values()
                if tenant is None or info.tenant == tenant]
         out.sort(key=lambda pair: (-pair[1], pair[0].session))
         return out
 
-    def longest(self, digests: Sequence[bytes]) -> int:
-        """The longest prefix any one agent holds."""
-        return max((_prefix(info.blocks, digests) for info in self._agents.values()), default=0)
+    def longest(self, digests: Sequence[bytes], tenant: str | None = None) -> int:
+        """The longest prefix any one agent holds (of ``tenant``'s agents, a Tenant.tag, where given)."""
+        return max((_prefix(info.blocks, digests) for info in self._agents.values()
+                    if tenant is None or info.tenant == tenant), default=0)
 
 
 def _prefix(blocks: set[bytes], digests: Sequence[bytes]) -> int:

@@ -114,6 +114,7 @@ class Counters:
     declined: int = 0              # new blocks the admission policy did not take
     ssd_budget_declined: int = 0   # publishes the SSD write budget refused (kept in RAM only)
     held_written: int = 0          # write_through_selective: held blocks that earned their SSD write
+    other_tenant: int = 0          # blocks a caller named that are another tenant's: answered as never stored
 
 
 @dataclass(slots=True)
@@ -130,7 +131,8 @@ class TenantCounts:
 
 class TenantTally:
     """Puts and reads by tenant tag, counted where several tenants are configured (``on``);
-    the tags are the configuration's names, so the table stays as small as that."""
+    the tags are the configuration's names, so the table stays as small as that. The
+    operator's calls (tag None) count as the default tenant's."""
 
     def __init__(self, on: bool = False) -> None:
         self.on = on
@@ -142,19 +144,19 @@ class TenantTally:
             counts = self.by[tag] = TenantCounts()
         return counts
 
-    def put(self, tag: str, nbytes: int, blocks: int = 1) -> None:
+    def put(self, tag: str | None, nbytes: int, blocks: int = 1) -> None:
         if self.on:
-            counts = self.of(tag)
+            counts = self.of(tag or "")
             counts.puts += blocks
             counts.put_bytes += nbytes
 
-    def lookup(self, tag: str) -> None:
+    def lookup(self, tag: str | None) -> None:
         if self.on:
-            self.of(tag).lookups += 1
+            self.of(tag or "").lookups += 1
 
-    def read(self, tag: str, hits: int, hit_bytes: int, misses: int) -> None:
+    def read(self, tag: str | None, hits: int, hit_bytes: int, misses: int) -> None:
         if self.on:
-            counts = self.of(tag)
+            counts = self.of(tag or "")
             counts.hits += hits
             counts.hit_bytes += hit_bytes
             counts.misses += misses

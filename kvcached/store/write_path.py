@@ -7,6 +7,9 @@
   and a Put waits while too much of the RAM tier is dirty; ``write_through_selective`` holds a
   new block in RAM until its N-th hit (:meth:`on_hit`, called by the read path). What the write
   policy does with a new block is kvcached.store.write_policy's, for both halves.
+- A block another tenant stores under an address a writer names is neither replaced nor
+  revealed: the writer is told its block was declined, as admission might (counted in
+  ``other_tenant``).
 - Agents (kvcached.api.agent_session) :meth:`reserve` slots, write them, and
   :meth:`commit_written` makes the written blocks visible at once; a background thread checksums
   them and their records are written after (a read, delete or publish of such a block waits,
@@ -75,12 +78,13 @@ class WritePath(Room):
         published is dropped again and the error says so, one the SSD write budget refuses is
         dropped and counted as declined."""
         through = self.mover is not None and self.settings.writes.synchronous
-        result, new, full = self._put_ram(items, hold=through)
+        theirs = self._theirs(items)
+        result, new, full = self._put_ram(items, hold=through, theirs=theirs)
         own = {b.key for b, _ in new}
         if through:
             # Blocks of this batch already in RAM but not on SSD yet (another Put of the same
             # block is publishing it, or it was put under write-back) are made durable too.
-            new += await self.policy.dirty_blocks(list({i.address.key for i in items} - own))
+            new += await self.policy.dirty_blocks(list({i.address.key for i in items} - own - theirs))
         if through and new:
             failed, refused = await self.policy.write_through(new, own)
             result.stored -= len(refused)
@@ -95,15 +99,32 @@ class WritePath(Room):
             raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {full}")
         return result
 
-    def _put_ram(self, items: Sequence[PutItem], hold: bool) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]],
-                                                                      RamFull | None]:
+    def _theirs(self, items: Sequence[PutItem]) -> set[bytes]:
+        """The keys of ``items`` under which another tenant's block is stored (counted)."""
+        keys = [item.address.key for item in items]
+        theirs = {item.address.key for item in items if self.ram.tenant_of(item.address.key) not in (None, item.tenant)}
+        if self.ssd is not None and items:
+            tenant = items[0].tenant
+            if all(item.tenant == tenant for item in items):
+                theirs.update(k for k, t in zip(keys, self.index.writable_tiers(keys, tenant)) if t is None)
+            else:
+                theirs.update(item.address.key for item in items
+                              if self.index.writable_tiers([item.address.key], item.tenant)[0] is None)
+        self.counters.other_tenant += len(theirs)
+        return theirs
+
+    def _put_ram(self, items: Sequence[PutItem], hold: bool,
+                 theirs: set[bytes]) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]], RamFull | None]:
         """The RAM part of a Put: returns what it stored, the new blocks (pinned if ``hold``,
         so none can be evicted before it is published), and the RamFull that stopped it early."""
         for i, item in enumerate(items):
             self._check_put(i, item)
         todo: list[tuple[int, PutItem]] = []
+        foreign = 0
         for i, item in enumerate(items):
-            if item.address.key in self.ram:
+            if item.address.key in theirs:
+                foreign += 1
+            elif item.address.key in self.ram:
                 self.ledger.touched(item.address.key)    # a re-put is a use
             else:
                 todo.append((i, item))
@@ -130,7 +151,7 @@ class WritePath(Room):
             todo = [t for t, k in zip(todo, keep) if k]
             checksums = [c for c, k in zip(checksums, keep) if k]
         now = self.clock()
-        result = PutResult(present=len(items) - offered, declined=offered - len(todo))
+        result = PutResult(present=len(items) - offered - foreign, declined=offered - len(todo) + foreign)
         new: list[tuple[RamBlock, BlockRecord]] = []
         full: RamFull | None = None
         # Records of this batch are staged in the ledger and go to the index in one write at
@@ -221,9 +242,11 @@ class WritePath(Room):
         bytes counted as held) or why not: ``present`` (RAM or SSD has it: nothing to write),
         ``busy`` (another writer has it reserved), ``full`` (no room, or agents and readers
         already hold half the RAM tier), ``invalid`` (a size outside 1..max_block_bytes),
-        ``declined`` (the admission policy does not take it yet: nothing to write)."""
+        ``declined`` (the admission policy does not take it yet, or another tenant's block is
+        stored there: nothing to write)."""
         keys = [a.key for a, _ in entries]
-        on_ssd = self.index.tiers_of(keys) if self.ssd is not None else [Tier.NONE] * len(keys)
+        on_ssd: list[Tier | None] = (self.index.writable_tiers(keys, tenant) if self.ssd is not None
+                                     else [Tier.NONE] * len(keys))
         inflight = self.inflight
         out: list[RamBlock | SlotRefusal] = []
         mine: set[bytes] = set()
@@ -234,6 +257,9 @@ class WritePath(Room):
                     out.append(SlotRefusal.INVALID)
                 elif key in mine:
                     out.append(SlotRefusal.PRESENT)        # the same block twice in one batch: written once
+                elif tiers is None or self.ram.tenant_of(key) not in (None, tenant):
+                    self.counters.other_tenant += 1
+                    out.append(SlotRefusal.DECLINED)
                 elif key in self.ram or tiers & Tier.SSD:
                     self.ledger.touched(key)     # a re-save is a use
                     out.append(SlotRefusal.PRESENT)

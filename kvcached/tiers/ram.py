@@ -32,20 +32,19 @@ Runs on the event loop thread only; no locks, no I/O besides memcpy into the are
 
 from __future__ import annotations
 
-import itertools
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from kvcached.policies import EvictionPolicy, PolicySnapshot, Steps
-from kvcached.policies.links import IdLinks, IdQueue, KeyIds, column
+from kvcached.policies.links import KeyIds, column
 from kvcached.tiers.arena import SharedArena
-from kvcached.tiers.ram_shares import SEARCH, RamShares
+from kvcached.tiers.ram_order import DirtyList, Victims
+from kvcached.tiers.ram_shares import RamShares, owner_test
 from kvcached.tiers.slabs import SlabAllocator
 from kvcached.tiers.slot_directory import Geometry, SlotDirectory
 
 __all__ = ["RamBlock", "RamFull", "BlockBusy", "RamTier", "WRITING"]
 
 WRITING = -1
-CLEAN_SEARCH = 32      # candidates looked at for a clean victim before a dirty one goes
 
 
 class RamFull(Exception):
@@ -100,60 +99,6 @@ class RamBlock:
         return f"RamBlock(key={self.key.hex()[:16]}, slot={self.slot}, length={self.length})"
 
 
-class DirtyList:
-    """The tier's dirty blocks, oldest first: an :class:`IdQueue` over the tier's record ids
-    (8 bytes a block). Iterating gives their keys; do not change the tier while iterating."""
-
-    def __init__(self, ids: KeyIds, capacity: int) -> None:
-        self._ids = ids
-        links = IdLinks()
-        links.size_for(capacity)
-        self.queue = IdQueue(links, 1)
-
-    def __len__(self) -> int:
-        return len(self.queue)
-
-    def __bool__(self) -> bool:
-        return bool(self.queue)
-
-    def __iter__(self) -> Iterator[bytes]:
-        return map(self._ids.key_of, self.queue)
-
-
-class _Victims:
-    """Which blocks an eviction takes, over the tier's columns (shared, not copied)."""
-
-    def __init__(self, slabs: SlabAllocator, slot: memoryview, refs: memoryview, clean: memoryview,
-                 by_slot: memoryview) -> None:
-        self.slabs, self.slot, self.refs, self.clean, self.by_slot = slabs, slot, refs, clean, by_slot
-
-    def pick(self, entries: Iterable[int], cls: int, prefer_clean: bool,
-             test: Callable[[int], bool] | None = None) -> list[int] | None:
-        """The first workable victims among ``entries`` (each idle and passing ``test``): the
-        block, or the whole slab it is in when that slab is of another size class; with
-        ``prefer_clean``, the first clean ones among the next few, else the first. None: none."""
-        fallback: list[int] | None = None
-        looked = 0
-        refs, clean, by_slot, slabs = self.refs, self.clean, self.by_slot, self.slabs
-        for entry in entries:
-            if refs[entry] != 0 or (test is not None and not test(entry)):
-                continue
-            slab = slabs.slab_of(self.slot[entry])
-            if slabs.class_of_slab(slab) == cls:
-                victims = [entry]
-            else:
-                victims = [e - 1 for s in slabs.slots_of(slab) if (e := by_slot[s])]
-                if any(refs[e] != 0 or (test is not None and not test(e)) for e in victims):
-                    continue
-            if not prefer_clean or all(clean[e] for e in victims):
-                return victims
-            fallback = fallback or victims
-            looked += 1
-            if looked >= CLEAN_SEARCH:
-                break
-        return fallback
-
-
 class RamTier:
     """``directory``: where the tier writes what each slot holds, so a successor can adopt the
     arena (kvcached.tiers.slot_directory; None: nothing outlives the process)."""
@@ -185,7 +130,7 @@ class RamTier:
         policy.size_for(slots)
         self.shares = RamShares(shares or {}, slots) if shares or count_tenants else None
         self._enforce = bool(shares)         # shares set: victims by their rule; else the policy's alone
-        self._victims = _Victims(self.slabs, self._slot, self._refs, self._clean, self._by_slot)
+        self._victims = Victims(self.slabs, self._slot, self._refs, self._clean, self._by_slot)
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
         self.evictions = 0
         self.dirty_evictions = 0     # evicted with no copy on SSD: their bytes are gone
@@ -237,16 +182,25 @@ class RamTier:
         return (entry is not None and self._refs[entry] != WRITING and self._clean[entry] == 1
                 and self._hits[entry] == 0)
 
-    def resident_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are committed blocks (the lookup hot path)."""
+    def resident_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
+        """How many of ``keys``, from the first, are committed blocks (the lookup hot path),
+        ``tenant``'s alone where given (a Tenant.tag)."""
         get, refs = self._index.get, self._refs
+        owned = owner_test(self.shares, tenant)
         n = 0
         for key in keys:
             entry = get(key)
-            if entry is None or refs[entry] == WRITING:
+            if entry is None or refs[entry] == WRITING or (owned is not None and not owned(entry)):
                 break
             n += 1
         return n
+
+    def tenant_of(self, key: bytes) -> str | None:
+        """Whose block ``key`` is, committed or being written (a Tenant.tag; None: absent).
+        Where tenants are not counted (no :attr:`shares`) the tier holds the default tenant's
+        blocks alone: an adopted block of another is not taken up (kvcached.store.adoption)."""
+        entry = self._index.get(key)
+        return None if entry is None else self.shares.tag_of(entry) if self.shares is not None else ""
 
     def holds(self, block: RamBlock) -> bool:
         """``block``'s block (committed or not) is still in the tier."""
@@ -500,20 +454,10 @@ class RamTier:
         self.used_bytes -= length
 
     def _make_room(self, cls: int, tenant: str = "", need: int = 0) -> None:
-        """Evict the policy's first workable candidate (one block, or one whole slab); with
-        ``prefer_clean``, the first clean one among the next few, else that first one. With
-        shares, the candidates a block of ``tenant`` needing ``need`` bytes may evict, in the
-        order kvcached.tiers.ram_shares gives."""
-        pick, clean = self._victims.pick, self.prefer_clean
-        if self.shares is None or not self._enforce:
-            victims = pick(self.policy.candidates(), cls, clean)
-        else:
-            victims = None
-            for test, owners in self.shares.preferences(tenant, need):
-                victims = (pick(itertools.islice(self.policy.candidates(), SEARCH), cls, clean, test)
-                           or pick(self.shares.oldest(owners()), cls, clean, test))
-                if victims:
-                    break
+        """Evict what :meth:`Victims.choose` picks for a block of ``tenant`` needing ``need``
+        bytes of class ``cls`` (one block, or one whole slab); RamFull if nothing may go."""
+        victims = self._victims.choose(self.policy, cls, self.prefer_clean, self.shares if self._enforce else None,
+                                       tenant, need)
         if victims:
             self._evict(victims)
             return

@@ -21,13 +21,14 @@ from typing import Callable, Iterator, Mapping
 
 from kvcached.policies.links import IdLinks, IdQueue, column
 
-__all__ = ["MAX_OWNERS", "SEARCH", "Preference", "RamShares"]
+__all__ = ["MAX_OWNERS", "SEARCH", "Preference", "RamShares", "owner_test"]
 
 #: a set of victims: (a test on a record id, the tenants whose blocks pass it)
 Preference = tuple[Callable[[int], bool], Callable[[], list[int]]]
 
 SEARCH = 512           # policy candidates looked at for an eligible victim before the queues
-MAX_OWNERS = 255       # tenants counted apart; past that, more are counted as the default tenant
+MAX_OWNERS = 255       # tenants counted apart; past that, more are counted together (OVERFLOW)
+OVERFLOW = "\x00more"  # the owner of blocks of tenants past MAX_OWNERS: no caller's tag (reads miss them)
 
 
 class RamShares:
@@ -53,8 +54,8 @@ class RamShares:
         found = self._ids.get(tag)
         if found is not None:
             return found
-        if len(self.names) >= MAX_OWNERS:
-            return 0
+        if len(self.names) >= MAX_OWNERS - 1 and tag != OVERFLOW:
+            return self._id(OVERFLOW)
         new = self._ids[tag] = len(self.names)
         self.names.append(tag)
         self.share.append(0)
@@ -99,6 +100,16 @@ class RamShares:
     def tag_of(self, entry: int) -> str:
         return self.names[self._owner[entry]]
 
+    def owned_by(self, tag: str) -> Callable[[int], bool]:
+        """A test of whether a record id's block is ``tag``'s (for a read's hot loop). The
+        blocks of tenants past :data:`MAX_OWNERS` are nobody's here: their reads find them
+        through the index, never another's through this test."""
+        owner = self._ids.get(tag) if tag != OVERFLOW else None
+        if owner is None:
+            return lambda entry: False
+        column_ = self._owner
+        return lambda entry: column_[entry] == owner
+
     # -- victims -----------------------------------------------------------------------------------
 
     def preferences(self, tag: str, need: int) -> tuple[Preference, Preference]:
@@ -131,3 +142,16 @@ class RamShares:
         """The blocks of ``owners``, each tenant's oldest first."""
         for o in owners:
             yield from self._queues[o]
+
+
+def _nobody(entry: int) -> bool:
+    return False
+
+
+def owner_test(shares: RamShares | None, tenant: str | None) -> Callable[[int], bool] | None:
+    """A test of whether a record id's block is ``tenant``'s (a Tenant.tag), for a read of the
+    tier; None where no test is needed (``tenant`` None: the operator, anyone's). Without
+    ``shares`` (tenants not counted) every block in the tier is the default tenant's."""
+    if tenant is None or (shares is None and tenant == ""):
+        return None
+    return _nobody if shares is None else shares.owned_by(tenant)

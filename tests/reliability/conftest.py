@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from tests.integration.conftest import daemon, make_daemon  # noqa: F401  (fixtures)
+from tests.integration.users import socket_dir, users  # noqa: F401  (fixtures)
 
 __all__ = ["rss_kib", "open_fds", "report"]
 

@@ -139,6 +139,38 @@ def test_events_settings_refused_at_start(overrides: list[str], key: str) -> Non
     assert key in str(err.value)
 
 
+ALICE = ["tenants.uids={ alice = [1001] }"]
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    (['events.endpoint="ipc://@kv-events"'], "events.endpoint", "abstract"),
+    (['events.endpoint="ipc:///tmp/e"', 'events.replay_endpoint="ipc://@kv-replay"'], "events.replay_endpoint",
+     "abstract"),
+    ([*ALICE, 'tenants.events={ alice = "ipc://@alice" }'], "tenants.events", "abstract"),
+    ([*ALICE, 'tenants.events={ alice = "ipc:///tmp/a" }', 'tenants.event_replays={ alice = "ipc://@r" }'],
+     "tenants.event_replays", "abstract"),
+    ([*ALICE, 'events.endpoint="tcp://127.0.0.1:5557"'], "events.endpoint", "alice"),
+    ([*ALICE, 'events.endpoint="ipc:///tmp/e"', 'events.replay_endpoint="tcp://127.0.0.1:5558"'],
+     "events.replay_endpoint", "every tenant's blocks"),
+    ([*ALICE, 'events.endpoint="tcp://*:5557"', "events.remote=true"], "events.endpoint", "every tenant's blocks"),
+    (['tenants.gids={ ml = [2000] }', 'events.endpoint="tcp://127.0.0.1:5557"'], "events.endpoint", "ml"),
+])
+def test_streams_anyone_on_the_host_could_open_are_refused(overrides: list[str], key: str, says: str) -> None:
+    """An abstract socket has no file mode; a TCP port admits every local process: neither may
+    carry the stream that names every tenant's blocks (issue 59)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert key in str(err.value) and says in str(err.value), str(err.value)
+
+
+def test_the_operators_stream_beside_tenants_is_an_ipc_path() -> None:
+    config = load_config(None, [*ALICE, 'events.endpoint="ipc:///tmp/e"', 'events.replay_endpoint="ipc:///tmp/r"'])
+    assert config.events.endpoint == "ipc:///tmp/e"
+    # The default tenant alone is no other tenant: loopback TCP stays as before.
+    config = load_config(None, ["tenants.uids={ default = [0] }", 'events.endpoint="tcp://127.0.0.1:5557"'])
+    assert config.events.endpoint == "tcp://127.0.0.1:5557"
+
+
 def test_a_routable_endpoint_is_allowed_when_said_so() -> None:
     config = load_config(None, ['events.endpoint="tcp://*:5557"', "events.remote=true"])
     assert config.events.endpoint == "tcp://*:5557"

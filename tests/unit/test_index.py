@@ -28,6 +28,7 @@ from kvcached.index import (
     PresenceFeed,
     Tier,
 )
+from kvcached.index.boot import reconcile_at_boot
 from kvcached.index.format import record_model, record_tenant, split_tail, with_route
 from tests.disks import fill, small_tmpfs
 
@@ -217,7 +218,7 @@ def test_reconcile_at_boot(index: BlockIndex) -> None:
     ])
     raw_put(index, key(7), b"\x63garbage")                          # unreadable: deleted
     raw_put(index, key(8), record(8).encode() + b"\xff")            # bad UTF-8: deleted
-    counts = index.reconcile_at_boot(NOW, TTL)
+    counts = reconcile_at_boot(index, NOW, TTL)
     assert counts == {"seen": 8, "kept": 4, "lost_at_restart": 1, "pruned": 1, "unreadable": 2}
     assert index.get(key(1)) == record(1).gone(GoneReason.LOST_AT_RESTART, NOW)
     assert index.get(key(2)) == record(2, tiers=Tier.SSD)
@@ -230,12 +231,12 @@ def test_reconcile_at_boot(index: BlockIndex) -> None:
 
 def test_reconcile_is_idempotent(index: BlockIndex) -> None:
     index.write([(key(1), record(1)), (key(2), record(2, tiers=Tier.SSD))])
-    index.reconcile_at_boot(NOW, TTL)
+    reconcile_at_boot(index, NOW, TTL)
     snapshot = list(index.scan())
-    assert index.reconcile_at_boot(NOW, TTL) == {"seen": 2, "kept": 2, "lost_at_restart": 0, "pruned": 0,
+    assert reconcile_at_boot(index, NOW, TTL) == {"seen": 2, "kept": 2, "lost_at_restart": 0, "pruned": 0,
                                                  "unreadable": 0}
     assert list(index.scan()) == snapshot
-    counts = index.reconcile_at_boot(NOW + TTL + 1, TTL)
+    counts = reconcile_at_boot(index, NOW + TTL + 1, TTL)
     assert counts["pruned"] == 1 and index.get(key(1)) is None
 
 
@@ -243,7 +244,7 @@ def test_reconcile_progress_and_small_batches(index: BlockIndex) -> None:
     index.write([(key(n), record(n)) for n in range(10)])
     index.write([(key(n), tombstone(n, 0.0)) for n in range(10, 17)])
     seen: list[int] = []
-    counts = index.reconcile_at_boot(NOW, TTL, progress=seen.append, batch=3)
+    counts = reconcile_at_boot(index, NOW, TTL, progress=seen.append, batch=3)
     assert seen == [3, 6, 9, 12, 15]
     assert counts == {"seen": 17, "kept": 0, "lost_at_restart": 10, "pruned": 7, "unreadable": 0}
     assert [k for k, _ in index.scan()] == [key(n) for n in range(10)]
@@ -252,7 +253,7 @@ def test_reconcile_progress_and_small_batches(index: BlockIndex) -> None:
 
 def test_reconcile_empty(index: BlockIndex) -> None:
     called: list[int] = []
-    assert index.reconcile_at_boot(NOW, TTL, progress=called.append)["seen"] == 0
+    assert reconcile_at_boot(index, NOW, TTL, progress=called.append)["seen"] == 0
     assert called == []
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
+from kvcached.index.boot import reconcile_at_boot
 from kvcached.policies.clock import ClockPolicy
 from kvcached.store import Fetched, LookupResult, Pinned, PutItem, Store
 from kvcached.tiers.arena import SharedArena
@@ -173,7 +174,7 @@ def test_get_after_a_restart(store: Store, index: BlockIndex, clock: FakeClock) 
     """RAM-only blocks are lost when the daemon restarts; the index says so."""
     store.put([item(1)])
     clock.advance(30)
-    counts = index.reconcile_at_boot(clock(), store.gone_ttl)
+    counts = reconcile_at_boot(index, clock(), store.gone_ttl)
     assert counts["lost_at_restart"] == 1
     arena = SharedArena(4 * SLAB)
     try:
