@@ -467,12 +467,22 @@ class EventsCollector(Collector):
                                                      "without telling; the subscriber sees the gap and may replay)"),
                 ("events_dropped_feed", c.dropped_feed, "tier changes lost before publishing (the feed was full)"),
                 ("events_replays", c.replays, "KV event replay requests answered"),
-                ("events_replays_refused", c.replays_refused, "replay requests malformed or asking for batches not kept"),
-                ("events_replays_cut", c.replays_cut, "replay answers cut short: the client's queue was full"),
+                ("events_replays_refused", c.replays_refused, "replay requests malformed, asking for numbers not "
+                                                             "published or not kept, or refused while busy"),
+                ("events_replays_cut", c.replays_cut, "replay answers cut short: the client stopped reading, or "
+                                                     "the endpoint was reset"),
+                ("events_replay_resets", c.replay_resets, "times a replay endpoint was reset to free what its "
+                                                         "clients held (events.replay_clients_mib)"),
+                ("events_replay_refused_connections", c.replay_refused_connections,
+                 "replay connections refused at their handshake: past the endpoint's cap, or one peer's"),
                 ("events_seq_write_failures", c.seq_write_failures, "writes of the KV events' sequence file that failed "
                                                                     "(a crash before the next one may repeat numbers)")):
             yield CounterMetricFamily(f"kvcached_{name}", doc, value=value)
         yield GaugeMetricFamily("kvcached_events_subscriptions", "KV event subscriptions open now", value=c.subscriptions)
+        yield GaugeMetricFamily("kvcached_events_replay_connections", "Replay connections open now",
+                                value=c.replay_connections)
+        yield GaugeMetricFamily("kvcached_events_replay_held_bytes", "What replay clients may make the daemon hold "
+                                "now beyond the kept batches (an upper bound)", value=c.replay_held_bytes)
 
 
 def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: LoopLag | None = None,

@@ -267,6 +267,10 @@ class EventsSection:
                     "slowing the daemon.", 10_000, between(1, 10_000_000), int)
     replay_batches: int = setting("Last batches kept for replay.", 10_000, between(1, 10_000_000), int)
     replay_mib: int = setting("Most MiB of batches kept for replay (the oldest go first).", 64, between(1, 65536), int)
+    replay_clients_mib: int = setting("Most MiB replay clients together may make the daemon hold beyond the kept "
+                                      "batches (their connections, their queued messages, batches they hold that "
+                                      "replay no longer keeps); past it the replay endpoint is reset.", 64,
+                                      between(8, 65536), int)
     ram_medium: str = setting("medium of events about the RAM tier ({node} filled in).", "CPU", event_medium)
     ssd_medium: str = setting("medium of events about the SSD tier ({node} filled in).", "STORAGE", event_medium)
 

@@ -1,7 +1,7 @@
 """KV events: what the RAM and SSD tiers gain and lose, published in vLLM's schema over ZMQ so
 KV-aware routers see every tier (docs/events.md). ``schema``: the msgpack layout; ``stream``:
-events, batches, replay and sequence numbers, without I/O; ``publisher``: the sockets and the
-daemon's task."""
+events, batches and sequence numbers, without I/O; ``replay``: replay answered within a bound,
+without I/O; ``publisher``, ``replay_server``, ``endpoints``: the sockets and the daemon's task."""
 
 from kvcached.config import Config
 from kvcached.events.group import EventStreams
@@ -23,7 +23,7 @@ def streams_for(config: Config, node: str) -> EventStreams | None:
     naming = EventNaming(ram_medium=e.ram_medium.format(node=name), ssd_medium=e.ssd_medium.format(node=name),
                          ownership=f"kvcached@{name}", topic=e.topic, node=name)
     common = dict(interval_s=e.batch_ms / 1000, hwm=e.hwm, replay_batches=e.replay_batches,
-                  replay_bytes=e.replay_mib << 20)
+                  replay_bytes=e.replay_mib << 20, replay_clients_bytes=e.replay_clients_mib << 20)
     publishers = [EventPublisher(PublisherSettings(e.endpoint, e.replay_endpoint, naming, **common),  # type: ignore[arg-type]
                                  config.kv.index_dir)] if e.endpoint else []
     for tenant, endpoint in sorted(t.events.items()):

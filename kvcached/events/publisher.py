@@ -1,12 +1,13 @@
 """The KV event publisher: the index's tier changes, as vLLM-schema batches, over ZMQ PUB, with a
 replay ROUTER (docs/events.md). A thin asyncio layer over kvcached.events.stream.
 
-One task wakes every batch interval: it answers replay requests, takes the index's tier feed
-(each change carries its block's record, and so the engine's keys of the block) and sends one
-batch per topic. Every
-send is non-blocking, so nothing here ever waits for a subscriber: a subscriber whose queue is
-at the high-water mark misses the batch (ZMQ drops it for that subscriber alone; counted in
-:attr:`EventCounters.dropped_hwm`) and can ask the replay endpoint for it.
+One task wakes every batch interval: it takes the index's tier feed (each change carries its
+block's record, and so the engine's keys of the block) and sends one batch per topic; between
+batches, while replays are under way, it pumps the replay endpoint
+(kvcached.events.replay_server) every few milliseconds. Every send is non-blocking, so nothing
+here ever waits for a subscriber: a subscriber whose queue is at the high-water mark misses the
+batch (ZMQ drops it for that subscriber alone; counted in :attr:`EventCounters.dropped_hwm`) and
+can ask the replay endpoint for it.
 
 Sequence numbers live in ``events.seq`` beside the index (kvcached.events.stream.SequenceLease):
 they never go backwards across a crash, and continue without a gap across an upgrade (the
@@ -22,7 +23,6 @@ one else can connect first).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -31,22 +31,21 @@ from typing import Callable, Sequence
 
 import zmq
 
+from kvcached.events.endpoints import Bound, bind, unbind
+from kvcached.events.replay_server import ReplayServer
 from kvcached.events.schema import KVCacheEvent
 from kvcached.events.stream import EventLog, EventMaker, EventNaming, SequenceLease, clear_event
 from kvcached.host.logs import fields
 from kvcached.index import Tier
 from kvcached.index.format import record_tenant
 from kvcached.index.presence import TierFeed
-from kvcached.tenants.socket_acl import admit_only
 
 __all__ = ["EventCounters", "EventPublisher", "PublisherSettings", "SEQ_FILE"]
 
 log = logging.getLogger("kvcached.events")
 
 SEQ_FILE = "events.seq"
-REPLAY_REQUEST_BYTES = 64        # larger replay frames are refused by ZMQ itself (the peer is dropped)
-REPLAYS_PER_TICK = 64            # replay requests answered per tick; more wait in ZMQ's queue
-REPLAY_CLIENT_HWM = 256          # batches queued to one replay client; past it the answer is cut
+REPLAY_PUMP_S = 0.005            # how often answers under way go on (between batches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +57,7 @@ class PublisherSettings:
     hwm: int = 10_000
     replay_batches: int = 10_000
     replay_bytes: int = 64 << 20
+    replay_clients_bytes: int = 64 << 20                  # what replay clients may make the daemon hold
     max_pending: int = 1 << 20
     tenant: str | None = None                             # one tenant's blocks only (Tenant.tag)
     admit: tuple[list[int], list[int]] | None = None      # the ipc endpoint's uids and gids (tenants)
@@ -71,8 +71,12 @@ class EventCounters:
     dropped_hwm: int = 0         # times a subscriber's queue filled (each stall once, see _send)
     dropped_feed: int = 0        # tier changes lost before publishing (the feed was full)
     replays: int = 0             # replay requests answered
-    replays_refused: int = 0     # replay requests malformed or asking for what is not kept
-    replays_cut: int = 0         # replay answers cut short (the client's queue was full)
+    replays_refused: int = 0     # replay requests malformed, asking for numbers not published or kept, or busy
+    replays_cut: int = 0         # replay answers cut short (the client stopped reading, or the endpoint was reset)
+    replay_resets: int = 0       # times the replay endpoint was reset to free what its clients held
+    replay_held_bytes: int = 0   # what replay clients may hold now (an upper bound)
+    replay_connections: int = 0  # replay connections open now
+    replay_refused_connections: int = 0   # replay connections refused at their handshake (the caps)
     subscriptions: int = 0       # subscriptions open now (subscribe minus unsubscribe messages)
     seq_write_failures: int = 0  # writes of the sequence file that failed
 
@@ -94,10 +98,10 @@ class EventPublisher:
         self._started = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pub: zmq.Socket[bytes] | None = None
-        self._replay: zmq.Socket[bytes] | None = None
+        self.replay: ReplayServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._pending_clear: Tier | None = None
-        self._bound: list[tuple[str, int] | None] = []   # ipc endpoints renamed into place: (path, inode)
+        self._bound: Bound = None
 
     # -- life --------------------------------------------------------------------------------------
 
@@ -114,18 +118,14 @@ class EventPublisher:
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, s.hwm)
             pub.setsockopt(zmq.XPUB_NODROP, 1)        # a full subscriber shows as EAGAIN (see _send)
+            pub.setsockopt(zmq.XPUB_VERBOSER, 1)      # every (un)subscription, not the first of each topic alone
             self._pub = pub
-            self._bound.append(_bind(pub, s.endpoint, "events.endpoint" if s.tenant is None else "tenants.events",
-                                     s.admit))
+            self._bound = bind(pub, s.endpoint, "events.endpoint" if s.tenant is None else "tenants.events", s.admit)
             if s.replay_endpoint:
-                replay = ctx.socket(zmq.ROUTER)
-                replay.setsockopt(zmq.LINGER, 0)
-                replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_REQUEST_BYTES)
-                replay.setsockopt(zmq.SNDHWM, REPLAY_CLIENT_HWM)
-                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full client raises EAGAIN instead of a silent drop
-                self._replay = replay
-                self._bound.append(_bind(replay, s.replay_endpoint, "events.replay_endpoint" if s.tenant is None
-                                         else "tenants.event_replays", s.admit))
+                self.replay = ReplayServer(ctx, s.replay_endpoint, "events.replay_endpoint" if s.tenant is None
+                                           else "tenants.event_replays", self.log, budget=s.replay_clients_bytes,
+                                           admit=s.admit)
+                self.replay.open()
         except BaseException:
             self._close_sockets()
             raise
@@ -164,40 +164,49 @@ class EventPublisher:
             self._started = False
 
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
-        self._pub = self._replay = None
-        for bound in self._bound:         # ZMQ removes the name it bound, not the one renamed into place
-            if bound is None:
-                continue
-            path, inode = bound
-            try:
-                if os.stat(path).st_ino == inode:
-                    os.unlink(path)
-            except OSError:
-                pass
-        self._bound = []
+        if self._pub is not None:
+            self._pub.close(linger=0)
+        self._pub = None
+        unbind(self._bound)
+        self._bound = None
+        if self.replay is not None:
+            self.replay.close()
+            self._count_replays()
+            self.replay = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
 
     async def _run(self) -> None:
         interval = self.settings.interval_s
+        next_tick = time.monotonic()
         while True:
-            started = time.monotonic()
-            try:
-                self.tick()
-            except Exception:      # a bug costs a batch, not the daemon
-                log.exception("KV events: a tick failed")
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + interval
+                try:
+                    self.tick()
+                except Exception:      # a bug costs a batch, not the daemon
+                    log.exception("KV events: a tick failed")
+            elif self.replay is not None:
+                try:
+                    self.replay.pump(now)
+                    self._count_replays()
+                except Exception:
+                    log.exception("KV events: answering replays failed")
+            wait = next_tick - time.monotonic()
+            if self.replay is not None and self.replay.busy:
+                wait = min(wait, REPLAY_PUMP_S)
+            await asyncio.sleep(max(0.0, wait))
 
     # -- one tick ----------------------------------------------------------------------------------
 
     def tick(self) -> None:
         """Answer replays, then publish the changes the feed holds (one batch per topic)."""
         self._subscriptions()
-        self._answer_replays()
+        if self.replay is not None:
+            self.replay.pump()
+            self._count_replays()
         changes = self.feed.take()
         if self.settings.tenant is not None:
             tenant = self.settings.tenant
@@ -257,32 +266,13 @@ class EventPublisher:
             elif message[:1] == b"\x00":
                 self.counters.subscriptions = max(0, self.counters.subscriptions - 1)
 
-    def _answer_replays(self) -> None:
-        replay = self._replay
-        if replay is None:
-            return
-        for _ in range(REPLAYS_PER_TICK):
-            if not int(replay.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
-            try:
-                request = replay.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(request) < 2:
-                continue
-            identity, rest = request[0], request[1:]
-            if rest and rest[0] == b"":          # a REQ or DEALER client's empty delimiter
-                rest = rest[1:]
-            answer = self.log.replay(rest, max_frames=REPLAY_CLIENT_HWM - 1)
-            self.counters.replays += 1
-            if answer.reason:
-                self.counters.replays_refused += 1
-            for frames in answer.frames:
-                try:
-                    replay.send_multipart((identity, b"", *frames), flags=zmq.NOBLOCK)
-                except (zmq.Again, zmq.ZMQError):        # its queue is full, or it left: the rest is dropped
-                    self.counters.replays_cut += 1
-                    break
+    def _count_replays(self) -> None:
+        assert self.replay is not None
+        answers, c = self.replay.answers, self.counters
+        c.replays, c.replays_refused, c.replays_cut = answers.counts.answered, answers.counts.refused, answers.counts.cut
+        c.replay_resets, c.replay_held_bytes, c.replay_connections = (answers.counts.resets, answers.held_bytes,
+                                                                      answers.connections)
+        c.replay_refused_connections = answers.counts.refused_connections
 
     def _persist(self, value: int) -> None:
         """Keep ``value`` in the sequence file. A failed write (a full disk) is logged and
@@ -298,32 +288,6 @@ class EventPublisher:
     @property
     def next_seq(self) -> int:
         return self._lease.next
-
-
-def _bind(sock: zmq.Socket[bytes], endpoint: str, key: str,
-          admit: tuple[list[int], list[int]] | None = None) -> tuple[str, int] | None:
-    """Bind ``endpoint``; with ``admit`` (uids, gids), an ipc endpoint only they may open,
-    returned as (path, inode) for its removal at close."""
-    if admit is None:
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror}") from None
-        return None
-    path = endpoint[len("ipc://"):]
-    temporary = f"{path}.{os.getpid()}.new"
-    try:
-        sock.bind(f"ipc://{temporary}")
-    except zmq.ZMQError as exc:
-        raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror}") from None
-    try:
-        admit_only(temporary, *admit)
-        os.rename(temporary, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):      # no socket left under a temporary name
-            os.unlink(temporary)
-        raise OSError(exc.errno, f"{key} {endpoint}: {exc.strerror or exc}") from None
-    return path, os.stat(path).st_ino
 
 
 def _read_seq(path: str) -> int:

@@ -1,13 +1,8 @@
 """The daemon's KV event stream without I/O: tier changes become vLLM-schema events
 (:class:`EventMaker`), events become numbered batches kept for replay (:class:`EventLog`), and
-sequence numbers survive restarts (:class:`SequenceLease`). kvcached.events.publisher moves the
-bytes; everything it decides is decided here, with the clock passed in.
-
-Replay follows vLLM's ``ZmqEventPublisher``: a request is one frame, the first sequence number
-wanted as 8 bytes big-endian; the answer is every batch kept from there, each as ``(topic, seq,
-payload)``, then the end marker ``(b"", -1 as 8 signed bytes, b"")``. kvcached puts a reason in
-the end marker's payload (vLLM's is empty and its subscribers ignore it) when the request was
-malformed or asked for batches that are not kept.
+sequence numbers survive restarts (:class:`SequenceLease`). Answering replay requests from the
+log is kvcached.events.replay's; kvcached.events.publisher moves the bytes. Everything decided
+is decided without I/O, with the clock passed in.
 """
 
 from __future__ import annotations
@@ -23,9 +18,10 @@ from kvcached.index.format import DIGEST_AT, LAYER_AT, Tier, split_tail
 from kvcached.index.presence import TierChange
 from kvcached_agent.route import RouteKey
 
-__all__ = ["END_SEQ", "EventLog", "EventMaker", "EventNaming", "Replay", "SequenceLease"]
+__all__ = ["END_SEQ", "MAX_BATCH_BYTES", "EventLog", "EventMaker", "EventNaming", "SequenceLease"]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_BATCH_BYTES = 64 << 10      # a batch's payload, unless one event alone is larger
 _RAM, _SSD = int(Tier.RAM), int(Tier.SSD)
 DIGEST_MARK = "kvcached-digest"       # extra_keys of an event that names a block by kvcached's digest
 _ROUTES = msgspec.msgpack.Decoder(list[RouteKey])
@@ -157,31 +153,28 @@ def clear_event(naming: EventNaming, tier: Tier | None) -> AllBlocksCleared:
     return AllBlocksCleared(medium=naming.medium(tier) if tier is not None else None)
 
 
-@dataclass(slots=True)
-class Replay:
-    """What one replay request gets: ``frames`` to send to its client, in order (each a
-    multipart message after the client's identity and the empty delimiter)."""
-
-    frames: list[tuple[bytes, ...]]
-    reason: str = ""          # why the request was not answered in full ("": it was)
-
-
 class EventLog:
     """Numbers batches and keeps the last of them for replay: at most ``max_batches`` and
-    ``max_bytes`` of payloads (the oldest go first). Batches hold at most ``max_events`` events
-    (a longer list is split), so one message stays small whatever a tick gathered."""
+    ``max_bytes`` of payloads (the oldest go first; :attr:`on_drop` hears of each). A batch
+    holds at most ``max_events`` events and, unless one event alone is larger, at most
+    ``max_batch_bytes`` of payload (a longer list is split), so one message stays small
+    whatever a tick gathered: a subscriber or replay client that stops reading holds a few
+    small messages, never one the size of a tick."""
 
     def __init__(self, first_seq: int, *, max_batches: int, max_bytes: int, max_events: int = 1024,
-                 data_parallel_rank: int | None = None) -> None:
+                 max_batch_bytes: int = MAX_BATCH_BYTES, data_parallel_rank: int | None = None) -> None:
         self.next_seq = first_seq
         self.max_batches = max_batches
         self.max_bytes = max_bytes
         self.max_events = max_events
+        self.max_batch_bytes = max_batch_bytes
         self.rank = data_parallel_rank
-        self._kept: deque[tuple[int, bytes, bytes]] = deque()      # (seq, topic, payload)
+        self._kept: deque[tuple[int, bytes, bytes]] = deque()      # (seq, topic, payload), consecutive seqs
         self._kept_bytes = 0
         self.events = 0             # events numbered so far (this process)
         self.batches = 0
+        #: Called with (seq, payload bytes) for each batch the log stops keeping.
+        self.on_drop: Callable[[int, int], None] | None = None
 
     def add(self, topic: str, events: Sequence[KVCacheEvent], ts: float,
             take_seq: Callable[[], int] | None = None) -> list[tuple[bytes, bytes, bytes]]:
@@ -191,23 +184,33 @@ class EventLog:
         out = []
         topic_bytes = topic.encode()
         for start in range(0, len(events), self.max_events):
-            part = list(events[start:start + self.max_events])
-            payload = encode_batch(EventBatch(ts, part, self.rank))
-            seq = take_seq() if take_seq is not None else self.next_seq
-            self.next_seq = seq + 1
-            self._keep(seq, topic_bytes, payload)
-            out.append((topic_bytes, seq.to_bytes(8, "big"), payload))
-            self.events += len(part)
-            self.batches += 1
+            for part, payload in self._encoded(list(events[start:start + self.max_events]), ts):
+                seq = take_seq() if take_seq is not None else self.next_seq
+                self.next_seq = seq + 1
+                self._keep(seq, topic_bytes, payload)
+                out.append((topic_bytes, seq.to_bytes(8, "big"), payload))
+                self.events += len(part)
+                self.batches += 1
         return out
+
+    def _encoded(self, part: list[KVCacheEvent], ts: float) -> list[tuple[list[KVCacheEvent], bytes]]:
+        """``part`` encoded, halved until each payload fits ``max_batch_bytes`` (one encoding
+        when it fits, as nearly every tick's does)."""
+        payload = encode_batch(EventBatch(ts, part, self.rank))
+        if len(payload) <= self.max_batch_bytes or len(part) == 1:
+            return [(part, payload)]
+        half = len(part) // 2
+        return self._encoded(part[:half], ts) + self._encoded(part[half:], ts)
 
     def _keep(self, seq: int, topic: bytes, payload: bytes) -> None:
         kept = self._kept
         kept.append((seq, topic, payload))
         self._kept_bytes += len(payload) + len(topic)
         while kept and (len(kept) > self.max_batches or self._kept_bytes > self.max_bytes):
-            _, old_topic, old = kept.popleft()
+            old_seq, old_topic, old = kept.popleft()
             self._kept_bytes -= len(old) + len(old_topic)
+            if self.on_drop is not None:
+                self.on_drop(old_seq, len(old) + len(old_topic))
 
     @property
     def kept_bytes(self) -> int:
@@ -217,44 +220,13 @@ class EventLog:
     def oldest_kept(self) -> int | None:
         return self._kept[0][0] if self._kept else None
 
-    def replay(self, request: Sequence[bytes], *, max_frames: int | None = None) -> Replay:
-        """The answer to one replay request (the frames after the client's identity and the
-        empty delimiter): the batches kept from the sequence number asked, then the end marker.
-        A request that is not one 8-byte frame, or asks for what is not kept, is told so in the
-        end marker's payload."""
-        if len(request) != 1 or len(request[0]) != 8:
-            reason = (f"malformed replay request: {len(request)} frames of {[len(f) for f in request][:4]} bytes; "
-                      "send one frame, the first sequence number wanted as 8 bytes big-endian")
-            return Replay([(b"", END_SEQ, reason.encode())], reason)
-        start = int.from_bytes(request[0], "big", signed=True)
-        frames: list[tuple[bytes, ...]] = []
-        for seq, topic, payload in self._batches_from(start):
-            if max_frames is not None and len(frames) >= max_frames:
-                reason = f"cut after {max_frames} batches: ask again from {seq}"
-                frames.append((b"", END_SEQ, reason.encode()))
-                return Replay(frames, reason)
-            frames.append((topic, seq.to_bytes(8, "big"), payload))
-        oldest = self.oldest_kept
-        reason = ""
-        if start < 0:
-            reason = f"sequence number {start} does not exist (they start at 0)"
-        elif start > self.next_seq:
-            reason = f"sequence number {start} is not published yet (the next is {self.next_seq})"
-        elif start < (oldest if oldest is not None else self.next_seq):
-            oldest = oldest if oldest is not None else self.next_seq      # none kept yet (a new process)
-            reason = (f"batches {start}..{oldest - 1} are no longer kept (the oldest kept is {oldest}): "
-                      "keep what you knew of this node and follow what comes next")
-        frames.append((b"", END_SEQ, reason.encode()))
-        return Replay(frames, reason)
-
-    def _batches_from(self, start: int) -> Iterable[tuple[int, bytes, bytes]]:
-        """The kept batches from ``start`` on (kept sequence numbers are consecutive: one
-        process hands them out one by one)."""
+    def batch(self, seq: int) -> tuple[bytes, bytes] | None:
+        """(topic, payload) of batch ``seq`` while it is kept, else None."""
         kept = self._kept
-        if not kept or start > kept[-1][0]:
-            return ()
-        first = max(0, start - kept[0][0])
-        return (kept[i] for i in range(first, len(kept)))
+        if not kept or not kept[0][0] <= seq <= kept[-1][0]:
+            return None
+        _, topic, payload = kept[seq - kept[0][0]]
+        return topic, payload
 
 
 class SequenceLease:

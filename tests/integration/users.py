@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-__all__ = ["as_user", "made_users", "needs_users", "socket_dir", "users"]
+__all__ = ["as_user", "made_users", "needs_users", "socket_dir", "start_as_user", "users"]
 
 needs_users = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                  reason="needs root and useradd: the test creates the users it runs as")
@@ -85,3 +85,23 @@ def as_user(uid: int, gid: int, work: Callable[[], Any]) -> Any:
     return json.loads(b"".join(chunks))
 
 
+
+
+def start_as_user(uid: int, gid: int, work: Callable[[Callable[[], None]], Any]) -> int:
+    """``work(ready)`` in a forked child running as ``uid``/``gid`` that goes on until killed;
+    returns its pid once the child called ``ready()`` (or exited)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: never returns into pytest
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            work(lambda: os.write(write, b"r"))
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.read(read, 1)
+    os.close(read)
+    return pid

@@ -7,7 +7,7 @@ import pytest
 
 from kvcached.config import ConfigError, load_config
 from kvcached.events.schema import KVCacheEvent, decode_batch
-from kvcached.events.stream import END_SEQ, EventLog, EventMaker, EventNaming, SequenceLease
+from kvcached.events.stream import EventLog, EventMaker, EventNaming, SequenceLease
 from kvcached.index.format import FLAGS_AT, BlockRecord, Tier, record_model, record_route, with_route
 from kvcached.index.presence import TierFeed
 from kvcached_agent.route import RouteKey, decode_routes, encode_routes
@@ -94,25 +94,30 @@ def test_the_feed_records_changes_of_tiers_only_and_is_bounded() -> None:
     assert len(feed) == 3 and feed.dropped == 2
 
 
-def test_batches_are_numbered_kept_for_replay_and_replay_says_what_is_missing() -> None:
+def test_batches_are_numbered_and_kept_for_replay() -> None:
     log = EventLog(10, max_batches=3, max_bytes=1 << 20, max_events=2)
+    dropped: list[tuple[int, int]] = []
+    log.on_drop = lambda seq, nbytes: dropped.append((seq, nbytes))
     change = (record(Tier.RAM), Tier.NONE, Tier.RAM)
     events = events_of(change, NAMING) * 5
     sent = log.add("kv@n1@m", events, 1.5)
     assert [int.from_bytes(seq, "big") for _, seq, _ in sent] == [10, 11, 12]     # 5 events, 2 a batch
     assert decode_batch(sent[0][2]).ts == 1.5 and len(decode_batch(sent[2][2]).events) == 1
     log.add("kv@n1@m", events[:1], 2.0)                                               # 13; 10 is no longer kept
-    answer = log.replay([(11).to_bytes(8, "big")])
-    assert [int.from_bytes(f[1], "big") for f in answer.frames[:-1]] == [11, 12, 13] and answer.reason == ""
-    old = log.replay([(2).to_bytes(8, "big")])
-    assert old.frames[-1][1] == END_SEQ and b"no longer kept" in old.frames[-1][2]
-    assert b"malformed" in log.replay([b"abc"]).frames[-1][2]
-    assert b"not published yet" in log.replay([(99).to_bytes(8, "big")]).frames[-1][2]
-    fresh = EventLog(12, max_batches=3, max_bytes=1 << 20)        # a new process, nothing published yet
-    assert b"no longer kept" in fresh.replay([(0).to_bytes(8, "big")]).frames[-1][2]
-    assert fresh.replay([(12).to_bytes(8, "big")]).reason == ""
-    cut = log.replay([(11).to_bytes(8, "big")], max_frames=1)
-    assert len(cut.frames) == 2 and b"ask again from 12" in cut.frames[-1][2]
+    assert log.oldest_kept == 11 and log.batch(10) is None and log.batch(13) is not None and log.batch(14) is None
+    assert [seq for seq, _ in dropped] == [10] and dropped[0][1] == len(sent[0][2]) + len(b"kv@n1@m")
+
+
+def test_a_batch_holds_at_most_its_bytes_unless_one_event_alone_is_larger() -> None:
+    keys = [RouteKey([i], None, list(range(400)), 16) for i in range(64)]     # ~1 KiB of tokens a block
+    changes = [(record(Tier.RAM, [k]), Tier.NONE, Tier.RAM) for k in keys]
+    events = [e for c in changes for e in events_of(c, NAMING)]
+    log = EventLog(0, max_batches=1000, max_bytes=1 << 30, max_batch_bytes=8 << 10)
+    sent = log.add("t", events, 1.0)
+    assert len(sent) > 1 and all(len(p) <= 8 << 10 for _, _, p in sent)
+    assert sum(len(decode_batch(p).events) for _, _, p in sent) == len(events), "nothing lost to the split"
+    huge = EventLog(0, max_batches=10, max_bytes=1 << 30, max_batch_bytes=100)
+    assert len(huge.add("t", events[:1], 1.0)) == 1, "one event larger than the cap is a batch of its own"
 
 
 def test_sequence_numbers_never_go_back_after_a_crash_and_run_on_after_a_clean_stop() -> None:
