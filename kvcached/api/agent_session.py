@@ -226,7 +226,7 @@ class AgentSession:
                 decode_routes(blob)
             except ValueError as exc:
                 return p.Error(p.ErrorCode.INVALID_ARGUMENT, f"Route of block {digest.hex()[:16]}: {exc}")
-        self.store.keep_routes(message.entries)
+        self.store.keep_routes(message.entries, self.session)
         return None
 
     def _gpu_event(self, message: p.Pinned | p.Evicted) -> p.Error | None:
@@ -240,8 +240,9 @@ class AgentSession:
         return None
 
     def close(self) -> tuple[int, int, int]:
-        """Give back everything the agent held: reserved slots, pinned blocks, its GPU view.
-        Returns (slots, pins, gpu blocks) released. Safe to call twice."""
+        """Give back everything the agent held: reserved slots, pinned blocks, its GPU view, the
+        engine keys it offered for saves never reserved. Returns (slots, pins, gpu blocks)
+        released. Safe to call twice."""
         if self.closed:
             return 0, 0, 0
         self.closed = True
@@ -259,6 +260,7 @@ class AgentSession:
             except Exception:
                 log.exception("releasing a pinned block failed", extra={"fields": {"session": self.session}})
         gpu = self.store.gpu.drop_agent(self.session)
+        self.store.drop_routes(self.session)
         return len(writes), len(reads), gpu
 
 

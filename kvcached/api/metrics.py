@@ -66,6 +66,12 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("kvcached_agent_held_bytes", "Arena bytes held by agents and streams (reserved or pinned)",
                                 value=s["held_bytes"])
         yield GaugeMetricFamily("kvcached_ram_dirty_bytes", "RAM bytes not yet written back to SSD", value=s["ram_dirty_bytes"])
+        routes = self.store.routes
+        yield GaugeMetricFamily("kvcached_route_keys_bytes", "Engine keys (Route frames) held for blocks agents are "
+                                "saving, with each entry's cost (events.route_keys_mib bounds them)", value=routes.bytes)
+        yield CounterMetricFamily("kvcached_route_keys_dropped", "Engine keys dropped before their block was saved: "
+                                  "past the bounds, or not reserved in time (those blocks' events name the digest)",
+                                  value=routes.dropped)
         by_tenant = GaugeMetricFamily("kvcached_ram_bytes_by_tenant", "RAM payload bytes by tenant (labels from the "
                                       "configuration's names; counted apart where tenants.ram_shares is set)",
                                       labels=["tenant"])

@@ -267,6 +267,9 @@ class EventsSection:
                     "slowing the daemon.", 10_000, between(1, 10_000_000), int)
     replay_batches: int = setting("Last batches kept for replay.", 10_000, between(1, 10_000_000), int)
     replay_mib: int = setting("Most MiB of batches kept for replay (the oldest go first).", 64, between(1, 65536), int)
+    route_keys_mib: int = setting("Most MiB of engine keys (Route frames) of blocks agents are about to save, held "
+                                  "until the saves reserve them (60 s at most); a quarter of it per agent connection, "
+                                  "the oldest going first.", 64, between(1, 65536), int)
     replay_clients_mib: int = setting("Most MiB replay clients together may make the daemon hold beyond the kept "
                                       "batches (their connections, their queued messages, batches they hold that "
                                       "replay no longer keeps); past it the replay endpoint is reset.", 64,

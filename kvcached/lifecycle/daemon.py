@@ -201,7 +201,8 @@ class Daemon:
                            timed_tiers=(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)   # read latencies
                                         + ["peer"] * peer_tier) if cfg.metrics.listen else (),
                            count_tenants=self.tenants.several, ssd_shares=ssd_shares(cfg),
-                           curve_keys=kv.curve_sample_keys if kv.curves else 0, hash_threads=cpu_threads(kv.hash_threads))
+                           curve_keys=kv.curve_sample_keys if kv.curves else 0, hash_threads=cpu_threads(kv.hash_threads),
+                           route_keys_bytes=cfg.events.route_keys_mib << 20)
         self.keeper = StoreKeeper(self.store, self.index, KeeperSettings(
             kv.policy_save_s, kv.ram_policy, kv.ssd_policy, kv.slru_ratio, cfg.grpc.grace_s), status=self.notifier.status)
         self.keeper.restore_policies()

@@ -97,7 +97,7 @@ class Store:
                  adoption: RamAdoption | None = None, mirror_pulls: bool = True,
                  prefetch: PrefetchPolicy | None = None, timed_tiers: Sequence[str] = (),
                  count_tenants: bool = False, ssd_shares: Mapping[str, int] | None = None,
-                 curve_keys: int = 0, hash_threads: int = 2) -> None:
+                 curve_keys: int = 0, hash_threads: int = 2, route_keys_bytes: int = 64 << 20) -> None:
         self.ram = ram
         self.index = index
         self.ssd = ssd
@@ -119,7 +119,7 @@ class Store:
         if prefetch is not None:
             self.settings.prefetch = prefetch
         ram.prefer_clean = ssd is not None
-        self.routes = RouteKeys()            # the engine's keys of blocks being saved (KV events)
+        self.routes = RouteKeys(max_bytes=route_keys_bytes)   # the engine's keys of blocks being saved (KV events)
         self.ledger = RecordLedger(ram, index, clock, self.routes)
         # Readers and agents may hold at most half the RAM tier, so a stalled one can never
         # hold all of it: puts keep finding room in the other half.
@@ -354,11 +354,16 @@ class Store:
         """Whether agents should send the engine's keys of the blocks they save (for KV events)."""
         return self.index.tier_feed is not None
 
-    def keep_routes(self, entries: Sequence[tuple[bytes, int, bytes]]) -> None:
+    def keep_routes(self, entries: Sequence[tuple[bytes, int, bytes]], owner: int = 0) -> None:
         """The engine's keys (encoded, checked by the caller) of blocks (digest, layer) about to be
-        saved, for their KV events, kept once reserved (store.routes); none without events."""
+        saved, for their KV events, kept once reserved (store.routes) and bounded per ``owner``
+        (the agent session that sent them); none without events."""
         if self.index.tier_feed is not None:
-            self.routes.offer(entries)
+            self.routes.offer(entries, owner)
+
+    def drop_routes(self, owner: int) -> None:
+        """The agent session ``owner`` ended: the keys it offered and no save reserved go."""
+        self.routes.release(owner)
 
     async def locate(self, digests: Sequence[bytes], layer: int) -> None:
         """Before a Lookup, in a cluster: ask where remote blocks are (ReadPath.locate)."""

@@ -107,7 +107,7 @@ def honest_replay(state: Path, ctx: zmq.Context[Any], timeout_s: float = 60.0) -
 
 
 @needs_users
-@pytest.mark.parametrize("clients, budget_mib", [(1000, 64), (1000, 8)])
+@pytest.mark.parametrize("clients, budget_mib", [(1000, 64), (1000, 8), pytest.param(5000, 64, marks=pytest.mark.soak)])
 def test_replay_clients_that_never_read_hold_a_bounded_amount(make_daemon: Any, users: Callable[[], tuple[int, int]],
                                                                socket_dir: Path, clients: int, budget_mib: int) -> None:
     """A stranger's thousand clients on a replay endpoint anyone on the host may open (as a TCP
@@ -146,3 +146,64 @@ def test_replay_clients_that_never_read_hold_a_bounded_amount(make_daemon: Any, 
     assert refused > 0 and held <= budget_mib << 20
     wait_for(lambda: scrape(port, "kvcached_events_replay_connections") == 0, text="the stranger's connections counted gone")
     ctx.term()
+
+
+def route_flood(d: DaemonProcess, blocks: int, connections: int) -> None:
+    """Engine keys of about 60 KiB each for ``blocks`` blocks that are never saved, sent over
+    ``connections`` agent connections in turn, each left open."""
+    blob = encode_routes([RouteKey([1], None, [29_999] * 20_000, 16)])
+    assert 55_000 < len(blob) < 65_536
+    agents = [Agent.connect(str(d.state / "agent.sock"), agent_id=f"keys-{i}", model="m", dtype="bf16",
+                            block_tokens=16, num_layers=1, layer_block_bytes=BLOCK, timeout=10) for i in range(connections)]
+    per = blocks // connections
+    for i, agent in enumerate(agents):
+        digests = [i.to_bytes(4, "big") + n.to_bytes(28, "big") for n in range(per)]
+        agent.send_routes(agent.addresses(digests), [blob] * per)
+        agent.lookup(digests[:1])                # the frames before it have been read
+    return agents                                # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("blocks, connections", [(8_000, 4), pytest.param(40_000, 8, marks=pytest.mark.soak)])
+def test_route_keys_of_blocks_never_saved_hold_a_bounded_amount_and_go_with_their_connection(
+        make_daemon: Any, tmp_path: Path, blocks: int, connections: int) -> None:
+    """An agent that sends the keys of blocks it never saves (on main: 28,704 blocks' worth in
+    6 s took RSS from 110 to 1,740 MiB, kept after the connection closed)."""
+    d, port = events_daemon(make_daemon, tmp_path)
+    before = rss_kib(d.proc.pid)                            # type: ignore[union-attr]
+    started = time.monotonic()
+    agents: list[Agent] = route_flood(d, blocks, connections)     # type: ignore[assignment]
+    took = time.monotonic() - started
+    held = scrape(port, "kvcached_route_keys_bytes")
+    grown = (rss_kib(d.proc.pid) - before) / 1024           # type: ignore[union-attr]
+    assert held <= 64 << 20, held
+    for agent in agents:
+        agent.close()
+    wait_for(lambda: scrape(port, "kvcached_route_keys_bytes") == 0, text="the keys went with their connections")
+    report("route_keys", blocks=blocks, connections=connections, seconds=round(took, 1), held_mib=round(held / 2**20, 1),
+           rss_growth_mib=round(grown, 1), dropped=scrape(port, "kvcached_route_keys_dropped_total"))
+    assert grown < 64 + 64, f"RSS grew {grown:.0f} MiB for route keys of {blocks} blocks never saved"
+    with Agent.connect(str(d.state / "agent.sock"), agent_id="after", model="m", dtype="bf16", block_tokens=16,
+                       num_layers=1, layer_block_bytes=BLOCK, timeout=10) as agent:
+        digests = agent.hash_tokens(list(range(64)))
+        assert agent.save(agent.addresses(digests), [torch.zeros(BLOCK, dtype=torch.uint8)] * 4).stored == 4
+
+
+def test_every_subscription_is_counted_and_every_one_that_leaves(make_daemon: Any, tmp_path: Path) -> None:
+    """On main a thousand subscribers to one topic read as 1 (XPUB passed on the first alone)."""
+    d, port = events_daemon(make_daemon, tmp_path)
+    ctx: zmq.Context[Any] = zmq.Context()
+    subs = []
+    for i in range(301):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@" if i else b"")
+        sub.connect(f"ipc://{tmp_path}/events")
+        subs.append(sub)
+    wait_for(lambda: scrape(port, "kvcached_events_subscriptions") == 301, text="301 subscriptions")
+    for sub in subs[:200]:
+        sub.close(linger=0)
+    wait_for(lambda: scrape(port, "kvcached_events_subscriptions") == 101, text="101 once 200 left")
+    for sub in subs[200:]:
+        sub.close(linger=0)
+    ctx.term()
+    del d
