@@ -385,6 +385,7 @@ def _ask_plan(agent: Agent, digests: Sequence[bytes], recompute_s: float, layer:
     try:
         if client in _NO_PLANS:
             raise AgentError(p.ErrorCode.UNKNOWN_TYPE, "this daemon does not know PlanLoads")
+        recompute_s = min(max(recompute_s, 0.0), p.MAX_RECOMPUTE_S) + 0.0     # a measured rate past the range, and -0.0
         answer = client.call(p.PlanLoads(layer, recompute_s, block_bytes, list(digests[:p.MAX_BATCH])))
     except AgentError as exc:
         if exc.code != p.ErrorCode.UNKNOWN_TYPE:

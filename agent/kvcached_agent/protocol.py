@@ -22,6 +22,7 @@ handles only.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Protocol, Sequence, Union
@@ -66,7 +67,8 @@ from kvcached_agent.replies import (
 )
 
 __all__ = [
-    "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "ErrorCode", "Status", "ProtocolError", "Frame",
+    "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_RECOMPUTE_S", "MAX_TEXT", "is_recompute_s", "ErrorCode", "Status",
+    "ProtocolError", "Frame",
     "FrameDecoder", "encode", "decode", "Message",
     "Hello", "Allocate", "Commit", "Lookup", "Present", "PlanLoads", "Load", "Release", "Overlap", "Pinned", "Evicted",
     "Heartbeat", "Route", "Features", "FeatureSet", "Welcome", "Slots", "Committed", "LookupResult", "PresentResult",
@@ -198,16 +200,27 @@ class PlanLoads:
     FIXED: ClassVar[struct.Struct] = struct.Struct("<IdQ")
 
     def encode_body(self) -> bytes:
-        if not self.recompute_s >= 0 or self.block_bytes < 0:
-            raise ValueError(f"PlanLoads: recompute_s {self.recompute_s} and block_bytes {self.block_bytes} must be >= 0")
+        if not is_recompute_s(self.recompute_s) or self.block_bytes < 0:
+            raise ValueError(f"PlanLoads: recompute_s {self.recompute_s} must be 0 to {MAX_RECOMPUTE_S:g} s and "
+                             f"block_bytes {self.block_bytes} >= 0")
         return self.FIXED.pack(self.layer, self.recompute_s, self.block_bytes) + _digests_body(self.digests, "PlanLoads")
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "PlanLoads":
         layer, recompute_s, block_bytes = r.unpack(cls.FIXED)
-        if not 0 <= recompute_s < float("inf"):
-            raise ProtocolError(ErrorCode.MALFORMED, f"PlanLoads: recompute_s {recompute_s} is not a duration")
+        if not is_recompute_s(recompute_s):
+            raise ProtocolError(ErrorCode.MALFORMED, f"PlanLoads: recompute_s {recompute_s} is not a duration of 0 to "
+                                f"{MAX_RECOMPUTE_S:g} s")
         return cls(layer, recompute_s, block_bytes, _read_digests(r))
+
+
+MAX_RECOMPUTE_S = 3600.0     # one block's recompute: an hour is past any engine; more is a wrong unit
+
+
+def is_recompute_s(value: float) -> bool:
+    """A block's recompute time as PlanLoads takes it: 0 to MAX_RECOMPUTE_S seconds, and not
+    -0.0 (a sign carried through a plan's sums; no engine measures a negative zero)."""
+    return 0.0 <= value <= MAX_RECOMPUTE_S and math.copysign(1.0, value) > 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ ending releases what the agent held (AgentSession.close).
 The socket is created with the configured mode and group before it listens, so there is no
 moment when anyone else may connect. Requests that never wait (lookups, events, releases) are
 answered inline, in order; allocations (write-back back-pressure), commits and loads (checksums,
-the SSD, promotions) run as tasks and answer when done (each reply carries its request id).
+the SSD, promotions), and lookups of many digests (done a slice at a time,
+kvcached.api.slices) run as tasks and answer when done (each reply carries its request id).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from itertools import count
 from typing import Any, cast
 
 from kvcached import __version__
-from kvcached.api.agent_session import LOCATING, WAITING, AgentSession, PeerCredentials, Waiting, check_hello
+from kvcached.api.agent_session import AgentSession, PeerCredentials, Waiting, check_hello, waits
 from kvcached.host.logs import fields
 from kvcached.store import Store
 from kvcached.tenants import TenantMap
@@ -208,7 +209,7 @@ class AgentConnection(asyncio.Protocol):
         if self.session is None:
             self._hello(message, frame.request_id)
             return
-        if isinstance(message, WAITING) or (isinstance(message, LOCATING) and self.server.store.asks_homes):
+        if waits(message, self.server.store.asks_homes):
             task = asyncio.ensure_future(self._answer_later(message, frame.request_id))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)

@@ -10,12 +10,15 @@ however it ends (EOF, SIGKILL of the agent, a heartbeat timeout, a protocol erro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from itertools import count
-from typing import Iterator, Sequence, TypeVar, Union, cast
+from typing import Iterator, Sequence, TypeGuard, TypeVar, Union, cast
 
+from kvcached.api.slices import SLICE, lookup_in_slices, plan_in_slices, present_in_slices
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
+from kvcached.policies.load_cost import LoadPlan
 from kvcached.store import CommitOutcome, Miss, Pinned, Presence, SlotRefusal, Store
 from kvcached.store.gpu_view import GpuViewFull
 from kvcached.tenants import Scope, Tenant
@@ -24,7 +27,8 @@ from kvcached_agent import protocol as p
 from kvcached_agent.address import BlockAddress
 from kvcached_agent.route import decode_routes
 
-__all__ = ["LOCATING", "WAITING", "AgentSession", "PeerCredentials", "Waiting", "check_hello", "error_code", "scoped"]
+__all__ = ["LOCATING", "WAITING", "AgentSession", "PeerCredentials", "Waiting", "check_hello", "error_code", "scoped",
+           "waits"]
 
 log = logging.getLogger("kvcached.agent")
 
@@ -41,8 +45,16 @@ _CODES: list[tuple[type[KvError], p.ErrorCode]] = [
 _M = TypeVar("_M", bound=p.Message)
 
 WAITING = (p.Allocate, p.Commit, p.Load)    # requests answered by AgentSession.handle_waiting
-LOCATING = (p.Lookup, p.Present, p.PlanLoads)   # ... and these in a cluster, once the homes are asked
+LOCATING = (p.Lookup, p.Present, p.PlanLoads)   # ... and these in a cluster, once the homes are asked, or when long
 Waiting = Union[p.Allocate, p.Commit, p.Load, p.Lookup, p.Present, p.PlanLoads]
+
+
+def waits(message: p.Message, asks_homes: bool) -> TypeGuard[Waiting]:
+    """Whether ``message`` is answered by :meth:`AgentSession.handle_waiting` (as a task, so the
+    connection's next requests and other agents' are read meanwhile): Allocate, Commit and
+    Load; Lookup, Present and PlanLoads in a cluster (the homes are asked first) or of more than
+    :data:`kvcached.api.slices.SLICE` digests (done a slice at a time)."""
+    return isinstance(message, WAITING) or (isinstance(message, LOCATING) and (asks_homes or len(message.digests) > SLICE))
 
 
 def error_code(exc: KvError) -> p.ErrorCode:
@@ -74,6 +86,12 @@ def check_hello(hello: p.Hello, max_block_bytes: int) -> str | None:
     return None
 
 
+def load_plan(plan: LoadPlan, held: int) -> p.LoadPlan:
+    """A PlanLoads' answer."""
+    return p.LoadPlan(plan.load, held, plan.loaded.get("ram", 0), plan.loaded.get("ssd", 0), plan.skipped.get("ssd", 0),
+                      plan.skipped.get("peer", 0), plan.seconds, plan.load_all, plan.recompute_all)
+
+
 def present_result(presence: Presence) -> p.PresentResult:
     """A Present's answer: the HELD_* flags of each block."""
     return p.PresentResult(bytes(
@@ -97,6 +115,7 @@ class AgentSession:
         self._handles: Iterator[int] = count(1)
         self._writes: dict[int, tuple[BlockAddress, RamBlock]] = {}   # reserved, not committed
         self._reads: dict[int, Pinned] = {}                           # loaded, not released
+        self._slicing = asyncio.Lock()                                # its long lookups, one at a time
         store.gpu.add_agent(session, hello.agent_id, peer.pid, self._tag)
 
     @property
@@ -119,11 +138,8 @@ class AgentSession:
                 return present_result(self.store.present(message.digests, message.layer, agent=self.session,
                                                          tenant=self._tag))
             if isinstance(message, p.PlanLoads):
-                plan, held = self.store.plan(message.digests, message.layer, message.recompute_s, message.block_bytes,
-                                             agent=self.session, tenant=self._tag)
-                return p.LoadPlan(plan.load, held, plan.loaded.get("ram", 0), plan.loaded.get("ssd", 0),
-                                  plan.skipped.get("ssd", 0), plan.skipped.get("peer", 0), plan.seconds,
-                                  plan.load_all, plan.recompute_all)
+                return load_plan(*self.store.plan(message.digests, message.layer, message.recompute_s,
+                                                  message.block_bytes, agent=self.session, tenant=self._tag))
             if isinstance(message, p.Release):
                 return self._release(message)
             if isinstance(message, (p.Pinned, p.Evicted)):
@@ -144,15 +160,12 @@ class AgentSession:
 
     async def handle_waiting(self, message: Waiting) -> p.Message:
         """The answer to an Allocate (it may wait for write-back back-pressure), a Commit or a
-        Load (they may wait for checksums, the SSD, promotions), or, in a cluster, a Lookup (it
-        asks the home nodes where remote blocks are first)."""
+        Load (they may wait for checksums, the SSD, promotions), or a Lookup, Present or
+        PlanLoads in a cluster or of many digests (:meth:`_locating`)."""
+        if isinstance(message, LOCATING):
+            return await self._locating(message)
         if self._scope is not None:
             message = scoped(message, self._scope)
-        if isinstance(message, LOCATING):
-            await self.store.locate(message.digests, message.layer)
-            answer = self._answer(message)
-            assert answer is not None
-            return answer
         try:
             if isinstance(message, p.Allocate):
                 await self.store.throttle_writes()
@@ -162,6 +175,31 @@ class AgentSession:
             if isinstance(message, p.Commit):
                 return await self._commit(message)
             return await self._load(message)
+        except KvError as exc:
+            return p.Error(error_code(exc), str(exc))
+
+    async def _locating(self, message: p.Lookup | p.Present | p.PlanLoads) -> p.Message:
+        """A Lookup, Present or PlanLoads a slice of digests at a time (kvcached.api.slices), the
+        tenant's mapping too, other requests running between slices; in a cluster the homes are
+        asked where remote blocks are first. An agent's long requests take their turns: so an
+        agent with many in flight costs others a slice's wait, not one per request."""
+        if len(message.digests) > SLICE:      # one long one at a time per agent: the others' slices wait their turn
+            async with self._slicing:
+                return await self._located(message)
+        return await self._located(message)
+
+    async def _located(self, message: p.Lookup | p.Present | p.PlanLoads) -> p.Message:
+        store, scope, tag = self.store, self._scope, self._tag
+        try:
+            if isinstance(message, p.Lookup):
+                r = await lookup_in_slices(store, message.digests, message.layer, SLICE, tag, agent=self.session,
+                                           scope=scope)
+                return p.LookupResult(r.longest, r.gpu, r.ram, r.ssd, r.peer)
+            if isinstance(message, p.Present):
+                return present_result(await present_in_slices(store, message.digests, message.layer, SLICE, tag,
+                                                              agent=self.session, scope=scope))
+            return load_plan(*await plan_in_slices(store, message.digests, message.layer, message.recompute_s,
+                                                   message.block_bytes, SLICE, tag, agent=self.session, scope=scope))
         except KvError as exc:
             return p.Error(error_code(exc), str(exc))
 

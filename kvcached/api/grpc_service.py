@@ -21,7 +21,6 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
@@ -31,6 +30,7 @@ from kvcached import __version__
 from kvcached.api import STREAM_CHUNK_BYTES
 from kvcached.api.callers import OPERATOR, Caller, Callers
 from kvcached.api.convert import address_from_pb, address_to_pb, curve_stats, tier_name
+from kvcached.api.slices import lookup_in_slices
 from kvcached.config import GrpcSection
 from kvcached.errors import (
     DataLoss,
@@ -43,8 +43,7 @@ from kvcached.errors import (
     Unavailable,
 )
 from kvcached.index import BlockRecord, Tier
-from kvcached.store import LookupResult, Miss, Pinned, PutItem, Store
-from kvcached.store.gpu_view import GpuView
+from kvcached.store import Miss, Pinned, PutItem, Store
 from kvcached.store.results import TenantCounts
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached.v1 import kvcache_pb2_grpc as pb_grpc
@@ -184,79 +183,6 @@ def _stopped_at(exc: NotFound, start: int, end: int, count: int) -> NotFound:
     if (start, end) == (0, count):
         return exc
     return NotFound(f"{exc}; in addresses[{start}:{end}] of {count}, where the call stopped")
-
-
-@dataclass(slots=True)
-class _Run:
-    """A count from the first digest of a chain, put together slice by slice: a slice's count
-    adds to it while every earlier slice counted whole."""
-
-    count: int = 0
-    open: bool = True
-
-    def add(self, count: int, length: int) -> None:
-        if self.open:
-            self.count += count
-            self.open = count == length
-
-
-class _AgentRun:
-    """:meth:`GpuView.longest` (the longest prefix any one agent holds) slice by slice: after the
-    first slice only the agents that held every earlier slice whole can make it longer."""
-
-    def __init__(self, view: GpuView, tenant: str | None) -> None:
-        self.view = view
-        self.tenant = tenant
-        self.count = 0
-        self.holders: list[int] | None = None     # sessions that held every slice so far; None: no slice yet
-
-    @property
-    def open(self) -> bool:
-        return self.holders is None or bool(self.holders)
-
-    def add(self, part: Sequence[bytes]) -> None:
-        if not self.open:
-            return
-        if self.holders is None:
-            runs = [(info.session, held) for info, held in self.view.overlap(part, self.tenant)]
-        else:
-            runs = [(session, self.view.prefix(session, part)) for session in self.holders]
-        self.count += max((held for _, held in runs), default=0)
-        self.holders = [session for session, held in runs if held == len(part)]
-
-
-async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, size: int,
-                           tenant: str | None = "") -> LookupResult:
-    """``store.lookup(digests, layer)`` in slices of ``size`` digests, other requests running
-    between slices; the answer is the one a single call gives on a store nobody changes
-    meanwhile (under concurrent Puts and evictions each slice sees the store as it is when its
-    turn comes: a Lookup is a hint either way). It stops after the first slice past which no
-    count can grow, so a chain that misses early costs one slice. Each slice is one lookup in
-    the store's counters (``lookups``, the read-latency histogram), ``tenant``'s (a Tenant.tag,
-    whose blocks alone count; None: the operator's, everyone's).
-
-    ``ram``, ``longest``, ``ssd`` and ``peer`` are runs from the first digest of a test on one
-    block at a time (in RAM; in some tier; on SSD; held by a usable peer), which Store.lookup
-    answers for any chain, so a slice's run adds to the chain's while the chain's run reached
-    the slice (:class:`_Run`). ``gpu`` is the longest run of any one agent, not of a per-block
-    test (:class:`_AgentRun`)."""
-    if store.asks_homes:                   # a cluster: where remote blocks are is asked of their homes first
-        await store.locate(digests, layer)
-    if len(digests) <= size:
-        return store.lookup(digests, layer, tenant=tenant)
-    ram, longest, ssd, peer = _Run(), _Run(), _Run(), _Run()
-    gpu = _AgentRun(store.gpu, tenant)
-    for start in range(0, len(digests), size):
-        if start:
-            await asyncio.sleep(0)
-        part = digests[start:start + size]
-        found = store.lookup(part, layer, tenant=tenant)
-        for run, count in ((ram, found.ram), (longest, found.longest), (ssd, found.ssd), (peer, found.peer)):
-            run.add(count, len(part))
-        gpu.add(part)
-        if not any(run.open for run in (ram, longest, ssd, peer, gpu)):
-            break
-    return LookupResult(longest=longest.count, ram=ram.count, ssd=ssd.count, gpu=gpu.count, peer=peer.count)
 
 
 class _Operator:

@@ -13,9 +13,9 @@ it does not load), so a fast source behind a slow one is cut with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, cast
+from typing import Mapping, Sequence
 
-__all__ = ["Delivery", "LoadPlan", "plan_loads"]
+__all__ = ["Delivery", "LoadPlan", "PlanScan", "plan_loads"]
 
 
 @dataclass(frozen=True)
@@ -50,30 +50,59 @@ def plan_loads(sources: Sequence[str | None], nbytes: Sequence[int], recompute_s
     held nowhere, the chain's held prefix ends there) with ``nbytes[i]`` payload bytes, each
     block costing ``recompute_s`` to recompute. A source without a delivery estimate is taken to
     pay (nothing is known against it yet); "ram" always pays."""
-    held = 0
-    while held < len(sources) and sources[held] is not None:
-        held += 1
-    chain = cast(Sequence[str], sources[:held])
-    total = len(sources) * recompute_s
-    best, best_time = 0, total                   # recompute everything
-    spent = 0.0
-    paid: set[str] = set()
-    for i, source in enumerate(chain):
-        delivery = deliveries.get(source) if source != "ram" else None
-        if delivery is not None:
-            if source not in paid:
-                spent += delivery.latency_s
-                paid.add(source)
-            spent += delivery.seconds(nbytes[i])
-        time_if_here = spent + (len(sources) - i - 1) * recompute_s
-        if time_if_here <= best_time:
-            best, best_time = i + 1, time_if_here
-    load_all = spent + (len(sources) - held) * recompute_s
-    return LoadPlan(best, _count(chain[best:]), best_time, load_all, total, loaded=_count(chain[:best]))
+    scan = PlanScan(len(sources), recompute_s, deliveries)
+    scan.add(sources, nbytes)
+    return scan.plan()
 
 
-def _count(sources: Sequence[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for source in sources:
-        counts[source] = counts.get(source, 0) + 1
-    return counts
+class PlanScan:
+    """:func:`plan_loads` over a chain of ``blocks`` blocks, a part at a time (:meth:`add` the
+    parts in order): the same plan, for a chain too long to plan in one go on an event loop."""
+
+    def __init__(self, blocks: int, recompute_s: float, deliveries: Mapping[str, Delivery]) -> None:
+        self.blocks = blocks
+        self.recompute_s = recompute_s
+        self.deliveries = deliveries
+        self.i = 0                      # blocks of the held prefix scanned
+        self.held_ended = False
+        self.spent = 0.0
+        self._paid: set[str] = set()
+        self.best, self.best_time = 0, blocks * recompute_s      # recompute everything
+        self._names: list[str] = []                              # sources seen, in order
+        self._counts: list[int] = []                             # held blocks by source so far
+        self._loaded: tuple[int, ...] = ()                       # ... up to the best prefix
+
+    def add(self, sources: Sequence[str | None], nbytes: Sequence[int]) -> None:
+        """The next part of the chain: its sources and payload bytes."""
+        deliveries, counts, names, n, r = self.deliveries, self._counts, self._names, self.blocks, self.recompute_s
+        for source, size in zip(sources, nbytes):
+            if self.held_ended or source is None:
+                self.held_ended = True
+                return
+            delivery = deliveries.get(source) if source != "ram" else None
+            if delivery is not None:
+                if source not in self._paid:
+                    self.spent += delivery.latency_s
+                    self._paid.add(source)
+                self.spent += delivery.seconds(size)
+            if source not in names:
+                names.append(source)
+                counts.append(0)
+            counts[names.index(source)] += 1
+            time_if_here = self.spent + (n - self.i - 1) * r
+            self.i += 1
+            if time_if_here <= self.best_time:
+                self.best, self.best_time = self.i, time_if_here
+                self._loaded = tuple(counts)
+
+    @property
+    def held(self) -> int:
+        """The held prefix scanned so far (the whole of it once a part met a block held nowhere)."""
+        return self.i
+
+    def plan(self) -> LoadPlan:
+        loaded = dict(zip(self._names, self._loaded))
+        skipped = {s: c - loaded.get(s, 0) for s, c in zip(self._names, self._counts) if c > loaded.get(s, 0)}
+        load_all = self.spent + (self.blocks - self.i) * self.recompute_s
+        return LoadPlan(self.best, skipped, self.best_time, load_all, self.blocks * self.recompute_s,
+                        loaded={s: c for s, c in loaded.items() if c})

@@ -41,7 +41,7 @@ from kvcached.store.curves import tier_curves
 from kvcached.store.gpu_view import GpuView
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
-from kvcached.store.lookups import Lookups
+from kvcached.store.lookups import ChainPlan, Lookups
 from kvcached.store.parts import StoreParts, StoreSettings
 from kvcached.store.peer_pulls import PeerPulls, PeerTierLike
 from kvcached.store.read_path import ReadPath
@@ -342,6 +342,11 @@ class Store:
         """Which held blocks are worth loading (ReadPath.plan), counted as a lookup."""
         self._settle_chain(digests, layer)
         return self.lookups.plan(digests, layer, recompute_s, block_bytes, agent, tenant)
+
+    def plan_scan(self, seen: Presence, recompute_s: float, block_bytes: int) -> ChainPlan:
+        """The load plan of a chain whose presence was asked already, made a part at a time
+        (Lookups.plan_scan)."""
+        return self.lookups.plan_scan(seen, recompute_s, block_bytes)
 
     def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None,
                 tenant: str | None = "") -> Presence:

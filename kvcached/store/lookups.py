@@ -21,16 +21,16 @@ from typing import Callable, Sequence
 
 from kvcached.errors import InvalidArgument
 from kvcached.index import Tier
-from kvcached.policies.load_cost import LoadPlan, plan_loads
+from kvcached.policies.load_cost import LoadPlan, PlanScan
 from kvcached.store.gpu_view import GpuView
 from kvcached.store.parts import Room, StoreParts
 from kvcached.store.peer_pulls import PeerPulls
 from kvcached.store.reads import ReadStats, outcome
-from kvcached.store.results import LookupResult, Presence
+from kvcached.store.results import Counters, LookupResult, Presence
 from kvcached.store.ssd_mover import SsdMover
 from kvcached_agent.address import DIGEST_BYTES, index_key
 
-__all__ = ["LOOKUP_KEYS", "LOOKUP_LAYERS", "Lookups", "prefix_length"]
+__all__ = ["LOOKUP_KEYS", "LOOKUP_LAYERS", "ChainPlan", "Lookups", "prefix_length"]
 
 # Engines look up the same prompt prefixes over and over (that is why they cache): the index keys
 # of recent lookups are kept per layer, a dict hit instead of ~0.9 us of BLAKE3; a layer's cache is
@@ -46,6 +46,32 @@ _ON_SSD = frozenset({Tier.SSD, Tier.RAM | Tier.SSD})
 def prefix_length(held: Sequence[bool]) -> int:
     """How many of ``held``, from the first, are true."""
     return next((i for i, here in enumerate(held) if not here), len(held))
+
+
+class ChainPlan:
+    """A load plan being made a part at a time (:meth:`Lookups.plan_scan`): :meth:`step` until
+    it says done, then :meth:`result`, which counts the blocks skipped as slower to load."""
+
+    def __init__(self, sources: list[str | None], block_bytes: int, scan: PlanScan, counters: Counters) -> None:
+        self._sources = sources
+        self._bytes = block_bytes
+        self._scan = scan
+        self._counters = counters
+
+    def step(self, blocks: int) -> bool:
+        """Scan up to ``blocks`` more of the chain; True once the plan is made."""
+        scan = self._scan
+        if not scan.held_ended and scan.i < len(self._sources):
+            part = self._sources[scan.i:scan.i + blocks]
+            scan.add(part, [self._bytes] * len(part))
+        return scan.held_ended or scan.i >= len(self._sources)
+
+    def result(self) -> tuple[LoadPlan, int]:
+        """The plan and the prefix held."""
+        plan = self._scan.plan()
+        self._counters.loads_skipped_ssd += plan.skipped.get("ssd", 0)
+        self._counters.loads_skipped_peer += plan.skipped.get("peer", 0)
+        return plan, self._scan.held
 
 
 class Lookups(Room):
@@ -131,19 +157,24 @@ class Lookups(Room):
     def plan(self, digests: Sequence[bytes], layer: int, recompute_s: float, block_bytes: int,
              agent: int | None = None, tenant: str | None = "") -> tuple[LoadPlan, int]:
         """Which of a chain's held blocks are worth loading (kvcached.policies.load_cost): each
-        block's source from :meth:`present` (this agent's GPU and RAM count as RAM, then SSD, then
-        a usable peer; counted as a lookup), what SSD reads and pulls deliver lately,
-        ``recompute_s`` a block. Returns the plan and the prefix held; the blocks skipped as
-        slower than recomputing are counted."""
-        seen = self.present(digests, layer, agent, tenant)
+        block's source from :meth:`present` (counted as a lookup), then :meth:`plan_for`."""
+        return self.plan_for(self.present(digests, layer, agent, tenant), recompute_s, block_bytes)
+
+    def plan_for(self, seen: Presence, recompute_s: float, block_bytes: int) -> tuple[LoadPlan, int]:
+        """The plan for a chain whose blocks are where ``seen`` says (:meth:`plan_scan`, at once)."""
+        scan = self.plan_scan(seen, recompute_s, block_bytes)
+        scan.step(len(seen.ram))
+        return scan.result()
+
+    def plan_scan(self, seen: Presence, recompute_s: float, block_bytes: int) -> ChainPlan:
+        """The plan for a chain whose blocks are where ``seen`` says, to be made a part at a time:
+        this agent's GPU and RAM count as RAM, then SSD, then a usable peer; what SSD reads and
+        pulls deliver lately, ``recompute_s`` a block."""
         sources = ["ram" if g or r else "ssd" if s else "peer" if q else None
                    for g, r, s, q in zip(seen.gpu, seen.ram, seen.ssd, seen.peer)]
         needed = {s for s in sources if s is not None and s != "ram"}
-        plan = plan_loads(sources, [block_bytes] * len(sources), recompute_s, self.delivery.current(needed))
-        self.counters.loads_skipped_ssd += plan.skipped.get("ssd", 0)
-        self.counters.loads_skipped_peer += plan.skipped.get("peer", 0)
-        held = next((i for i, s in enumerate(sources) if s is None), len(sources))
-        return plan, held
+        return ChainPlan(sources, block_bytes, PlanScan(len(sources), recompute_s, self.delivery.current(needed)),
+                         self.counters)
 
     def present(self, digests: Sequence[bytes], layer: int, agent: int | None = None,
                 tenant: str | None = "") -> Presence:

@@ -205,8 +205,12 @@ def test_plan_loads_bytes_and_a_bad_duration() -> None:
     body = struct.pack("<IdQ", 3, 0.005, 65536) + struct.pack("<I", 1) + D1
     assert p.encode(p.PlanLoads(3, 0.005, 65536, [D1]), 9)[12:] == body
     assert p.encode(p.LoadPlan(2, 6, 1, 1, 1, 3, 0.5, 1.0, 2.0), 9)[12:] == struct.pack("<6I3d", 2, 6, 1, 1, 1, 3, 0.5, 1.0, 2.0)
-    bad = struct.pack("<IdQ", 3, float("nan"), 1) + struct.pack("<I", 0)
-    with pytest.raises(p.ProtocolError, match="not a duration"):
-        p.decode(p.Frame(p.PlanLoads.TYPE, 1, bad))
-    with pytest.raises(ValueError):
-        p.encode(p.PlanLoads(3, -1.0, 1, []))
+    for value in (float("nan"), -0.0, -1e-300, 1e308, float("inf"), p.MAX_RECOMPUTE_S * 1.0001):
+        bad = struct.pack("<IdQ", 3, value, 1) + struct.pack("<I", 0)
+        with pytest.raises(p.ProtocolError, match="not a duration"):
+            p.decode(p.Frame(p.PlanLoads.TYPE, 1, bad))
+        with pytest.raises(ValueError):
+            p.encode(p.PlanLoads(3, value, 1, []))
+    for value in (0.0, 5e-324, p.MAX_RECOMPUTE_S):
+        good = struct.pack("<IdQ", 3, value, 1) + struct.pack("<I", 0)
+        assert p.decode(p.Frame(p.PlanLoads.TYPE, 1, good)).recompute_s == value
