@@ -590,3 +590,49 @@ def test_small_agent_lookup_p99_while_the_largest_agent_requests_run(
     plan = next(a for a in answers if type(a).__name__ == "LoadPlan")
     assert plan.held == MAX_BATCH - 1
     assert p99 < 0.3, f"a small agent Lookup's p99 was {p99 * 1000:.0f} ms while the largest agent requests ran"
+
+
+def rss_anon_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def test_refused_large_requests_on_the_read_only_listener_grow_no_memory(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Eight senders, each on a connection of its own, repeat the 34 MB Lookup of a million
+    digests on the read-only listener for 4 s (issue 59: anonymous memory 32 -> 257 MiB, as
+    gRPC's BDP probing grew each connection's receive window with what its sender pushed). The
+    listener's window is fixed now (kvcached.api.grpc_servers.READ_ONLY_HTTP2): each call is
+    refused from its length prefix and the daemon's anonymous memory stays within 48 MiB."""
+    port = free_tcp_port()
+    d = make_daemon(f'grpc.read_only_listen=["127.0.0.1:{port}"]')
+    pid = d.proc.pid
+    big = pb.LookupRequest(digests=unknown(1_000_000)).SerializeToString()
+    before = rss_anon_kib(pid)
+    stop = threading.Event()
+    refused = [0] * 8
+
+    def sender(i: int) -> None:
+        options = [("grpc.max_send_message_length", 64 << 20), ("kvcached.test.sender", i)]   # a connection each
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            lookup = channel.unary_unary("/kvcached.v1.KvCache/Lookup")
+            while not stop.is_set():
+                try:
+                    lookup(big, timeout=30)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+                    refused[i] += 1
+
+    threads = [threading.Thread(target=sender, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(4.0)
+    grown = (rss_anon_kib(pid) - before) / 1024
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    report("refused_read_only_lookups", senders=8, refused=sum(refused), anon_growth_mib=round(grown, 1))
+    assert all(refused), refused
+    assert grown < 48, f"anonymous memory grew {grown:.0f} MiB"
+    with d.client() as c:
+        put_resident(c, 10)
+        assert_serving(c)
