@@ -114,7 +114,7 @@ class AgentServer:
             await asyncio.sleep(self.heartbeat_s / 2)
             now = loop.time()
             for conn in list(self.connections):
-                if len(conn.tasks) >= MAX_IN_FLIGHT:   # we stopped reading it: its heartbeats wait in the socket
+                if len(conn.tasks) >= MAX_IN_FLIGHT or conn.holding:   # we stopped reading it: its heartbeats wait
                     conn.last_seen = now
                 elif now - conn.last_seen > limit:     # (one that does not read its answers is not exempt)
                     try:
@@ -139,6 +139,7 @@ class AgentConnection(asyncio.Protocol):
         self._ended = False
         self._write_paused = False
         self._hello_timer: asyncio.TimerHandle | None = None
+        self._holding: asyncio.Task[None] | None = None     # a long Route the connection's next frames wait for
 
     # -- asyncio callbacks ----------------------------------------------------------------------
 
@@ -154,7 +155,12 @@ class AgentConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_seen = self._loop.time()
         self.decoder.feed(data)
-        while not self._ended:
+        self._frames()
+
+    def _frames(self) -> None:
+        """Answer the frames received, in order, until one holds the connection (a long Route:
+        the frames after it may name its blocks)."""
+        while not self._ended and self._holding is None:
             try:
                 frame = self.decoder.next_frame()
             except p.ProtocolError as exc:
@@ -165,9 +171,14 @@ class AgentConnection(asyncio.Protocol):
             self._frame(frame)
 
     @property
+    def holding(self) -> bool:
+        """A long Route is being checked: the connection's next frames wait for it."""
+        return self._holding is not None
+
+    @property
     def held_back(self) -> bool:
         """The daemon stops reading this agent: its answers go unread, or too many in flight."""
-        return self._write_paused or len(self.tasks) >= MAX_IN_FLIGHT
+        return self._write_paused or len(self.tasks) >= MAX_IN_FLIGHT or self._holding is not None
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -180,6 +191,9 @@ class AgentConnection(asyncio.Protocol):
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
+        if task is self._holding:
+            self._holding = None
+            self._frames()            # those that came after it
         self._resume()
 
     def _resume(self) -> None:
@@ -213,7 +227,9 @@ class AgentConnection(asyncio.Protocol):
             task = asyncio.ensure_future(self._answer_later(message, frame.request_id))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
-            if len(self.tasks) >= MAX_IN_FLIGHT and self.transport is not None:
+            if isinstance(message, p.Route):
+                self._holding = task
+            if self.held_back and self.transport is not None:
                 self.transport.pause_reading()     # resumed as the tasks finish
             return
         try:
@@ -231,7 +247,7 @@ class AgentConnection(asyncio.Protocol):
         except Exception as exc:
             log.exception("agent request failed", extra=fields(session=self.session.session))
             answer = p.Error(p.ErrorCode.INTERNAL, f"internal error: {exc}")
-        if not self._ended:
+        if not self._ended and answer is not None:
             self._send(answer, request_id)
 
     def _hello(self, message: p.Message, request_id: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from itertools import count
 from typing import Iterator, Sequence, TypeGuard, TypeVar, Union, cast
@@ -46,15 +47,19 @@ _M = TypeVar("_M", bound=p.Message)
 
 WAITING = (p.Allocate, p.Commit, p.Load)    # requests answered by AgentSession.handle_waiting
 LOCATING = (p.Lookup, p.Present, p.PlanLoads)   # ... and these in a cluster, once the homes are asked, or when long
-Waiting = Union[p.Allocate, p.Commit, p.Load, p.Lookup, p.Present, p.PlanLoads]
+Waiting = Union[p.Allocate, p.Commit, p.Load, p.Lookup, p.Present, p.PlanLoads, p.Route]
+ROUTE_SLICE_BYTES = 16 << 10    # engine keys checked at a time; a Route frame of more is a task
+ROUTE_BYTES_PER_S = 16 << 20    # engine keys one connection may send a second (a burst of as many); more wait
 
 
 def waits(message: p.Message, asks_homes: bool) -> TypeGuard[Waiting]:
     """Whether ``message`` is answered by :meth:`AgentSession.handle_waiting` (as a task, so the
     connection's next requests and other agents' are read meanwhile): Allocate, Commit and
     Load; Lookup, Present and PlanLoads in a cluster (the homes are asked first) or of more than
-    :data:`kvcached.api.slices.SLICE` digests (done a slice at a time)."""
-    return isinstance(message, WAITING) or (isinstance(message, LOCATING) and (asks_homes or len(message.digests) > SLICE))
+    :data:`kvcached.api.slices.SLICE` digests (done a slice at a time); a Route of more than
+    :data:`ROUTE_SLICE_BYTES` of keys (checked a slice at a time)."""
+    return (isinstance(message, WAITING) or (isinstance(message, LOCATING) and (asks_homes or len(message.digests) > SLICE))
+            or (isinstance(message, p.Route) and sum(len(blob) for _, _, blob in message.entries) > ROUTE_SLICE_BYTES))
 
 
 def error_code(exc: KvError) -> p.ErrorCode:
@@ -116,6 +121,7 @@ class AgentSession:
         self._writes: dict[int, tuple[BlockAddress, RamBlock]] = {}   # reserved, not committed
         self._reads: dict[int, Pinned] = {}                           # loaded, not released
         self._slicing = asyncio.Lock()                                # its long lookups, one at a time
+        self._route_tokens, self._route_at = float(ROUTE_BYTES_PER_S), time.monotonic()   # see _route_wait
         store.gpu.add_agent(session, hello.agent_id, peer.pid, self._tag)
 
     @property
@@ -158,14 +164,17 @@ class AgentSession:
         except KvError as exc:
             return p.Error(error_code(exc), str(exc))
 
-    async def handle_waiting(self, message: Waiting) -> p.Message:
+    async def handle_waiting(self, message: Waiting) -> p.Message | None:
         """The answer to an Allocate (it may wait for write-back back-pressure), a Commit or a
         Load (they may wait for checksums, the SSD, promotions), or a Lookup, Present or
-        PlanLoads in a cluster or of many digests (:meth:`_locating`)."""
+        PlanLoads in a cluster or of many digests (:meth:`_locating`), or a long Route (None,
+        or an Error)."""
         if isinstance(message, LOCATING):
             return await self._locating(message)
         if self._scope is not None:
             message = scoped(message, self._scope)
+        if isinstance(message, p.Route):
+            return await self._routes_in_slices(message)
         try:
             if isinstance(message, p.Allocate):
                 await self.store.throttle_writes()
@@ -266,6 +275,37 @@ class AgentSession:
                 return p.Error(p.ErrorCode.INVALID_ARGUMENT, f"Route of block {digest.hex()[:16]}: {exc}")
         self.store.keep_routes(message.entries, self.session)
         return None
+
+    async def _routes_in_slices(self, message: p.Route) -> p.Error | None:
+        """:meth:`_routes` for a long frame, its keys checked :data:`ROUTE_SLICE_BYTES` at a
+        time, other agents' requests running between slices (the connection sends nothing
+        more meanwhile: kvcached.api.agent_server holds it)."""
+        if not self.store.wants_routes:
+            return None
+        checked = 0
+        for digest, _, blob in message.entries:
+            if checked >= ROUTE_SLICE_BYTES:
+                await asyncio.sleep(self._route_wait(checked))
+                checked = 0
+            try:
+                decode_routes(blob)
+            except ValueError as exc:
+                return p.Error(p.ErrorCode.INVALID_ARGUMENT, f"Route of block {digest.hex()[:16]}: {exc}")
+            checked += len(blob)
+        if not self.closed:
+            self.store.keep_routes(message.entries, self.session)
+        return None
+
+    def _route_wait(self, nbytes: int) -> float:
+        """Seconds to wait before checking more keys, ``nbytes`` having been checked: each
+        connection's keys are checked at :data:`ROUTE_BYTES_PER_S` at most (a token bucket of
+        one second's worth), so one sending without pause costs the event loop a bounded share
+        and its connection is held meanwhile (its next frames wait)."""
+        now = time.monotonic()
+        self._route_tokens = min(ROUTE_BYTES_PER_S, self._route_tokens + (now - self._route_at) * ROUTE_BYTES_PER_S)
+        self._route_at = now
+        self._route_tokens -= nbytes
+        return max(0.0, -self._route_tokens / ROUTE_BYTES_PER_S)
 
     def _gpu_event(self, message: p.Pinned | p.Evicted) -> p.Error | None:
         if isinstance(message, p.Evicted):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -148,22 +149,29 @@ def test_replay_clients_that_never_read_hold_a_bounded_amount(make_daemon: Any, 
     ctx.term()
 
 
-def route_flood(d: DaemonProcess, blocks: int, connections: int) -> None:
+def route_flood(d: DaemonProcess, blocks: int, connections: int) -> list[Agent]:
     """Engine keys of about 60 KiB each for ``blocks`` blocks that are never saved, sent over
-    ``connections`` agent connections in turn, each left open."""
+    ``connections`` agent connections at once (each checked at 16 MiB/s at most), each left open."""
     blob = encode_routes([RouteKey([1], None, [29_999] * 20_000, 16)])
     assert 55_000 < len(blob) < 65_536
     agents = [Agent.connect(str(d.state / "agent.sock"), agent_id=f"keys-{i}", model="m", dtype="bf16",
-                            block_tokens=16, num_layers=1, layer_block_bytes=BLOCK, timeout=10) for i in range(connections)]
+                            block_tokens=16, num_layers=1, layer_block_bytes=BLOCK, timeout=60) for i in range(connections)]
     per = blocks // connections
-    for i, agent in enumerate(agents):
+
+    def send(i: int) -> None:
         digests = [i.to_bytes(4, "big") + n.to_bytes(28, "big") for n in range(per)]
-        agent.send_routes(agent.addresses(digests), [blob] * per)
-        agent.lookup(digests[:1])                # the frames before it have been read
-    return agents                                # type: ignore[return-value]
+        agents[i].send_routes(agents[i].addresses(digests), [blob] * per)
+        agents[i].lookup(digests[:1])            # answered once the frames before it were checked
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return agents
 
 
-@pytest.mark.parametrize("blocks, connections", [(8_000, 4), pytest.param(40_000, 8, marks=pytest.mark.soak)])
+@pytest.mark.parametrize("blocks, connections", [(2_400, 4), pytest.param(40_000, 8, marks=pytest.mark.soak)])
 def test_route_keys_of_blocks_never_saved_hold_a_bounded_amount_and_go_with_their_connection(
         make_daemon: Any, tmp_path: Path, blocks: int, connections: int) -> None:
     """An agent that sends the keys of blocks it never saves (on main: 28,704 blocks' worth in
@@ -171,7 +179,7 @@ def test_route_keys_of_blocks_never_saved_hold_a_bounded_amount_and_go_with_thei
     d, port = events_daemon(make_daemon, tmp_path)
     before = rss_kib(d.proc.pid)                            # type: ignore[union-attr]
     started = time.monotonic()
-    agents: list[Agent] = route_flood(d, blocks, connections)     # type: ignore[assignment]
+    agents = route_flood(d, blocks, connections)
     took = time.monotonic() - started
     held = scrape(port, "kvcached_route_keys_bytes")
     grown = (rss_kib(d.proc.pid) - before) / 1024           # type: ignore[union-attr]
@@ -181,7 +189,9 @@ def test_route_keys_of_blocks_never_saved_hold_a_bounded_amount_and_go_with_thei
     wait_for(lambda: scrape(port, "kvcached_route_keys_bytes") == 0, text="the keys went with their connections")
     report("route_keys", blocks=blocks, connections=connections, seconds=round(took, 1), held_mib=round(held / 2**20, 1),
            rss_growth_mib=round(grown, 1), dropped=scrape(port, "kvcached_route_keys_dropped_total"))
-    assert grown < 64 + 64, f"RSS grew {grown:.0f} MiB for route keys of {blocks} blocks never saved"
+    # The keys' bound, and what each connection's frames in flight take (a frame of up to 8 MiB
+    # being read, and the one being checked: the agent socket's bound per connection).
+    assert grown < 64 + 24 * connections, f"RSS grew {grown:.0f} MiB for route keys of {blocks} blocks never saved"
     with Agent.connect(str(d.state / "agent.sock"), agent_id="after", model="m", dtype="bf16", block_tokens=16,
                        num_layers=1, layer_block_bytes=BLOCK, timeout=10) as agent:
         digests = agent.hash_tokens(list(range(64)))
