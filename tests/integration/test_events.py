@@ -183,3 +183,23 @@ def test_without_events_agents_are_not_asked_for_keys(daemon: DaemonProcess) -> 
 
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+
+
+def test_a_long_route_frame_is_checked_before_the_frames_after_it(make_daemon: Any, tmp_path: Path) -> None:
+    """A Route frame of more than 16 KiB of keys is checked a slice at a time: the save sent
+    right after it on the same connection still finds every key (its events name the engine's
+    hashes, not the digest)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    d = events_daemon(make_daemon, tmp_path)
+    with connect(d) as agent:
+        digests = agent.hash_tokens(list(range(16 * 12)))
+        keys = [encode_routes([RouteKey([5000 + i], None, [i] * 12_000, 16)]) for i in range(len(digests))]
+        assert sum(map(len, keys)) > 64 << 10
+        saved = agent.save(agent.addresses(digests), [torch.full((4096,), 1, dtype=torch.uint8)] * len(digests),
+                           routes=keys)
+        assert saved.stored == len(digests)
+    wait_for(lambda: names(batches(tmp_path, ctx)).count(("BlockStored", "CPU")) == len(digests), text="the stores")
+    stored = [e for _, b in batches(tmp_path, ctx) for e in b.events if type(e).__name__ == "BlockStored"
+              and e.medium == "CPU"]
+    assert sorted(h for e in stored for h in e.block_hashes) == [5000 + i for i in range(len(digests))]
+    ctx.term()
