@@ -68,9 +68,7 @@ def as_user(uid: int, gid: int, work: Callable[[], Any]) -> Any:
     if pid == 0:                                   # the child: never returns into pytest
         os.close(read)
         try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
+            _become(uid, gid)
             result = {"ok": work()}
         except BaseException as exc:               # noqa: BLE001 - reported to the parent
             result = {"error": f"{type(exc).__name__}: {exc}"}
@@ -85,8 +83,6 @@ def as_user(uid: int, gid: int, work: Callable[[], Any]) -> Any:
     return json.loads(b"".join(chunks))
 
 
-
-
 def start_as_user(uid: int, gid: int, work: Callable[[Callable[[], None]], Any]) -> int:
     """``work(ready)`` in a forked child running as ``uid``/``gid`` that goes on until killed;
     returns its pid once the child called ``ready()`` (or exited)."""
@@ -95,9 +91,7 @@ def start_as_user(uid: int, gid: int, work: Callable[[Callable[[], None]], Any])
     if pid == 0:                                   # the child: never returns into pytest
         os.close(read)
         try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
+            _become(uid, gid)
             work(lambda: os.write(write, b"r"))
         finally:
             os._exit(0)
@@ -105,3 +99,10 @@ def start_as_user(uid: int, gid: int, work: Callable[[Callable[[], None]], Any])
     os.read(read, 1)
     os.close(read)
     return pid
+
+
+def _become(uid: int, gid: int) -> None:
+    """This (forked) process runs as ``uid``/``gid`` from now on, with no supplementary groups."""
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
