@@ -125,7 +125,7 @@ def test_replay_clients_that_never_read_hold_a_bounded_amount(make_daemon: Any, 
     uid, gid = users()
     stranger = start_as_user(uid, gid, stallers(f"ipc://{state}/replay", clients))
     try:
-        time.sleep(3.0)                                     # every request taken, every queue full
+        time.sleep(3.0 + clients / 1000)                   # every request taken, every queue full
         started = time.monotonic()
         seqs, reason = honest_replay(state, ctx)
         took = time.monotonic() - started
