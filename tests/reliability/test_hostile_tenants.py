@@ -108,9 +108,9 @@ def test_a_stranger_with_another_tenants_stored_addresses_reads_nothing_of_them(
     def named() -> list[tuple[str, int]]:
         batches = [decode_batch(p) for _t, _s, p in replay(socket_dir, [(0).to_bytes(8, "big")], ctx)[:-1]]
         return [(e.extra_keys[0][1], e.extra_keys[0][2]) for b in batches for e in b.events
-                if type(e).__name__ == "BlockStored" and e.extra_keys]
-    wait_for(lambda: len(named()) == BLOCKS, text="the operator's stream names alice's blocks")
-    stolen = named()
+                if type(e).__name__ == "BlockStored" and e.extra_keys and e.medium == "CPU"]   # RAM (SSD's come later)
+    wait_for(lambda: len(named()) >= BLOCKS, text="the operator's stream names alice's blocks")
+    stolen = named()[:BLOCKS]
     ctx.term()
 
     # Say the operator's stream leaked anyway: carol names alice's stored addresses as her own.
