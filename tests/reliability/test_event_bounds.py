@@ -191,7 +191,7 @@ def test_route_keys_of_blocks_never_saved_hold_a_bounded_amount_and_go_with_thei
            rss_growth_mib=round(grown, 1), dropped=scrape(port, "kvcached_route_keys_dropped_total"))
     # The keys' bound, and what each connection's frames in flight take (a frame of up to 8 MiB
     # being read, and the one being checked: the agent socket's bound per connection).
-    assert grown < 64 + 24 * connections, f"RSS grew {grown:.0f} MiB for route keys of {blocks} blocks never saved"
+    assert grown < 64 + 32 * connections, f"RSS grew {grown:.0f} MiB for route keys of {blocks} blocks never saved"
     with Agent.connect(str(d.state / "agent.sock"), agent_id="after", model="m", dtype="bf16", block_tokens=16,
                        num_layers=1, layer_block_bytes=BLOCK, timeout=10) as agent:
         digests = agent.hash_tokens(list(range(64)))
