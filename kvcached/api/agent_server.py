@@ -25,7 +25,7 @@ from itertools import count
 from typing import Any, cast
 
 from kvcached import __version__
-from kvcached.api.agent_session import AgentSession, PeerCredentials, Waiting, check_hello, waits
+from kvcached.api.agent_session import AgentSession, PeerCredentials, Waiting, check_hello
 from kvcached.host.logs import fields
 from kvcached.store import Store
 from kvcached.tenants import TenantMap
@@ -223,11 +223,11 @@ class AgentConnection(asyncio.Protocol):
         if self.session is None:
             self._hello(message, frame.request_id)
             return
-        if waits(message, self.server.store.asks_homes):
+        if self.session.waits(message, self.server.store.asks_homes):
             task = asyncio.ensure_future(self._answer_later(message, frame.request_id))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
-            if isinstance(message, p.Route):
+            if isinstance(message, p.Route):      # the frames after it may name its blocks
                 self._holding = task
             if self.held_back and self.transport is not None:
                 self.transport.pause_reading()     # resumed as the tasks finish

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence, TypeGuard, TypeVar, Union, cast
 
 from kvcached.api.slices import SLICE, lookup_in_slices, plan_in_slices, present_in_slices
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
+from kvcached.host.pace import TokenBucket
 from kvcached.policies.load_cost import LoadPlan
 from kvcached.store import CommitOutcome, Miss, Pinned, Presence, SlotRefusal, Store
 from kvcached.store.gpu_view import GpuViewFull
@@ -28,8 +29,7 @@ from kvcached_agent import protocol as p
 from kvcached_agent.address import BlockAddress
 from kvcached_agent.route import decode_routes
 
-__all__ = ["LOCATING", "WAITING", "AgentSession", "PeerCredentials", "Waiting", "check_hello", "error_code", "scoped",
-           "waits"]
+__all__ = ["LOCATING", "WAITING", "AgentSession", "PeerCredentials", "Waiting", "check_hello", "error_code", "scoped"]
 
 log = logging.getLogger("kvcached.agent")
 
@@ -52,14 +52,9 @@ ROUTE_SLICE_BYTES = 16 << 10    # engine keys checked at a time; a Route frame o
 ROUTE_BYTES_PER_S = 16 << 20    # engine keys one connection may send a second (a burst of as many); more wait
 
 
-def waits(message: p.Message, asks_homes: bool) -> TypeGuard[Waiting]:
-    """Whether ``message`` is answered by :meth:`AgentSession.handle_waiting` (as a task, so the
-    connection's next requests and other agents' are read meanwhile): Allocate, Commit and
-    Load; Lookup, Present and PlanLoads in a cluster (the homes are asked first) or of more than
-    :data:`kvcached.api.slices.SLICE` digests (done a slice at a time); a Route of more than
-    :data:`ROUTE_SLICE_BYTES` of keys (checked a slice at a time)."""
-    return (isinstance(message, WAITING) or (isinstance(message, LOCATING) and (asks_homes or len(message.digests) > SLICE))
-            or (isinstance(message, p.Route) and sum(len(blob) for _, _, blob in message.entries) > ROUTE_SLICE_BYTES))
+def route_bytes(message: p.Route) -> int:
+    """The engine keys a Route carries, in bytes."""
+    return sum(len(blob) for _, _, blob in message.entries)
 
 
 def error_code(exc: KvError) -> p.ErrorCode:
@@ -121,8 +116,21 @@ class AgentSession:
         self._writes: dict[int, tuple[BlockAddress, RamBlock]] = {}   # reserved, not committed
         self._reads: dict[int, Pinned] = {}                           # loaded, not released
         self._slicing = asyncio.Lock()                                # its long lookups, one at a time
-        self._route_tokens, self._route_at = float(ROUTE_BYTES_PER_S), time.monotonic()   # see _route_wait
+        self._route_pace = TokenBucket(ROUTE_BYTES_PER_S, time.monotonic())   # the engine keys it sends
         store.gpu.add_agent(session, hello.agent_id, peer.pid, self._tag)
+
+    def waits(self, message: p.Message, asks_homes: bool) -> TypeGuard[Waiting]:
+        """Whether ``message`` is answered by :meth:`handle_waiting` (as a task, so the
+        connection's next requests and other agents' are read meanwhile): Allocate, Commit and
+        Load; Lookup, Present and PlanLoads in a cluster (the homes are asked first) or of more
+        than :data:`kvcached.api.slices.SLICE` digests (done a slice at a time); a Route of
+        more than :data:`ROUTE_SLICE_BYTES` of keys (checked a slice at a time), or one this
+        connection's pace (:data:`ROUTE_BYTES_PER_S`) makes wait."""
+        if isinstance(message, p.Route):
+            size = route_bytes(message)
+            return size > ROUTE_SLICE_BYTES or not self._route_pace.has(size, time.monotonic())
+        return isinstance(message, WAITING) or (isinstance(message, LOCATING)
+                                                and (asks_homes or len(message.digests) > SLICE))
 
     @property
     def held(self) -> tuple[int, int]:
@@ -265,9 +273,12 @@ class AgentSession:
 
     def _routes(self, message: p.Route) -> p.Error | None:
         """Keep the engine's keys of blocks about to be saved (their KV events carry them): each
-        checked first, so no undecodable bytes are ever published; any bad one refuses the frame."""
+        checked first, so no undecodable bytes are ever published; any bad one refuses the frame.
+        A short frame the connection's pace allows (:meth:`waits`); the others go through
+        :meth:`_routes_in_slices`."""
         if not self.store.wants_routes:
             return None
+        self._route_pace.charge(route_bytes(message), time.monotonic())
         for digest, _, blob in message.entries:
             try:
                 decode_routes(blob)
@@ -282,30 +293,25 @@ class AgentSession:
         more meanwhile: kvcached.api.agent_server holds it)."""
         if not self.store.wants_routes:
             return None
-        checked = 0
-        for digest, _, blob in message.entries:
-            if checked >= ROUTE_SLICE_BYTES:
-                await asyncio.sleep(self._route_wait(checked))
-                checked = 0
-            try:
-                decode_routes(blob)
-            except ValueError as exc:
-                return p.Error(p.ErrorCode.INVALID_ARGUMENT, f"Route of block {digest.hex()[:16]}: {exc}")
-            checked += len(blob)
+        entries = message.entries
+        start = 0
+        while start < len(entries):
+            end, size = start, 0
+            while end < len(entries) and (end == start or size + len(entries[end][2]) <= ROUTE_SLICE_BYTES):
+                size += len(entries[end][2])
+                end += 1
+            # Each connection's keys are checked at its pace at most: one sending without
+            # pause costs the event loop a bounded share, and waits here, its connection held.
+            await asyncio.sleep(self._route_pace.charge(size, time.monotonic()))
+            for digest, _, blob in entries[start:end]:
+                try:
+                    decode_routes(blob)
+                except ValueError as exc:
+                    return p.Error(p.ErrorCode.INVALID_ARGUMENT, f"Route of block {digest.hex()[:16]}: {exc}")
+            start = end
         if not self.closed:
             self.store.keep_routes(message.entries, self.session)
         return None
-
-    def _route_wait(self, nbytes: int) -> float:
-        """Seconds to wait before checking more keys, ``nbytes`` having been checked: each
-        connection's keys are checked at :data:`ROUTE_BYTES_PER_S` at most (a token bucket of
-        one second's worth), so one sending without pause costs the event loop a bounded share
-        and its connection is held meanwhile (its next frames wait)."""
-        now = time.monotonic()
-        self._route_tokens = min(ROUTE_BYTES_PER_S, self._route_tokens + (now - self._route_at) * ROUTE_BYTES_PER_S)
-        self._route_at = now
-        self._route_tokens -= nbytes
-        return max(0.0, -self._route_tokens / ROUTE_BYTES_PER_S)
 
     def _gpu_event(self, message: p.Pinned | p.Evicted) -> p.Error | None:
         if isinstance(message, p.Evicted):

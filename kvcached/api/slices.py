@@ -71,6 +71,17 @@ def _mapped(scope: Scope | None, part: Sequence[bytes]) -> Sequence[bytes]:
     return part if scope is None else scope.digests(part)
 
 
+async def _located(store: Store, digests: Sequence[bytes], layer: int,
+                   scope: Scope | None) -> tuple[Sequence[bytes], Scope | None]:
+    """In a cluster, the homes asked where the chain's remote blocks are first (about the whole
+    chain, so its digests are mapped at once, and no more slice by slice); elsewhere nothing."""
+    if not store.asks_homes:
+        return digests, scope
+    digests = _mapped(scope, digests)
+    await store.locate(digests, layer)
+    return digests, None
+
+
 async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, size: int,
                            tenant: str | None = "", *, agent: int | None = None,
                            scope: Scope | None = None) -> LookupResult:
@@ -84,8 +95,7 @@ async def lookup_in_slices(store: Store, digests: Sequence[bytes], layer: int, s
     answers for any chain, so a slice's run adds to the chain's while the chain's run reached
     the slice (:class:`_Run`); so is ``gpu`` for an ``agent`` asking for itself. Without one
     ``gpu`` is the longest run of any one agent, not of a per-block test (:class:`_AgentRun`)."""
-    if store.asks_homes:                   # a cluster: where remote blocks are is asked of their homes first
-        await store.locate(_mapped(scope, digests), layer)
+    digests, scope = await _located(store, digests, layer, scope)
     if len(digests) <= size:
         return store.lookup(_mapped(scope, digests), layer, agent, tenant)
     ram, longest, ssd, peer, own_gpu = _Run(), _Run(), _Run(), _Run(), _Run()
@@ -112,8 +122,7 @@ async def present_in_slices(store: Store, digests: Sequence[bytes], layer: int, 
                             scope: Scope | None = None) -> Presence:
     """``store.present(digests, layer, agent, tenant)`` in slices of ``size`` digests (each
     block's tiers on its own: the slices' answers joined)."""
-    if store.asks_homes:
-        await store.locate(_mapped(scope, digests), layer)
+    digests, scope = await _located(store, digests, layer, scope)
     gpu: list[bool] = []
     ram: list[bool] = []
     ssd: list[bool] = []

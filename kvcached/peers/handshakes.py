@@ -38,6 +38,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+from kvcached.host.pace import TokenBucket
+
 __all__ = ["RETRY_MODES", "HandshakeLimits", "HandshakeTable", "Refused", "ReplyBudget", "SOURCE_LIMIT", "FULL", "TIMEOUT",
            "DISPLACED", "BUDGET", "source_of"]
 
@@ -220,22 +222,8 @@ class HandshakeTable:
             self._sources_holding.setdefault(now_holds, set()).add(source)
 
 
-class ReplyBudget:
+class ReplyBudget(TokenBucket):
     """A token bucket for replies sent to addresses that hold no connection (Retry, version
     negotiation, INVALID_TOKEN): at most ``rate`` a second, bursts of one second's worth. Past
     it, such packets are dropped unanswered, so a flood costs this daemon a bounded share of a
     core and cannot use it to send as many packets as it receives to a spoofed victim."""
-
-    def __init__(self, rate: float, now: float) -> None:
-        self.rate = rate
-        self._tokens = rate
-        self._at = now
-
-    def take(self, now: float) -> bool:
-        if now > self._at:
-            self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
-            self._at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False

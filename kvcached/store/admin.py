@@ -15,6 +15,7 @@ from kvcached.errors import FailedPrecondition, InvalidArgument
 from kvcached.index import BlockIndex, BlockRecord, Tier
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
+from kvcached.store.parts import tiers_for_writer
 from kvcached.store.results import Counters
 from kvcached.store.ssd_evictor import SsdEvictor, header_of
 from kvcached.tiers.ram import BlockBusy, RamBlock, RamTier
@@ -38,8 +39,7 @@ async def delete(ram: RamTier, index: BlockIndex, ssd: SsdTier | None, evictor: 
     keys = [a.key for a in addresses]
     theirs: set[bytes] = set()
     if tenant is not None and keys:
-        theirs = {k for k, tiers in zip(keys, index.writable_tiers(keys, tenant))
-                  if tiers is None or ram.tenant_of(k) not in (None, tenant)}
+        theirs = {k for k, tiers in zip(keys, tiers_for_writer(ram, index, keys, tenant)) if tiers is None}
         counters.other_tenant += len(theirs)
         addresses = [a for a in addresses if a.key not in theirs]
         keys = [a.key for a in addresses]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvcached.index import BlockIndex
+from kvcached.index import BlockIndex, Tier
 from kvcached.policies.prefetch import PrefetchPolicy, WaitComplete
 from kvcached.policies.write import WritePolicy
 from kvcached.store.inflight import InFlight
@@ -19,7 +19,7 @@ from kvcached.store.reads import DeliveryRates
 from kvcached.store.results import Counters, TenantTally
 from kvcached.tiers.ram import RamTier
 
-__all__ = ["Room", "StoreParts", "StoreSettings"]
+__all__ = ["Room", "StoreParts", "StoreSettings", "tiers_for_writer"]
 
 
 @dataclass(slots=True)
@@ -59,3 +59,16 @@ class Room:
         self.clock = parts.clock
         self.tally = parts.tally
         self.delivery = parts.delivery
+
+
+def tiers_for_writer(ram: RamTier, index: BlockIndex | None, keys: list[bytes], tenant: str) -> list[Tier | None]:
+    """For a writer (a Put, an agent's save, a Delete) acting as ``tenant`` (a Tenant.tag): None
+    where another tenant's block is stored under a key, which the writer may neither replace nor
+    be told of (in RAM, its owner there, recorded or not yet; else its index record); else the
+    key's tier set as the index has it (NONE: absent, a tombstone, or committed in RAM, which
+    the caller asks RAM about). Only keys RAM does not hold committed are read from ``index``
+    (one batched read); without one (no SSD tier: a stored block is in RAM) none are."""
+    owners = [ram.tenant_of(k) for k in keys]
+    ask = [k for k in keys if k not in ram] if index is not None else []
+    read = dict(zip(ask, index.writable_tiers(ask, tenant))) if index is not None and ask else {}
+    return [None if owner not in (None, tenant) else read.get(k, Tier.NONE) for k, owner in zip(keys, owners)]

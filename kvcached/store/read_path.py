@@ -243,9 +243,11 @@ class ReadPath(Room):
         if self.mover is None and not pulling:
             return [], reached
         keys = [a.key for a in absent]
-        tiers: list[Tier | None] = ([Tier.NONE] * len(absent) if self.mover is None and tenant is None
-                                    else list(self.index.tiers_of(keys)) if tenant is None
-                                    else self.index.writable_tiers(keys, tenant))
+        tiers: list[Tier | None]        # None: another tenant's block (without SSD, only RAM holds one: not absent)
+        if self.mover is None:
+            tiers = [Tier.NONE] * len(absent)
+        else:
+            tiers = list(self.index.tiers_of(keys)) if tenant is None else self.index.writable_tiers(keys, tenant)
         wanted = list({a.key: a for a, t in zip(absent, tiers) if t is not None and t & Tier.SSD}.values())
         remote: list[BlockAddress] = []
         if pulling:

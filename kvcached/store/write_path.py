@@ -30,7 +30,7 @@ from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, Resou
 from kvcached.index import BlockRecord, Tier
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit
 from kvcached.store.inflight import release_view
-from kvcached.store.parts import Room, StoreParts
+from kvcached.store.parts import Room, StoreParts, tiers_for_writer
 from kvcached.store.results import CommitOutcome, PutItem, PutResult, SlotRefusal
 from kvcached.store.ssd_mover import SsdMover
 from kvcached.store.write_policy import DIRTY_WAIT_S, AppliedWritePolicy
@@ -78,8 +78,7 @@ class WritePath(Room):
         published is dropped again and the error says so, one the SSD write budget refuses is
         dropped and counted as declined."""
         through = self.mover is not None and self.settings.writes.synchronous
-        theirs = self._theirs(items)
-        result, new, full = self._put_ram(items, hold=through, theirs=theirs)
+        result, new, full, theirs = self._put_ram(items, hold=through)
         own = {b.key for b, _ in new}
         if through:
             # Blocks of this batch already in RAM but not on SSD yet (another Put of the same
@@ -99,41 +98,30 @@ class WritePath(Room):
             raise ResourceExhausted(f"stored {result.stored} of {len(items)} blocks: {full}")
         return result
 
-    def _theirs(self, items: Sequence[PutItem]) -> set[bytes]:
-        """The keys of ``items`` under which another tenant's block is stored (counted)."""
-        keys = [item.address.key for item in items]
-        theirs = {item.address.key for item in items if self.ram.tenant_of(item.address.key) not in (None, item.tenant)}
-        if self.ssd is not None and items:
-            tenant = items[0].tenant
-            if all(item.tenant == tenant for item in items):
-                theirs.update(k for k, t in zip(keys, self.index.writable_tiers(keys, tenant)) if t is None)
-            else:
-                theirs.update(item.address.key for item in items
-                              if self.index.writable_tiers([item.address.key], item.tenant)[0] is None)
-        self.counters.other_tenant += len(theirs)
-        return theirs
-
-    def _put_ram(self, items: Sequence[PutItem], hold: bool,
-                 theirs: set[bytes]) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]], RamFull | None]:
+    def _put_ram(self, items: Sequence[PutItem], hold: bool) -> tuple[PutResult, list[tuple[RamBlock, BlockRecord]],
+                                                                      RamFull | None, set[bytes]]:
         """The RAM part of a Put: returns what it stored, the new blocks (pinned if ``hold``,
-        so none can be evicted before it is published), and the RamFull that stopped it early."""
+        so none can be evicted before it is published), the RamFull that stopped it early, and
+        the keys of another tenant's blocks (declined, counted). A Put's items are one caller's:
+        the first one's tenant is all of theirs."""
         for i, item in enumerate(items):
             self._check_put(i, item)
+        tenant = items[0].tenant if items else ""
+        keys = [item.address.key for item in items]
+        index = self.index if self.ssd is not None else None      # without SSD a stored block is in RAM
+        tiers = tiers_for_writer(self.ram, index, keys, tenant)
+        theirs = {key for key, t in zip(keys, tiers) if t is None}
+        foreign = sum(t is None for t in tiers)          # items (a key twice in a batch counts twice)
+        self.counters.other_tenant += foreign
         todo: list[tuple[int, PutItem]] = []
-        foreign = 0
-        for i, item in enumerate(items):
-            if item.address.key in theirs:
-                foreign += 1
-            elif item.address.key in self.ram:
-                self.ledger.touched(item.address.key)    # a re-put is a use
+        for i, (item, t) in enumerate(zip(items, tiers)):
+            key = item.address.key
+            if t is None:
+                continue
+            if key in self.ram or t & Tier.SSD:
+                self.ledger.touched(key)    # a re-put is a use
             else:
                 todo.append((i, item))
-        if self.ssd is not None and todo:
-            on_ssd = self.index.tiers_of([item.address.key for _, item in todo])
-            for (_, item), tiers in zip(todo, on_ssd):
-                if tiers & Tier.SSD:
-                    self.ledger.touched(item.address.key)
-            todo = [t for t, tiers in zip(todo, on_ssd) if not tiers & Tier.SSD]
         for i, item in todo:
             if self.ram.busy_reason(item.address.key) == "being written":
                 raise FailedPrecondition(f"block {i} ({item.address}) is being written by an agent right now "
@@ -197,7 +185,7 @@ class WritePath(Room):
                         self.ram.delete(block.key)
                 raise
         # a block of this batch may have been evicted by a later one of the same batch (not if held)
-        return result, [(b, r) for b, r in new if self.ram.committed(b)], full
+        return result, [(b, r) for b, r in new if self.ram.committed(b)], full, theirs
 
     def _admitted(self, todo: list[tuple[int, PutItem]]) -> list[bool]:
         """Per new block of a Put, whether the admission policy takes it; one offer per block
@@ -245,8 +233,7 @@ class WritePath(Room):
         ``declined`` (the admission policy does not take it yet, or another tenant's block is
         stored there: nothing to write)."""
         keys = [a.key for a, _ in entries]
-        on_ssd: list[Tier | None] = (self.index.writable_tiers(keys, tenant) if self.ssd is not None
-                                     else [Tier.NONE] * len(keys))
+        on_ssd = tiers_for_writer(self.ram, self.index if self.ssd is not None else None, keys, tenant)
         inflight = self.inflight
         out: list[RamBlock | SlotRefusal] = []
         mine: set[bytes] = set()
@@ -257,7 +244,7 @@ class WritePath(Room):
                     out.append(SlotRefusal.INVALID)
                 elif key in mine:
                     out.append(SlotRefusal.PRESENT)        # the same block twice in one batch: written once
-                elif tiers is None or self.ram.tenant_of(key) not in (None, tenant):
+                elif tiers is None:
                     self.counters.other_tenant += 1
                     out.append(SlotRefusal.DECLINED)
                 elif key in self.ram or tiers & Tier.SSD:

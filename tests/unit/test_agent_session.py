@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvcached.api.agent_session import AgentSession, PeerCredentials
 from kvcached_agent import protocol as p
@@ -105,3 +106,28 @@ def test_present_answers_each_block_on_its_own(store: SyncStore) -> None:
     assert s.handle(p.Lookup(0, [digest(n) for n in range(1, 6)])).longest == 0      # type: ignore[union-attr]
     bad = s.handle(p.Present(0, [b"short"]))
     assert isinstance(bad, p.Error) and "32 bytes" in bad.message
+
+
+def test_engine_keys_keep_to_the_connections_pace_however_they_are_framed(store: SyncStore) -> None:
+    """Route frames of 8 KiB each (under the slice: checked inline while the pace allows) go
+    the waiting path once a connection has sent its second's worth (where the pace makes it
+    wait: tests/unit/test_pace.py); a long frame waits from the start."""
+    from kvcached.api import agent_session
+    from kvcached.index.presence import TierFeed
+    from kvcached_agent.route import RouteKey, encode_routes
+    store.index.tier_feed = TierFeed()                   # events on: keys are kept
+    s = session(store)
+    blob = encode_routes([RouteKey([1], None, [7] * 4000, 16)])
+    frame = p.Route([(digest(n), 0, blob) for n in range(1)])
+    assert 4000 < agent_session.route_bytes(frame) <= agent_session.ROUTE_SLICE_BYTES
+    sent, began = 0, time.monotonic()
+    while not s.waits(frame, asks_homes=False):           # inline, charged to the pace
+        assert s.handle(frame) is None
+        sent += agent_session.route_bytes(frame)
+    refilled = (time.monotonic() - began) * agent_session.ROUTE_BYTES_PER_S      # the clock ran meanwhile
+    assert agent_session.ROUTE_BYTES_PER_S - agent_session.route_bytes(frame) < sent
+    assert sent <= agent_session.ROUTE_BYTES_PER_S + refilled
+    assert run(store, s.handle_waiting(frame)) is None   # the waiting path owes the pace its time (test_pace), then keeps them
+    long = p.Route([(digest(n), 0, blob) for n in range(10)])
+    assert s.waits(long, asks_homes=False)
+    assert len(store.routes) >= 1

@@ -137,6 +137,8 @@ def test_sequence_numbers_never_go_back_after_a_crash_and_run_on_after_a_clean_s
     (['events.replay_endpoint="tcp://127.0.0.1:5558"'], "events.replay_endpoint"),
     (['events.endpoint="udp://127.0.0.1:5557"'], "events.endpoint"),
     (['events.topic="kv@{pod}"'], "events.topic"),
+    (["events.replay_clients_mib=4"], "events.replay_clients_mib"),
+    (["events.route_keys_mib=0"], "events.route_keys_mib"),
 ])
 def test_events_settings_refused_at_start(overrides: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -89,3 +89,20 @@ def test_the_counts_follow_deletes_aborts_and_adoption(arena: SharedArena) -> No
     ram.set_tenant(ram.get(adopted), "alice")   # type: ignore[arg-type]
     assert (held(ram, "alice"), held(ram, "")) == (1, 0)
     assert tier(arena, {}).used_by_tenant() == {"": 0}, "no shares: one count"
+
+
+def test_blocks_of_tenants_past_the_counted_ones_are_nobodys_to_a_read(arena: SharedArena) -> None:
+    """Past MAX_OWNERS tenants counted (tags from records of tenants no longer configured, say),
+    the rest are counted together as an owner no caller's tag names: a read's test of whose a
+    block is never takes one of theirs for the default tenant's (or for any tenant's)."""
+    from kvcached.tiers.ram_shares import MAX_OWNERS, OVERFLOW, RamShares, owner_test
+    shares = RamShares({}, 1024)
+    for n in range(MAX_OWNERS + 10):
+        shares.reserved(n, f"t{n}" if n else "", 1)
+    late = MAX_OWNERS + 5                                # counted with the overflow
+    assert shares.tag_of(late) == OVERFLOW and shares.tag_of(0) == ""
+    for tag in ("", f"t{late}", OVERFLOW):
+        test = owner_test(shares, tag)
+        assert test is not None and not test(late), tag
+    assert owner_test(shares, "")(0) and owner_test(shares, None) is None         # type: ignore[misc]
+    assert owner_test(None, "") is None and not owner_test(None, "t1")(0)         # type: ignore[misc]

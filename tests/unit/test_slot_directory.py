@@ -175,3 +175,37 @@ def test_adoption_settles_what_a_request_names_first_and_checks_every_byte(tmp_p
     assert index.get(key(3)).tiers == Tier.SSD                   # 3 keeps its SSD copy, loses nothing else
     assert not adoption.pending
     index.close()
+
+
+@pytest.mark.parametrize("counts_tenants", [False, True])
+def test_an_adopted_block_is_its_records_tenants_and_dropped_where_tenants_are_not_counted(
+        tmp_path, counts_tenants: bool) -> None:  # type: ignore[no-untyped-def]
+    """A predecessor's block whose record names tenant alice: a successor that counts tenants
+    takes it up as alice's; one that does not (one tenant configured: every block in RAM is the
+    default's to a read) drops it, its record losing RAM, so no read takes it for the default's."""
+    import asyncio
+
+    from kvcached.index import BlockIndex, BlockRecord, Tier
+    from kvcached_agent.integrity import payload_checksum
+
+    arena = SharedArena(ARENA)
+    ram = tier(arena)
+    index = BlockIndex(tmp_path / "index")
+    for n, tenant in ((0, ""), (1, "alice")):
+        put(ram, n, 4 * KIB)
+        index.write([(key(n), BlockRecord(key(n), 0, "m", 4 * KIB, payload_checksum(payload(n, 4 * KIB)), 1.0, 1.0,
+                                          Tier.RAM | Tier.SSD, tenant=tenant))])
+    assert ram.directory is not None
+    successor = RamTier(SharedArena(ARENA, fd=os.dup(arena.fd)), SLAB, ClockPolicy(),
+                        SlotDirectory.adopt(os.dup(ram.directory.fd), RamTier.geometry(ARENA, SLAB)),
+                        count_tenants=counts_tenants)
+    from kvcached.store.adoption import RamAdoption
+    adoption = RamAdoption(successor, successor.directory.committed_entries(), trusted=False)  # type: ignore[union-attr]
+    report = asyncio.run(adoption.run(index, None, lambda: 9.0))
+    assert successor.tenant_of(key(0)) == ""
+    if counts_tenants:
+        assert (report.adopted, report.other_tenants) == (2, 0) and successor.tenant_of(key(1)) == "alice"
+    else:
+        assert (report.adopted, report.other_tenants) == (1, 1) and key(1) not in successor
+        assert index.get(key(1)).tiers == Tier.SSD, "its SSD copy stays alice's"   # type: ignore[union-attr]
+    index.close()
