@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import random
 import socket
 import ssl
 import time
@@ -42,17 +43,30 @@ ALL = (1 << 62) - 1          # every peer's bit, for PeerDirectory.holders
 
 
 def free_port() -> int:
-    """A port number free for UDP (QUIC) and TCP (the lane) on 127.0.0.1."""
+    """A port number free for UDP (QUIC) and TCP (the lane) on 127.0.0.1, below the kernel's
+    ephemeral range: tests kill a daemon and start it again on its port, and a port from that
+    range could meanwhile be given to any socket that binds or connects without one (seen in
+    CI: a restarted peer could not bind its QUIC port). Ports are drawn at random there, so
+    two workers seldom draw the same one, and each is checked free for both protocols."""
+    low = _ephemeral_low()
+    rng = random.Random()
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
-                try:
-                    t.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            return port
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+            try:
+                s.bind(("127.0.0.1", port))
+                t.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 async def until(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
