@@ -276,10 +276,18 @@ def _client_command(args: argparse.Namespace) -> int:
     return 0
 
 
+_MORE = {"cap": "the sample is at its cap of one key in 8; more keys in the traffic give more",
+         "budget": "the curves' budget (1% of the daemon's CPU) holds the sample there at this traffic; it grows as "
+                   "the traffic falls",
+         "memory": "[kv] curve_sample_keys bounds the copies; a larger one gives more (some 250 bytes a key)",
+         "": "more traffic gives more"}
+
+
 def _print_curves(stats: Any, as_json: bool, plot: str | None) -> int:
     """``kvcached mrc``: the curves of Stats as a table (or JSON), and a plot."""
     from google.protobuf.json_format import MessageToDict
 
+    from kvcached.policies.curves import MIN_COPY
     from kvcached.sim.replay import Result
     from kvcached.sim.report import svg
     from kvcached.v1 import kvcache_pb2 as pb
@@ -298,19 +306,32 @@ def _print_curves(stats: Any, as_json: bool, plot: str | None) -> int:
             continue
         name = pb.Tier.Name(tier)[5:]
         one = next((p.size_blocks for p in points if p.size_multiple == 1.0), 0)
+        worst = max((max(p.error, p.min_error) for p in points), default=0.0)
+        shown = all(p.known for p in points) and worst <= c.accuracy
         if not as_json:
             print(f"{name} tier ({points[0].policy}): {one} blocks of the mean size seen; hit rate by size")
-            print(f"  {'size':>6}  {'blocks':>10}  {points[0].policy:>8}  {'MIN':>6}")
-            for p in points:
-                rates = f"{p.hit_rate:8.3f}  {p.min_hit_rate:6.3f}" if p.known else f"{'-':>8}  {'-':>6}"
-                print(f"  {p.size_multiple:>5g}x  {p.size_blocks:>10}  {rates}")
-        results.append(Result(f"{name} tier (live)", c.sampled_accesses, one, [max(1, p.size_blocks) for p in points],
-                              {points[0].policy: [p.hit_rate for p in points], "belady": [p.min_hit_rate for p in points]}))
+            print(f"  from {points[0].window_uses} sampled uses of {points[0].window_keys} keys: ", end="")
+            if not points[0].known:
+                print("nothing sampled yet")
+            elif not shown:
+                small = min(p.copy_entries for p in points) < MIN_COPY
+                print("too few for a curve (" + (f"copies of {min(p.copy_entries for p in points)} keys at the smallest size, "
+                      f"under the {MIN_COPY} a figure needs" if small else f"the figures could be {worst:.3f} off, more than "
+                      f"the {c.accuracy:g} a curve is shown within") + f"): {_MORE[c.rate_limited_by]}")
+            else:
+                print(f"every figure within {worst:.3f} (about 95% of the time)")
+                print(f"  {'size':>6}  {'blocks':>10}  {points[0].policy:>8}  {'MIN':>6}")
+                for p in points:
+                    print(f"  {p.size_multiple:>5g}x  {p.size_blocks:>10}  {p.hit_rate:8.3f}  {p.min_hit_rate:6.3f}")
+        if shown:
+            results.append(Result(f"{name} tier (live)", c.sampled_accesses, one, [max(1, p.size_blocks) for p in points],
+                                  {points[0].policy: [p.hit_rate for p in points],
+                                   "belady": [p.min_hit_rate for p in points]}))
     if not as_json:
         print(f"from {c.accesses} block uses, {c.sampled_accesses} of them of the {c.sampled_keys} keys sampled "
-              f"({c.sampling_rate:.2%} of keys); MIN over the recent window")
+              f"({c.sampling_rate:.2%} of keys); figures over the recent window, computed {c.figures_age_seconds:.0f} s ago")
         print(f"what they took since start: {c.busy_seconds:.3f} s counting uses (on the event loop), "
-              f"{c.min_busy_seconds:.3f} s computing MIN")
+              f"{c.min_busy_seconds:.3f} s computing the figures")
     if plot and results and all(r.unique for r in results):
         Path(plot).write_text(svg(results, "kvcached: hit rate at other tier sizes (live)", "size (multiple of the tier)",
                                   "{:g}x"))

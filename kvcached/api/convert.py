@@ -7,7 +7,7 @@ One place for them: the gRPC service, the client and the CLI all name blocks the
 from __future__ import annotations
 
 from kvcached.errors import InvalidArgument
-from kvcached.policies.curves import MissRatioCurves
+from kvcached.policies.curves import ACCURACY, MissRatioCurves
 from kvcached.v1 import kvcache_pb2 as pb
 from kvcached_agent.address import CROSS_LAYER, BlockAddress
 
@@ -38,11 +38,15 @@ _CURVE_TIERS = {"ram": pb.TIER_RAM, "ssd": pb.TIER_SSD}
 
 
 def curve_stats(curves: MissRatioCurves) -> pb.CurveStats:
-    """The live curves as Stats carries them (MIN computed if its last count is old: call it
-    off the event loop)."""
+    """The live curves as Stats carries them (computed from the window if the last figures are
+    old: call it off the event loop)."""
+    points = curves.points()
     return pb.CurveStats(
         points=[pb.CurvePoint(tier=_CURVE_TIERS[p.tier], policy=p.policy, size_multiple=p.multiple, size_blocks=p.blocks,
-                              hit_rate=p.hit_rate or 0.0, min_hit_rate=p.min_hit_rate or 0.0, known=p.hit_rate is not None)
-                for p in curves.points()],
+                              hit_rate=p.hit_rate or 0.0, min_hit_rate=p.min_hit_rate or 0.0, known=p.hit_rate is not None,
+                              error=p.error or 0.0, min_error=p.min_error or 0.0, window_uses=p.uses, window_keys=p.keys,
+                              copy_entries=p.entries)
+                for p in points],
         sampled_keys=len(curves.sample), sampling_rate=curves.sample.rate, accesses=curves.accesses,
-        sampled_accesses=curves.sampled, busy_seconds=curves.busy_s, min_busy_seconds=curves.min_busy_s)
+        sampled_accesses=curves.sampled, busy_seconds=curves.busy_s, min_busy_seconds=curves.min_busy_s,
+        accuracy=ACCURACY, figures_age_seconds=curves.figures_age, rate_limited_by=curves.limited_by)

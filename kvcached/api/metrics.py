@@ -369,19 +369,29 @@ class CurvesCollector(Collector):
         rates = GaugeMetricFamily("kvcached_curve_hit_ratio", "Estimated hit ratio of a tier at a multiple of its "
                                   "size: its policy's, and Belady's MIN over the recent window (estimator: docs/"
                                   "operations.md)", labels=["tier", "multiple", "of"])
-        for p in curves.points():
-            if p.hit_rate is not None:
+        errors = GaugeMetricFamily("kvcached_curve_error", "How far the estimated hit ratio may be off (about 95% of "
+                                   "the time: twice its standard error over the sample)", labels=["tier", "multiple", "of"])
+        keys = GaugeMetricFamily("kvcached_curve_window_keys", "Distinct keys the tier's curve stands on (its window of "
+                                 "sampled uses)", labels=["tier"])
+        points = curves.points()
+        for p in points:
+            if p.hit_rate is not None and p.min_hit_rate is not None and p.error is not None and p.min_error is not None:
                 rates.add_metric([p.tier, f"{p.multiple:g}", "policy"], p.hit_rate)
-            if p.min_hit_rate is not None:
                 rates.add_metric([p.tier, f"{p.multiple:g}", "min"], p.min_hit_rate)
+                errors.add_metric([p.tier, f"{p.multiple:g}", "policy"], p.error)
+                errors.add_metric([p.tier, f"{p.multiple:g}", "min"], p.min_error)
+        for tier in dict.fromkeys(p.tier for p in points):
+            keys.add_metric([tier], next(p.keys for p in points if p.tier == tier))
         yield rates
+        yield errors
+        yield keys
         yield GaugeMetricFamily("kvcached_curve_sampling_rate", "Share of the keys the curves sample",
                                 value=curves.sample.rate)
         yield GaugeMetricFamily("kvcached_curve_sampled_keys", "Distinct keys in the curves' sample now",
                                 value=len(curves.sample))
         yield CounterMetricFamily("kvcached_curve_accesses", "Block uses the curves counted", value=curves.accesses)
         busy = CounterMetricFamily("kvcached_curve_busy_seconds", "What keeping the curves took: counting block "
-                                   "uses (on the event loop), computing MIN (off it)", labels=["part"])
+                                   "uses (on the event loop), computing the figures, MIN among them (off it)", labels=["part"])
         busy.add_metric(["uses"], curves.busy_s)
         busy.add_metric(["min"], curves.min_busy_s)
         yield busy

@@ -168,11 +168,70 @@ class PolicySettings:
 
 class SettingTuner(Protocol):
     """What tunes a policy's setting online (kvcached.policies.tuning.RatioTuner): it sees each
-    use of a key with the size of the cache in entries, and says the setting to use."""
+    use of a key with the size of the cache in entries, and says the setting to use, once it has
+    chosen (``decided``: the rounds it chose in)."""
 
     ratio: float
+    decided: int
 
     def access(self, key: bytes, capacity: int) -> None: ...
+
+
+class Shadow(Protocol):
+    """A policy run over keys alone with room for ``capacity`` of them, as a miniature copy
+    (kvcached.policies.tuning's tuners, kvcached.policies.curves): touch on a hit; on a miss,
+    evict the policy's first candidates until there is room, then insert. ``hits`` counts
+    the hits of :meth:`access`; ``size`` the keys it holds."""
+
+    hits: int
+    size: int
+
+    @property
+    def capacity(self) -> int: ...
+
+    @capacity.setter
+    def capacity(self, entries: int) -> None: ...
+
+    def access(self, key: bytes) -> bool: ...
+
+    def remove(self, key: bytes) -> None: ...
+
+    def follow(self, tier: "EvictionPolicy") -> None: ...
+
+    def tuned_to(self, value: float) -> None: ...
+
+    def __contains__(self, key: bytes) -> bool: ...
+
+
+class ShadowBase:
+    """What every :class:`Shadow` shares: its room (``capacity``; made smaller, it calls
+    :meth:`shrunk`, as a copy whose sampling rate fell tells its policy), its counts, and no
+    setting to follow or tune unless the subclass has one."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = max(1, capacity)
+        self.size = 0
+        self.hits = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, entries: int) -> None:
+        entries = max(1, entries)
+        if entries < self._capacity:
+            self.shrunk(entries)
+        self._capacity = entries
+
+    def shrunk(self, entries: int) -> None:
+        """The copy holds at most ``entries`` from now on, fewer than before."""
+
+    def follow(self, tier: "EvictionPolicy") -> None:
+        """Take the setting ``tier`` has tuned to, where the policy has one."""
+
+    def tuned_to(self, value: float) -> None:
+        """Use ``value`` for the setting a tuner tunes, where the policy has one."""
 
 
 class EvictionPolicy(ABC):
@@ -215,6 +274,13 @@ class EvictionPolicy(ABC):
     def tuned_to(self, value: float) -> None:
         """Use ``value`` for the setting :meth:`miniature_tuner`'s tuner tunes. By default there
         is none."""
+
+    def shadow(self, capacity: int) -> Shadow | None:
+        """This policy, fresh, as a :class:`Shadow` of its own: the same decisions, hit for hit,
+        over keys in plain dicts, where the id columns a tier needs cost most of a miniature
+        copy's time (tests/unit/test_shadows.py checks each against the generic one). None (the
+        default): kvcached.policies.tuning.ShadowCache runs the policy itself."""
+        return None
 
     def resized(self, entries: int) -> None:
         """The cache holds at most ``entries`` from now on, fewer than it may have held (a

@@ -51,6 +51,10 @@ def _live_table(generation: int) -> bytes:
     return bytes(1 if v in (generation, before) else 0 for v in range(256))
 
 
+_LIVE = {g: _live_table(g) for g in (1, 2, 3)}
+_CLEAR = {g: bytes(0 if v == g else v for v in range(256)) for g in (1, 2, 3)}   # the cells of generation g cleared
+
+
 class GhostFilter:
     def __init__(self, capacity: int = 64) -> None:
         self._copying: list[list[tuple[int, int, int, int]]] = []   # cells set while state_steps copies
@@ -62,18 +66,11 @@ class GhostFilter:
         self.generation = 1
         self.added = 0          # keys added in the current generation
         self.previous = 0       # and in the previous one
-        self._live = _live_table(1)
+        self._live = _LIVE[1]
 
     def __len__(self) -> int:
         """How many keys it remembers (those added in the two live generations)."""
         return self.previous + self.added
-
-    def _probes(self, key: bytes) -> tuple[int, int, int, int]:
-        if len(key) < 16:
-            key = hashlib.blake2b(key, digest_size=16).digest()
-        m = len(self.cells)
-        a, b, c, d = _WORDS(key)
-        return a % m, b % m, c % m, d % m
 
     def __contains__(self, key: bytes) -> bool:
         # one call per insert of the policy: written out, a table lookup per cell
@@ -88,11 +85,16 @@ class GhostFilter:
         """Remember ``key`` among the last ``limit`` to ``2 * limit`` keys added."""
         if 2 * limit > self.capacity:
             self._lay_out(3 * limit)
-        a, b, c, d = self._probes(key)
         cells, now = self.cells, self.generation
+        if len(key) < 16:
+            key = hashlib.blake2b(key, digest_size=16).digest()
+        m = len(cells)
+        a, b, c, d = _WORDS(key)            # as __contains__: one call per eviction of a policy with ghosts
+        a, b, c, d = a % m, b % m, c % m, d % m
         cells[a] = cells[b] = cells[c] = cells[d] = now
-        for cells_set in self._copying:
-            cells_set.append((a, b, c, d))
+        if self._copying:
+            for cells_set in self._copying:
+                cells_set.append((a, b, c, d))
         self.added += 1
         if self.added >= limit:
             self._next_generation()
@@ -100,11 +102,10 @@ class GhostFilter:
     def _next_generation(self) -> None:
         """The generation before the previous one ends: its cells are cleared."""
         nxt = _NEXT[self.generation]
-        table = bytes(0 if v == nxt else v for v in range(256))
-        self.cells = self.cells.translate(table)     # a new bytearray: one pass, one copy
+        self.cells = self.cells.translate(_CLEAR[nxt])     # a new bytearray: one pass, one copy
         self.generation = nxt
         self.previous, self.added = self.added, 0
-        self._live = _live_table(nxt)
+        self._live = _LIVE[nxt]
 
     # -- what survives a restart -------------------------------------------------------------------
 

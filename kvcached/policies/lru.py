@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 from typing import Callable, Iterator
 
-from kvcached.policies.base import EvictionPolicy, PolicySnapshot, Steps, finished
+from kvcached.policies.base import EvictionPolicy, PolicySnapshot, ShadowBase, Steps, finished
 from kvcached.policies.links import IdLinks, IdQueue, gathered
 
 
@@ -34,6 +34,9 @@ class LruPolicy(EvictionPolicy):
     def remove(self, entry: int) -> None:
         if entry in self._order:
             self._order.remove(entry)
+
+    def shadow(self, capacity: int) -> "LruShadow":
+        return LruShadow(capacity)
 
     def candidates(self) -> Iterator[int]:
         order = self._order
@@ -73,3 +76,32 @@ class LruPolicy(EvictionPolicy):
             entry = entry_of(key)
             if entry is not None and entry not in self._order:
                 self._order.push(entry)
+
+
+class LruShadow(ShadowBase):
+    """:class:`LruPolicy` as a miniature copy over keys (kvcached.policies.base.Shadow): one
+    dict in recency order, oldest first; hit for hit the policy's (tests/unit/test_shadows.py)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: dict[bytes, None] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._order
+
+    def access(self, key: bytes) -> bool:
+        order = self._order
+        if key in order:
+            del order[key]
+            order[key] = None
+            self.hits += 1
+            return True
+        while len(order) >= self._capacity:
+            del order[next(iter(order))]
+        order[key] = None
+        self.size = len(order)
+        return False
+
+    def remove(self, key: bytes) -> None:
+        if self._order.pop(key, 0) is None:
+            self.size -= 1

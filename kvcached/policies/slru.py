@@ -39,7 +39,16 @@ from array import array
 from bisect import bisect_left, bisect_right
 from typing import Callable, Iterator
 
-from kvcached.policies.base import EvictionPolicy, PolicySettings, PolicySnapshot, Steps, blob, finished, through
+from kvcached.policies.base import (
+    EvictionPolicy,
+    PolicySettings,
+    PolicySnapshot,
+    ShadowBase,
+    Steps,
+    blob,
+    finished,
+    through,
+)
 from kvcached.policies.ghosts import GhostFilter
 from kvcached.policies.links import STEP, IdLinks, IdQueue, column, frozen, gathered, grown
 from kvcached.policies.tuning import RatioTuner
@@ -89,6 +98,9 @@ class SlruPolicy(EvictionPolicy):
 
     def resized(self, entries: int) -> None:
         self.c = max(1, entries)
+
+    def shadow(self, capacity: int) -> "SlruShadow":
+        return SlruShadow(self.ratio, capacity)
 
     def size_for(self, capacity: int) -> None:
         self._links.size_for(capacity)
@@ -275,3 +287,70 @@ def _merged(first: array[int], then: array[int], tick: Callable[[int], int], out
         i += len(a)
         j += len(b)
         yield None
+
+
+class SlruShadow(ShadowBase):
+    """:class:`SlruPolicy` at a fixed ratio as a miniature copy over keys
+    (kvcached.policies.base.Shadow): its two lists as dicts of key to the tick of its last use
+    (oldest first), the same ghosts, and the same ticks (one per use, one per eviction, as the
+    policy's candidates count the one they offer), so that its hits are the policy's, hit for
+    hit, at a third of the time (tests/unit/test_shadows.py)."""
+
+    def __init__(self, ratio: float, capacity: int) -> None:
+        super().__init__(capacity)
+        self.ratio = ratio
+        self.probation: dict[bytes, int] = {}
+        self.protected: dict[bytes, int] = {}
+        self.ghosts = GhostFilter()
+        self.tick = 0
+        self.c = 1
+
+    def shrunk(self, entries: int) -> None:
+        self.c = entries                    # SlruPolicy.resized
+
+    def follow(self, tier: EvictionPolicy) -> None:
+        if isinstance(tier, SlruPolicy):
+            self.ratio = tier.ratio
+
+    def tuned_to(self, value: float) -> None:
+        self.ratio = value
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.probation or key in self.protected
+
+    def access(self, key: bytes) -> bool:
+        protected, probation = self.protected, self.probation
+        if key in protected:
+            del protected[key]
+        elif key in probation:
+            del probation[key]
+        else:
+            while self.size >= self._capacity:
+                self._evict()
+            self.tick += 1
+            (protected if key in self.ghosts else probation)[key] = self.tick
+            self.size += 1
+            if self.size > self.c:
+                self.c = self.size
+            return False
+        self.tick += 1
+        protected[key] = self.tick
+        self.hits += 1
+        return True
+
+    def _evict(self) -> None:
+        probation, protected, tick = self.probation, self.protected, self.tick
+        if probation and (not protected or self.ratio * (tick - next(iter(probation.values())))
+                          >= tick - next(iter(protected.values()))):
+            queue = probation
+        else:
+            queue = protected
+        victim = next(iter(queue))
+        del queue[victim]
+        self.tick = tick + 1                # the policy's candidates count the one they offer as a use
+        self.size -= 1
+        self.ghosts.add(victim, self.c)
+
+    def remove(self, key: bytes) -> None:
+        if self.probation.pop(key, None) is not None or self.protected.pop(key, None) is not None:
+            self.size -= 1

@@ -21,10 +21,10 @@ from __future__ import annotations
 import zlib
 from typing import Callable, Sequence
 
-from kvcached.policies.base import EvictionPolicy
+from kvcached.policies.base import EvictionPolicy, Shadow, ShadowBase
 from kvcached.policies.keyed import KeyedPolicy
 
-__all__ = ["RatioTuner", "ShadowCache", "GRID", "rate_for"]
+__all__ = ["RatioTuner", "ShadowCache", "GRID", "make_shadow", "rate_for"]
 
 GRID = (1.0, 2.0, 4.0, 16.0, 128.0, 1000.0)
 MIN_RATE = 16
@@ -46,40 +46,58 @@ def rate_for(capacity: int) -> int:
     return rate
 
 
-class ShadowCache:
+class ShadowCache(ShadowBase):
     """``policy`` over keys with room for ``capacity`` of them: what a tier does with its
     policy (touch on a hit; on a miss, evict the first candidates until there is room, then
-    insert), with keys only and no bytes."""
+    insert), with keys only and no bytes. Keys leave it through :meth:`remove` alone (it counts
+    the keys it holds: asking the policy costs three calls, on every miss of every copy)."""
 
     def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
+        super().__init__(capacity)
         self.policy = KeyedPolicy(policy)
-        self._capacity = max(1, capacity)
-        self.hits = 0
 
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @capacity.setter
-    def capacity(self, entries: int) -> None:
+    def shrunk(self, entries: int) -> None:
         """A copy made smaller (its sampling rate fell) tells its policy
         (EvictionPolicy.resized): one that remembered as many evictions as the copy ever held
         kept them several times too long for its new size, which in slru's copies of a rate
         that fell tenfold cost 0.02-0.03 of hit rate at 0.5x-1x."""
-        entries = max(1, entries)
-        if entries < self._capacity:
-            self.policy.policy.resized(entries)
-        self._capacity = entries
+        self.policy.policy.resized(entries)
 
     def access(self, key: bytes) -> bool:
         policy = self.policy
         if policy.touched(key):
             self.hits += 1
             return True
-        while len(policy) >= self._capacity:
-            policy.evicted(next(iter(policy.candidates())))
+        while self.size >= self._capacity:
+            victim = next(iter(policy.candidates()), None)
+            if victim is None:
+                break
+            policy.evicted(victim)
+            self.size -= 1
         policy.insert(key)
+        self.size += 1
         return False
+
+    def remove(self, key: bytes) -> None:
+        """``key`` leaves the copy (deleted, not evicted) if it holds it."""
+        if key in self.policy:
+            self.policy.remove(key)
+            self.size -= 1
+
+    def follow(self, tier: EvictionPolicy) -> None:
+        self.policy.policy.follow(tier)
+
+    def tuned_to(self, value: float) -> None:
+        self.policy.policy.tuned_to(value)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.policy
+
+
+def make_shadow(policy: EvictionPolicy, capacity: int) -> Shadow:
+    """``policy`` (fresh) as a miniature copy with room for ``capacity`` keys: its own
+    :meth:`EvictionPolicy.shadow` where it has one, else a :class:`ShadowCache` of it."""
+    return policy.shadow(capacity) or ShadowCache(policy, capacity)
 
 
 class RatioTuner:
@@ -98,9 +116,10 @@ class RatioTuner:
         self.grid = tuple(grid)
         self._make = make
         self.ratio = self.grid[0]
+        self.decided = 0                    # rounds that had copies large enough to choose by
         self.rate = 1
         self._mask = 0
-        self._copies: list[ShadowCache] = []
+        self._copies: list[Shadow] = []
         self._scores = [0.0] * len(self.grid)
         self._uses = 0
         self._room = 0                      # the copies' capacity now
@@ -118,7 +137,7 @@ class RatioTuner:
                 return
         size = capacity // self.rate
         if not self._copies:
-            self._copies = [ShadowCache(self._make(r), size) for r in self.grid]
+            self._copies = [make_shadow(self._make(r), size) for r in self.grid]
         room = max(1, size)
         if room != self._room:               # resized when the size moves only: this runs on every sampled use
             self._room = room
@@ -142,6 +161,7 @@ class RatioTuner:
         self._uses = 0
         if size < MIN_ENTRIES:
             return
+        self.decided += 1
         best = max(range(len(self.grid)), key=self._scores.__getitem__)
         if current < 0 or self._scores[best] > self._scores[current] * (1 + SWITCH_MARGIN):
             self.ratio = self.grid[best]

@@ -8,6 +8,8 @@ policies are the registered ones (kvcached.policies.EVICTION_POLICIES), all by d
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from functools import partial
@@ -39,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="requests per workload, times the usual number")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--plot", metavar="FILE.svg", help="also write the hit-rate plot there")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of the table (per "
+                   "workload: its sizes in blocks and each policy's hit rate at each, block and prefix hits)")
 
 
 def _sizes(text: str | None, default: Sequence[float]) -> list[float]:
@@ -103,7 +107,10 @@ def execute(args: argparse.Namespace) -> int:
     except ValueError as exc:                           # TraceError among them
         return _error(str(exc))
     results = _replay(args, *inputs)
-    print(table(results))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    else:
+        print(table(results))
     if args.plot:
         Path(args.plot).write_text(svg(results))
         print(f"plot: {args.plot}", file=sys.stderr)

@@ -37,7 +37,7 @@ from kvcached.policies.prefetch import PrefetchPolicy
 from kvcached.policies.write import WritePolicy, make_write_policy
 from kvcached.store import admin
 from kvcached.store.adoption import SETTLE_BYTES, AdoptionReport, RamAdoption
-from kvcached.store.curves import tier_curves
+from kvcached.store.curves import OwnHits, tier_curves
 from kvcached.store.gpu_view import GpuView
 from kvcached.store.inflight import InFlight
 from kvcached.store.ledger import RecordLedger
@@ -137,7 +137,8 @@ class Store:
         self.pulls = PeerPulls(parts, self.writer, self.mover)
         self.reader = ReadPath(parts, self.writer, self.mover, self.pulls, self.reads)
         self.lookups = Lookups(parts, self.mover, self.pulls, self.gpu, self.reads)
-        self.curves = tier_curves(ram, ssd, ssd_order, time.monotonic, curve_keys) if curve_keys else None
+        self.own_hits = OwnHits(self.reads, ssd is not None)
+        self.curves = tier_curves(ram, ssd, ssd_order, time.monotonic, curve_keys, self.own_hits) if curve_keys else None
 
     # -- what SIGHUP changes, the peer tier's late binding, views ----------------------------------
 
@@ -270,13 +271,13 @@ class Store:
 
     async def put(self, items: Sequence[PutItem]) -> PutResult:
         self._settle(keys := [item.address.key for item in items], None)
-        self._used(keys, lambda i: len(items[i].payload))
+        self._used(keys, lambda i: len(items[i].payload), saved=True)
         return await self.writer.put(items)
 
     def reserve(self, entries: Sequence[tuple[BlockAddress, int]], tenant: str = "") -> list[RamBlock | SlotRefusal]:
         """Slots for an agent's blocks (kvcached.store.write_path), as ``tenant``'s (Tenant.tag)."""
         self._settle(keys := [address.key for address, _ in entries], None)
-        self._used(keys, lambda i: entries[i][1])   # saved, or found saved: a use
+        self._used(keys, lambda i: entries[i][1], saved=True)   # saved, or found saved: a use
         results = self.writer.reserve(entries, tenant)
         if self.routes:
             self.routes.reserved([a for (a, _), r in zip(entries, results) if not isinstance(r, SlotRefusal)])
@@ -322,8 +323,11 @@ class Store:
         self._used(*_pinned_uses(results))
         return results
 
-    def _used(self, keys: Sequence[bytes], nbytes: Callable[[int], int]) -> None:  # blocks used: the curves count them
+    def _used(self, keys: Sequence[bytes], nbytes: Callable[[int], int], saved: bool = False) -> None:
+        """Blocks used: the curves count them (and, of blocks to be saved, those RAM holds already)."""
         if self.curves is not None:
+            if saved:
+                self.own_hits.written(sum(map(self.ram.__contains__, keys)))
             self.curves.uses(keys, nbytes)
 
     def read(self, pinned: Pinned, start: int, length: int) -> bytes:
