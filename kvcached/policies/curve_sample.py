@@ -108,15 +108,21 @@ class RateBudget:
     used (an idle daemon's few uses are left alone, and its curves keep their sample).
 
     :meth:`observe` is called after each batch of sampled uses is counted and returns a new rate
-    when the rate should move, else None: at the end of a window, the rate that would have spent
-    ``MARGIN`` of the allowance (the cost of a sampled use is about the same at any rate), at
-    most twice the rate (up to ``max_rate``), and only where that moves it by a quarter or more
-    (each move costs a pass over the sample). A burst that spends ``BURST`` times a full
+    when the rate should move, else None: at the end of a window over the allowance, the rate
+    that would have spent ``MARGIN`` of it (the cost of a sampled use is about the same at any
+    rate), a FALL-th of it at least; after RISE_AFTER windows in a row under half of it, that rate again, at most twice
+    this one (up to ``max_rate``) and only where that moves it by a quarter or more (each rise
+    costs the curves the uses that come while their copies catch up: Bands.rose; a rate that
+    rose whenever one window was light went up and down every few seconds on a loaded machine,
+    and the figures stood on the few uses between). A burst that spends ``BURST`` times a full
     window's allowance before the window ends is answered at once."""
 
     MARGIN = 0.8
     BURST = 4.0
     MOVE = 0.25
+    RISE_AFTER = 3          # windows in a row under half the allowance before the rate rises
+    FALL = 4                # the most the rate falls at once (one collection of the garbage collector's, timed
+                            # inside the curves' count, once put 50 ms in one window and the rate down twentyfold)
 
     def __init__(self, share: float, max_rate: float, *, window_s: float = 2.0, floor: float = 0.001) -> None:
         if not 0 < share < 1 or not 0 < max_rate <= 1 or window_s <= 0:
@@ -126,6 +132,7 @@ class RateBudget:
         self.window_s = window_s
         self.floor = floor
         self._start: tuple[float, float, float] | None = None     # (clock, busy, cpu) at the window's start
+        self._under = 0                                           # windows in a row under half the allowance
 
     def observe(self, now: float, busy: float, cpu: float, rate: float) -> float | None:
         start = self._start
@@ -139,6 +146,13 @@ class RateBudget:
             return None
         self._start = (now, busy, cpu)
         if took > allowed:
-            return max(rate * self.MARGIN * allowed / took, 1 / SPACE)
+            self._under = 0
+            return max(rate * self.MARGIN * allowed / took, rate / self.FALL, 1 / SPACE)
+        self._under = self._under + 1 if took < allowed / 2 else 0
+        if self._under < self.RISE_AFTER:
+            return None
         target = min(self.max_rate, 2 * rate, rate * self.MARGIN * allowed / took if took > 0 else 2 * rate)
-        return target if target >= rate * (1 + self.MOVE) else None
+        if target < rate * (1 + self.MOVE):
+            return None
+        self._under = 0
+        return target

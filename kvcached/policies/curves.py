@@ -14,10 +14,11 @@ with room for m x C x R keys, C the tier's size in blocks (its bytes over the me
 the blocks sampled); every sampled use goes to every copy. A policy's tuned setting (slru's
 ratio) depends on the size: the 1x copy follows the tier's own tuner (EvictionPolicy.miniature
 and follow); the others each run the tuner a tier of their size would
-(EvictionPolicy.miniature_tuner), over one in TUNER_SHARE of the sampled keys (a nested sample:
-the tuner's copies are most of a sampled use's work, and choosing a setting needs fewer keys
-than estimating a hit rate), and follow the tier's setting while their tuner's copies are too
-small to choose by. Copies shrink as the rate falls and tell their policy (Shadow.capacity).
+(EvictionPolicy.miniature_tuner), over a nested sample of the sampled keys (one in as many as
+leaves the tuner's copies TUNER_ROOM keys, within TUNER_SHARES: the tuners' copies were most of
+a sampled use's work, and choosing a setting needs fewer keys than estimating a hit rate), and
+follow the tier's setting while their tuner's copies are too small to choose by. Copies shrink as the rate falls and tell their policy
+(Shadow.capacity).
 
 The window: the last ``window`` sampled uses, each with which copies hit it and the tiers' own
 hit counts at the time (``own_hits``: the owner's count of the uses each tier held). Every
@@ -34,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvcached.policies.base import EvictionPolicy, SettingTuner, Shadow
+from kvcached.policies.base import EvictionPolicy
 from kvcached.policies.curve_sample import SPACE, KeySample, RateBudget, bound_key
 from kvcached.policies.curve_window import Bands, TierWindow, WindowFigures, estimate_tier
 from kvcached.policies.tuning import MIN_ENTRIES, make_shadow
@@ -50,7 +51,8 @@ ACCURACY = 0.03             # a tier's curve is shown where every figure's error
 MIN_COPY = 64               # ... and every copy has room for this many keys: smaller miniatures stray past their error
 BUSY_SHARE = 0.009          # with timers: the share of the process's CPU time counting sampled uses may take
 ESTIMATE_SHARE = 0.001      # ... and computing the figures from the window (together: 1%)
-TUNER_SHARE = 16            # the tuners of the copies at other sizes see one sampled key in this many
+TUNER_ROOM = 64             # the tuners of the copies at other sizes see one sampled key in as many as leaves them this room,
+TUNER_SHARES = (4, 16)      # ... one in 4 at least (a tuner is six copies), one in 16 at most
 WARM_TURNS = 2              # a band of keys that joined the sample counts after this many times the largest copy's blocks
 RESIZE_EVERY = 256          # sampled uses between two looks at the tiers' size in blocks
 MAX_PENDING = 256           # deferred: sampled uses waiting for drain() at most (past that, uses() counts the oldest)
@@ -109,6 +111,7 @@ class _TierCopies:
         self.multiples = tuple(multiples)
         self.copies = [make_shadow(spec.policy.miniature(), 1) for _ in self.multiples]
         self.tuners = [None if m == 1.0 else spec.policy.miniature_tuner() for m in self.multiples]
+        self._tuning: list[tuple[bytes, int] | None] = [None] * len(self.multiples)   # per copy: (its tuner's bound, room)
         self.footprint_sum = 0
         self.footprint_n = 0
         self.blocks = 0                     # the tier's size in blocks of the mean footprint seen
@@ -117,36 +120,45 @@ class _TierCopies:
         self.footprint_sum += self.spec.footprint(nbytes)
         self.footprint_n += 1
 
-    def resize(self, rate: float) -> None:
+    def resize(self, threshold: int) -> None:
+        """The copies sized for the sampling ``threshold``, and their tuners' nested samples:
+        one key in as many as leaves a tuner's copies TUNER_ROOM keys (a power of two within
+        TUNER_SHARES); a tuner whose copies would hold fewer than MIN_ENTRIES is silent."""
         if self.footprint_n:
             self.blocks = int(self.spec.capacity_bytes * self.footprint_n / self.footprint_sum)
-        for m, copy, tuner in zip(self.multiples, self.copies, self.tuners):
+        rate = threshold / SPACE
+        for i, (m, copy, tuner) in enumerate(zip(self.multiples, self.copies, self.tuners)):
             copy.capacity = max(1, round(m * self.blocks * rate))
-            if not self._tuned(copy, tuner):
+            share = TUNER_SHARES[0]
+            while share < TUNER_SHARES[1] and copy.capacity // (2 * share) >= TUNER_ROOM:
+                share *= 2
+            room = copy.capacity // share
+            self._tuning[i] = (bound_key(threshold // share), room) if tuner is not None and room >= MIN_ENTRIES else None
+            if not self._tuned(i):
                 copy.follow(self.spec.policy)
 
-    @staticmethod
-    def _tuned(copy: Shadow, tuner: SettingTuner | None) -> bool:
-        """The copy takes its own tuner's setting: it has one, whose copies (on one sampled key
-        in TUNER_SHARE) are large enough to choose by now, and it has chosen. Otherwise the copy
-        follows the tier's (a choice made while the copy was larger, kept after its tuner fell
-        silent, put rag's curve 0.07-0.1 under the exact replay at 0.5x)."""
-        return tuner is not None and copy.capacity // TUNER_SHARE >= MIN_ENTRIES and tuner.decided > 0
+    def _tuned(self, i: int) -> bool:
+        """Copy ``i`` takes its own tuner's setting: it has one, whose copies are large enough to
+        choose by now, and it has chosen. Otherwise it follows the tier's (a choice made while the
+        copy was larger, kept after its tuner fell silent, put rag's curve 0.07-0.1 under the
+        exact replay at 0.5x; the trace's at 0.5x, following the tier's where a tuner of one key
+        in 16 was silent, came out 0.02 under)."""
+        tuner = self.tuners[i]
+        return self._tuning[i] is not None and tuner is not None and tuner.decided > 0
 
     @property
     def warm(self) -> int:
         """Accesses after which copies have taken in a band of keys new to them."""
         return WARM_TURNS * round(max(self.multiples) * self.blocks)
 
-    def access(self, key: bytes, tuned: bool) -> int:
-        """One sampled use of ``key`` (``tuned``: in the tuners' nested sample); one bit per
-        copy, set where it hit."""
-        if tuned:
-            for copy, tuner in zip(self.copies, self.tuners):
-                if tuner is not None and copy.capacity // TUNER_SHARE >= MIN_ENTRIES:
-                    tuner.access(key, copy.capacity // TUNER_SHARE)
-                    if tuner.decided:
-                        copy.tuned_to(tuner.ratio)
+    def access(self, key: bytes) -> int:
+        """One sampled use of ``key``; one bit per copy, set where it hit."""
+        for tuning, copy, tuner in zip(self._tuning, self.copies, self.tuners):
+            if tuning is not None and key < tuning[0]:
+                assert tuner is not None
+                tuner.access(key, tuning[1])
+                if tuner.decided:
+                    copy.tuned_to(tuner.ratio)
         bits = 0
         for i, copy in enumerate(self.copies):
             if copy.access(key):
@@ -203,7 +215,6 @@ class MissRatioCurves:
         self._at = 0
         self._figures: list[WindowFigures] | None = None
         self._figures_at = (-float("inf"), 0, 0.0, 0.0)     # (clock, sampled, process CPU, what they took)
-        self._tuner_bound = (0, b"")        # (the sample's threshold, the tuners' nested bound under it)
 
     # -- feeding ---------------------------------------------------------------------------------
 
@@ -303,12 +314,9 @@ class MissRatioCurves:
                     return
         self.sampled += 1
         self.sample.take(key, self.sampled)
-        if self._tuner_bound[0] != self.sample.threshold:
-            self._tuner_bound = (self.sample.threshold, bound_key(self.sample.threshold // TUNER_SHARE))
-        tuned = key < self._tuner_bound[1]
         bits, shift = 0, 0
         for tier in self.tiers:
-            bits |= tier.access(key, tuned) << shift
+            bits |= tier.access(key) << shift
             shift += len(self.multiples)
         self._window[self._at] = (key, number, bits, own)
         self._at = (self._at + 1) % len(self._window)
@@ -316,12 +324,11 @@ class MissRatioCurves:
     def _resize(self) -> None:
         """The copies sized for the rate and the tiers' size in blocks now; keys with no use
         left in the window leave the sample."""
-        rate = self.sample.rate
         oldest = self._window[self._at][1]          # the access number of the window's oldest entry
         if oldest:
             self.sample.retire(self.sampled - len(self._window) + 1)
         for tier, bands in zip(self.tiers, self.bands):
-            tier.resize(rate)
+            tier.resize(self.sample.threshold)
             bands.prune(oldest)
 
     # -- reading ---------------------------------------------------------------------------------

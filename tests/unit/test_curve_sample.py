@@ -64,12 +64,20 @@ def test_a_burst_is_answered_before_the_window_ends() -> None:
     assert rate is not None and rate < 0.125 / 10
 
 
-def test_well_under_the_budget_the_rate_doubles_up_to_its_cap() -> None:
+def test_well_under_the_budget_for_a_while_the_rate_doubles_up_to_its_cap() -> None:
+    """Three windows in a row under half the allowance, then twice the rate, no more; one heavy
+    window between starts the count again."""
     b = budget()
     b.observe(0.0, 0.0, 0.0, 0.01)
-    assert b.observe(2.0, 0.001, 1.8, 0.01) == 0.02           # a tenth of the budget spent: twice the rate, no more
-    assert b.observe(4.0, 0.0015, 3.6, 0.1) == 0.125          # never past the cap
-    assert b.observe(6.0, 0.0020, 5.4, 0.125) is None
+    assert b.observe(2.0, 0.001, 1.8, 0.01) is None           # a tenth of the budget spent: once
+    assert b.observe(4.0, 0.002, 3.6, 0.01) is None           # twice
+    assert b.observe(6.0, 0.003, 5.4, 0.01) == 0.02           # three times: twice the rate, no more
+    assert b.observe(8.0, 0.020, 7.2, 0.02) is None           # near the allowance: the count starts again
+    for t in (10.0, 12.0):
+        assert b.observe(t, 0.020 + (t - 8.0) * 0.0005, t * 0.9, 0.1) is None
+    assert b.observe(14.0, 0.023, 12.6, 0.1) == 0.125         # never past the cap
+    for t in (16.0, 18.0, 20.0):
+        assert b.observe(t, 0.023 + (t - 14.0) * 0.0005, t * 0.9, 0.125) is None
 
 
 def test_near_the_budget_the_rate_stays() -> None:
@@ -90,7 +98,7 @@ def test_an_idle_daemon_keeps_its_sample() -> None:
 def test_the_curves_sample_fewer_keys_in_a_burst_and_more_again_when_the_traffic_falls() -> None:
     """Curves with timers: each timed call reads as 20 us of CPU a sampled use, the process's
     CPU is 100 us a use. At 5,000 uses a second (half a core) the budget of 1% holds the rate near
-    1/25; at 100 a second it climbs back to the cap, doubling a window at a time; the copies and
+    1/25; at 100 a second it climbs back to the cap, doubling every few windows; the copies and
     the sample follow it both ways."""
     now, cpu = [0.0], [0.0]
     curves = MissRatioCurves([TierSpec("ram", "lru", make_keyed_policy("lru").policy, 1 << 24, lambda n: n)],

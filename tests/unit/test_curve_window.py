@@ -103,15 +103,16 @@ def test_the_error_covers_what_the_sample_gets_wrong() -> None:
     assert statistics.median(errors[1 / 4]) < statistics.median(errors[1 / 16]) / 1.5
 
 
-def test_a_band_of_keys_counts_once_the_copies_caught_up() -> None:
+def test_uses_count_again_once_the_copies_caught_up_with_a_rise() -> None:
     bands = Bands(SPACE // 8)
     bands.fell(SPACE // 16)                  # falls reach back: those keys left the copies
     assert bands.bound_at(0) == SPACE // 16
     bands.rose(SPACE // 8, at=1000, warm=500)
-    assert bands.bound_at(1499) == SPACE // 16 and bands.bound_at(1500) == SPACE // 8
-    assert bands.expected(1, 2000) == pytest.approx(1499 / 16 + 501 / 8)
+    assert bands.bound_at(999) == SPACE // 16 and bands.bound_at(1000) == 0 and bands.bound_at(1499) == 0
+    assert bands.bound_at(1500) == SPACE // 8
+    assert bands.expected(1, 2000) == pytest.approx(999 / 16 + 501 / 8)
     bands.fell(SPACE // 32)
-    assert bands.bound_at(5000) == SPACE // 32
+    assert bands.bound_at(5000) == SPACE // 32 and bands.bound_at(1200) == 0
     bands.prune(1600)
     assert bands.steps == [(1500, SPACE // 32)]
 
