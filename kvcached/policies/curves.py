@@ -26,7 +26,9 @@ figure comes from it, the policy's and MIN's over the same uses (kvcached.polici
 the policy's corrected by the tier's own hit rate where it is counted; MIN from the copies'
 state at the window's start; the error of each). They are computed when asked, at most once per
 ``min_every_s`` once the window is full (sooner while it fills), and only while what computing
-them took is at most ESTIMATE_SHARE of the process's CPU since the last time.
+them took is at most ESTIMATE_SHARE of the process's CPU since the last time, or FIGURES_FREE_S
+(the window filling too: a benchmark asking Stats every second had them computed every few seconds, 3.9% of the
+daemon's CPU).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ ACCURACY = 0.03             # a tier's curve is shown where every figure's error
 MIN_COPY = 64               # ... and every copy has room for this many keys: smaller miniatures stray past their error
 BUSY_SHARE = 0.009          # with timers: the share of the process's CPU time counting sampled uses may take
 ESTIMATE_SHARE = 0.001      # ... and computing the figures from the window (together: 1%)
+FIGURES_FREE_S = 0.005      # ... figures that took less to compute may be computed again at any time
 TUNER_ROOM = 64             # the tuners of the copies at other sizes see one sampled key in as many as leaves them this room,
 TUNER_SHARES = (4, 16)      # ... one in 4 at least (a tuner is six copies), one in 16 at most
 WARM_TURNS = 2              # a band of keys that joined the sample counts after this many times the largest copy's blocks
@@ -184,7 +187,7 @@ class MissRatioCurves:
         self.sample = KeySample(max_rate)
         self.max_rate = max_rate
         #: The copies of a tier hold at most ``sample_keys`` keys in all (their memory): the rate
-        #: is at most that over the sum of the multiples times the tier's blocks (:meth:`_resize`).
+        #: is at most that over the sum of the multiples times the tier's blocks (:meth:`_allowed`).
         self.sample_keys = sample_keys
         self._budget_rate = max_rate        # what the budget allows (RateBudget)
         #: What holds the rate where it is: "cap" (``max_rate``), "budget" or "memory" (``sample_keys``).
@@ -357,8 +360,8 @@ class MissRatioCurves:
         at, sampled, cpu, took = self._figures_at
         process = self.process_timer() if self.process_timer is not None else 0.0
         young = self.sampled < len(self._window) and self.sampled - sampled >= max(16, sampled // 8)
-        due = now - at >= self.min_every_s and (self.budget is None or took <= ESTIMATE_SHARE * (process - cpu))
-        if self._figures is not None and not young and not due:
+        paid = self.budget is None or took <= max(ESTIMATE_SHARE * (process - cpu), FIGURES_FREE_S)
+        if self._figures is not None and not (paid and (young or now - at >= self.min_every_s)):
             return self._figures
         started = self.timer() if self.timer is not None else 0.0
         entries = self.window()

@@ -33,7 +33,7 @@ __all__ = ["DRAIN_AFTER", "DRAIN_SLICE", "DRAIN_WAIT_S", "LiveCurves", "OwnHits"
 
 DRAIN_AFTER = 64            # sampled uses queued before the event loop is asked to count them
 DRAIN_WAIT_S = 0.5          # ... or this long after the first was queued
-DRAIN_SLICE = 16            # sampled uses counted per turn of the event loop (then the events waiting go first)
+DRAIN_SLICE = 8             # sampled uses counted per turn of the event loop (then the events waiting go first)
 
 
 def _name(policy: EvictionPolicy) -> str:
