@@ -25,9 +25,9 @@
    --quick), beside the tier's own policy; against the simulator's exact replay of the same
    stream over the window's span at 0.5x, 1x, 2x and 4x a tier of a tenth of the distinct
    blocks, and Belady's MIN over the whole stream counted in the same span (the live MIN starts
-   from the copy's state at the window's start; a MIN started cold at the window's start is
-   below both by what the window's first uses miss). Targets (issue 42): within 0.02, MIN
-   within 0.03.
+   from the state of a MIN run behind the window, which sees only as far ahead as the window;
+   a MIN started cold at the window's start is below both by what the window's first uses
+   miss). Targets (issue 42): within 0.02, MIN within 0.03.
 4. A trace through a real daemon at full speed, the curves' budget on, then `kvcached mrc`
    against `kvcached sim --trace` (bench/curves_trace.py; 3 runs, 1 with --quick). Target
    (issue 60): within 0.03 at 0.5x-4x, MIN at or above the policy.

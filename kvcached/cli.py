@@ -279,7 +279,7 @@ def _client_command(args: argparse.Namespace) -> int:
 _MORE = {"cap": "the sample is at its cap of one key in 8; more keys in the traffic give more",
          "budget": "the curves' budget (1% of the daemon's CPU) holds the sample there at this traffic; it grows as "
                    "the traffic falls",
-         "memory": "[kv] curve_sample_keys bounds the copies; a larger one gives more (some 350 bytes a key)",
+         "memory": "[kv] curve_sample_keys bounds the copies; a larger one gives more (some 600 bytes a key)",
          "": "more traffic gives more"}
 
 

@@ -87,7 +87,7 @@ class KvSection:
     curves: bool = setting("Keep live miss-ratio curves of the RAM and SSD tiers (kvcached mrc, docs/operations.md).",
                            True)
     curve_sample_keys: int = setting("Keys the live curves' miniature copies of a tier hold at most, in all (their memory: "
-                                     "some 350 bytes a key; fewer sample fewer keys of a large tier).",
+                                     "some 600 bytes a key; fewer sample fewer keys of a large tier).",
                                      32768, between(256, 1 << 22), int)
     prefetch_policy: str = setting("How long a load waits for SSD reads and peer pulls: wait_complete, best_effort (not at "
                                 "all) or timeout (prefetch_timeout_ms).", "wait_complete",

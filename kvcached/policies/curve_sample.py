@@ -74,6 +74,10 @@ class KeySample:
         uses were not seen: the owner counts them once its copies have caught up)."""
         self.threshold = max(self.threshold, min(SPACE, threshold))
 
+    def last(self, key: bytes) -> int | None:
+        """The number of the last use of ``key`` (None: not in the sample)."""
+        return self._used.get(key)
+
     def take(self, key: bytes, number: int) -> None:
         """A use of ``key`` (below the threshold), numbered ``number`` by the owner."""
         used = self._used

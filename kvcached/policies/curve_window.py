@@ -16,10 +16,11 @@ window, or from when a band of keys that joined it is caught up with):
   of the tier's own size says how far it is off at the others; the coefficient per size from the
   keys' own counts, :func:`control`). At 1x the figure is then the tier's own hit rate.
 - **MIN** at each size: Belady's MIN over the same entries with room for as many keys as the
-  copy, starting from the keys the copy held at the window's start (those its first use in the
-  window hit), so that its raw hits are never fewer than the copy's (MIN from a cache's state
-  beats that cache's policy from the same state); estimated the same way; never below the
-  policy's figure, which it bounds, and never above 1.
+  copy, starting from the keys MIN itself held where the window begins (a MIN run behind the
+  window, kvcached.policies.belady.TrailingMin) and those the copy held (its hits on a key's
+  first use in the window: MIN from a cache's state beats that cache's policy from the same
+  state); estimated the same way; never below the policy's figure, which it bounds, and never
+  above 1.
 - **the error**: twice the standard error of the figure (about 95%), from the spread of the
   sampled keys' own hits about it (the linearized variance of a ratio estimator under Bernoulli
   sampling of keys: (1 - R) x the sum over sampled keys of the squared residual, over the
@@ -106,7 +107,9 @@ class Bands:
 class TierWindow:
     """What :func:`estimate_tier` needs of a tier: the bit of its first copy, its copies'
     capacities (entries, one per size), which of them is 1x (or None), its :class:`Bands`, the
-    index of its own hit count in an entry's counts (or None), and the sampling rate now."""
+    index of its own hit count in an entry's counts (or None), the sampling rate now, and per size
+    the keys MIN held where the window begins (kvcached.policies.belady.TrailingMin; none: MIN
+    starts from the keys the copy held)."""
 
     first_bit: int
     capacities: Sequence[int]
@@ -114,6 +117,7 @@ class TierWindow:
     bands: Bands
     real: int | None
     rate: float
+    least_start: Sequence[Sequence[bytes]] = ()
 
 
 @dataclass(frozen=True)
@@ -150,12 +154,8 @@ def estimate_tier(entries: Sequence[Entry], tier: TierWindow) -> WindowFigures:
         bit = 1 << (tier.first_bit + i)
         hits = [bool(e[2] & bit) for e in counted]
         policy_hits.append(hits)
-        warm: dict[bytes, bool] = {}
-        for key, hit in zip(keys, hits):
-            if key not in warm:
-                warm[key] = hit
-        initial = [key for key, hit in warm.items() if hit][:capacity]
-        least_hits.append(belady_hits(capacity, keys, initial))
+        least_hits.append(belady_hits(capacity, keys, _least_start(keys, hits, capacity, tier.least_start[i]
+                                                                   if tier.least_start else ())))
     rate = tier.rate
     uses_squared = sum(n * n for n in uses.values())
     policy = [_KeyHits.of(keys, hits, uses) for hits in policy_hits]
@@ -171,6 +171,20 @@ def estimate_tier(entries: Sequence[Entry], tier: TierWindow) -> WindowFigures:
         out_least.append(min(1.0, max(p, m)))
         out_min_error.append(me)
     return WindowFigures(out_policy, out_least, out_error, out_min_error, len(keys), len(uses), (first, last), own)
+
+
+def _least_start(keys: Sequence[bytes], hits: Sequence[bool], capacity: int, held: Sequence[bytes]) -> list[bytes]:
+    """The keys MIN holds as the counted uses begin: of those MIN held where the window began
+    (``held``) and those the copy held (its hits on a key's first counted use: MIN from the
+    copy's state never hits less than the copy), the ones used first, room allowing. The copy's
+    count where MIN's state has not caught up (a band of keys new to the sample: MIN's state
+    follows the window's start)."""
+    first: dict[bytes, bool] = {}
+    for key, hit in zip(keys, hits):
+        if key not in first:
+            first[key] = hit
+    held_set = set(held)
+    return [key for key, hit in first.items() if hit or key in held_set][:capacity]
 
 
 def _own_rate(entries: Sequence[Entry], bands: Bands, real: int) -> float | None:

@@ -23,11 +23,12 @@ follow the tier's setting while their tuner's copies are too small to choose by.
 The window: the last ``window`` sampled uses, each with which copies hit it and the tiers' own
 hit counts at the time (``own_hits``: the owner's count of the uses each tier held). Every
 figure comes from it, the policy's and MIN's over the same uses (kvcached.policies.curve_window:
-the policy's corrected by the tier's own hit rate where it is counted; MIN from the copies'
-state at the window's start; the error of each). They are computed when asked, at most once per
-``min_every_s`` once the window is full (sooner while it fills), and only while what computing
-them took is at most ESTIMATE_SHARE of the process's CPU since the last time, or FIGURES_FREE_S
-(the window filling too: a benchmark asking Stats every second had them computed every few seconds, 3.9% of the
+the policy's corrected by the tier's own hit rate where it is counted; MIN from its own state
+where the window begins, kvcached.policies.belady.TrailingMin, fed as uses leave the window;
+the error of each). They are computed when asked, at most once per ``min_every_s`` once the
+window is full (sooner while it fills), and only while what computing them took is at most
+ESTIMATE_SHARE of the process's CPU since the last time, or FIGURES_FREE_S (the window filling
+too: a benchmark asking Stats every second had them computed every few seconds, 3.9% of the
 daemon's CPU).
 """
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcached.policies.base import EvictionPolicy
+from kvcached.policies.belady import TrailingMin
 from kvcached.policies.curve_sample import SPACE, KeySample, RateBudget, bound_key
 from kvcached.policies.curve_window import Bands, TierWindow, WindowFigures, estimate_tier
 from kvcached.policies.tuning import MIN_ENTRIES, make_shadow
@@ -113,6 +115,7 @@ class _TierCopies:
         self.spec = spec
         self.multiples = tuple(multiples)
         self.copies = [make_shadow(spec.policy.miniature(), 1) for _ in self.multiples]
+        self.least = [TrailingMin(1) for _ in self.multiples]       # MIN at each size where the window begins
         self.tuners = [None if m == 1.0 else spec.policy.miniature_tuner() for m in self.multiples]
         self._tuning: list[tuple[bytes, int] | None] = [None] * len(self.multiples)   # per copy: (its tuner's bound, room)
         self.footprint_sum = 0
@@ -132,6 +135,7 @@ class _TierCopies:
         rate = threshold / SPACE
         for i, (m, copy, tuner) in enumerate(zip(self.multiples, self.copies, self.tuners)):
             copy.capacity = max(1, round(m * self.blocks * rate))
+            self.least[i].capacity = copy.capacity
             share = TUNER_SHARES[0]
             while share < TUNER_SHARES[1] and copy.capacity // (2 * share) >= TUNER_ROOM:
                 share *= 2
@@ -171,6 +175,18 @@ class _TierCopies:
     def forget(self, key: bytes) -> None:
         for copy in self.copies:
             copy.remove(key)
+        for least in self.least:
+            least.remove(key)
+
+    def left_window(self, key: bytes, next_use: int) -> None:
+        """A sampled use of ``key`` left the window (see TrailingMin.leave)."""
+        for least in self.least:
+            least.leave(key, next_use)
+
+    def entered_window(self, key: bytes, number: int) -> None:
+        """A sampled use of ``key`` entered the window, which held none of it."""
+        for least in self.least:
+            least.seen(key, number)
 
 
 class MissRatioCurves:
@@ -215,6 +231,7 @@ class MissRatioCurves:
         self.accesses = 0                   # every use offered
         self.sampled = 0                    # of those, counted as sampled
         self._window: list[tuple[bytes, int, int, tuple[int, ...] | None]] = [(b"", 0, 0, None)] * window   # a ring
+        self._next_use = [0] * window       # beside it: the sampled number of the next use of the entry's key (0: none yet)
         self._at = 0
         self._figures: list[WindowFigures] | None = None
         self._figures_at = (-float("inf"), 0, 0.0, 0.0)     # (clock, sampled, process CPU, what they took)
@@ -316,13 +333,24 @@ class MissRatioCurves:
                 if key >= self.sample.bound:
                     return
         self.sampled += 1
-        self.sample.take(key, self.sampled)
+        seq, at, size = self.sampled, self._at, len(self._window)
+        previous = self.sample.last(key)
+        if previous is not None and previous >= seq - size:
+            self._next_use[(previous - 1) % size] = seq     # the window holds a use of the key: this is the next
+        self.sample.take(key, seq)
+        old = self._window[at]
+        for tier in self.tiers:                          # a use leaves the window, MIN's state follows
+            if previous is None or previous < seq - size:
+                tier.entered_window(key, seq)
+            if old[1] and old[0] < self.sample.bound:
+                tier.left_window(old[0], self._next_use[at])
         bits, shift = 0, 0
         for tier in self.tiers:
             bits |= tier.access(key) << shift
             shift += len(self.multiples)
-        self._window[self._at] = (key, number, bits, own)
-        self._at = (self._at + 1) % len(self._window)
+        self._window[at] = (key, number, bits, own)
+        self._next_use[at] = 0
+        self._at = (at + 1) % size
 
     def _resize(self) -> None:
         """The copies sized for the rate and the tiers' size in blocks now; keys with no use
@@ -364,6 +392,7 @@ class MissRatioCurves:
         if self._figures is not None and not (paid and (young or now - at >= self.min_every_s)):
             return self._figures
         started = self.timer() if self.timer is not None else 0.0
+        least = [[m.residents() for m in tier.least] for tier in self.tiers]     # where the window begins, then the window
         entries = self.window()
         rate = self.sample.rate
         out = []
@@ -371,7 +400,7 @@ class MissRatioCurves:
             one = tier.multiples.index(1.0) if 1.0 in tier.multiples else None
             out.append(estimate_tier(entries, TierWindow(t * len(self.multiples), [c.capacity for c in tier.copies],
                                                          one, bands.copy(), t if self.own_hits is not None else None,
-                                                         rate)))
+                                                         rate, least[t])))
         took = (self.timer() - started) if self.timer is not None else 0.0
         self.min_busy_s += took
         self._figures, self._figures_at = out, (now, self.sampled, process, took)

@@ -150,8 +150,9 @@ def test_a_sample_whose_rate_fell_far_estimates_as_one_that_started_near_its_rat
 @pytest.mark.parametrize(("ram", "ssd"), [("lru", "lru"), ("slru", "lru"), ("slru", "slru")])
 def test_what_the_curves_hold_is_bounded_by_the_sample_not_the_keys(ram: str, ssd: str) -> None:
     """Distinct keys by the hundred thousand through curves of two tiers: what stays allocated is
-    the copies (at most ``sample_keys`` keys a tier, in all, and their tuners' copies: some 350
-    bytes a key of ``sample_keys`` with slru's ghosts and tuners) and the window (with the
+    the copies (at most ``sample_keys`` keys a tier, in all, their tuners' copies and MIN's state
+    behind the window: some 600 bytes a key of ``sample_keys`` with slru's ghosts and tuners) and
+    the window (with the
     sample's keys, about 250 bytes an entry), as docs/operations.md states, and it does not grow
     with the keys."""
     def tier(name: str, policy: str) -> TierSpec:
@@ -168,7 +169,7 @@ def test_what_the_curves_hold_is_bounded_by_the_sample_not_the_keys(ram: str, ss
     finally:
         tracemalloc.stop()
     assert curves.accesses == 60_000 and sum(c.capacity for c in curves.tiers[0].copies) <= 1024
-    assert held[1] < 2 * 1024 * 350 + 4096 * 250, held
+    assert held[1] < 2 * 1024 * 600 + 4096 * 250, held
     assert held[1] < held[0] * 1.15, held
 
 
