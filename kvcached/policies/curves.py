@@ -27,9 +27,12 @@ the policy's corrected by the tier's own hit rate where it is counted; MIN from 
 where the window begins, kvcached.policies.belady.TrailingMin, fed as uses leave the window;
 the error of each). They are computed when asked, at most once per ``min_every_s`` once the
 window is full (sooner while it fills), and only while what computing them took is at most
-ESTIMATE_SHARE of the process's CPU since the last time, or FIGURES_FREE_S (the window filling
-too: a benchmark asking Stats every second had them computed every few seconds, 3.9% of the
-daemon's CPU).
+ESTIMATE_SHARE of the process's CPU since the last time, the window filling too (a benchmark
+asking Stats every second had a filling window's figures computed each time, 3.9% of the
+daemon's CPU; figures that took under 5 ms computed each time still added 0.5%; computed again each time
+the filling window doubled, 0.4% in a short benchmark), or where the last ones stood on next
+to nothing (asked as the daemon started: a quiet daemon's next would wait for a second of its
+CPU).
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ ACCURACY = 0.03             # a tier's curve is shown where every figure's error
 MIN_COPY = 64               # ... and every copy has room for this many keys: smaller miniatures stray past their error
 BUSY_SHARE = 0.009          # with timers: the share of the process's CPU time counting sampled uses may take
 ESTIMATE_SHARE = 0.001      # ... and computing the figures from the window (together: 1%)
-FIGURES_FREE_S = 0.005      # ... figures that took less to compute may be computed again at any time
 TUNER_ROOM = 64             # the tuners of the copies at other sizes see one sampled key in as many as leaves them this room,
 TUNER_SHARES = (4, 16)      # ... one in 4 at least (a tuner is six copies), one in 16 at most
 WARM_TURNS = 2              # a band of keys that joined the sample counts after this many times the largest copy's blocks
@@ -388,8 +390,9 @@ class MissRatioCurves:
         at, sampled, cpu, took = self._figures_at
         process = self.process_timer() if self.process_timer is not None else 0.0
         young = self.sampled < len(self._window) and self.sampled - sampled >= max(16, sampled // 8)
-        paid = self.budget is None or took <= max(ESTIMATE_SHARE * (process - cpu), FIGURES_FREE_S)
-        if self._figures is not None and not (paid and (young or now - at >= self.min_every_s)):
+        started_empty = sampled < 16 <= self.sampled
+        paid = self.budget is None or took <= ESTIMATE_SHARE * (process - cpu)
+        if self._figures is not None and not (started_empty or paid and (young or now - at >= self.min_every_s)):
             return self._figures
         started = self.timer() if self.timer is not None else 0.0
         least = [[m.residents() for m in tier.least] for tier in self.tiers]     # where the window begins, then the window
