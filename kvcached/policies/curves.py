@@ -27,16 +27,16 @@ the policy's corrected by the tier's own hit rate where it is counted; MIN from 
 where the window begins, kvcached.policies.belady.TrailingMin, fed as uses leave the window;
 the error of each). They are computed when asked, at most once per ``min_every_s`` once the
 window is full (sooner while it fills), and only while what computing them took is at most
-ESTIMATE_SHARE of the process's CPU since the last time, the window filling too (a benchmark
-asking Stats every second had a filling window's figures computed each time, 3.9% of the
-daemon's CPU; figures that took under 5 ms computed each time still added 0.5%; computed again each time
-the filling window doubled, 0.4% in a short benchmark), or where the last ones stood on next
-to nothing (asked as the daemon started: a quiet daemon's next would wait for a second of its
-CPU).
+ESTIMATE_SHARE of the process's CPU since the last time, the window filling too, or where the
+last ones stood on next to nothing (asked as the daemon started, a quiet daemon's next would
+wait for a second of its CPU). Looser rules cost: a filling window's figures computed at every
+Stats took 3.9% of the daemon's CPU in a benchmark asking each second; computed whenever they
+took under 5 ms, 0.5%; whenever the filling window had doubled, 0.4%.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -233,7 +233,7 @@ class MissRatioCurves:
         self.accesses = 0                   # every use offered
         self.sampled = 0                    # of those, counted as sampled
         self._window: list[tuple[bytes, int, int, tuple[int, ...] | None]] = [(b"", 0, 0, None)] * window   # a ring
-        self._next_use = [0] * window       # beside it: the sampled number of the next use of the entry's key (0: none yet)
+        self._next_use = array("q", bytes(8 * window))  # beside it: the sampled number of the entry's key's next use (0: none yet)
         self._at = 0
         self._figures: list[WindowFigures] | None = None
         self._figures_at = (-float("inf"), 0, 0.0, 0.0)     # (clock, sampled, process CPU, what they took)
@@ -341,10 +341,12 @@ class MissRatioCurves:
             self._next_use[(previous - 1) % size] = seq     # the window holds a use of the key: this is the next
         self.sample.take(key, seq)
         old = self._window[at]
+        entered = previous is None or previous < seq - size
+        left = old[1] and old[0] < self.sample.bound
         for tier in self.tiers:                          # a use leaves the window, MIN's state follows
-            if previous is None or previous < seq - size:
+            if entered:
                 tier.entered_window(key, seq)
-            if old[1] and old[0] < self.sample.bound:
+            if left:
                 tier.left_window(old[0], self._next_use[at])
         bits, shift = 0, 0
         for tier in self.tiers:

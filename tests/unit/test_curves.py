@@ -152,9 +152,8 @@ def test_what_the_curves_hold_is_bounded_by_the_sample_not_the_keys(ram: str, ss
     """Distinct keys by the hundred thousand through curves of two tiers: what stays allocated is
     the copies (at most ``sample_keys`` keys a tier, in all, their tuners' copies and MIN's state
     behind the window: some 600 bytes a key of ``sample_keys`` with slru's ghosts and tuners) and
-    the window (with the
-    sample's keys, about 250 bytes an entry), as docs/operations.md states, and it does not grow
-    with the keys."""
+    the window (with the sample's keys, about 250 bytes an entry), as docs/operations.md states,
+    and it does not grow with the keys. (Before MIN's state, the bound was 350 bytes a key.)"""
     def tier(name: str, policy: str) -> TierSpec:
         return TierSpec(name, policy, make_keyed_policy(policy).policy, 1 << 20, lambda n: n)
     tracemalloc.start()
