@@ -39,7 +39,14 @@ fresh one that is not, and the first touch of arena pages costs more than what f
    ``lookups`` times each; every answer must be 0, and alice's socket must find all of P.
    p50 of each and the ratio. Target (issue 41): within 10%.
 
---quick: 200 lookups, 3 rounds of 0.3 s (about 20 s). Full: 1000 lookups, 5 rounds of 1 s.
+6. Arenas (issue 61): alice and bob save and load at once, 1 MiB x64 each (fresh blocks a
+   save, then a 64-block working set loaded as often), on "two" (each tenant's blocks in an
+   arena of its own, the node's RAM one budget: once it is full, every slab one tenant's saves
+   take from the other is punched out of the other's arena and faulted in fresh) and on "none"
+   (both the default tenant: one arena), rounds interleaved. GB/s of both together; the ratio
+   the median over rounds of two / none. Target (issue 61): >= 0.95x for saves and loads.
+
+--quick: 200 lookups, 3 rounds of 0.3 s (about 30 s). Full: 1000 lookups, 5 rounds of 1 s.
 """
 
 from __future__ import annotations
@@ -71,8 +78,10 @@ from kvcached.client import KvCacheClient  # noqa: E402
 from kvcached_agent.agent import Agent  # noqa: E402
 from tests.integration.users import as_user as run_as  # noqa: E402
 from tests.integration.users import made_users  # noqa: E402
+from tests.integration.users import together as run_together  # noqa: E402
 
 BLOCK = 64 * KiB
+BIG = 1024 * KiB            # figure 6's blocks
 BATCH = 64
 PREFIX = 32
 TIMING_TARGET = 0.10        # p50 of another tenant's cached prefix within 10% of a miss's
@@ -149,6 +158,63 @@ def save_load(sock: str, seconds: float, seed: int) -> Callable[[], dict[str, fl
                 t_load += time.perf_counter() - t0
             return {"save": stored * BLOCK / spent / 1e9, "load": loaded * BLOCK / max(t_load, 1e-9) / 1e9}
     return work
+
+
+def save_load_big(sock: str, name: str, seconds: float, seed: int) -> Callable[[], dict[str, float]]:
+    """Figure 6: saves of 64 fresh 1 MiB blocks for ``seconds``, then loads of a 64-block
+    working set as often; bytes and seconds of each."""
+    def work() -> dict[str, float]:
+        torch.set_num_threads(1)
+        src = list(torch.randint(0, 256, (BATCH * BIG,), dtype=torch.uint8).view(-1, BIG))
+        with Agent.connect(sock, agent_id=name, model="bench/tenants", dtype="bf16", block_tokens=16, num_layers=1,
+                           layer_block_bytes=BIG, use_cuda=False, timeout=60) as agent:
+            spent = stored = 0.0
+            n = 0
+            while spent < seconds:
+                addresses = agent.addresses([os.urandom(32) for _ in range(BATCH)])
+                t0 = time.perf_counter()
+                stored += agent.save(addresses, src).stored
+                spent += time.perf_counter() - t0
+                n += 1
+            working = agent.addresses([bytes([seed, 6]) * 15 + bytes([7, i]) for i in range(BATCH)])
+            agent.save(working, src)
+            out = [torch.empty(BIG, dtype=torch.uint8) for _ in range(BATCH)]
+            loaded = t_load = 0.0
+            for _ in range(n):
+                t0 = time.perf_counter()
+                loaded += agent.load(working, out).loaded
+                t_load += time.perf_counter() - t0
+            return {"save_bytes": stored * BIG, "save_s": spent, "load_bytes": loaded * BIG, "load_s": t_load}
+    return work
+
+
+def together(works: list[tuple[int, int, Callable[[], Any]]]) -> list[Any]:
+    """Each ``work()`` in a forked child as its user, all at once; their results in order."""
+    answers = run_together(works)
+    for answer in answers:
+        if "error" in answer:
+            raise RuntimeError(f"agent: {answer['error']}")
+    return [answer["ok"] for answer in answers]
+
+
+def arena_rows(socks: dict[str, str], alice: tuple[int, int], bob: tuple[int, int], rounds: int,
+               seconds: float) -> list[Row]:
+    """Figure 6: alice and bob at once on "two" (an arena each) against "none" (one arena)."""
+    sides: dict[str, list[dict[str, float]]] = {"two": [], "none": []}
+    for r in range(rounds):
+        for name in (("two", "none") if r % 2 == 0 else ("none", "two")):
+            a, b = together([(*alice, save_load_big(socks[name], "alice", seconds, 2 * r)),
+                             (*bob, save_load_big(socks[name], "bob", seconds, 2 * r + 1))])
+            sides[name].append({what: (a[f"{what}_bytes"] + b[f"{what}_bytes"])
+                                / max(a[f"{what}_s"], b[f"{what}_s"], 1e-9) / 1e9 for what in ("save", "load")})
+    rows = []
+    for what in ("save", "load"):
+        ratio = statistics.median(t[what] / o[what] for t, o in zip(sides["two"], sides["none"]))
+        rows.append(Row(6, f"alice and bob at once, {what} 1 MiB x{BATCH} each, an arena each", "GB/s",
+                        statistics.median(x[what] for x in sides["two"]), "one arena (no tenants configured)",
+                        statistics.median(x[what] for x in sides["none"]), True, f">= {COST_TARGET:.2f}x",
+                        ratio >= COST_TARGET, {"rounds": list(sides.values())}, ratio))
+    return rows
 
 
 def warm(sock: str, gib: float) -> Callable[[], int]:
@@ -268,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress(f"4. bob saves and loads with RAM shares set and without, RAM 0.25 GiB: {rounds} rounds of {seconds:g} s")
         rows += cost_rows(4, "evicting, shares set", "no shares", socks["shares"], socks["unshared"], (b_uid, b_gid),
                           rounds, seconds)
+        progress(f"6. alice and bob at once, 1 MiB blocks, an arena each vs one arena: {rounds} rounds of {seconds:g} s")
+        rows += arena_rows(socks, (a_uid, a_gid), (b_uid, b_gid), rounds, seconds)
         progress(f"5. A/A: bob saves and loads on two daemons with no tenants: {rounds} rounds of {seconds:g} s")
         rows += cost_rows(5, "no tenants", "the same, another daemon", socks["none"], socks["none-b"], (b_uid, b_gid),
                           rounds, seconds)
@@ -277,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               2: "2. Cost: an agent's saves and loads with tenants configured vs none (higher is better)",
               3: "3. Timing over gRPC, on bob's tenant socket (lower is better)",
               4: "4. Cost of RAM shares: an agent's saves and loads that evict, shares set vs none (higher is better)",
-              5: "5. Spread: the same saves and loads on two identical daemons (A/A; how far from 1.00x is noise)"}
+              5: "5. Spread: the same saves and loads on two identical daemons (A/A; how far from 1.00x is noise)",
+              6: "6. Arenas: two tenants saving and loading at once, an arena each vs one arena (higher is better)"}
     print_fitted(rows, header, titles, lambda v, u: f"{v:.3f} GB/s" if u == "GB/s" else f"{v:.1f} {u}",
                  ["ratio: kvcached / baseline; timing: within the target either way; cost: median over rounds."])
     for note in notes:

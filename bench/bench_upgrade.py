@@ -74,11 +74,20 @@ by an upgrade cannot (if this process is SIGKILLed, the serving successor outliv
    ram_done, then replays it. Target: (a) after / before >= HIT_TARGET (0.9x). Figure 2 also
    shows (a)'s check of the trace arena (many 16 KiB blocks) against the BLAKE3 floor of its bytes.
 
+4. Tenants' arenas (issue 61): two daemons at the largest arena size, one with no tenants (one
+   arena), one with ARENA_TENANTS (4) tenants configured, each filled to FILL with the first
+   block size, the tenants' blocks in turn (the operator's Puts naming each tenant); CLIENTS load
+   clients on each, client i as tenant i (on the first, the operator); upgrades in turns (at
+   least 2 each), the order swapped each turn, the load running only on the daemon being
+   upgraded. The longest call in each upgrade's window. Target (issue 61): 4 arenas' <= 1.2x one
+   arena's, no failed call, no wrong byte.
+
 --quick: arenas 0.25 and 1 GiB, one upgrade each, crash at trace time 300 s (about a minute; the
 full run about 3-4 minutes). --block-kib N fills parts 1 and 2 with blocks of one size instead (the
 clients then get and put blocks of that size): a handover takes the RAM tier up block by block, so
 its stall grows with the number of blocks, not their bytes (--block-kib 16 shows it).
---parts 3 runs only the trace, --parts 1 (or 2) only the arena sizes. Progress goes to stderr, the
+--parts 3 runs only the trace, --parts 1 (or 2) only the arena sizes, --parts 4 only the tenants'
+arenas. Progress goes to stderr, the
 table to stdout.
 """
 
@@ -124,6 +133,8 @@ CLIENT_KEYS = 256            # resident blocks each client picks from
 CLIENTS = 3
 THINK_S = 0.005
 SETTLE_S = 1.0
+ARENA_UPGRADE_TARGET = 1.2   # part 4: longest call with the tenants' arenas / with one arena
+ARENA_TENANTS = 4
 QUIET_S = 5.0                # at least this long between upgrades (the baseline window's room)
 MAX_CALL_S = 1.0             # target: longest call during an upgrade
 COLD_FRACTION = 0.25         # target: longest call during an upgrade / cold-restart gap
@@ -376,9 +387,10 @@ def describe(exc: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def child_load(target: str, keys_path: str, seed: str, out_path: str, block: str) -> int:
+def child_load(target: str, keys_path: str, seed: str, out_path: str, block: str, tenant: str = "") -> int:
     """Get then Put one resident block, THINK_S apart, until SIGTERM; write every call's
-    (start, end, kind, failed tries, ok) to ``out_path`` as JSON."""
+    (start, end, kind, failed tries, ok) to ``out_path`` as JSON. ``tenant``: act as that
+    tenant (the operator's header; part 4)."""
     from kvcached.client import KvCacheClient
     from kvcached_agent.address import BlockAddress
 
@@ -391,7 +403,7 @@ def child_load(target: str, keys_path: str, seed: str, out_path: str, block: str
     signal.signal(signal.SIGTERM, stop)
     keys = [bytes.fromhex(h) for h in json.loads(Path(keys_path).read_text())]
     rng = random.Random(seed)
-    client = KvCacheClient(target, timeout=30)
+    client = KvCacheClient(target, timeout=30, tenant=tenant or None)
     records: list[tuple[float, float, int, int, bool]] = []
     errors: list[str] = []
     counts = {"wrong": 0, "misses": 0}
@@ -422,7 +434,7 @@ def child_load(target: str, keys_path: str, seed: str, out_path: str, block: str
                 if stopping or time.monotonic() - t0 > 180:
                     break
                 client.close()
-                client = KvCacheClient(target, timeout=30)
+                client = KvCacheClient(target, timeout=30, tenant=tenant or None)
                 time.sleep(0.02)
         records.append((t0, time.monotonic(), kind, fails, ok))
         time.sleep(THINK_S)
@@ -437,17 +449,21 @@ class Load:
     outs: list[Path] = field(default_factory=list)
 
 
-def start_load(target: str, keys: Sequence[bytes], block: int, tmp: Path, tag: str) -> Load:
-    keys_path = tmp / f"keys-{tag}.json"
-    keys_path.write_text(json.dumps([k.hex() for k in keys]))
+def start_load(target: str, keys: Sequence[bytes] | dict[str, list[bytes]], block: int, tmp: Path, tag: str,
+               tenants: Sequence[str] = ("",)) -> Load:
+    """CLIENTS load clients; client i acts as ``tenants[i % len(tenants)]`` ("": the operator),
+    on ``keys`` (or that tenant's, where ``keys`` is by tenant)."""
     load = Load()
     pdeath = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
     for i in range(CLIENTS):
+        tenant = tenants[i % len(tenants)]
+        keys_path = tmp / f"keys-{tag}-{i}.json"
+        keys_path.write_text(json.dumps([k.hex() for k in (keys[tenant] if isinstance(keys, dict) else keys)]))
         out = tmp / f"load-{tag}-{i}.json"
         err = open(tmp / f"load-{tag}-{i}.err", "w")
         proc = subprocess.Popen([*pdeath, sys.executable, str(Path(__file__).resolve()), "--child-load", target,
-                                 str(keys_path), f"{tag}-{i}", str(out), str(block)], cwd=ROOT, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+                                 str(keys_path), f"{tag}-{i}", str(out), str(block), tenant],
+                                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, text=True)
         err.close()
         load.procs.append(proc)
         load.outs.append(out)
@@ -499,7 +515,10 @@ def window(records: Sequence[tuple[float, float, int, int, bool]], t0: float, t1
 # parts 1 and 2: upgrade, crash, cold restart at one arena size
 
 
-def fill(d: Daemon, gib: float, sizes: Sequence[int]) -> list[tuple[bytes, int]]:
+def fill(d: Daemon, gib: float, sizes: Sequence[int], tenants: Sequence[str] = ("",)) -> list[tuple[bytes, int]]:
+    """Put blocks of ``sizes`` in turn up to FILL of the arena; with several ``tenants``, each
+    Put as the next of them (the operator's header; part 4): the same digests each time."""
+    from kvcached.client import KvCacheClient
     from kvcached_agent.address import BlockAddress
 
     budget = int(gib * GiB * FILL)
@@ -514,13 +533,17 @@ def fill(d: Daemon, gib: float, sizes: Sequence[int]) -> list[tuple[bytes, int]]
         total += size
         i += 1
     t0 = time.monotonic()
-    with d.client() as c:
+    clients = [KvCacheClient(d.target, timeout=60, tenant=t or None) for t in tenants]
+    try:
         per_put = max(1, PUT_BYTES * len(sizes) // sum(sizes))
-        for start in range(0, len(blocks), per_put):
+        for n, start in enumerate(range(0, len(blocks), per_put)):
             batch = blocks[start:start + per_put]
-            answer = c.put([(BlockAddress(k), payload(k, s)) for k, s in batch])
+            answer = clients[n % len(clients)].put([(BlockAddress(k), payload(k, s)) for k, s in batch])
             if answer.stored + answer.already_present != len(batch):
                 raise RuntimeError(f"a Put stored {answer.stored} of {len(batch)} blocks")
+    finally:
+        for c in clients:
+            c.close()
     progress(f"  filled {len(blocks)} blocks, {total / GiB:.2f} GiB in {time.monotonic() - t0:.1f} s "
              f"({total / (time.monotonic() - t0) / 1e9:.2f} GB/s)")
     return blocks
@@ -1020,10 +1043,63 @@ def bench_trace(groups: Groups, tmp: Path, s: Settings, trace_path: Path,
 # main
 
 
+def bench_arenas(groups: Groups, tmp: Path, gib: float, s: Settings, tenants: int) -> tuple[list[Row], dict[str, Any]]:
+    """Part 4 (issue 61): the longest call during an upgrade of a daemon whose RAM tier is
+    ``tenants`` tenants' arenas (each filled with a share of the blocks, every client a
+    tenant's) against one arena (no tenants), upgrades in turns, the order swapped each turn."""
+    names = [f"t{j}" for j in range(tenants)]
+    cases = {"one": ([], [""]), "many": ([f"tenants.uids={{ {', '.join(f'{n} = [{70000 + j}]' for j, n in enumerate(names))} }}"],
+                                         names)}
+    daemons: dict[str, Daemon] = {}
+    keys: dict[str, dict[str, list[bytes]]] = {}
+    windows: dict[str, list[dict[str, Any]]] = {"one": [], "many": []}
+    block = s.block_sizes[0]
+    try:
+        for case, (extra, who) in cases.items():
+            d = daemons[case] = Daemon(groups, tmp / f"arenas-{case}", gib, extra)
+            d.start()
+            blocks = fill(d, gib, (block,), who)
+            per_put = max(1, PUT_BYTES // block)          # fill's batches, each Put as the next tenant
+            keys[case] = {t: [k for n, (k, _) in enumerate(blocks) if (n // per_put) % len(who) == j][:CLIENT_KEYS]
+                          for j, t in enumerate(who)}
+        rounds = max(2, s.upgrades)
+        for r in range(rounds):
+            for case in (("one", "many") if r % 2 == 0 else ("many", "one")):
+                d, who = daemons[case], cases[case][1]
+                load = start_load(d.target, keys[case], block, tmp, f"arenas-{case}-{r}", who)
+                try:
+                    time.sleep(QUIET_S / 2)
+                    answer, t0, t1, t2 = d.upgrade()
+                    end = max(t1, t2) + SETTLE_S
+                    time.sleep(max(0.0, end - time.monotonic()) + 0.2)
+                finally:
+                    result = stop_load(load)
+                w = window(result["records"], t0, end)
+                w.update(handover_s=answer["elapsed_s"], wrong=result["wrong"])
+                windows[case].append(w)
+                progress(f"  part 4, {'one arena' if case == 'one' else f'{tenants} arenas'}, round {r + 1}: "
+                         f"longest call {w['max_s'] * 1e3:.0f} ms, handover {answer['elapsed_s']:.3f} s, "
+                         f"failed {w['failed']}, wrong {result['wrong']}")
+    finally:
+        for d in daemons.values():
+            d.stop()
+    many = max(w["max_s"] for w in windows["many"])
+    one = max(w["max_s"] for w in windows["one"])
+    failed = sum(w["failed"] + w["wrong"] for ws in windows.values() for w in ws)
+    rows = [Row(4, f"longest call during an upgrade, {tenants} tenants' arenas", "s", many, "one arena (no tenants)",
+                one, False, f"<= {ARENA_UPGRADE_TARGET:g}x, 0 failed", many <= ARENA_UPGRADE_TARGET * one and not failed,
+                {"windows": windows}),
+            Row(4, "handover (the old daemon's part), the longest", "s",
+                max(w["handover_s"] for w in windows["many"]), "one arena",
+                max(w["handover_s"] for w in windows["one"]), False)]
+    return rows, {"windows": windows}
+
+
 TITLES = {
     1: "1. kvcached upgrade under load ({clients} gRPC client processes, Get/Put of resident {kib} KiB blocks); lower is better",
     2: "2. Crash (SIGKILL) and restart with systemd's fd store (stand-in): every RAM block checked; lower is better",
     3: "3. Hit rate of the Mooncake conversation trace, first minute after a crash (trace time compressed); higher is better",
+    4: "4. kvcached upgrade with tenants' arenas (each client a tenant's) against one arena; lower is better",
 }
 
 
@@ -1056,13 +1132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test (about a minute): arenas 0.25 and 1 GiB, "
                                                              "one upgrade each, crash at trace time 300 s")
-    parser.add_argument("--parts", default="123", help="which parts to run, e.g. 3 (default 123; 1 includes 2)")
+    parser.add_argument("--parts", default="1234", help="which parts to run, e.g. 3 (default 1234; 1 includes 2)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--logs", metavar="DIR", help="keep the daemons' logs in DIR")
     parser.add_argument("--trace", default=str(TRACE), help=f"the Mooncake trace (default {TRACE})")
     parser.add_argument("--block-kib", type=int, help="parts 1 and 2: fill with blocks of this one size (KiB) instead of "
                                                       "the 256/512/768/1024 KiB mix; the clients use it too")
-    parser.add_argument("--child-load", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--child-load", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_load:
         return child_load(*args.child_load)
@@ -1095,6 +1171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         rows += r
                         notes += n
                         details[f"{gib:g} GiB"] = d
+                if "4" in args.parts:
+                    progress(f"part 4: upgrades with {ARENA_TENANTS} tenants' arenas against one arena, "
+                             f"{s.arenas[-1]:g} GiB")
+                    r4, d4 = bench_arenas(groups, tmp, s.arenas[-1], s, ARENA_TENANTS)
+                    rows += r4
+                    details["arenas"] = d4
                 if "3" in args.parts:
                     r, n, d = bench_trace(groups, tmp, s, Path(args.trace), logs)
                     rows += r

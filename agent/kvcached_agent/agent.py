@@ -32,6 +32,7 @@ from kvcached_agent import protocol as p
 from kvcached_agent.address import CROSS_LAYER, BlockAddress, chain_digests, chain_root
 from kvcached_agent.client import AgentClient, AgentError, ConnectionClosed, unreachable_reason
 from kvcached_agent.copy import ArenaCopier
+from kvcached_agent.slab_pins import SlabGenerationsView
 from kvcached_agent.transfer import Block, LoadResult, SaveResult, load_batch, save_batch
 
 __all__ = ["Agent", "Block", "SaveResult", "LoadResult", "Lookup"]
@@ -105,7 +106,12 @@ class Agent:
     def _attach(self, client: AgentClient) -> None:
         size = client.welcome.arena_bytes
         self._map = mmap.mmap(client.arena_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.copier = ArenaCopier(self._map, size, use_cuda=self._use_cuda)
+        try:            # huge pages where the kernel's shmem THP setting allows (as the daemon asks)
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, AttributeError, ValueError):
+            pass
+        generations = SlabGenerationsView(client.generations_fd) if client.generations_fd >= 0 else None
+        self.copier = ArenaCopier(self._map, size, use_cuda=self._use_cuda, generations=generations)
         self.client = client
         self.session = client.welcome.session
         try:

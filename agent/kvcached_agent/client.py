@@ -75,7 +75,9 @@ def _what_answered(data: bytes) -> str:
 
 
 class AgentClient:
-    """A connection to the daemon. :attr:`arena_fd` is the RAM arena (owned by this client)."""
+    """A connection to the daemon. :attr:`arena_fd` is the RAM arena, :attr:`generations_fd` its
+    slab generations where the daemon recycles slabs between tenants, else -1 (both owned by
+    this client)."""
 
     def __init__(self, path: str, hello: p.Hello, *, timeout: float = 60.0, heartbeat: bool = True) -> None:
         self.path = path
@@ -94,6 +96,7 @@ class AgentClient:
         self._last_send = time.monotonic()
         self._closed = False
         self.arena_fd = -1
+        self.generations_fd = -1      # the arena's slab generations, where its slabs change tenant (slab_pins)
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(path)
@@ -114,11 +117,13 @@ class AgentClient:
         self._sock.sendall(p.encode(hello, 0))
         first = b""                 # the answer's first bytes: what answered, if not a daemon
         while True:
-            data, fds, _, _ = socket.recv_fds(self._sock, _RECV, 1)
+            data, fds, _, _ = socket.recv_fds(self._sock, _RECV, 2)
             for fd in fds:
                 if self.arena_fd < 0:
                     self.arena_fd = fd
-                else:      # pragma: no cover - the daemon sends one
+                elif self.generations_fd < 0:
+                    self.generations_fd = fd
+                else:      # pragma: no cover - the daemon sends two at most
                     os.close(fd)
             if not data:
                 raise ConnectionClosed(f"the daemon at {self.path} closed the connection during the handshake")
@@ -284,3 +289,6 @@ class AgentClient:
             if self.arena_fd >= 0:
                 os.close(self.arena_fd)
                 self.arena_fd = -1
+            if self.generations_fd >= 0:
+                os.close(self.generations_fd)
+                self.generations_fd = -1

@@ -29,6 +29,8 @@ from typing import Any, Sequence, Union
 
 import torch
 
+from kvcached_agent.slab_pins import SlabGenerationsView, SlabPins
+
 __all__ = ["ArenaCopier", "PageRows", "Piece", "byte_view"]
 
 log = logging.getLogger("kvcached_agent")
@@ -79,7 +81,11 @@ class ArenaCopier:
     """Copies whole blocks between tensors and arena offsets, merged into contiguous runs."""
 
     def __init__(self, arena: mmap.mmap, size: int, *, use_cuda: bool | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, generations: SlabGenerationsView | None = None) -> None:
+        """``generations``: the arena's slab generations, where the daemon recycles its slabs
+        between tenants (kvcached_agent.slab_pins): with CUDA, slabs are then page-locked one
+        at a time as copies touch them, and again after the daemon recycled them; without it
+        the whole arena is locked once. Owned by the copier."""
         self.size = size
         self.arena = torch.frombuffer(arena, dtype=torch.uint8, count=size)
         self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
@@ -88,7 +94,11 @@ class ArenaCopier:
             if self.threads > 1 else None
         self.registered = False
         self._streams: dict[torch.device, tuple[Any, Any]] = {}     # per GPU: (save stream, load stream)
-        if self.cuda:
+        self.generations = generations
+        self.pins: SlabPins | None = None
+        if self.cuda and generations is not None:
+            self.pins = SlabPins(generations, self._lock_range, self._unlock_range)
+        elif self.cuda:
             cudart = torch.cuda.cudart()
             code = cudart.cudaHostRegister(self.arena.data_ptr(), size, 0)
             if int(code) != 0:
@@ -96,6 +106,17 @@ class ArenaCopier:
                 raise RuntimeError(f"cudaHostRegister of the {size}-byte arena failed (error {int(code)}); "
                                    "is RLIMIT_MEMLOCK (LimitMEMLOCK) high enough?")
             self.registered = True
+
+    def _lock_range(self, offset: int, nbytes: int) -> None:
+        cudart = torch.cuda.cudart()
+        code = cudart.cudaHostRegister(self.arena.data_ptr() + offset, nbytes, 0)
+        if int(code) != 0:
+            cudart.cudaGetLastError()
+            raise RuntimeError(f"cudaHostRegister of {nbytes} arena bytes failed (error {int(code)}); "
+                               "is RLIMIT_MEMLOCK (LimitMEMLOCK) high enough?")
+
+    def _unlock_range(self, offset: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr() + offset)
 
     def save(self, pieces: Sequence[Piece], offsets: Sequence[int]) -> int:
         """Copy each piece's bytes to its arena offset; returns the number of copies made.
@@ -137,6 +158,10 @@ class ArenaCopier:
         gpu_runs = _merge(gpu_runs)
         for run in gpu_runs:
             ranges.check(run.offset, run.nbytes)
+        if self.pins is not None and gpu_runs:      # each slab locked on its own: no copy spans two
+            gpu_runs = _split_at(gpu_runs, self.pins.generations.slab_bytes)
+            for run in gpu_runs:
+                self.pins.cover(run.offset, run.nbytes)
         if ranges.moves:
             self._copy_cpu(ranges.moves, to_arena)
         if gpu_runs:
@@ -194,8 +219,27 @@ class ArenaCopier:
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
             self.registered = False
+        if self.pins is not None:
+            self.pins.close()
+            self.pins = None
+        if self.generations is not None:
+            self.generations.close()
+            self.generations = None
         self.arena = torch.empty(0, dtype=torch.uint8)
         self.size = 0
+
+
+def _split_at(runs: list[_Run], boundary: int) -> list[_Run]:
+    """``runs`` cut where they cross a multiple of ``boundary`` in the arena."""
+    out: list[_Run] = []
+    for run in runs:
+        start, end = run.offset, run.offset + run.nbytes
+        while start < end:
+            stop = min(end, (start // boundary + 1) * boundary)
+            at = start - run.offset
+            out.append(_Run(run.tensor[at:at + stop - start], start, stop - start))
+            start = stop
+    return out
 
 
 def _table(table: torch.Tensor) -> tuple[str, int, int, int, int]:

@@ -1,10 +1,11 @@
 """The agent endpoint: a Unix socket that engine-side agents connect to (thin asyncio layer).
 
 Frames are cut and parsed by kvcached_agent.protocol and answered by an AgentSession; this
-module only moves bytes, hands the arena's file descriptor over (SCM_RIGHTS) in the Welcome,
-and ends connections: on EOF, on a frame that breaks the framing, and when an agent has sent
-nothing for three heartbeat intervals (a hung or stopped engine must not keep its slots). Every
-ending releases what the agent held (AgentSession.close).
+module only moves bytes, hands over (SCM_RIGHTS) in the Welcome the file descriptor of the
+agent's tenant's arena and no other (kvcached.tiers.arenas), and ends connections: on EOF, on
+a frame that breaks the framing, and when an agent has sent nothing for three heartbeat
+intervals (a hung or stopped engine must not keep its slots). Every ending releases what the
+agent held (AgentSession.close).
 
 The socket is created with the configured mode and group before it listens, so there is no
 moment when anyone else may connect. Requests that never wait (lookups, events, releases) are
@@ -22,13 +23,14 @@ import socket
 import struct
 from enum import IntEnum
 from itertools import count
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 from kvcached import __version__
 from kvcached.api.agent_session import AgentSession, PeerCredentials, Waiting, check_hello
 from kvcached.host.logs import fields
 from kvcached.store import Store
 from kvcached.tenants import TenantMap
+from kvcached.tiers.ram import RamFull
 from kvcached_agent import protocol as p
 
 __all__ = ["AgentServer"]
@@ -42,14 +44,17 @@ MAX_IN_FLIGHT = 64         # waiting requests (Allocate, Commit, Load) of one ag
 
 
 class AgentServer:
-    def __init__(self, store: Store, path: str, *, arena_fd: int, arena_bytes: int, mode: int = 0o660,
-                 gid: int = -1, heartbeat_s: float = 5.0, max_agents: int = 256, tenants: TenantMap | None = None) -> None:
+    def __init__(self, store: Store, path: str, *, arena_for: Callable[[str], list[int]], arena_bytes: int,
+                 mode: int = 0o660, gid: int = -1, heartbeat_s: float = 5.0, max_agents: int = 256,
+                 tenants: TenantMap | None = None) -> None:
+        """``arena_for``: the files a tenant's agents are handed (by Tenant.tag): its arena and
+        its slab generations, the only memory they get (kvcached.tiers.arenas)."""
         self.store = store
         #: Who each connecting process is (kvcached.tenants); None: everyone the default tenant.
         self.tenants = tenants
         self.refused_no_tenant = 0         # Hellos refused: their process maps to no tenant
         self.path = path
-        self.arena_fd = arena_fd
+        self.arena_for = arena_for
         self.arena_bytes = arena_bytes
         self.mode = mode
         self.gid = gid
@@ -274,14 +279,15 @@ class AgentConnection(asyncio.Protocol):
         welcome = p.encode(p.Welcome(session.session, server.arena_bytes, server.store.max_block_bytes,
                                      int(server.heartbeat_s * 1000), __version__), request_id)
         try:
-            _send_with_fd(self.transport, welcome, server.arena_fd)
+            _send_with_fds(self.transport, welcome, server.arena_for(tenant.tag if tenant is not None else ""))
         except (BrokenPipeError, ConnectionResetError):
             session.close()
             self.end("agent left during the handshake")
             return
-        except OSError as exc:
+        except (OSError, RamFull) as exc:
             session.close()
-            self.end(f"cannot hand over the arena ({exc.strerror or exc})", p.ErrorCode.INTERNAL, request_id)
+            reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+            self.end(f"cannot hand over the arena ({reason or exc})", p.ErrorCode.INTERNAL, request_id)
             return
         if self._hello_timer is not None:
             self._hello_timer.cancel()
@@ -326,15 +332,15 @@ def _peer_credentials(transport: asyncio.Transport) -> PeerCredentials:
     return PeerCredentials(pid, uid, gid)
 
 
-def _send_with_fd(transport: asyncio.Transport | None, data: bytes, fd: int) -> None:
-    """Send ``data`` with ``fd`` attached (SCM_RIGHTS) on the transport's socket. Only valid
+def _send_with_fds(transport: asyncio.Transport | None, data: bytes, fds: list[int]) -> None:
+    """Send ``data`` with ``fds`` attached (SCM_RIGHTS) on the transport's socket. Only valid
     while nothing is buffered in the transport (the Welcome is the first frame sent), so the
     bytes stay in order. uvloop's transport socket cannot sendmsg, a duplicate of it can."""
     assert transport is not None and transport.get_write_buffer_size() == 0
     raw = transport.get_extra_info("socket")
     dup = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(raw.fileno()))
     try:
-        sent = socket.send_fds(dup, [data], [fd])
+        sent = socket.send_fds(dup, [data], fds)
     finally:
         dup.close()
     if sent != len(data):      # a fresh socket's buffer holds a Welcome many times over

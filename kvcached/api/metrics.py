@@ -66,6 +66,9 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("kvcached_agent_held_bytes", "Arena bytes held by agents and streams (reserved or pinned)",
                                 value=s["held_bytes"])
         yield GaugeMetricFamily("kvcached_ram_dirty_bytes", "RAM bytes not yet written back to SSD", value=s["ram_dirty_bytes"])
+        yield CounterMetricFamily("kvcached_ram_slabs_moved", "Slabs of the RAM tier passed from one tenant's arena to "
+                                  "another's, their pages punched out of the first (docs/security.md)",
+                                  value=s["ram_slabs_moved"])
         routes = self.store.routes
         yield GaugeMetricFamily("kvcached_route_keys_bytes", "Engine keys (Route frames) held for blocks agents are "
                                 "saving, with each entry's cost (events.route_keys_mib bounds them)", value=routes.bytes)

@@ -38,6 +38,8 @@ from kvcached.policies import EVICTION_POLICIES
 __all__ = ["Config", "ConfigError", "ListenAddress", "is_loopback", "load_config", "parse_listen", "parse_duration",
            "tenant_share_bytes"]
 
+MAX_TENANTS = 253          # tenants besides the default one: each has an arena (kvcached.tiers.arenas, 255 owners)
+
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -256,8 +258,12 @@ def tenant_share_bytes(share: float | int, capacity: int) -> int:
 def _check_tenants(config: Config, unix_paths: list[str]) -> None:
     """Every tenant a socket is bound to is named by a uid or gid (the socket admits those, and
     no one else), each tenant socket has a path of its own, and certificates name tenants only
-    where gRPC sees certificates (grpc.tls)."""
+    where gRPC sees certificates (grpc.tls), and there are no more tenants than RAM arenas."""
     t = config.tenants
+    named = {*t.uids, *t.gids, *t.certs, t.default} - {"", "default"}
+    if len(named) > MAX_TENANTS:
+        raise ConfigError("tenants.uids", f"{len(named)} tenants are configured; each has a RAM arena of its own, and "
+                          f"a daemon keeps at most {MAX_TENANTS} besides the default tenant's")
     taken = unix_paths + ([os.path.abspath(config.agent.socket)] if config.agent.socket else [])
     for name, endpoint in t.events.items():
         key = f"tenants.events.{name}"

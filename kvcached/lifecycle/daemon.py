@@ -56,13 +56,12 @@ from kvcached.lifecycle.handover import (
 )
 from kvcached.lifecycle.opening import open_index, open_ssd, prepare_state_dirs
 from kvcached.lifecycle.succession import (
-    ARENA_FD_NAME,
-    SLOTS_FD_NAME,
     Succession,
     begin_takeover,
     exec_with_fds,
     nothing_passed,
-    open_arena,
+    open_arenas,
+    passed_arenas,
     same_listeners,
 )
 from kvcached.lifecycle.systemd import Notifier, listen_fds
@@ -74,7 +73,7 @@ from kvcached.store import Store
 from kvcached.store.adoption import RamAdoption
 from kvcached.store.keeper import KeeperSettings, StoreKeeper
 from kvcached.tenants import TenantMap, ram_shares, ssd_shares, tenants_for
-from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.arenas import Arenas
 from kvcached.tiers.ram import RamTier
 from kvcached.tiers.slot_directory import SlotDirectory
 from kvcached.tiers.ssd import SsdTier
@@ -104,7 +103,7 @@ class Daemon:
         self._load_config = reload
         self.started_at = time.time()
         self.index: BlockIndex | None = None
-        self.arena: SharedArena | None = None
+        self.arenas: Arenas | None = None                 # the RAM tier's, one per tenant
         self.store: Store | None = None
         self.keeper: StoreKeeper | None = None            # the store's timed work
         self.ssd: SsdTier | None = None
@@ -144,6 +143,11 @@ class Daemon:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
+    def _tenant_tags(self) -> list[str]:
+        """The configured tenants' tags ("" the default's)."""
+        assert self.tenants is not None
+        return [tenant.tag for name in self.tenants.names if (tenant := self.tenants.named(name)) is not None]
+
     async def start(self) -> None:
         cfg = self.config
         listeners = cfg.listeners
@@ -171,14 +175,14 @@ class Daemon:
             self.grpc = GrpcServers(cfg, self, None, self.started_at, self._gate, self.tenants)
             await self.grpc.start(listeners, grpc_gid, takeover.info.get("grpc_tcp", {}))
             self._trusted_arena = await takeover.listening()
-            self._inherited_fds = {name: fd for name in (ARENA_FD_NAME, SLOTS_FD_NAME)
-                                   if (fd := takeover.take(name)) is not None}
+            self._inherited_fds = passed_arenas(takeover.take)
         kv = cfg.kv
-        self.arena, self.slot_directory, entries = open_arena(cfg, self.notifier, self._inherited_fds or listen_fds(),
-                                                              self._trusted_arena)
+        tags = self._tenant_tags()
+        self.arenas, self.slot_directory, entries, owners = open_arenas(
+            cfg, self.notifier, self._inherited_fds or listen_fds(), self._trusted_arena, tags)
         settings = PolicySettings(slru_ratio=kv.slru_ratio)
-        ram = RamTier(self.arena, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory,
-                      ram_shares(cfg, self.arena.size), count_tenants=self.tenants.several)
+        ram = RamTier(self.arenas, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory,
+                      ram_shares(cfg, self.arenas.size), count_tenants=self.tenants.several, owners=owners)
         self.adoption = RamAdoption(ram, entries, trusted=self._trusted_arena) if entries else None
         try:
             self.events = streams_for(cfg, cfg.cluster.name or socket.gethostname())
@@ -221,7 +225,7 @@ class Daemon:
             await self.grpc.start(listeners, grpc_gid)
         self.grpc.set_store(self.store)        # built before the store when listening beside a predecessor
         if cfg.agent.socket:
-            self.agents = AgentServer(self.store, cfg.agent.socket, arena_fd=self.arena.fd, arena_bytes=self.arena.size,
+            self.agents = AgentServer(self.store, cfg.agent.socket, arena_for=ram.agent_fds, arena_bytes=ram.arenas.size,
                                       mode=cfg.agent.mode_bits, gid=agent_gid, heartbeat_s=cfg.agent.heartbeat_s,
                                       max_agents=cfg.agent.max_agents, tenants=self.tenants)
             try:
@@ -310,9 +314,10 @@ class Daemon:
                                    q.handshake_timeout_s, q.stateless_replies_per_s),
             member=c.name if c.etcd else None, replicas=c.replicas, placement_bits=c.placement_bits,
             nixl_hold_s=q.nixl_hold_s)
-        assert self.arena is not None
+        assert self.arenas is not None
         self.peers = PeerTier(self.store, auth, settings,
-                              nixl=nixl_endpoint(self.arena.view, q.nixl_transports) if q.nixl else None)
+                              nixl=nixl_endpoint(self.arenas, self.store.ram, self._tenant_tags(), q.nixl_transports)
+                              if q.nixl else None)
         try:
             await self.peers.start(passed("quic"), passed("lane"))
         except OSError as exc:
@@ -414,9 +419,9 @@ class Daemon:
         await self._wind_down_once()
         if self._handover is not None:
             await self._step("handover socket", self._handover.stop(unlink=not self.succession.handed_over))
-        if self.arena is not None:
-            self._step_sync("arena close", self.arena.close)
-            self.arena = None
+        if self.arenas is not None:
+            self._step_sync("arenas close", self.arenas.close)
+            self.arenas = None
         if self.slot_directory is not None:
             self._step_sync("slot directory close", self.slot_directory.close)
             self.slot_directory = None
@@ -521,15 +526,19 @@ def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeove
     return code
 
 
-def nixl_endpoint(arena: memoryview, transports: list[str]) -> Any:
-    """The NIXL agent the NIXL lane reads this daemon's arena through ([quic] nixl), or None
-    where NIXL cannot load or start here: the daemon runs without the lane and says why."""
+def nixl_endpoint(arenas: Arenas, ram: RamTier, tags: list[str], transports: list[str]) -> Any:
+    """The NIXL agent the NIXL lane reads this daemon's arenas through ([quic] nixl), or None
+    where NIXL cannot load or start here: the daemon runs without the lane and says why. Every
+    configured tenant's arena is made first: NIXL registers them once, at its start."""
     from kvcached.peers.nixl_transfer import NixlEndpoint, NixlUnavailable
 
+    for tag in tags:
+        ram.arena_for(tag)
+    regions = [arena.view for _, arena in sorted(arenas.items(), key=lambda item: item[0])]
     try:
-        endpoint = NixlEndpoint(f"kvcached-{socket.gethostname()}-{os.getpid()}", arena, tuple(transports))
+        endpoint = NixlEndpoint(f"kvcached-{socket.gethostname()}-{os.getpid()}", regions, tuple(transports))
     except NixlUnavailable as exc:
         log.warning("NIXL lane off: NIXL cannot start here", extra=fields(reason=str(exc)))
         return None
-    log.info("NIXL lane served", extra=fields(transports=",".join(transports) or "UCX's choice"))
+    log.info("NIXL lane served", extra=fields(transports=",".join(transports) or "UCX's choice", arenas=len(regions)))
     return endpoint

@@ -7,9 +7,11 @@ index directory (0700, so only the daemon's user reaches it; the peer's uid is c
 one JSON message per packet, file descriptors attached with SCM_RIGHTS:
 
 1. successor -> ``{"op": "takeover", "pid", "version"}``
-2. predecessor -> ``{"op": "files", "names": [...], "info": {...}}`` with the descriptors
-   named: the arena and slot directory memfds, and the listening sockets it can pass (agent,
-   QUIC, lane, metrics). ``info`` gives their addresses and the gRPC TCP ports in use.
+2. predecessor -> ``{"op": "files", "names": [...], "info": {...}, "more": bool}`` with the
+   descriptors named: every tenant's arena memfd and the slot directory's, and the listening
+   sockets it can pass (agent, QUIC, lane, metrics). ``info`` gives their addresses and the
+   gRPC TCP ports in use. At most :data:`FDS_PER_MESSAGE` descriptors a message (the kernel
+   passes 253 at most): ``more`` says another such message follows.
 3. The successor binds gRPC beside the predecessor (TCP with SO_REUSEPORT on the same ports,
    Unix sockets renamed over the old paths), its calls held at a gate, then ->
    ``{"op": "listening"}``. New connections now reach the successor; the passed sockets are
@@ -47,7 +49,8 @@ log = logging.getLogger("kvcached.handover")
 
 SOCKET_NAME = "handover.sock"
 MAX_MESSAGE = 1 << 16
-MAX_FDS = 16
+MAX_FDS = 253                  # the most SCM_RIGHTS carries in one message (the kernel's SCM_MAX_FD)
+FDS_PER_MESSAGE = 64
 STEP_TIMEOUT_S = 120.0     # each step of the other side (a big index's close, a big RAM tier's take-up)
 
 
@@ -198,14 +201,18 @@ class Takeover:
         sock.setblocking(False)
         self.sock = sock        # connected: a failure from here on is the predecessor going away
         await _send(sock, {"op": "takeover", "pid": os.getpid(), "version": version})
-        message, fds = await _recv(sock, "files")
-        names = message.get("names", [])
-        if not isinstance(names, list) or len(names) != len(fds):
-            for fd in fds:
-                os.close(fd)
-            raise HandoverBroken(f"{len(fds)} files came named {names!r}")
-        self.files = dict(zip(names, fds))
-        self.info = message.get("info", {})
+        more = True
+        while more:
+            message, fds = await _recv(sock, "files")
+            names = message.get("names", [])
+            if not isinstance(names, list) or len(names) != len(fds):
+                for fd in [*fds, *self.files.values()]:
+                    os.close(fd)
+                self.files = {}
+                raise HandoverBroken(f"{len(fds)} files came named {names!r}")
+            self.files.update(zip(names, fds))
+            self.info = message.get("info", {})
+            more = message.get("more") is True
 
     async def listening(self) -> bool:
         """Tell the predecessor our listeners accept; wait until it released the index. True if
@@ -357,7 +364,11 @@ class HandoverServer:
 
 
 async def send_files(conn: socket.socket, files: dict[str, int], info: dict[str, Any]) -> None:
-    await _send(conn, {"op": "files", "names": list(files), "info": info}, list(files.values()))
+    items = list(files.items())
+    for at in range(0, max(1, len(items)), FDS_PER_MESSAGE):
+        part = items[at:at + FDS_PER_MESSAGE]
+        await _send(conn, {"op": "files", "names": [n for n, _ in part], "info": info,
+                           "more": at + FDS_PER_MESSAGE < len(items)}, [fd for _, fd in part])
 
 
 async def wait_listening(conn: socket.socket) -> None:

@@ -1,7 +1,7 @@
 """What outlives a daemon process, the daemon's side: the RAM arena it starts with, and both
 ends of an upgrade's handover.
 
-- :func:`open_arena`: a new arena and slot directory, or those a predecessor left (systemd's
+- :func:`open_arenas`: new arenas and slot directory, or those a predecessor left (systemd's
   file descriptor store after a crash, an upgrade's handover), put in the fd store either way;
   the store's keeper takes their blocks up (kvcached.store.keeper, adoption).
 - :func:`begin_takeover`: the successor asks the running daemon to hand over.
@@ -22,7 +22,7 @@ import os
 import socket
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
 
 from kvcached import __version__
 from kvcached.api.agent_server import AgentServer
@@ -44,18 +44,19 @@ from kvcached.lifecycle.handover import (
 from kvcached.lifecycle.systemd import LISTEN_FDS_START, Notifier
 from kvcached.store import Store
 from kvcached.tiers.arena import SharedArena
-from kvcached.tiers.ram import RamTier
-from kvcached.tiers.slot_directory import SlotDirectory, SlotEntry
+from kvcached.tiers.arenas import Arenas, fd_name, owner_of_fd_name
+from kvcached.tiers.slabs import SlabAllocator
+from kvcached.tiers.slot_directory import VERSION, Geometry, SlotDirectory, SlotEntry, owner_digest
 
 if TYPE_CHECKING:
     from kvcached.peers.tier import PeerTier
 
-__all__ = ["ARENA_FD_NAME", "SLOTS_FD_NAME", "Predecessor", "Succession", "begin_takeover", "exec_with_fds",
-           "nothing_passed", "open_arena", "same_listeners"]
+__all__ = ["SLOTS_FD_NAME", "Predecessor", "Succession", "begin_takeover", "exec_with_fds",
+           "nothing_passed", "open_arenas", "passed_arenas", "same_listeners"]
 
 log = logging.getLogger("kvcached.daemon")
 
-ARENA_FD_NAME, SLOTS_FD_NAME = "kvcached-arena", "kvcached-slots"   # in systemd's fd store and a handover
+SLOTS_FD_NAME = "kvcached-slots"    # in systemd's fd store and a handover, beside each arena's (tiers.arenas.fd_name)
 HANDOVER_SETTLE_S = 0.05   # after the successor listens: what reached this daemon's queues just before is accepted
 UPGRADE_TIMEOUT_S = 300.0
 
@@ -66,7 +67,7 @@ class Predecessor(Protocol):
     @property
     def config(self) -> Config: ...
     @property
-    def arena(self) -> SharedArena | None: ...
+    def arenas(self) -> Arenas | None: ...
     @property
     def slot_directory(self) -> SlotDirectory | None: ...
     @property
@@ -81,47 +82,97 @@ class Predecessor(Protocol):
     def metrics_server(self) -> Any: ...
 
 
-def open_arena(cfg: Config, notifier: Notifier, inherited: dict[str, int],
-               trusted: bool) -> tuple[SharedArena, SlotDirectory, list[SlotEntry]]:
-    """The RAM arena and its slot directory: those a previous process left (systemd's file
-    descriptor store, or an upgrade's handover: ``trusted``, its directory true as passed) when
-    they fit this configuration, with the entries to take up; new ones otherwise. Either way
-    they go into the fd store, so the next start finds them (docs/operations.md)."""
-    geometry = RamTier.geometry(cfg.ram_bytes, cfg.max_block_bytes)
-    arena_fd, slots_fd = inherited.pop(ARENA_FD_NAME, None), inherited.pop(SLOTS_FD_NAME, None)
+def open_arenas(cfg: Config, notifier: Notifier, inherited: dict[str, int], trusted: bool,
+                tags: Sequence[str]) -> tuple[Arenas, SlotDirectory, list[SlotEntry], list[str]]:
+    """The RAM tier's arenas and their slot directory: those a previous process left (systemd's
+    file descriptor store, or an upgrade's handover: ``trusted``, its directory true as passed)
+    when they fit this configuration, with the entries to take up and the owners' tags in id
+    order (kvcached.tiers.arenas: a predecessor's numbering is kept); new ones otherwise.
+    ``tags``: the tenants configured (Tenant.tag; "" the default's alone: one arena). Either way
+    every arena and the directory go into the fd store, and so does each arena made later
+    (docs/operations.md)."""
+    geometry = SlabAllocator.geometry(cfg.ram_bytes, cfg.max_block_bytes)
+    slots_fd = inherited.pop(SLOTS_FD_NAME, None)
+    arena_fds = {owner: inherited.pop(name) for name in list(inherited)
+                 if (owner := owner_of_fd_name(name)) is not None}
     for name, fd in inherited.items():
         log.warning("file descriptor passed at start not used", extra=fields(name=name))
         os.close(fd)
-    arena = directory = None
-    if arena_fd is not None and slots_fd is not None:
+    directory, adopted, owners, entries = _take_up(cfg, geometry, slots_fd, arena_fds, tags)
+    if directory is None:
+        directory = SlotDirectory.create(geometry)
+        notifier.notify(fdstoreremove=1, fdname=SLOTS_FD_NAME)   # an unusable one left there
+    arenas = Arenas(cfg.ram_bytes, adopted)
+
+    def store(owner: int, arena: SharedArena) -> None:
+        notifier.notify(fdstoreremove=1, fdname=fd_name(owner))  # a stale one of that name
+        notifier.store_fd(fd_name(owner), arena.fd)
+
+    notifier.store_fd(SLOTS_FD_NAME, directory.fd)      # systemd keeps one copy of a file it holds already
+    for owner, arena in arenas.items():
+        notifier.store_fd(fd_name(owner), arena.fd)
+    arenas.on_made.append(store)
+    arenas.get(0)          # the default tenant's, always: a successor takes up the arenas only with it
+    if entries:
+        log.info("RAM arenas taken over from the previous process", extra=fields(
+            blocks=len(entries), arenas=len(adopted), checked="no (a clean handover)" if trusted else "yes"))
+    return arenas, directory, entries, owners
+
+
+def _take_up(cfg: Config, geometry: Geometry, slots_fd: int | None, arena_fds: dict[int, int],
+             tags: Sequence[str]) -> tuple[SlotDirectory | None, dict[int, SharedArena], list[str], list[SlotEntry]]:
+    """The predecessor's directory, the arenas of it this configuration keeps (by owner), the
+    owners' tags in id order and the directory's committed entries; (None, {}, [], []) where
+    nothing usable was passed. A version-1 directory's entries go into a new directory."""
+    if slots_fd is None or 0 not in arena_fds:
+        if slots_fd is not None or arena_fds:
+            log.warning("the arenas were passed at start without their slot directory (or the other way round): "
+                        "starting with an empty RAM tier")
+        for fd in [*arena_fds.values(), *([slots_fd] if slots_fd is not None else [])]:
+            os.close(fd)
+        return None, {}, [], []
+    try:
+        directory = SlotDirectory.adopt(slots_fd, geometry)
+    except (ValueError, OSError) as exc:
+        log.warning("the RAM arena left by the previous process does not fit this configuration: "
+                    "starting with an empty RAM tier", extra=fields(reason=str(exc)))
+        for fd in [slots_fd, *arena_fds.values()]:
+            os.close(fd)
+        return None, {}, [], []
+    several = any(tag != "" for tag in tags)        # else the default tenant's owner 0 alone
+    by_digest = {owner_digest(tag): tag for tag in (["", *tags] if several else [""])}
+    names = directory.owner_names()
+    owners = [by_digest.get(names.get(o, b""), f"\x00gone.{o}") for o in range(max(names, default=0) + 1)]
+    adopted: dict[int, SharedArena] = {}
+    for owner, fd in arena_fds.items():
         try:
-            SharedArena.check_adoptable(arena_fd, cfg.ram_bytes)
-            directory = SlotDirectory.adopt(slots_fd, geometry)
-            arena = SharedArena(cfg.ram_bytes, fd=arena_fd)
+            if owner >= len(owners) or owners[owner].startswith("\x00gone"):
+                raise ValueError("its tenant is no longer configured")
+            SharedArena.check_adoptable(fd, cfg.ram_bytes)
+            adopted[owner] = SharedArena(cfg.ram_bytes, fd_name(owner), fd=fd)
         except (ValueError, OSError) as exc:
-            log.warning("the RAM arena left by the previous process does not fit this configuration: "
-                        "starting with an empty RAM tier", extra=fields(reason=str(exc)))
-            if directory is not None:
-                directory.close()
-                directory = None
-            else:
-                os.close(slots_fd)
-            os.close(arena_fd)
-    elif arena_fd is not None or slots_fd is not None:
-        log.warning("only one of the arena's two files was passed at start: starting with an empty RAM tier")
-        os.close(arena_fd if arena_fd is not None else slots_fd)  # type: ignore[arg-type]
-    if arena is None or directory is None:
-        arena, directory = SharedArena(cfg.ram_bytes), SlotDirectory.create(geometry)
-        for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
-            notifier.notify(fdstoreremove=1, fdname=name)   # an unusable one left there
-            notifier.store_fd(name, fd)
-        return arena, directory, []
-    for name, fd in ((ARENA_FD_NAME, arena.fd), (SLOTS_FD_NAME, directory.fd)):
-        notifier.store_fd(name, fd)            # systemd keeps one copy of a file it holds already
+            log.warning("an arena left by the previous process is not taken up: its blocks are dropped",
+                        extra=fields(arena=fd_name(owner), reason=str(exc)))
+            os.close(fd)
+    if 0 not in adopted:
+        for arena in adopted.values():
+            arena.close()
+        directory.close()
+        return None, {}, [], []
     entries = list(directory.committed_entries())
-    log.info("RAM arena taken over from the previous process", extra=fields(
-        blocks=len(entries), inode=arena.inode, checked="no (a clean handover)" if trusted else "yes"))
-    return arena, directory, entries
+    if directory.version < VERSION:         # one arena's directory: its entries go into a new one
+        directory.close()
+        directory = SlotDirectory.create(geometry)
+        for e in entries:
+            directory.reserved(e.slot, e.key, e.length, e.cls, e.owner)
+            directory.committed(e.slot, e.clean)
+    return directory, adopted, owners, entries
+
+
+def passed_arenas(take: Callable[[str], int | None]) -> dict[str, int]:
+    """The arenas' and the slot directory's files a predecessor's handover passed, by name."""
+    names = [SLOTS_FD_NAME] + [fd_name(owner) for owner in range(256)]
+    return {name: fd for name in names if (fd := take(name)) is not None}
 
 
 async def begin_takeover(config: Config) -> Takeover | None:
@@ -166,8 +217,8 @@ class Succession:
         d, cfg = self.daemon, self.daemon.config
         files: dict[str, int] = {}
         try:
-            assert d.arena is not None and d.slot_directory is not None
-            own = {ARENA_FD_NAME: d.arena.fd, SLOTS_FD_NAME: d.slot_directory.fd}
+            assert d.arenas is not None and d.slot_directory is not None
+            own = {SLOTS_FD_NAME: d.slot_directory.fd, **{fd_name(o): a.fd for o, a in d.arenas.items()}}
             info: dict[str, Any] = {"grpc_tcp": d.grpc.ports if d.grpc is not None else {}}
             if d.agents is not None:
                 own["agent"], info["agent"] = d.agents.listening_fd, cfg.agent.socket
@@ -200,8 +251,9 @@ class Succession:
             # stays right) with the arena and its directory, every block checked: see serve().
             log.error("the successor went away before it served; starting again in this process, the RAM tier "
                       "checked block by block", extra=fields(reason=str(exc)))
-            assert d.arena is not None and d.slot_directory is not None
-            self.restart_with = {ARENA_FD_NAME: os.dup(d.arena.fd), SLOTS_FD_NAME: os.dup(d.slot_directory.fd)}
+            assert d.arenas is not None and d.slot_directory is not None
+            self.restart_with = {SLOTS_FD_NAME: os.dup(d.slot_directory.fd),
+                                 **{fd_name(o): os.dup(a.fd) for o, a in d.arenas.items()}}
         if self._done is not None and not self._done.done():
             self._done.set_result({"op": "upgraded", "ok": not self.restart_with,
                                    "elapsed_s": round(time.monotonic() - t0, 3)})

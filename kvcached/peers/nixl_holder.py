@@ -40,7 +40,9 @@ class NixlHolder:
         self.overloaded = 0             # NixlPulls answered overloaded: the peer held its most leases
 
     def agent(self) -> p.NixlAgent:
-        return p.NixlAgent(self.endpoint.base, self.endpoint.size, self.endpoint.metadata)
+        bases = tuple(self.endpoint.bases)
+        return p.NixlAgent(self.endpoint.base, self.endpoint.size, self.endpoint.metadata,
+                           bases if len(bases) > 1 else ())
 
     async def pull(self, peer: str, session: Hashable, request: p.NixlPull) -> p.NixlSpans:
         """Pin the blocks of ``request`` and say where they lie, under a lease of ``peer``'s on
@@ -57,8 +59,14 @@ class NixlHolder:
                     spans.append(p.NixlSpan(missing=answer.reason))
                     continue
                 head, view, release = answer
+                try:
+                    offset = self.endpoint.offset_of(view)
+                except ValueError:          # an arena made after NIXL registered them: not over this lane
+                    release()
+                    spans.append(p.NixlSpan(missing=p.MissReason.BUSY))
+                    continue
                 releases.append(release)
-                spans.append(p.NixlSpan(self.endpoint.offset_of(view), head.payload_length, head.checksum, head.model))
+                spans.append(p.NixlSpan(offset, head.payload_length, head.checksum, head.model))
         except BaseException:
             for release in releases:
                 release()

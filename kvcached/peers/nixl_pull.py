@@ -95,7 +95,7 @@ class NixlPuller:
                 raise NixlUnusable(str(exc)) from None
             raise
         try:
-            name = self.endpoint.add_peer(offer.metadata, offer.base)
+            name = self.endpoint.add_peer(offer.metadata, offer.base, offer.bases, offer.size)
         except NixlTransferError as exc:
             raise NixlUnusable(str(exc)) from None
         self._agents[peer] = (client, name, offer.size)

@@ -2,8 +2,9 @@
 run, RDMA where the node has an RDMA NIC, else UCX over TCP or shared memory.
 
 This module is the blocking layer over NIXL's Python API and nothing else: one NIXL agent per
-daemon over UCX, one registered region (the RAM tier's arena, registered once as it is mapped
-once), the metadata that lets a peer read from it, and READs of byte ranges from a peer's region
+daemon over UCX, its registered regions (the RAM tier's arenas, one per tenant, each registered
+once as it is mapped once, read as one run of offsets: region i's byte o at ``i * size + o``),
+the metadata that lets a peer read from them, and READs of byte ranges from a peer's regions
 into this one's. Which ranges to read, what they must hash to and when a slot may be published
 stay with the caller, over the authenticated QUIC session: NIXL moves bytes, it vouches for
 none of them (its payloads are not encrypted, and a holder could change a slot after it
@@ -100,14 +101,19 @@ def region_address(buffer: Any) -> int:
 
 
 class NixlEndpoint:
-    """One NIXL agent named ``name`` over UCX, ``region`` (a writable buffer, kept mapped by the
-    caller for the endpoint's life) registered with it. ``transports``: UCX's transports
-    (``UCX_TLS``, for example ``("tcp",)``, ``("shm", "self")``, ``("rc", "ud")`` for
-    InfiniBand); empty: UCX's own choice. Blocking: the asyncio layer runs it in a thread; one
-    transfer is posted at a time per endpoint, others wait for it."""
+    """One NIXL agent named ``name`` over UCX, ``regions`` (writable buffers of one size, kept
+    mapped by the caller for the endpoint's life; or one buffer) registered with it, read as one
+    run of :attr:`size` bytes. ``transports``: UCX's transports (``UCX_TLS``, for example
+    ``("tcp",)``, ``("shm", "self")``, ``("rc", "ud")`` for InfiniBand); empty: UCX's own
+    choice. Blocking: the asyncio layer runs it in a thread; one transfer is posted at a time
+    per endpoint, others wait for it."""
 
-    def __init__(self, name: str, region: Any, transports: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, regions: Any, transports: Sequence[str] = ()) -> None:
         api = load_nixl()
+        if not isinstance(regions, (list, tuple)):
+            regions = [regions]
+        if not regions or len({len(r) for r in regions}) != 1:
+            raise ValueError("NIXL regions must be one or more buffers of one size")
         if transports:
             # UCX reads its settings when the agent's backend starts: one NIXL agent a process.
             os.environ["UCX_TLS"] = ",".join(transports)
@@ -115,23 +121,28 @@ class NixlEndpoint:
             self._agent = nixl_agent(api, name)
             if "UCX" not in self._agent.backends:
                 raise NixlUnavailable("NIXL's UCX backend did not start")
-            self.base = region_address(region)
-            self.size = len(region)
-            self._registered = self._agent.register_memory([(self.base, self.size, 0, "")], "DRAM")
+            self.bases = tuple(region_address(region) for region in regions)
+            self.region_size = len(regions[0])
+            self.base = self.bases[0]
+            self.size = self.region_size * len(self.bases)
+            self._registered = self._agent.register_memory([(b, self.region_size, 0, "") for b in self.bases], "DRAM")
         except NixlUnavailable:
             raise
         except Exception as exc:
             raise NixlUnavailable(f"NIXL could not start: {exc}") from None
         self.name = name
-        self._peers: dict[str, int] = {}            # NIXL agent name -> its region's base address
+        self._peers: dict[str, tuple[tuple[int, ...], int]] = {}   # NIXL agent name -> its regions' bases, size
         self._lock = threading.Lock()
 
     def offset_of(self, view: memoryview) -> int:
-        """Where ``view`` (a writable slice of the registered region: a block's slot) starts in it."""
-        offset = region_address(view) - self.base
-        if not 0 <= offset <= self.size - len(view):
-            raise ValueError(f"a view outside the registered region (offset {offset})")
-        return offset
+        """Where ``view`` (a writable slice of a registered region: a block's slot) starts in the
+        run of regions."""
+        address = region_address(view)
+        for i, base in enumerate(self.bases):
+            offset = address - base
+            if 0 <= offset <= self.region_size - len(view):
+                return i * self.region_size + offset
+        raise ValueError("a view outside the registered regions")
 
     @property
     def metadata(self) -> bytes:
@@ -139,14 +150,16 @@ class NixlEndpoint:
         handed over the authenticated channel only."""
         return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, metadata: bytes, base: int) -> str:
-        """A peer's endpoint, from its metadata and its region's base address; its NIXL name."""
+    def add_peer(self, metadata: bytes, base: int, bases: Sequence[int] = (), size: int = 0) -> str:
+        """A peer's endpoint, from its metadata and its regions' base addresses (``bases``, of
+        ``size`` bytes in all; or its one region at ``base``); its NIXL name."""
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
             raise NixlTransferError(f"a peer's NIXL metadata was refused: {exc}") from None
         name = name.decode() if isinstance(name, bytes) else str(name)
-        self._peers[name] = base
+        regions = tuple(bases) or (base,)
+        self._peers[name] = (regions, size // len(regions) if size else 0)
         return name
 
     def remove_peer(self, name: str) -> None:
@@ -159,16 +172,26 @@ class NixlEndpoint:
     def read(self, peer: str, spans: Sequence[tuple[int, int, int]], timeout_s: float) -> None:
         """Read ``spans`` (peer region offset, own region offset, length) from ``peer`` into
         this endpoint's region; NixlTransferError if NIXL fails or it takes over ``timeout_s``."""
-        base = self._peers.get(peer)
-        if base is None:
+        known = self._peers.get(peer)
+        if known is None:
             raise NixlTransferError(f"no NIXL peer {peer!r}")
         if not spans:
             return
+        bases, size = known
+        local_at, remote_at = [], []
         for remote, local, length in spans:
             if length <= 0 or local < 0 or local + length > self.size or remote < 0:
                 raise NixlTransferError(f"a span outside the region: {remote}, {local}, {length}")
-        local_descs = self._agent.get_xfer_descs([(self.base + local, n, 0) for _, local, n in spans], "DRAM")
-        remote_descs = self._agent.get_xfer_descs([(base + remote, n, 0) for remote, _, n in spans], "DRAM")
+            i, at = divmod(local, self.region_size)
+            if at + length > self.region_size:
+                raise NixlTransferError(f"a span across two regions: {local}, {length}")
+            local_at.append((self.bases[i] + at, length, 0))
+            j, rat = divmod(remote, size) if size else (0, remote)
+            if j >= len(bases) or (size and rat + length > size):
+                raise NixlTransferError(f"a span outside the peer's regions: {remote}, {length}")
+            remote_at.append((bases[j] + rat, length, 0))
+        local_descs = self._agent.get_xfer_descs(local_at, "DRAM")
+        remote_descs = self._agent.get_xfer_descs(remote_at, "DRAM")
         with self._lock:
             try:
                 handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer)

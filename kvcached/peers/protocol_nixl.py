@@ -5,7 +5,8 @@ arena into the slot the puller reserved), and everything that says what to read 
 be goes over the authenticated QUIC session, in these messages:
 
 - :class:`NixlOpen` -> :class:`NixlAgent`: the holder's NIXL agent metadata (what NIXL needs to
-  reach its registered arena) and the arena's base address and size. Only over the verified
+  reach its registered arenas) and where the arenas lie (one per tenant, read as one run of
+  offsets). Only over the verified
   session: NIXL's metadata carries the keys that let a reader into the arena.
 - :class:`NixlPull` -> :class:`NixlSpans`: a Pull of ``tenant``'s blocks, answered not with
   payloads but, row by row in order, with where each block lies in the holder's arena, its
@@ -28,6 +29,7 @@ from typing import ClassVar, Sequence, Union
 from kvcached.peers.frames import (
     ADDRESS,
     MAX_PAYLOAD,
+    U32,
     U64,
     ErrorCode,
     MissReason,
@@ -61,21 +63,35 @@ class NixlOpen:
 
 @dataclass(frozen=True, slots=True)
 class NixlAgent:
-    """Answer to NixlOpen: the arena's base address and size in the holder's NIXL registration,
-    and the holder's NIXL agent metadata (NIXL's own bytes, handed to ``add_remote_agent``)."""
+    """Answer to NixlOpen: where the holder's registered arenas lie, and the holder's NIXL
+    agent metadata (NIXL's own bytes, handed to ``add_remote_agent``). The arenas (one per
+    tenant, all of one size) are read as one run of ``size`` bytes: offset ``o`` lies in arena
+    ``o // (size / len(bases))`` at ``bases[i] + o % (size / len(bases))``; one arena's holder
+    sends ``base`` alone (``bases`` empty: ``(base,)``), as before tenants had arenas."""
 
     TYPE: ClassVar[int] = 0x87
+
     base: int
     size: int
     metadata: bytes
+    bases: tuple[int, ...] = ()
+
     FIXED: ClassVar[struct.Struct] = struct.Struct("<QQI")
+    MAX_REGIONS: ClassVar[int] = 256
+
+    @property
+    def regions(self) -> tuple[int, ...]:
+        return self.bases or (self.base,)
 
     def encode_body(self) -> bytes:
         if not 0 < len(self.metadata) <= MAX_METADATA:
             raise ValueError(f"NixlAgent: {len(self.metadata)} bytes of metadata, outside 1..{MAX_METADATA}")
         if self.size <= 0:
             raise ValueError("NixlAgent: an empty region")
-        return self.FIXED.pack(self.base, self.size, len(self.metadata)) + self.metadata
+        if len(self.bases) > self.MAX_REGIONS or self.size % len(self.regions):
+            raise ValueError(f"NixlAgent: {len(self.bases)} regions do not split {self.size} bytes")
+        tail = b"" if len(self.bases) <= 1 else U32.pack(len(self.bases)) + b"".join(U64.pack(b) for b in self.bases)
+        return self.FIXED.pack(self.base, self.size, len(self.metadata)) + self.metadata + tail
 
     @classmethod
     def decode_body(cls, r: BodyReader) -> "NixlAgent":
@@ -84,7 +100,13 @@ class NixlAgent:
             raise ProtocolError(ErrorCode.MALFORMED, "NixlAgent: no metadata, or an empty region")
         if n > MAX_METADATA:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"NixlAgent: {n} bytes of metadata, over {MAX_METADATA}")
-        return cls(base, size, r.take(n))
+        metadata = r.take(n)
+        if r.pos == len(r.body):
+            return cls(base, size, metadata)
+        (count,) = r.unpack(U32)
+        if not 1 < count <= cls.MAX_REGIONS or size % count:
+            raise ProtocolError(ErrorCode.MALFORMED, f"NixlAgent: {count} regions of {size} bytes")
+        return cls(base, size, metadata, tuple(r.unpack(U64)[0] for _ in range(count)))
 
 
 @dataclass(frozen=True, slots=True)

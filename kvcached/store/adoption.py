@@ -59,7 +59,7 @@ class AdoptionReport:
     mismatched: int = 0     # bytes did not hash to the record's checksum: dropped
     unrecorded: int = 0     # no record saying RAM with this length (its write never reached the index)
     conflicting: int = 0    # directory entries that overlap (never from a sound directory)
-    other_tenants: int = 0  # blocks of tenants the configuration no longer counts: dropped
+    other_tenants: int = 0  # blocks in an arena not of the tenant their record names (or of one no longer configured): dropped
     trusted: bool = False
     elapsed_s: float = 0.0
     settled_on_demand: int = 0   # settled because a request named them before the background pass did
@@ -82,10 +82,15 @@ class RamAdoption:
         self.report = AdoptionReport(trusted=trusted)
         self.pending: dict[bytes, RamBlock] = {}     # placed, not settled yet
         self._t0 = time.monotonic()
+        self._unplaced: list[bytes] = []             # in an arena not taken up: their records lose RAM
         for entry in entries:
             self.report.listed += 1
+            if entry.owner not in ram.arenas or (entry.owner and ram.shares is None):
+                self.report.other_tenants += 1
+                self._unplaced.append(entry.key)
+                continue
             try:
-                block = ram.place(entry.key, entry.slot, entry.cls, entry.length)
+                block = ram.place(entry.key, entry.slot, entry.cls, entry.length, entry.owner)
             except ValueError:
                 self.report.conflicting += 1
                 continue
@@ -130,15 +135,14 @@ class RamAdoption:
                 report.unrecorded += 1
                 ram.abort(block)
                 lost.append(block.key)
-            elif ram.shares is None and record_tenant(raw):     # type: ignore[arg-type]
-                # tenants not counted (one configured): the tier holds the default tenant's
-                # blocks alone, so no read takes another's for the default tenant's
+            elif record_tenant(raw) != ram.tenant_of(block.key):     # type: ignore[arg-type]
+                # its bytes lie in another tenant's arena than its record names (or in the
+                # default tenant's, where tenants are no longer counted): never served
                 report.other_tenants += 1
                 ram.abort(block)
                 lost.append(block.key)
             elif checksum is None or checksum == raw[CHECKSUM_AT:CHECKSUM_AT + CHECKSUM_BYTES]:  # type: ignore[index]
                 ram.commit(block, clean=bool(tiers & _SSD))
-                ram.set_tenant(block, record_tenant(raw))      # type: ignore[arg-type]
                 report.adopted += 1
                 report.adopted_bytes += block.length
             else:
@@ -158,7 +162,7 @@ class RamAdoption:
         ages = [_last_seen(raw) for raw in raws]
         order = [keys[i] for i in sorted(range(len(keys)), key=ages.__getitem__)]
         del raws, ages
-        lost: list[bytes] = []
+        lost: list[bytes] = [key for key in self._unplaced if key not in pending]
         next_progress = time.monotonic() + PROGRESS_S
         i = 0
         while i < len(order) and not stopping():

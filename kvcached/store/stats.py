@@ -28,6 +28,7 @@ def stats_table(ram: RamTier, index: BlockIndex, c: Counters, gpu: GpuView, infl
         "ram_reserved_bytes": ram.slabs.reserved_bytes,
         "ram_capacity_bytes": ram.capacity,
         "ram_evictions": ram.evictions,
+        "ram_slabs_moved": ram.slabs.released,     # from one tenant's arena to another's (kvcached.tiers.arenas)
         "ram_dropped": ram.dropped,
         "index_entries": index.count_estimate(),
         "puts": c.puts, "put_bytes": c.put_bytes, "hits": c.hits, "misses": c.misses,

@@ -1,15 +1,18 @@
-"""RAM tier: block bytes in the shared arena, block states, eviction within the byte budget.
+"""RAM tier: block bytes in the shared arenas, block states, eviction within the byte budget.
 
 Contract (the rules of DESIGN.md, enforced here):
 
 - Every block has a state: ``refs == WRITING`` (-1) while its bytes are being written,
   ``0`` when idle, ``n > 0`` while n readers hold it. Only idle blocks are ever evicted or
   deleted; only committed blocks are visible to :meth:`get`.
-- The arena is the budget: slots are carved from it, so resident bytes can never exceed
-  ``kv.ram_gib``. When a class has no free slot, the policy's candidates are tried in order; the
-  first idle one of the same class frees its slot, or, if a candidate sits in another class's
-  slab whose blocks are all idle, that whole slab is emptied and changes class. If no candidate
-  works, :class:`RamFull` is raised and nothing was evicted.
+- The slabs are the budget: slots are carved from them, so resident bytes can never exceed
+  ``kv.ram_gib``. Each tenant's blocks lie in an arena of its own (kvcached.tiers.arenas), one
+  slab at a time: a slab is one owner's. When a class has no free slot in the tenant's slabs,
+  the policy's candidates are tried in order; the first idle one of the same class and owner
+  frees its slot, or, if a candidate sits in a slab of another class or owner whose blocks are
+  all idle, that whole slab is emptied and changes class (and owner: its pages are punched out
+  of the old owner's arena first). If no candidate works, :class:`RamFull` is raised and
+  nothing was evicted.
 - Blocks that leave by eviction or an operator's drop wait in an outbox, one list per
   eviction, until :meth:`RamTier.take_evicted` (the store's ledger, which tells the index):
   the tier calls nothing above it.
@@ -37,22 +40,16 @@ from typing import Callable, Iterable, Mapping, Sequence
 from kvcached.policies import EvictionPolicy, PolicySnapshot, Steps
 from kvcached.policies.links import KeyIds, column
 from kvcached.tiers.arena import SharedArena
+from kvcached.tiers.arenas import Arenas, TenantArenas
+from kvcached.tiers.ram_errors import BlockBusy, RamFull
 from kvcached.tiers.ram_order import DirtyList, Victims
 from kvcached.tiers.ram_shares import RamShares, owner_test
 from kvcached.tiers.slabs import SlabAllocator
-from kvcached.tiers.slot_directory import Geometry, SlotDirectory
+from kvcached.tiers.slot_directory import SlotDirectory
 
 __all__ = ["RamBlock", "RamFull", "BlockBusy", "RamTier", "WRITING"]
 
 WRITING = -1
-
-
-class RamFull(Exception):
-    """No room can be made without evicting a block that is in use."""
-
-
-class BlockBusy(Exception):
-    """The block is being written or read; it cannot be removed now."""
 
 
 class RamBlock:
@@ -103,14 +100,21 @@ class RamTier:
     """``directory``: where the tier writes what each slot holds, so a successor can adopt the
     arena (kvcached.tiers.slot_directory; None: nothing outlives the process)."""
 
-    def __init__(self, arena: SharedArena, slab_bytes: int, policy: EvictionPolicy,
+    def __init__(self, arenas: Arenas | SharedArena, slab_bytes: int, policy: EvictionPolicy,
                  directory: SlotDirectory | None = None, shares: Mapping[str, int] | None = None,
-                 count_tenants: bool = False) -> None:
-        """``shares``: bytes of the tier each tenant's (tag -> bytes; kvcached.tiers.ram_shares).
+                 count_tenants: bool = False, owners: Sequence[str] = ()) -> None:
+        """``arenas``: the tenants' arenas (a SharedArena: the default tenant's alone).
+        ``shares``: bytes of the tier each tenant's (tag -> bytes; kvcached.tiers.ram_shares).
         None or empty: no shares, every block a victim in the policy's order. ``count_tenants``:
-        count each tenant's blocks even so (several tenants configured)."""
-        self.arena = arena
-        self.slabs = SlabAllocator(arena.size, slab_bytes)
+        count each tenant's blocks even so (several tenants configured; each has an arena of its
+        own). ``owners``: the tags of the first owner ids, a predecessor's (its arenas')."""
+        if isinstance(arenas, SharedArena):
+            arenas = Arenas(arenas.size, {0: arenas})
+        self.arenas = arenas
+        several = bool(shares) or count_tenants
+        self.slabs = SlabAllocator(arenas.size, slab_bytes, arenas.release_slab(slab_bytes) if several else None)
+        if several:
+            arenas.track(self.slabs.slab_bytes)
         self.policy = policy
         self.directory = directory
         self._evicted: list[list[RamBlock]] = []   # evictions and drops not taken yet
@@ -128,7 +132,9 @@ class RamTier:
         self._gen = column("I", slots)       # bumped when the record's block leaves: stale handles
         self._by_slot = column("i", slots)   # slot -> record id + 1 (0: free)
         policy.size_for(slots)
-        self.shares = RamShares(shares or {}, slots) if shares or count_tenants else None
+        self.shares = RamShares(shares or {}, slots, owners) if several else None
+        self.owners = TenantArenas(arenas, self.shares, directory)
+        self._bytes = arenas.slot_bytes(self.slabs)      # (slot, length) -> its bytes in its owner's arena
         self._enforce = bool(shares)         # shares set: victims by their rule; else the policy's alone
         self._victims = Victims(self.slabs, self._slot, self._refs, self._clean, self._by_slot)
         self.used_bytes = 0          # payload bytes of committed and in-flight blocks
@@ -145,12 +151,13 @@ class RamTier:
     def capacity(self) -> int:
         return self.slabs.capacity
 
-    @staticmethod
-    def geometry(arena_bytes: int, slab_bytes: int) -> Geometry:
-        """The slot layout a tier over ``arena_bytes`` with ``slab_bytes`` slabs has (what its
-        slot directory must describe)."""
-        slabs = SlabAllocator(arena_bytes, slab_bytes)
-        return Geometry(arena_bytes, slabs.slab_bytes, slabs.nslabs * slabs.slots_per_slab_max)
+    def arena_for(self, tenant: str) -> SharedArena:
+        """The arena ``tenant``'s blocks lie in (what its agents map)."""
+        return self.arenas.get(self.owners.owner_for(tenant))
+
+    def agent_fds(self, tenant: str) -> list[int]:
+        """The files ``tenant``'s agents are handed: its arena (and its slab generations)."""
+        return self.arenas.agent_fds(self.owners.owner_for(tenant))
 
     @property
     def max_block_bytes(self) -> int:
@@ -260,28 +267,32 @@ class RamTier:
         if key in self._index:
             raise ValueError("block already present")
         cls = self.slabs.class_for(length)
-        slot = self.slabs.allocate(cls)
+        owner = self.owners.owner_for(tenant)
+        slot = self.slabs.allocate(cls, owner)
         if slot is None:
-            self._make_room(cls, tenant, length)
-            slot = self.slabs.allocate(cls)
+            self._make_room(cls, tenant, length, owner)
+            slot = self.slabs.allocate(cls, owner)
             assert slot is not None, "room was made but allocation failed"
         if self.directory is not None:
-            self.directory.reserved(slot, key, length, cls)
+            self.directory.reserved(slot, key, length, cls, owner)
         return self._record(key, slot, length, tenant)
 
-    def place(self, key: bytes, slot: int, cls: int, length: int) -> RamBlock:
-        """A predecessor's block, at the slot it left it in, in state WRITING until it is
-        checked and committed (or aborted): kvcached.store.adoption. The slot directory is left
-        as it is, so a crash before the check finds the same entry again. ValueError if the slot
-        cannot be taken (see SlabAllocator.allocate_at), the key is present or the length does
-        not fit the class."""
+    def place(self, key: bytes, slot: int, cls: int, length: int, owner: int = 0) -> RamBlock:
+        """A predecessor's block, at the slot it left it in owner ``owner``'s arena, in state
+        WRITING until it is checked and committed (or aborted): kvcached.store.adoption. It is
+        counted as the owner's tenant's. The slot directory is left as it is, so a crash before
+        the check finds the same entry again. ValueError if the slot cannot be taken (see
+        SlabAllocator.allocate_at), the owner has no arena, the key is present or the length
+        does not fit the class."""
         if key in self._index:
             raise ValueError("block already present")
         classes = self.slabs.classes
         if not 0 <= cls < len(classes) or not 0 < length <= classes[cls]:
             raise ValueError(f"a block of {length} bytes does not fit size class {cls}")
-        self.slabs.allocate_at(slot, cls)
-        return self._record(key, slot, length)
+        if not self.owners.has(owner):
+            raise ValueError(f"owner {owner} has no arena here")
+        self.slabs.allocate_at(slot, cls, owner)
+        return self._record(key, slot, length, self.owners.tag_of(owner))
 
     def _record(self, key: bytes, slot: int, length: int, tenant: str = "") -> RamBlock:
         entry = self._ids.add(key)
@@ -299,7 +310,7 @@ class RamTier:
     def write(self, block: RamBlock, data: bytes | memoryview) -> None:
         if block.refs != WRITING or not self.holds(block) or len(data) != block.length:
             raise ValueError("block is not reserved for writing this many bytes")
-        self.arena.write(self.slabs.offset(block.slot), data)
+        self._bytes(block.slot, block.length)[:] = data
 
     def commit(self, block: RamBlock, clean: bool = False) -> None:
         """WRITING -> idle: the block becomes visible and evictable. ``clean``: its bytes are
@@ -344,8 +355,7 @@ class RamTier:
 
     def slot_view(self, block: RamBlock) -> memoryview:
         """The block's slot, whole pages (page aligned): direct I/O reads and writes use it."""
-        offset = self.slabs.offset(block.slot)
-        return self.arena.view[offset:offset + min(self.slabs.slot_size(block.slot), -(-block.length // 4096) * 4096)]
+        return self._bytes(block.slot, min(self.slabs.slot_size(block.slot), -(-block.length // 4096) * 4096))
 
     def abort(self, block: RamBlock) -> None:
         """Give back a reserved slot whose write failed."""
@@ -357,18 +367,15 @@ class RamTier:
 
     def read(self, block: RamBlock) -> bytes:
         self.policy.touch(block.id)
-        return self.arena.read(self.slabs.offset(block.slot), block.length)
+        return self._bytes(block.slot, block.length).tobytes()
 
     def read_range(self, block: RamBlock, start: int, length: int) -> bytes:
         """A copy of up to ``length`` bytes of ``block`` from ``start`` (streaming)."""
-        end = min(block.length, start + length)
-        offset = self.slabs.offset(block.slot)
-        return self.arena.read(offset + start, max(0, end - start))
+        return self._bytes(block.slot, block.length)[start:start + length].tobytes()
 
     def view(self, block: RamBlock) -> memoryview:
         """The block's bytes in the arena, without a copy. Valid while the block is pinned."""
-        offset = self.slabs.offset(block.slot)
-        return self.arena.view[offset:offset + block.length]
+        return self._bytes(block.slot, block.length)
 
     def pin(self, block: RamBlock) -> None:
         """One more reader that uses the block (a Get, a stream, an agent's load): the policy
@@ -453,21 +460,17 @@ class RamTier:
         self.slabs.free(slot)
         self.used_bytes -= length
 
-    def _make_room(self, cls: int, tenant: str = "", need: int = 0) -> None:
-        """Evict what :meth:`Victims.choose` picks for a block of ``tenant`` needing ``need``
-        bytes of class ``cls`` (one block, or one whole slab); RamFull if nothing may go."""
+    def _make_room(self, cls: int, tenant: str = "", need: int = 0, owner: int = 0) -> None:
+        """Evict what :meth:`Victims.choose` picks for a block of ``tenant`` (owner ``owner``)
+        needing ``need`` bytes of class ``cls`` (one block, or one whole slab); RamFull if
+        nothing may go."""
         victims = self._victims.choose(self.policy, cls, self.prefer_clean, self.shares if self._enforce else None,
-                                       tenant, need)
+                                       tenant, need, owner)
         if victims:
             self._evict(victims)
             return
         raise RamFull(f"RAM tier full: {len(self)} blocks, {self.used_bytes} bytes, none of them can be evicted now "
                       "(all in use" + (", or other tenants' within their shares)" if self._enforce else ")"))
-
-    def set_tenant(self, block: RamBlock, tenant: str) -> None:
-        """The block is ``tenant``'s (an adopted block, once its record says whose it is)."""
-        if self.shares is not None and self.holds(block) and self.shares.tag_of(block.id) != tenant:
-            self.shares.moved(block.id, tenant, block.length, committed=self._refs[block.id] != WRITING)
 
     def held_by_tenant(self, tenant: str) -> tuple[int, int]:
         """(blocks, payload bytes) of ``tenant``'s (tenants not counted: all the tier's)."""

@@ -46,25 +46,28 @@ class Victims:
         self.slabs, self.slot, self.refs, self.clean, self.by_slot = slabs, slot, refs, clean, by_slot
 
     def choose(self, policy: EvictionPolicy, cls: int, prefer_clean: bool, shares: RamShares | None,
-               tenant: str, need: int) -> list[int] | None:
-        """What to evict for a block of class ``cls``: the policy's first workable candidate;
+               tenant: str, need: int, owner: int = 0) -> list[int] | None:
+        """What to evict for a block of class ``cls`` in owner ``owner``'s arena: the policy's
+        first workable candidate;
         with ``shares`` (enforced), the candidates a block of ``tenant`` needing ``need`` bytes
         may evict, in the order kvcached.tiers.ram_shares gives, each set's oldest past the
         policy's next :data:`SEARCH`. None: nothing may go."""
         if shares is None:
-            return self.pick(policy.candidates(), cls, prefer_clean)
+            return self.pick(policy.candidates(), cls, prefer_clean, owner=owner)
         for test, owners in shares.preferences(tenant, need):
-            victims = (self.pick(itertools.islice(policy.candidates(), SEARCH), cls, prefer_clean, test)
-                       or self.pick(shares.oldest(owners()), cls, prefer_clean, test))
+            victims = (self.pick(itertools.islice(policy.candidates(), SEARCH), cls, prefer_clean, test, owner)
+                       or self.pick(shares.oldest(owners()), cls, prefer_clean, test, owner))
             if victims:
                 return victims
         return None
 
     def pick(self, entries: Iterable[int], cls: int, prefer_clean: bool,
-             test: Callable[[int], bool] | None = None) -> list[int] | None:
+             test: Callable[[int], bool] | None = None, owner: int = 0) -> list[int] | None:
         """The first workable victims among ``entries`` (each idle and passing ``test``): the
-        block, or the whole slab it is in when that slab is of another size class; with
-        ``prefer_clean``, the first clean ones among the next few, else the first. None: none."""
+        block, or the whole slab it is in when that slab is of another size class or owner
+        (a slot freed in another owner's slab is no room for ``owner``: that slab passes to
+        ``owner``, kvcached.tiers.arenas); with ``prefer_clean``, the first clean ones among
+        the next few, else the first. None: none."""
         fallback: list[int] | None = None
         looked = 0
         refs, clean, by_slot, slabs = self.refs, self.clean, self.by_slot, self.slabs
@@ -72,7 +75,7 @@ class Victims:
             if refs[entry] != 0 or (test is not None and not test(entry)):
                 continue
             slab = slabs.slab_of(self.slot[entry])
-            if slabs.class_of_slab(slab) == cls:
+            if slabs.class_of_slab(slab) == cls and slabs.owner_of_slab(slab) == owner:
                 victims = [entry]
             else:
                 victims = [e - 1 for s in slabs.slots_of(slab) if (e := by_slot[s])]

@@ -17,7 +17,7 @@ tenant, so a rare eligible block costs no scan of the whole tier).
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 from kvcached.policies.links import IdLinks, IdQueue, column
 
@@ -35,7 +35,9 @@ class RamShares:
     """Each block's tenant (by record id), bytes used and the share of each tenant, and the
     victim preferences that follow. ``shares``: tenant tag -> bytes ("" the default tenant)."""
 
-    def __init__(self, shares: Mapping[str, int], slots: int) -> None:
+    def __init__(self, shares: Mapping[str, int], slots: int, owners: Sequence[str] = ()) -> None:
+        """``owners``: the tags of the first owner ids, in order (a predecessor's numbering,
+        which its arenas keep; kvcached.tiers.arenas); the default tenant's is always 0."""
         self._ids: dict[str, int] = {}
         self.names: list[str] = []
         self.share: list[int] = []
@@ -47,6 +49,8 @@ class RamShares:
         self._queues: list[IdQueue] = []
         self._sets: dict[int, tuple[Preference, Preference]] = {}
         self._id("")
+        for tag in owners[1:]:
+            self._id(tag)
         for tag, share in shares.items():
             self.share[self._id(tag)] = share
 
@@ -63,6 +67,11 @@ class RamShares:
         self.blocks.append(0)
         self._queues.append(IdQueue(self._links, new + 1))
         return new
+
+    def owner_id(self, tag: str) -> int:
+        """The owner id of ``tag``'s blocks (the arena they lie in); made on first use. Tags
+        past :data:`MAX_OWNERS` share :data:`OVERFLOW`'s, which no block may be stored under."""
+        return self._id(tag)
 
     def used_by(self) -> dict[str, int]:
         """Bytes held, by tenant tag."""
@@ -82,13 +91,6 @@ class RamShares:
 
     def committed(self, entry: int) -> None:
         self._queues[self._owner[entry]].push(entry)
-
-    def moved(self, entry: int, tag: str, length: int, committed: bool) -> None:
-        """The block is ``tag``'s after all (an adopted block, once its record is read)."""
-        self.dropped(entry, length, committed)
-        self.reserved(entry, tag, length)
-        if committed:
-            self.committed(entry)
 
     def dropped(self, entry: int, length: int, committed: bool) -> None:
         owner = self._owner[entry]

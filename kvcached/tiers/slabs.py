@@ -12,12 +12,23 @@ across classes, and a slab moves between classes when it empties (the RAM tier e
 slab when another class needs room; see RamTier).
 
 A *slot id* is ``slab * slots_per_slab_max + index``: stable, dense enough to key arrays by.
+
+Each slab in use has an *owner* (a tenant's arena, kvcached.tiers.arenas): a slot of owner O
+comes from a slab O holds, so a slab's bytes lie in one arena. A slab that empties stays *warm*
+with its last owner (its pages still hold that owner's bytes): the owner takes it back first.
+Another owner takes it only when no clean slab is left, and then ``release`` is told first, so
+the caller gives its pages back to the kernel (punched out of the old owner's memfd) before the
+new owner's bytes go anywhere. Each slab is thus committed in at most one arena: the arenas
+together never hold more than the allocator's capacity.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Callable
+
+from kvcached.tiers.slot_directory import Geometry
 
 __all__ = ["SlabAllocator", "size_classes", "PAGE"]
 
@@ -41,6 +52,7 @@ def size_classes(max_bytes: int) -> list[int]:
 @dataclass(slots=True)
 class _Slab:
     cls: int = -1               # size class index, -1 when free
+    owner: int = -1             # the arena it is in (while free: whose bytes it may still hold; -1 none)
     nslots: int = 0
     free: list[int] = field(default_factory=list)   # free slot indexes (a stack)
     used: bytearray = field(default_factory=bytearray)  # 1 per slot in use
@@ -49,7 +61,10 @@ class _Slab:
 class SlabAllocator:
     """Hands out arena slots by size class. Pure bookkeeping: offsets, never bytes."""
 
-    def __init__(self, capacity: int, slab_bytes: int) -> None:
+    def __init__(self, capacity: int, slab_bytes: int,
+                 release: Callable[[int, int], None] | None = None) -> None:
+        """``release(owner, slab)``: called before a free slab that may still hold ``owner``'s
+        bytes goes to another owner (None: one owner only, nothing to release)."""
         self.classes = size_classes(slab_bytes)
         self.slab_bytes = self.classes[-1]
         self.nslabs = capacity // self.slab_bytes
@@ -58,11 +73,21 @@ class SlabAllocator:
         self.capacity = self.nslabs * self.slab_bytes
         self.slots_per_slab_max = self.slab_bytes // PAGE
         self._slabs = [_Slab() for _ in range(self.nslabs)]
-        self._free_slabs = list(range(self.nslabs - 1, -1, -1))
-        # per class: slabs that still have a free slot (dict as an ordered set)
-        self._partial: list[dict[int, None]] = [{} for _ in self.classes]
+        self._free_slabs = list(range(self.nslabs - 1, -1, -1))     # clean: nobody's bytes
+        self._warm: dict[int, dict[int, None]] = {}     # owner -> free slabs with its bytes (ordered set)
+        # per owner, per class: slabs that still have a free slot (dict as an ordered set)
+        self._partial: dict[int, list[dict[int, None]]] = {}
+        self._release = release
+        self.released = 0           # slabs handed from one owner to another (released first)
         self.used_slots = 0
         self.reserved_bytes = 0     # bytes of the slots handed out
+
+    @classmethod
+    def geometry(cls, arena_bytes: int, slab_bytes: int) -> Geometry:
+        """The slot layout a tier over ``arena_bytes`` with ``slab_bytes`` slabs has (what its
+        slot directory must describe)."""
+        slabs = cls(arena_bytes, slab_bytes)
+        return Geometry(arena_bytes, slabs.slab_bytes, slabs.nslabs * slabs.slots_per_slab_max)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -77,6 +102,15 @@ class SlabAllocator:
 
     def class_of_slab(self, slab: int) -> int:
         return self._slabs[slab].cls
+
+    def owner_of_slab(self, slab: int) -> int:
+        """The owner of a slab in use (-1: free)."""
+        slab_ = self._slabs[slab]
+        return slab_.owner if slab_.cls >= 0 else -1
+
+    def owner_of(self, slot: int) -> int:
+        """The owner of ``slot``'s slab (whose arena its bytes are in)."""
+        return self._slabs[slot // self.slots_per_slab_max].owner
 
     def slot_size(self, slot: int) -> int:
         return self.classes[self._slabs[self.slab_of(slot)].cls]
@@ -93,25 +127,58 @@ class SlabAllocator:
 
     @property
     def free_slabs(self) -> int:
-        return len(self._free_slabs)
+        return len(self._free_slabs) + sum(len(w) for w in self._warm.values())
+
+    def _partials(self, owner: int) -> list[dict[int, None]]:
+        partial = self._partial.get(owner)
+        if partial is None:
+            partial = self._partial[owner] = [{} for _ in self.classes]
+        return partial
+
+    def _take_free(self, owner: int) -> int | None:
+        """A free slab for ``owner``: its own warm one, a clean one, or (released first)
+        another owner's warm one; None when no slab is free."""
+        warm = self._warm.get(owner)
+        if warm:
+            slab_index = next(iter(warm))
+            del warm[slab_index]
+            return slab_index
+        if self._free_slabs:
+            return self._free_slabs.pop()
+        for other, slabs in self._warm.items():
+            if slabs:
+                slab_index = next(iter(slabs))
+                del slabs[slab_index]
+                if self._release is not None:
+                    self._release(other, slab_index)
+                self.released += 1
+                return slab_index
+        return None
+
+    def _open(self, slab_index: int, cls: int, owner: int) -> _Slab:
+        slab = self._slabs[slab_index]
+        slab.cls = cls
+        slab.owner = owner
+        slab.nslots = self.slab_bytes // self.classes[cls]
+        slab.free = list(range(slab.nslots - 1, -1, -1))
+        slab.used = bytearray(slab.nslots)
+        self._partials(owner)[cls][slab_index] = None
+        return slab
 
     # -- changes ------------------------------------------------------------------------------
 
-    def allocate(self, cls: int) -> int | None:
-        """A free slot of class ``cls``, or None when neither a slot nor a free slab is left."""
-        partial = self._partial[cls]
+    def allocate(self, cls: int, owner: int = 0) -> int | None:
+        """A free slot of class ``cls`` in a slab of ``owner``'s, or None when neither such a
+        slot nor a free slab is left."""
+        partial = (self._partial.get(owner) or self._partials(owner))[cls]
         if partial:
             slab_index = next(iter(partial))
-        elif self._free_slabs:
-            slab_index = self._free_slabs.pop()
-            slab = self._slabs[slab_index]
-            slab.cls = cls
-            slab.nslots = self.slab_bytes // self.classes[cls]
-            slab.free = list(range(slab.nslots - 1, -1, -1))
-            slab.used = bytearray(slab.nslots)
-            partial[slab_index] = None
         else:
-            return None
+            taken = self._take_free(owner)
+            if taken is None:
+                return None
+            slab_index = taken
+            self._open(slab_index, cls, owner)
         slab = self._slabs[slab_index]
         index = slab.free.pop()
         slab.used[index] = 1
@@ -121,10 +188,10 @@ class SlabAllocator:
         self.reserved_bytes += self.classes[cls]
         return slab_index * self.slots_per_slab_max + index
 
-    def allocate_at(self, slot: int, cls: int) -> None:
-        """Take ``slot`` as a slot of class ``cls`` (a successor placing the blocks its
-        predecessor left, kvcached.store.adoption). ValueError if the slot is taken, outside the
-        arena, or in a slab that serves another class."""
+    def allocate_at(self, slot: int, cls: int, owner: int = 0) -> None:
+        """Take ``slot`` as a slot of class ``cls`` in ``owner``'s arena (a successor placing the
+        blocks its predecessor left, kvcached.store.adoption). ValueError if the slot is taken,
+        outside the arena, or in a slab that serves another class or owner."""
         if not 0 <= cls < len(self.classes):
             raise ValueError(f"size class {cls} does not exist")
         if not 0 <= slot < self.nslabs * self.slots_per_slab_max:
@@ -132,14 +199,17 @@ class SlabAllocator:
         slab_index, index = divmod(slot, self.slots_per_slab_max)
         slab = self._slabs[slab_index]
         if slab.cls < 0:
-            self._free_slabs.remove(slab_index)
-            slab.cls = cls
-            slab.nslots = self.slab_bytes // self.classes[cls]
-            slab.free = list(range(slab.nslots - 1, -1, -1))
-            slab.used = bytearray(slab.nslots)
-            self._partial[cls][slab_index] = None
+            if slab.owner >= 0 and slab.owner != owner:
+                raise ValueError(f"slot {slot} is in a slab that may hold another owner's bytes")
+            if slab.owner >= 0:
+                del self._warm[owner][slab_index]
+            else:
+                self._free_slabs.remove(slab_index)
+            self._open(slab_index, cls, owner)
         elif slab.cls != cls:
             raise ValueError(f"slot {slot} is in a slab of another size class")
+        elif slab.owner != owner:
+            raise ValueError(f"slot {slot} is in a slab of another owner")
         if index >= slab.nslots or slab.used[index]:
             raise ValueError(f"slot {slot} is taken or not a slot of its slab")
         slab.used[index] = 1
@@ -148,7 +218,7 @@ class SlabAllocator:
         else:
             slab.free.remove(index)
         if not slab.free:
-            del self._partial[cls][slab_index]
+            del self._partial[owner][cls][slab_index]
         self.used_slots += 1
         self.reserved_bytes += self.classes[cls]
 
@@ -165,9 +235,13 @@ class SlabAllocator:
         slab.free.append(index)
         self.used_slots -= 1
         self.reserved_bytes -= self.classes[cls]
+        partial = self._partial[slab.owner][cls]
         if len(slab.free) == slab.nslots:
-            self._partial[cls].pop(slab_index, None)
+            partial.pop(slab_index, None)
             slab.cls, slab.nslots, slab.free, slab.used = -1, 0, [], bytearray()
-            self._free_slabs.append(slab_index)
+            warm = self._warm.get(slab.owner)
+            if warm is None:
+                warm = self._warm[slab.owner] = {}
+            warm[slab_index] = None
         else:
-            self._partial[cls][slab_index] = None
+            partial[slab_index] = None

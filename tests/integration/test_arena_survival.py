@@ -92,7 +92,7 @@ def test_a_crash_keeps_every_block_in_ram(tmp_path: Path, manager: ServiceManage
         fetched, _ = c.get(list(blocks))
         assert [f.payload for f in fetched] == list(blocks.values())        # bit-exact
         assert c.stats().tiers[0].blocks == 40
-    assert "RAM arena taken over from the previous process" in d.log()
+    assert "RAM arenas taken over from the previous process" in d.log()
     # a clean stop and a start: the same again (the fd store outlives both)
     assert d.stop() == 0
     start(d, manager)
@@ -218,7 +218,7 @@ def test_an_unknown_file_or_half_of_the_pair_passed_at_start_is_not_used(tmp_pat
     start(d, manager)
     log = d.log()
     assert "file descriptor passed at start not used" in log and "name=something-else" in log
-    assert "only one of the arena's two files was passed at start" in log
+    assert "passed at start without their slot directory" in log
     assert not ram_status(d).ram_taken_over
     with d.client() as c:
         assert c.get([address], allow_partial=True)[0] == []

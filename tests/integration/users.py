@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-__all__ = ["as_user", "made_users", "needs_users", "socket_dir", "start_as_user", "users"]
+__all__ = ["as_user", "made_users", "needs_users", "socket_dir", "start_as_user", "together", "users"]
 
 needs_users = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                  reason="needs root and useradd: the test creates the users it runs as")
@@ -63,42 +63,55 @@ def socket_dir() -> Iterator[Path]:
 def as_user(uid: int, gid: int, work: Callable[[], Any]) -> Any:
     """``work()`` in a forked child running as ``uid``/``gid`` (no supplementary groups); its
     JSON-able result, or {"error": text} if it raised."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                   # the child: never returns into pytest
-        os.close(read)
+    return together([(uid, gid, work)])[0]
+
+
+def together(works: list[tuple[int, int, Callable[[], Any]]]) -> list[Any]:
+    """Each ``work()`` in a forked child of its own running as its user, all at once; their
+    results in order, as :func:`as_user` gives them."""
+    def child(work: Callable[[], Any], write: int) -> None:
         try:
-            _become(uid, gid)
             result = {"ok": work()}
         except BaseException as exc:               # noqa: BLE001 - reported to the parent
             result = {"error": f"{type(exc).__name__}: {exc}"}
         os.write(write, json.dumps(result).encode())
-        os._exit(0)
-    os.close(write)
-    chunks = []
-    while chunk := os.read(read, 1 << 16):
-        chunks.append(chunk)
-    os.close(read)
-    os.waitpid(pid, 0)
-    return json.loads(b"".join(chunks))
+
+    children = [_fork_as(uid, gid, lambda write, work=work: child(work, write)) for uid, gid, work in works]
+    results = []
+    for pid, read in children:
+        chunks = []
+        while chunk := os.read(read, 1 << 16):
+            chunks.append(chunk)
+        os.close(read)
+        os.waitpid(pid, 0)
+        data = b"".join(chunks)
+        results.append(json.loads(data) if data else {"error": "the child could not become its user"})
+    return results
 
 
 def start_as_user(uid: int, gid: int, work: Callable[[Callable[[], None]], Any]) -> int:
     """``work(ready)`` in a forked child running as ``uid``/``gid`` that goes on until killed;
     returns its pid once the child called ``ready()`` (or exited)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                   # the child: never returns into pytest
-        os.close(read)
-        try:
-            _become(uid, gid)
-            work(lambda: os.write(write, b"r"))
-        finally:
-            os._exit(0)
-    os.close(write)
+    pid, read = _fork_as(uid, gid, lambda write: work(lambda: os.write(write, b"r")))
     os.read(read, 1)
     os.close(read)
     return pid
+
+
+def _fork_as(uid: int, gid: int, child: Callable[[int], Any]) -> tuple[int, int]:
+    """``child(write end of a pipe)`` in a forked child running as ``uid``/``gid``, which then
+    exits (it never returns into pytest); the child's pid and the pipe's read end."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            _become(uid, gid)
+            child(write)
+        finally:
+            os._exit(0)
+    os.close(write)
+    return pid, read
 
 
 def _become(uid: int, gid: int) -> None:

@@ -85,9 +85,11 @@ def test_the_counts_follow_deletes_aborts_and_adoption(arena: SharedArena) -> No
     ram.abort(block)
     ram.delete(key)
     assert held(ram, "alice") == 0
-    adopted = save(ram, "", 1)                  # placed before its record was read: the default's
-    ram.set_tenant(ram.get(adopted), "alice")   # type: ignore[arg-type]
+    owner = ram.owners.owner_for("alice")     # a predecessor's block, placed in alice's arena: alice's
+    placed = ram.place(b"p".ljust(32, b"."), ram.slabs.slots_per_slab_max * (ram.slabs.nslabs - 1),
+                      ram.slabs.class_for(BLOCK), BLOCK, owner)
     assert (held(ram, "alice"), held(ram, "")) == (1, 0)
+    ram.abort(placed)
     assert tier(arena, {}).used_by_tenant() == {"": 0}, "no shares: one count"
 
 

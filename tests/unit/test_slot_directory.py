@@ -12,7 +12,8 @@ from kvcached.lifecycle.systemd import LISTEN_FDS_START, listen_fds
 from kvcached.policies.clock import ClockPolicy
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram import RamTier
-from kvcached.tiers.slot_directory import SlotDirectory
+from kvcached.tiers.slabs import SlabAllocator
+from kvcached.tiers.slot_directory import SlotDirectory, owner_digest
 from tests.unit.conftest import ARENA, KIB, SLAB, payload
 
 
@@ -21,7 +22,7 @@ def key(n: int) -> bytes:
 
 
 def tier(arena: SharedArena, directory: SlotDirectory | None = None) -> RamTier:
-    geometry = RamTier.geometry(arena.size, SLAB)
+    geometry = SlabAllocator.geometry(arena.size, SLAB)
     return RamTier(arena, SLAB, ClockPolicy(), directory or SlotDirectory.create(geometry))
 
 
@@ -50,7 +51,7 @@ def test_the_directory_follows_the_tier_and_a_successor_places_the_same_blocks()
         assert block is not None and (e.slot, e.length) == (block.slot, block.length)
 
     # a successor over the same memfds (as systemd's fd store or a handover passes them)
-    geometry = RamTier.geometry(ARENA, SLAB)
+    geometry = SlabAllocator.geometry(ARENA, SLAB)
     SharedArena.check_adoptable(os.dup(arena.fd), ARENA)
     successor = SharedArena(ARENA, fd=os.dup(arena.fd))
     directory = SlotDirectory.adopt(os.dup(ram.directory.fd), geometry)
@@ -85,10 +86,10 @@ def test_place_refuses_what_a_sound_directory_never_holds() -> None:
 
 
 def test_adopt_checks_geometry_and_kind() -> None:
-    geometry = RamTier.geometry(ARENA, SLAB)
+    geometry = SlabAllocator.geometry(ARENA, SLAB)
     directory = SlotDirectory.create(geometry)
     with pytest.raises(ValueError, match="another arena"):
-        SlotDirectory.adopt(directory.fd, RamTier.geometry(2 * ARENA, SLAB))
+        SlotDirectory.adopt(directory.fd, SlabAllocator.geometry(2 * ARENA, SLAB))
     other = os.memfd_create("x")
     os.ftruncate(other, 8192)
     with pytest.raises(ValueError, match="not a slot directory"):
@@ -160,7 +161,7 @@ def test_adoption_settles_what_a_request_names_first_and_checks_every_byte(tmp_p
     arena.view[offset + 100] ^= 0xFF                 # 2: a flipped byte
 
     successor = RamTier(SharedArena(ARENA, fd=os.dup(arena.fd)), SLAB, ClockPolicy(),
-                        SlotDirectory.adopt(os.dup(ram.directory.fd), RamTier.geometry(ARENA, SLAB)))
+                        SlotDirectory.adopt(os.dup(ram.directory.fd), SlabAllocator.geometry(ARENA, SLAB)))
     adoption = RamAdoption(successor, successor.directory.committed_entries(), trusted=False)  # type: ignore[union-attr]
     assert adoption.placed_keys == {key(n) for n in range(6)} and not any(key(n) in successor for n in range(6))
     adoption.settle([key(5), key(2)], index, lambda: 9.0)        # a request names 5 and 2
@@ -178,34 +179,46 @@ def test_adoption_settles_what_a_request_names_first_and_checks_every_byte(tmp_p
 
 
 @pytest.mark.parametrize("counts_tenants", [False, True])
-def test_an_adopted_block_is_its_records_tenants_and_dropped_where_tenants_are_not_counted(
+def test_an_adopted_block_is_taken_up_only_where_its_arena_is_its_records_tenants(
         tmp_path, counts_tenants: bool) -> None:  # type: ignore[no-untyped-def]
-    """A predecessor's block whose record names tenant alice: a successor that counts tenants
-    takes it up as alice's; one that does not (one tenant configured: every block in RAM is the
-    default's to a read) drops it, its record losing RAM, so no read takes it for the default's."""
+    """A predecessor with tenants keeps alice's block in alice's arena (owner 1). A successor
+    that counts tenants takes it up there as alice's; one that does not (one tenant configured)
+    has the default tenant's arena alone and drops it, its record losing RAM. A block whose
+    record names another tenant than the arena its bytes lie in is never taken up (a torn or
+    forged directory entry cannot move bytes between tenants)."""
     import asyncio
 
     from kvcached.index import BlockIndex, BlockRecord, Tier
+    from kvcached.store.adoption import RamAdoption
+    from kvcached.tiers.arenas import Arenas
     from kvcached_agent.integrity import payload_checksum
 
-    arena = SharedArena(ARENA)
-    ram = tier(arena)
+    geometry = SlabAllocator.geometry(ARENA, SLAB)
+    ram = RamTier(Arenas(ARENA), SLAB, ClockPolicy(), SlotDirectory.create(geometry), count_tenants=True)
     index = BlockIndex(tmp_path / "index")
-    for n, tenant in ((0, ""), (1, "alice")):
-        put(ram, n, 4 * KIB)
+    for n, tenant, record_tenant in ((0, "", ""), (1, "alice", "alice"), (2, "alice", "bob")):
+        block = ram.reserve(key(n), 4 * KIB, tenant)
+        ram.write(block, payload(n, 4 * KIB))
+        ram.commit(block)
         index.write([(key(n), BlockRecord(key(n), 0, "m", 4 * KIB, payload_checksum(payload(n, 4 * KIB)), 1.0, 1.0,
-                                          Tier.RAM | Tier.SSD, tenant=tenant))])
-    assert ram.directory is not None
-    successor = RamTier(SharedArena(ARENA, fd=os.dup(arena.fd)), SLAB, ClockPolicy(),
-                        SlotDirectory.adopt(os.dup(ram.directory.fd), RamTier.geometry(ARENA, SLAB)),
-                        count_tenants=counts_tenants)
-    from kvcached.store.adoption import RamAdoption
-    adoption = RamAdoption(successor, successor.directory.committed_entries(), trusted=False)  # type: ignore[union-attr]
-    report = asyncio.run(adoption.run(index, None, lambda: 9.0))
-    assert successor.tenant_of(key(0)) == ""
+                                          Tier.RAM | Tier.SSD, tenant=record_tenant))])
+    assert ram.directory is not None and ram.owners.owner_for("alice") == 1
+    names = ram.directory.owner_names()
+    directory = SlotDirectory.adopt(os.dup(ram.directory.fd), geometry)
     if counts_tenants:
-        assert (report.adopted, report.other_tenants) == (2, 0) and successor.tenant_of(key(1)) == "alice"
+        owners = ["", "alice"] if names[1] == owner_digest("alice") else []
+        adopted = {o: SharedArena(ARENA, fd=os.dup(a.fd)) for o, a in ram.arenas.items()}
     else:
-        assert (report.adopted, report.other_tenants) == (1, 1) and key(1) not in successor
+        owners, adopted = [""], {0: SharedArena(ARENA, fd=os.dup(ram.arenas.get(0).fd))}
+    successor = RamTier(Arenas(ARENA, adopted), SLAB, ClockPolicy(), directory, count_tenants=counts_tenants,
+                        owners=owners)
+    adoption = RamAdoption(successor, directory.committed_entries(), trusted=False)
+    report = asyncio.run(adoption.run(index, None, lambda: 9.0))
+    assert successor.tenant_of(key(0)) == "" and key(2) not in successor
+    if counts_tenants:
+        assert (report.adopted, report.other_tenants) == (2, 1) and successor.tenant_of(key(1)) == "alice"
+        assert successor.read(successor.get(key(1))) == payload(1, 4 * KIB)  # type: ignore[arg-type]
+    else:
+        assert report.adopted == 1 and key(1) not in successor
         assert index.get(key(1)).tiers == Tier.SSD, "its SSD copy stays alice's"   # type: ignore[union-attr]
     index.close()
