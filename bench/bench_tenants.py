@@ -44,7 +44,10 @@ fresh one that is not, and the first touch of arena pages costs more than what f
    arena of its own, the node's RAM one budget: once it is full, every slab one tenant's saves
    take from the other is punched out of the other's arena and faulted in fresh) and on "none"
    (both the default tenant: one arena), rounds interleaved. GB/s of both together; the ratio
-   the median over rounds of two / none. Target (issue 61): >= 0.95x for saves and loads.
+   the median over rounds of two / none. Target (issue 61): >= 0.95x for saves and loads. The
+   header says the kernel's shmem huge page setting: with ``never`` (Debian's default) every slab
+   that changes owner is punched and faulted in 4 KiB pages, about 10x the cost of 2 MiB ones
+   (``advise``, which the daemon and the agents ask for).
 
 --quick: 200 lookups, 3 rounds of 0.3 s (about 30 s). Full: 1000 lookups, 5 rounds of 1 s.
 """
@@ -266,6 +269,15 @@ def grpc_lookups(target: str, cached: list[bytes], never: list[bytes], n: int) -
     return {"times": times, "found": found}
 
 
+def shmem_thp() -> str:
+    """The kernel's shmem THP setting (figure 6 depends on it: docs/operations.md)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return "unknown"
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), text.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -340,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += cost_rows(5, "no tenants", "the same, another daemon", socks["none"], socks["none-b"], (b_uid, b_gid),
                           rounds, seconds)
     header = (f"kvcached tenants benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
-              f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s")
+              f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s; shmem huge pages: {shmem_thp()}")
     titles = {1: "1. Timing: one tenant's Lookup of another's cached prefix vs of a prefix nobody stored (lower is better)",
               2: "2. Cost: an agent's saves and loads with tenants configured vs none (higher is better)",
               3: "3. Timing over gRPC, on bob's tenant socket (lower is better)",

@@ -39,6 +39,7 @@ __all__ = ["Config", "ConfigError", "ListenAddress", "is_loopback", "load_config
            "tenant_share_bytes"]
 
 MAX_TENANTS = 253          # tenants besides the default one: each has an arena (kvcached.tiers.arenas, 255 owners)
+ARENA_SPACE = 64 << 40     # address space the arenas may take together: half of x86-64's 128 TiB for a process
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -264,6 +265,11 @@ def _check_tenants(config: Config, unix_paths: list[str]) -> None:
     if len(named) > MAX_TENANTS:
         raise ConfigError("tenants.uids", f"{len(named)} tenants are configured; each has a RAM arena of its own, and "
                           f"a daemon keeps at most {MAX_TENANTS} besides the default tenant's")
+    if named and (len(named) + 1) * config.ram_bytes > ARENA_SPACE:
+        raise ConfigError("kv.ram_gib", f"{len(named) + 1} tenants' arenas of {config.kv.ram_gib:g} GiB each take "
+                          f"{(len(named) + 1) * config.ram_bytes / (1 << 40):.0f} TiB of address space, more than the "
+                          f"{ARENA_SPACE >> 40} TiB a process can spare for them (each arena is the tier's size in "
+                          "address space; only its slabs in use cost memory)")
     taken = unix_paths + ([os.path.abspath(config.agent.socket)] if config.agent.socket else [])
     for name, endpoint in t.events.items():
         key = f"tenants.events.{name}"

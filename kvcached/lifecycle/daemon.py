@@ -533,7 +533,7 @@ def nixl_endpoint(arenas: Arenas, ram: RamTier, tags: list[str], transports: lis
     from kvcached.peers.nixl_transfer import NixlEndpoint, NixlUnavailable
 
     for tag in tags:
-        ram.arena_for(tag)
+        ram.agent_fds(tag)
     regions = [arena.view for _, arena in sorted(arenas.items(), key=lambda item: item[0])]
     try:
         endpoint = NixlEndpoint(f"kvcached-{socket.gethostname()}-{os.getpid()}", regions, tuple(transports))

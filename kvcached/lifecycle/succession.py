@@ -163,6 +163,7 @@ def _take_up(cfg: Config, geometry: Geometry, slots_fd: int | None, arena_fds: d
     if directory.version < VERSION:         # one arena's directory: its entries go into a new one
         directory.close()
         directory = SlotDirectory.create(geometry)
+        directory.name_owner(0, "")
         for e in entries:
             directory.reserved(e.slot, e.key, e.length, e.cls, e.owner)
             directory.committed(e.slot, e.clean)

@@ -117,11 +117,14 @@ class Arenas:
                                                        f"{fd_name(owner)}-generations")
         return arena
 
-    def track(self, slab_bytes: int) -> None:
-        """Slabs of ``slab_bytes`` change owner here: every arena gets its generations."""
-        self._slab_bytes = slab_bytes
+    def track(self, slab_bytes: int) -> Callable[[int, int], None]:
+        """Slabs of ``slab_bytes`` (a size class's multiple: SlabAllocator rounds it up to 4
+        KiB) change owner here: every arena gets its generations. What the slab allocator calls
+        before a slab passes to another owner."""
+        self._slab_bytes = -(-slab_bytes // 4096) * 4096
         for owner in list(self._arenas):
             self.get(owner)
+        return self.release_slab(self._slab_bytes)
 
     def agent_fds(self, owner: int) -> list[int]:
         """What an agent of ``owner``'s is handed: its arena, and the arena's slab generations

@@ -112,9 +112,7 @@ class RamTier:
             arenas = Arenas(arenas.size, {0: arenas})
         self.arenas = arenas
         several = bool(shares) or count_tenants
-        self.slabs = SlabAllocator(arenas.size, slab_bytes, arenas.release_slab(slab_bytes) if several else None)
-        if several:
-            arenas.track(self.slabs.slab_bytes)
+        self.slabs = SlabAllocator(arenas.size, slab_bytes, arenas.track(slab_bytes) if several else None)
         self.policy = policy
         self.directory = directory
         self._evicted: list[list[RamBlock]] = []   # evictions and drops not taken yet
@@ -151,12 +149,9 @@ class RamTier:
     def capacity(self) -> int:
         return self.slabs.capacity
 
-    def arena_for(self, tenant: str) -> SharedArena:
-        """The arena ``tenant``'s blocks lie in (what its agents map)."""
-        return self.arenas.get(self.owners.owner_for(tenant))
-
     def agent_fds(self, tenant: str) -> list[int]:
-        """The files ``tenant``'s agents are handed: its arena (and its slab generations)."""
+        """The files ``tenant``'s agents are handed: the arena its blocks lie in (made now if
+        it has none yet), and its slab generations where slabs change owner."""
         return self.arenas.agent_fds(self.owners.owner_for(tenant))
 
     @property

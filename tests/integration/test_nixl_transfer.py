@@ -22,8 +22,9 @@ SIZE = 80 << 20
 SEED = 7
 
 
-def holder(transports: str) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.nixl_peer", "holder", str(SIZE), str(SEED), transports],
+def holder(transports: str, regions: int = 1) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.nixl_peer", "holder", str(SIZE), str(SEED), transports,
+                             str(regions)],
                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -31,8 +32,9 @@ def holder(transports: str) -> tuple[subprocess.Popen[str], dict[str, object]]:
     return proc, json.loads(line)
 
 
-def pull(transports: str, job: dict[str, object], timeout: float = 60) -> dict[str, object]:
-    out = subprocess.run([sys.executable, "-m", "tests.nixl_peer", "puller", str(SIZE), transports], cwd=ROOT,
+def pull(transports: str, job: dict[str, object], timeout: float = 60, regions: int = 1) -> dict[str, object]:
+    out = subprocess.run([sys.executable, "-m", "tests.nixl_peer", "puller", str(SIZE), transports, str(regions)],
+                         cwd=ROOT,
                          input=json.dumps(job) + "\n", capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -60,3 +62,22 @@ def test_a_read_from_a_holder_that_is_gone_fails_within_its_timeout() -> None:
     got = pull("tcp", {**offer, "spans": [(0, 0, 1 << 20)], "timeout_s": 5})
     assert "error" in got, got
     assert time.monotonic() - started < 30
+
+
+def test_ranges_of_several_registered_regions_are_read_as_one_run() -> None:
+    """A daemon with tenants registers every tenant's arena (kvcached.tiers.arenas): NIXL reads
+    spans from the holder's second and fourth region into the puller's own regions, bit-exact,
+    and refuses a span that would run across two regions."""
+    proc, offer = holder("tcp", regions=4)
+    try:
+        assert len(offer["bases"]) == 4 and offer["size"] == SIZE   # type: ignore[arg-type]
+        quarter = SIZE // 4
+        data = random.Random(SEED).randbytes(SIZE)
+        spans = [(quarter + 5, 0, 1 << 20), (3 * quarter, 2 * quarter + 7, 64 << 10), (0, quarter, 4096)]
+        got = pull("tcp", {**offer, "spans": spans, "timeout_s": 30}, regions=4)
+        assert got.get("hashes") == [blake3.blake3(data[r:r + n]).hexdigest() for r, _, n in spans], got
+        across = pull("tcp", {**offer, "spans": [(quarter - 10, 0, 20)], "timeout_s": 10}, regions=4)
+        assert "across two regions" in str(across.get("error", "")) or "outside" in str(across.get("error", "")), across
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(timeout=30)

@@ -31,7 +31,7 @@ def test_save_load_release_through_a_session(store: SyncStore) -> None:
     slots = allocate(store, s, [1, 2])
     for n, (status, handle, offset) in zip((1, 2), slots.entries):
         assert status == p.Status.OK
-        store.ram.arena_for("").write(offset, payload(n, 8 * KIB))
+        store.ram.arenas.get(0).write(offset, payload(n, 8 * KIB))
     committed = run(store, s.handle_waiting(p.Commit([h for _, h, _ in slots.entries] + [999])))
     assert isinstance(committed, p.Committed)
     assert list(committed.statuses) == [p.Status.OK, p.Status.OK, p.Status.UNKNOWN_HANDLE]
@@ -39,7 +39,7 @@ def test_save_load_release_through_a_session(store: SyncStore) -> None:
     assert isinstance(loaded, p.Loaded)
     (status, handle, offset, length), miss = loaded.entries
     assert status == p.Status.OK and miss[0] == p.Status.MISS
-    assert store.ram.arena_for("").read(offset, length) == payload(1, 8 * KIB)
+    assert store.ram.arenas.get(0).read(offset, length) == payload(1, 8 * KIB)
     assert store.pinned_bytes == 8 * KIB and s.held == (0, 1)
     assert s.handle(p.Release([handle, handle, 77])) == p.Released(1, 2)      # twice: the second is unknown
     assert store.pinned_bytes == 0
@@ -97,7 +97,7 @@ def test_present_answers_each_block_on_its_own(store: SyncStore) -> None:
     s = session(store)
     slots = allocate(store, s, [2, 4])
     for n, (_, _, offset) in zip((2, 4), slots.entries):
-        store.ram.arena_for("").write(offset, payload(n, 8 * KIB))
+        store.ram.arenas.get(0).write(offset, payload(n, 8 * KIB))
     run(store, s.handle_waiting(p.Commit([h for _, h, _ in slots.entries])))
     run(store, asyncio.sleep(0.05))              # the commit's index write ends
     s.handle(p.Pinned([digest(3)]))

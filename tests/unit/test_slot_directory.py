@@ -222,3 +222,43 @@ def test_an_adopted_block_is_taken_up_only_where_its_arena_is_its_records_tenant
         assert report.adopted == 1 and key(1) not in successor
         assert index.get(key(1)).tiers == Tier.SSD, "its SSD copy stays alice's"   # type: ignore[union-attr]
     index.close()
+
+
+def test_a_directory_of_the_version_before_arenas_is_read_as_the_default_tenants(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A daemon from before tenants had arenas left a version-1 directory (one arena, no owner
+    column): its entries are the default tenant's (owner 0), and the successor writes them into
+    a version-2 directory of its own, so an upgrade across the change keeps the RAM tier."""
+    import struct
+
+    from kvcached.config import load_config
+    from kvcached.lifecycle.succession import SLOTS_FD_NAME, open_arenas
+    from kvcached.lifecycle.systemd import Notifier
+    from kvcached.tiers.slot_directory import CLEAN, HEADER, MAGIC, SlotEntry
+
+    cfg = load_config(overrides=[f'kv.index_dir="{tmp_path}"', "kv.ram_gib=0.0625", "kv.max_block_mib=1"])
+    geometry = SlabAllocator.geometry(cfg.ram_bytes, cfg.max_block_bytes)
+    n = geometry.slots
+    align = lambda k: -(-k // 8) * 8        # noqa: E731
+    states_at, classes_at = 4096, 4096 + align(n)
+    lengths_at = classes_at + align(2 * n)
+    keys_at = lengths_at + 8 * n
+    old = bytearray(keys_at + 32 * n)        # version 1: states, classes, lengths, keys
+    HEADER.pack_into(old, 0, MAGIC, 1, 0, geometry.arena_bytes, geometry.slab_bytes, n)
+    slot, key = 3, b"k".ljust(32, b".")
+    old[states_at + slot] = CLEAN
+    struct.pack_into("<H", old, classes_at + 2 * slot, 0)
+    struct.pack_into("<Q", old, lengths_at + 8 * slot, 4096)
+    old[keys_at + 32 * slot:keys_at + 32 * slot + 32] = key
+    slots_fd = os.memfd_create("v1")
+    os.write(slots_fd, bytes(old))
+    arena = SharedArena(cfg.ram_bytes)
+    arenas, directory, entries, owners = open_arenas(cfg, Notifier(), {SLOTS_FD_NAME: slots_fd,
+                                                                        "kvcached-arena": os.dup(arena.fd)},
+                                                     False, [""])
+    assert entries == [SlotEntry(slot, 0, 4096, key, True, 0)] and owners == [""]
+    assert directory.version == 2 and list(directory.committed_entries()) == entries
+    assert directory.owner_names() == {0: owner_digest("")}
+    assert os.fstat(arenas.get(0).fd).st_ino == os.fstat(arena.fd).st_ino, "the same memory"
+    directory.close()
+    arenas.close()
+    arena.close()

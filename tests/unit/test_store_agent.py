@@ -22,7 +22,7 @@ from tests.unit.conftest import ARENA, KIB, SLAB, FakeClock, SyncStore, address,
 def write(store: SyncStore, block: RamBlock, data: bytes) -> None:
     """What an agent does between Allocate and Commit: copy into the slot."""
     offset = store.offset_of(block)
-    store.ram.arena_for("").view[offset:offset + len(data)] = data
+    store.ram.arenas.get(0).view[offset:offset + len(data)] = data
 
 
 def settle(store: SyncStore) -> None:

@@ -50,5 +50,5 @@ def test_a_quiet_tenant_gives_its_room_up() -> None:
         save(ram, "bob", n)
     assert slabs_of(ram, "alice") == 0 and ram.held_by_tenant("alice") == (0, 0)
     assert held_pages(ram) <= TIER
-    assert os.fstat(ram.arena_for("alice").fd).st_blocks == 0, "her pages went back to the kernel"
+    assert os.fstat(ram.arenas.get(ram.owners.owner_for("alice")).fd).st_blocks == 0, "her pages went back to the kernel"
     ram.arenas.close()

@@ -120,9 +120,24 @@ def test_the_tenants_settings(tmp_path: Path) -> None:
                             (["tenants.uids={ a = [1], b = [2] }", "tenants.ram_shares={ a = 0.6, b = 0.5 }"],
                              "more than the RAM tier's"),
                             (["tenants.uids={ a = [1] }", "tenants.ram_shares={ a = 1.5 }"], "a fraction of the tier"),
-                            (["tenants.uids={ a = [1] }", 'tenants.ram_shares={ a = "half" }'], "a fraction of the tier")):
+                            (["tenants.uids={ a = [1] }", 'tenants.ram_shares={ a = "half" }'], "a fraction of the tier"),
+                            (["tenants.uids={ " + ", ".join(f"t{n} = [{n}]" for n in range(254)) + " }"],
+                             "254 tenants are configured; each has a RAM arena")):
         with pytest.raises(ConfigError, match=says):
             load_config(overrides=overrides)
+
+
+def test_the_tenants_arenas_must_fit_the_address_space() -> None:
+    """Each tenant's arena is the RAM tier's size in address space (kvcached.tiers.arenas): 21
+    arenas of 4 TiB would not fit beside each other in a process (a node with that much memory
+    is refused at load; this one is checked as such a node would be)."""
+    import dataclasses
+
+    from kvcached import config as config_module
+    config = load_config(overrides=["tenants.uids={ " + ", ".join(f"t{n} = [{n}]" for n in range(20)) + " }"])
+    big = dataclasses.replace(config, kv=dataclasses.replace(config.kv, ram_gib=4096.0))
+    with pytest.raises(ConfigError, match="21 tenants' arenas of 4096 GiB each take 84 TiB of address space"):
+        config_module._check_tenants(big, [])
 
 
 def test_shares_are_fractions_or_bytes_of_the_ram_tier(tmp_path: Path) -> None:
