@@ -2,7 +2,7 @@
 to check its arena, and the hit rate an engine finds after a crash. Real ``kvcached serve``
 processes on this machine, every figure next to a baseline measured in the same run.
 
-    python bench/bench_upgrade.py [--quick] [--json PATH] [--parts 123] [--logs DIR] [--trace PATH] [--block-kib N]
+    python bench/bench_upgrade.py [--quick] [--json PATH] [--parts 1234] [--logs DIR] [--trace PATH] [--block-kib N]
 
 Daemons: ``config/kvcached.toml`` with all state in a temp dir (gRPC and agent on Unix sockets
 there, metrics off), ``kv.ssd_gib=0`` (the SSD tier stays out of every figure). The first daemon of
