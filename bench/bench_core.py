@@ -202,13 +202,16 @@ def wait_grpc(proc: Proc, target: str, timeout: float = 60.0, max_message: int =
 
 
 def start_kvcached(stack: contextlib.ExitStack, tmp: Path, ram_gib: float, extra: Sequence[str] = (),
-                   max_message: int = MAX_MESSAGE) -> tuple[Proc, Any]:
+                   max_message: int = MAX_MESSAGE, code: Path | None = None) -> tuple[Proc, Any]:
     """A ``kvcached serve`` subprocess with all its state in ``tmp`` (gRPC on ``tmp/kvcached.sock``,
     agent socket ``tmp/agent.sock``) and a ready gRPC channel to it; ``extra``: more --set values.
     ``max_message``: the channel's message limit, bytes (raise the daemon's own with
-    ``grpc.max_message_mib`` in ``extra``)."""
+    ``grpc.max_message_mib`` in ``extra``). ``code``: a source tree of kvcached to run the daemon
+    from (another version, checked out beside this one) instead of the installed one."""
     exe = Path(sys.executable).with_name("kvcached")
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvcached.cli"]
+    base = [str(exe)] if exe.exists() and code is None else [sys.executable, "-m", "kvcached.cli"]
+    if code is not None:
+        base = ["env", f"PYTHONPATH={code}:{code / 'agent'}", *base]
     sets = [f"kv.ram_gib={ram_gib}", f'grpc.listen=["unix:{tmp}/kvcached.sock"]', 'metrics.listen=""',
             f'kv.index_dir="{tmp}/index"', f'kv.ssd_dir="{tmp}/ssd"', f'agent.socket="{tmp}/agent.sock"', *extra]
     argv = [*base, "serve", "--config", str(CONFIG)] + [a for s in sets for a in ("--set", s)]

@@ -49,6 +49,12 @@ fresh one that is not, and the first touch of arena pages costs more than what f
    that changes owner is punched and faulted in 4 KiB pages, about 10x the cost of 2 MiB ones
    (``advise``, which the daemon and the agents ask for).
 
+7. Arenas against the code before them: figure 6's load on "two" against the same two tenants
+   on the daemon of ``--before`` (default BEFORE_ARENAS, the last commit before issue 61, checked
+   out with ``git worktree`` for the run), where every tenant's blocks share one arena: the
+   arenas' own cost, with the tenants' per-call work (their addresses, tallies) on both sides.
+   Target (issue 61): >= 0.95x. Not run (and said) where this is no git checkout.
+
 --quick: 200 lookups, 3 rounds of 0.3 s (about 30 s). Full: 1000 lookups, 5 rounds of 1 s.
 """
 
@@ -60,6 +66,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +85,7 @@ import torch  # noqa: E402
 from bench_core import KiB, Row, percentile, print_fitted, progress, start_kvcached  # noqa: E402
 
 from kvcached.client import KvCacheClient  # noqa: E402
+from kvcached.host.process import shmem_huge_pages  # noqa: E402
 from kvcached_agent.agent import Agent  # noqa: E402
 from tests.integration.users import as_user as run_as  # noqa: E402
 from tests.integration.users import made_users  # noqa: E402
@@ -85,6 +93,7 @@ from tests.integration.users import together as run_together  # noqa: E402
 
 BLOCK = 64 * KiB
 BIG = 1024 * KiB            # figure 6's blocks
+BEFORE_ARENAS = "80d5d78"   # figure 7's baseline: main before issue 61 (one arena for every tenant)
 BATCH = 64
 PREFIX = 32
 TIMING_TARGET = 0.10        # p50 of another tenant's cached prefix within 10% of a miss's
@@ -200,24 +209,37 @@ def together(works: list[tuple[int, int, Callable[[], Any]]]) -> list[Any]:
     return [answer["ok"] for answer in answers]
 
 
-def arena_rows(socks: dict[str, str], alice: tuple[int, int], bob: tuple[int, int], rounds: int,
-               seconds: float) -> list[Row]:
-    """Figure 6: alice and bob at once on "two" (an arena each) against "none" (one arena)."""
-    sides: dict[str, list[dict[str, float]]] = {"two": [], "none": []}
+def arena_rows(figure: int, socks: dict[str, str], base: str, base_name: str, alice: tuple[int, int],
+               bob: tuple[int, int], rounds: int, seconds: float) -> list[Row]:
+    """Figures 6 and 7: alice and bob at once on "two" (an arena each) against ``base``."""
+    sides: dict[str, list[dict[str, float]]] = {"two": [], base: []}
     for r in range(rounds):
-        for name in (("two", "none") if r % 2 == 0 else ("none", "two")):
+        for name in (("two", base) if r % 2 == 0 else (base, "two")):
             a, b = together([(*alice, save_load_big(socks[name], "alice", seconds, 2 * r)),
                              (*bob, save_load_big(socks[name], "bob", seconds, 2 * r + 1))])
             sides[name].append({what: (a[f"{what}_bytes"] + b[f"{what}_bytes"])
                                 / max(a[f"{what}_s"], b[f"{what}_s"], 1e-9) / 1e9 for what in ("save", "load")})
     rows = []
     for what in ("save", "load"):
-        ratio = statistics.median(t[what] / o[what] for t, o in zip(sides["two"], sides["none"]))
-        rows.append(Row(6, f"alice and bob at once, {what} 1 MiB x{BATCH} each, an arena each", "GB/s",
-                        statistics.median(x[what] for x in sides["two"]), "one arena (no tenants configured)",
-                        statistics.median(x[what] for x in sides["none"]), True, f">= {COST_TARGET:.2f}x",
+        ratio = statistics.median(t[what] / o[what] for t, o in zip(sides["two"], sides[base]))
+        rows.append(Row(figure, f"alice and bob at once, {what} 1 MiB x{BATCH} each, an arena each", "GB/s",
+                        statistics.median(x[what] for x in sides["two"]), base_name,
+                        statistics.median(x[what] for x in sides[base]), True, f">= {COST_TARGET:.2f}x",
                         ratio >= COST_TARGET, {"rounds": list(sides.values())}, ratio))
     return rows
+
+
+def checkout(stack: contextlib.ExitStack, rev: str, where: Path) -> Path | None:
+    """``rev`` of this repository checked out at ``where`` (a git worktree, removed at the end);
+    None where this is no git checkout or the revision is unknown."""
+    root = Path(__file__).resolve().parents[1]
+    made = subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(where), rev],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        return None
+    stack.callback(subprocess.run, ["git", "-C", str(root), "worktree", "remove", "--force", str(where)],
+                   capture_output=True)
+    return where
 
 
 def warm(sock: str, gib: float) -> Callable[[], int]:
@@ -269,19 +291,12 @@ def grpc_lookups(target: str, cached: list[bytes], never: list[bytes], n: int) -
     return {"times": times, "found": found}
 
 
-def shmem_thp() -> str:
-    """The kernel's shmem THP setting (figure 6 depends on it: docs/operations.md)."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
-    except OSError:
-        return "unknown"
-    return next((w.strip("[]") for w in text.split() if w.startswith("[")), text.strip())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--before", default=BEFORE_ARENAS, help="figure 7's baseline: a revision of this repository "
+                                                                "from before arenas (default %(default)s)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         print("bench_tenants: needs root and useradd (it runs agents as users it creates); not run")
@@ -298,20 +313,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         two = [f"tenants.uids={{ alice = [{a_uid}], bob = [{b_uid}] }}",
                f'tenants.sockets={{ alice = "{tmp / "alice.sock"}", bob = "{tmp / "bob.sock"}" }}']
         uids = two[:1]
-        for name, gib, extra in (("none", 1.0, []), ("none-b", 1.0, []), ("two", 1.0, two), ("unshared", 0.25, uids),
-                                 ("shares", 0.25, [*uids, "tenants.ram_shares={ alice = 0.5, bob = 0.25 }"])):
+        before = checkout(stack, args.before, tmp / "before-code")
+        daemons = [("none", 1.0, [], None), ("none-b", 1.0, [], None), ("two", 1.0, two, None),
+                   ("unshared", 0.25, uids, None),
+                   ("shares", 0.25, [*uids, "tenants.ram_shares={ alice = 0.5, bob = 0.25 }"], None)]
+        if before is not None:
+            daemons.append(("before", 1.0, uids, before))
+        for name, gib, extra, code in daemons:
             home = tmp / name
             home.mkdir()
             home.chmod(0o711)
             socks[name] = str(home / "agent.sock")
-            start_kvcached(stack, home, gib, ["kv.ssd_gib=0", f'agent.socket="{socks[name]}"', 'agent.mode="0666"', *extra])
+            start_kvcached(stack, home, gib, ["kv.ssd_gib=0", f'agent.socket="{socks[name]}"', 'agent.mode="0666"', *extra],
+                           code=code)
             deadline = time.monotonic() + 30
             while not os.path.exists(socks[name]):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no agent socket from {name}")
                 time.sleep(0.05)
         progress("warming: bob fills each daemon's RAM tier once, so every timed round meets a full tier")
-        for name, gib in (("none", 1.0), ("none-b", 1.0), ("two", 1.0), ("unshared", 0.25), ("shares", 0.25)):
+        for name, gib, _, _ in daemons:
             as_user(b_uid, b_gid, warm(socks[name], gib))
         progress("1. alice saves a 32-block prefix; bob looks it up, and a prefix nobody stored")
         if as_user(a_uid, a_gid, save_prefix(socks["two"])) != PREFIX:
@@ -347,18 +368,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += cost_rows(4, "evicting, shares set", "no shares", socks["shares"], socks["unshared"], (b_uid, b_gid),
                           rounds, seconds)
         progress(f"6. alice and bob at once, 1 MiB blocks, an arena each vs one arena: {rounds} rounds of {seconds:g} s")
-        rows += arena_rows(socks, (a_uid, a_gid), (b_uid, b_gid), rounds, seconds)
+        rows += arena_rows(6, socks, "none", "one arena (no tenants configured)", (a_uid, a_gid), (b_uid, b_gid),
+                           rounds, seconds)
+        if "before" in socks:
+            progress(f"7. the same against the two tenants on the code before arenas ({args.before}): "
+                     f"{rounds} rounds of {seconds:g} s")
+            rows += arena_rows(7, socks, "before", f"one arena for both ({args.before}, before arenas)",
+                               (a_uid, a_gid), (b_uid, b_gid), rounds, seconds)
+        else:
+            notes.append(f"figure 7 not run: {args.before} could not be checked out here (no git checkout?)")
         progress(f"5. A/A: bob saves and loads on two daemons with no tenants: {rounds} rounds of {seconds:g} s")
         rows += cost_rows(5, "no tenants", "the same, another daemon", socks["none"], socks["none-b"], (b_uid, b_gid),
                           rounds, seconds)
     header = (f"kvcached tenants benchmark ({'quick' if args.quick else 'full'}): {os.cpu_count()} CPUs, "
-              f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s; shmem huge pages: {shmem_thp()}")
+              f"{lookups} lookups a side, {rounds} rounds of {seconds:g} s; shmem huge pages: {shmem_huge_pages() or 'unknown'}")
     titles = {1: "1. Timing: one tenant's Lookup of another's cached prefix vs of a prefix nobody stored (lower is better)",
               2: "2. Cost: an agent's saves and loads with tenants configured vs none (higher is better)",
               3: "3. Timing over gRPC, on bob's tenant socket (lower is better)",
               4: "4. Cost of RAM shares: an agent's saves and loads that evict, shares set vs none (higher is better)",
               5: "5. Spread: the same saves and loads on two identical daemons (A/A; how far from 1.00x is noise)",
-              6: "6. Arenas: two tenants saving and loading at once, an arena each vs one arena (higher is better)"}
+              6: "6. Arenas: two tenants saving and loading at once, an arena each vs one arena (higher is better)",
+              7: "7. Arenas: the same two tenants, an arena each vs sharing one (the code before arenas; higher is better)"}
     print_fitted(rows, header, titles, lambda v, u: f"{v:.3f} GB/s" if u == "GB/s" else f"{v:.1f} {u}",
                  ["ratio: kvcached / baseline; timing: within the target either way; cost: median over rounds."])
     for note in notes:

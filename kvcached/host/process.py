@@ -11,7 +11,8 @@ import sys
 
 from kvcached.host.fsmodes import make_dirs, socket_dir_mode
 
-__all__ = ["StartupError", "claim_unix_socket", "cpu_threads", "group_id", "tune_malloc", "tune_switch_interval"]
+__all__ = ["StartupError", "claim_unix_socket", "cpu_threads", "group_id", "shmem_huge_pages", "tune_malloc",
+           "tune_switch_interval"]
 
 
 # glibc malloc settings (mallopt(3)): keep freed memory in the heap instead of handing it back
@@ -55,6 +56,17 @@ def tune_switch_interval() -> None:
 
 
 AUTO_THREADS_MOST = 16      # kv.hash_threads = 0: one a CPU, up to this many (a GPU host's engines need theirs)
+
+
+def shmem_huge_pages(path: str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled") -> str | None:
+    """The kernel's huge page setting for shared memory (``never``, ``advise``, ...; None where
+    it cannot be read): whether the arenas' ``MADV_HUGEPAGE`` is granted (kvcached.tiers.arena)."""
+    try:
+        with open(path) as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    return next((w.strip("[]") for w in words if w.startswith("[")), None)
 
 
 def cpu_threads(configured: int, most: int = AUTO_THREADS_MOST) -> int:

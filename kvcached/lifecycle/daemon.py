@@ -46,6 +46,7 @@ from kvcached.host.process import (
     claim_unix_socket,
     cpu_threads,
     group_id,
+    shmem_huge_pages,
     tune_malloc,
     tune_switch_interval,
 )
@@ -178,6 +179,10 @@ class Daemon:
             self._inherited_fds = passed_arenas(takeover.take)
         kv = cfg.kv
         tags = self._tenant_tags()
+        if self.tenants.several and shmem_huge_pages() in ("never", "deny"):
+            log.warning("tenants' arenas pass memory between them in 4 KiB pages (about 1 ms a MiB, ten times what "
+                        "huge pages cost): set /sys/kernel/mm/transparent_hugepage/shmem_enabled to advise "
+                        "(docs/operations.md)", extra=fields(shmem_enabled=shmem_huge_pages()))
         self.arenas, self.slot_directory, entries, owners = open_arenas(
             cfg, self.notifier, self._inherited_fds or listen_fds(), self._trusted_arena, tags)
         settings = PolicySettings(slru_ratio=kv.slru_ratio)
