@@ -46,7 +46,6 @@ from kvcached.host.process import (
     claim_unix_socket,
     cpu_threads,
     group_id,
-    shmem_huge_pages,
     tune_malloc,
     tune_switch_interval,
 )
@@ -144,11 +143,6 @@ class Daemon:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def _tenant_tags(self) -> list[str]:
-        """The configured tenants' tags ("" the default's)."""
-        assert self.tenants is not None
-        return [tenant.tag for name in self.tenants.names if (tenant := self.tenants.named(name)) is not None]
-
     async def start(self) -> None:
         cfg = self.config
         listeners = cfg.listeners
@@ -178,13 +172,8 @@ class Daemon:
             self._trusted_arena = await takeover.listening()
             self._inherited_fds = passed_arenas(takeover.take)
         kv = cfg.kv
-        tags = self._tenant_tags()
-        if self.tenants.several and shmem_huge_pages() in ("never", "deny"):
-            log.warning("tenants' arenas pass memory between them in 4 KiB pages (about 1 ms a MiB, ten times what "
-                        "huge pages cost): set /sys/kernel/mm/transparent_hugepage/shmem_enabled to advise "
-                        "(docs/operations.md)", extra=fields(shmem_enabled=shmem_huge_pages()))
         self.arenas, self.slot_directory, entries, owners = open_arenas(
-            cfg, self.notifier, self._inherited_fds or listen_fds(), self._trusted_arena, tags)
+            cfg, self.notifier, self._inherited_fds or listen_fds(), self._trusted_arena, self.tenants.tags)
         settings = PolicySettings(slru_ratio=kv.slru_ratio)
         ram = RamTier(self.arenas, cfg.max_block_bytes, make_eviction_policy(kv.ram_policy, settings), self.slot_directory,
                       ram_shares(cfg, self.arenas.size), count_tenants=self.tenants.several, owners=owners)
@@ -321,7 +310,8 @@ class Daemon:
             nixl_hold_s=q.nixl_hold_s)
         assert self.arenas is not None
         self.peers = PeerTier(self.store, auth, settings,
-                              nixl=nixl_endpoint(self.arenas, self.store.ram, self._tenant_tags(), q.nixl_transports)
+                              nixl=nixl_endpoint(self.arenas, self.store.ram, self.tenants.tags if self.tenants else [""],
+                                                 q.nixl_transports)
                               if q.nixl else None)
         try:
             await self.peers.start(passed("quic"), passed("lane"))

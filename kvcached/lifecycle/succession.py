@@ -29,7 +29,7 @@ from kvcached.api.agent_server import AgentServer
 from kvcached.api.grpc_servers import GrpcServers
 from kvcached.config import Config
 from kvcached.host.logs import fields
-from kvcached.host.process import StartupError
+from kvcached.host.process import StartupError, shmem_huge_pages
 from kvcached.lifecycle.handover import (
     HandoverBroken,
     Takeover,
@@ -92,13 +92,20 @@ def open_arenas(cfg: Config, notifier: Notifier, inherited: dict[str, int], trus
     every arena and the directory go into the fd store, and so does each arena made later
     (docs/operations.md)."""
     geometry = SlabAllocator.geometry(cfg.ram_bytes, cfg.max_block_bytes)
+    if any(tag != "" for tag in tags) and shmem_huge_pages() in ("never", "deny"):
+        log.warning("tenants' arenas pass memory between them in 4 KiB pages (about 1 ms a MiB, ten times what "
+                    "huge pages cost): set /sys/kernel/mm/transparent_hugepage/shmem_enabled to advise "
+                    "(docs/operations.md)", extra=fields(shmem_enabled=shmem_huge_pages()))
     slots_fd = inherited.pop(SLOTS_FD_NAME, None)
     arena_fds = {owner: inherited.pop(name) for name in list(inherited)
                  if (owner := owner_of_fd_name(name)) is not None}
     for name, fd in inherited.items():
         log.warning("file descriptor passed at start not used", extra=fields(name=name))
         os.close(fd)
+    passed = set(arena_fds)
     directory, adopted, owners, entries = _take_up(cfg, geometry, slots_fd, arena_fds, tags)
+    for owner in passed - set(adopted):        # not taken up: systemd must not keep its memory
+        notifier.notify(fdstoreremove=1, fdname=fd_name(owner))
     if directory is None:
         directory = SlotDirectory.create(geometry)
         notifier.notify(fdstoreremove=1, fdname=SLOTS_FD_NAME)   # an unusable one left there

@@ -124,6 +124,11 @@ class TenantMap:
         return any(name != DEFAULT for name in self._tenants)
 
     @property
+    def tags(self) -> list[str]:
+        """Every configured tenant's tag (Tenant.tag: "" the default tenant's)."""
+        return [self._tenants[name].tag for name in sorted(self._tenants)]
+
+    @property
     def names(self) -> list[str]:
         """Every tenant the configuration names (metric labels come from here, never from input)."""
         return sorted(self._tenants)

@@ -257,3 +257,37 @@ def test_no_agent_maps_another_tenants_bytes_first_after_recycling_upgrade_and_c
         d.stop()
         manager.close()
 
+
+
+def test_the_arena_of_a_tenant_no_longer_configured_is_let_go(tmp_path: Path) -> None:
+    """alice's blocks (put by the operator naming her) lie in her arena; the daemon dies and
+    starts again without alice configured: her arena is not taken up, its blocks are dropped
+    from RAM, and systemd's fd store (the stand-in) lets the memfd go, so its memory is freed
+    instead of kept by the service manager for ever. bob's arena is taken up."""
+    from kvcached_agent.address import BlockAddress
+
+    manager = ServiceManager(tmp_path / "notify")
+    both = 'tenants.uids={ alice = [60001], bob = [60002] }'
+    d = DaemonProcess(tmp_path, ["kv.ssd_gib=0", both])
+    try:
+        start(d, manager)
+        blocks = {name: [(BlockAddress(f"{name}-{i}".encode().ljust(32, b".")), os.urandom(64 * KIB)) for i in range(8)]
+                  for name in ("alice", "bob")}
+        for name, items in blocks.items():
+            with d.client(tenant=name) as c:
+                c.put(items)
+        names = set(manager.stored)
+        assert {"kvcached-slots", "kvcached-arena"} < names and len(names) == 4, names     # the default's, alice's, bob's
+        d.stop(signal.SIGKILL)
+        d.overrides[d.overrides.index(both)] = 'tenants.uids={ bob = [60002] }'
+        start(d, manager)
+        got = summary(d)
+        assert got["adopted"] == "8" and got["other_tenants"] == "8", got
+        assert "not taken up" in d.log() and "no longer configured" in d.log()
+        wait_for(lambda: len(set(manager.stored)) == 3, text="alice's arena out of the fd store")
+        with d.client(tenant="bob") as c:
+            fetched, _ = c.get([a for a, _ in blocks["bob"]])
+            assert [f.payload for f in fetched] == [p for _, p in blocks["bob"]]
+    finally:
+        d.stop()
+        manager.close()
