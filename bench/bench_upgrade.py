@@ -2,7 +2,7 @@
 to check its arena, and the hit rate an engine finds after a crash. Real ``kvcached serve``
 processes on this machine, every figure next to a baseline measured in the same run.
 
-    python bench/bench_upgrade.py [--quick] [--json PATH] [--parts 1234] [--logs DIR] [--trace PATH] [--block-kib N]
+    python bench/bench_upgrade.py [--quick] [--json PATH] [--parts 12345] [--logs DIR] [--trace PATH] [--block-kib N]
 
 Daemons: ``config/kvcached.toml`` with all state in a temp dir (gRPC and agent on Unix sockets
 there, metrics off), ``kv.ssd_gib=0`` (the SSD tier stays out of every figure). The first daemon of
@@ -82,12 +82,18 @@ by an upgrade cannot (if this process is SIGKILLed, the serving successor outliv
    upgraded. The longest call in each upgrade's window. Target (issue 61): 4 arenas' <= 1.2x one
    arena's, no failed call, no wrong byte.
 
+5. The arena's backing (issue 62): daemons with a 1 GiB RAM tier whose arena is a memfd (today's
+   upgrade), files on a tmpfs (``kv.arena = "file"``, as the Kubernetes chart keeps it), and files
+   on hugetlbfs where this machine can have huge pages (run as root: the pool is grown for the run
+   and put back), filled as part 4's, upgraded in turns as part 4's. Target: the longest call
+   with files <= 1.2x the memfd's, no failed call, no wrong byte.
+
 --quick: arenas 0.25 and 1 GiB, one upgrade each, crash at trace time 300 s (about a minute; the
 full run about 3-4 minutes). --block-kib N fills parts 1 and 2 with blocks of one size instead (the
 clients then get and put blocks of that size): a handover takes the RAM tier up block by block, so
 its stall grows with the number of blocks, not their bytes (--block-kib 16 shows it).
 --parts 3 runs only the trace, --parts 1 (or 2) only the arena sizes, --parts 4 only the tenants'
-arenas. Progress goes to stderr, the
+arenas, --parts 5 only the arena's backings. Progress goes to stderr, the
 table to stdout.
 """
 
@@ -1044,30 +1050,28 @@ def bench_trace(groups: Groups, tmp: Path, s: Settings, trace_path: Path,
 # main
 
 
-def bench_arenas(groups: Groups, tmp: Path, gib: float, s: Settings, tenants: int) -> tuple[list[Row], dict[str, Any]]:
-    """Part 4 (issue 61): the longest call during an upgrade of a daemon whose RAM tier is
-    ``tenants`` tenants' arenas (each filled with a share of the blocks, every client a
-    tenant's) against one arena (no tenants), upgrades in turns, the order swapped each turn."""
-    names = [f"t{j}" for j in range(tenants)]
-    cases = {"one": ([], [""]), "many": ([f"tenants.uids={{ {', '.join(f'{n} = [{70000 + j}]' for j, n in enumerate(names))} }}"],
-                                         names)}
+def upgrade_turns(groups: Groups, tmp: Path, gib: float, s: Settings, cases: dict[str, tuple[list[str], list[str]]],
+                  part: int, label: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """Upgrades of a daemon per case (its ``--set`` overrides, the tenants its clients are), each
+    filled with a share of the blocks per tenant, in turns (at least 2 each), the order turned
+    each turn, the load running only on the daemon being upgraded: each upgrade's window."""
     daemons: dict[str, Daemon] = {}
     keys: dict[str, dict[str, list[bytes]]] = {}
-    windows: dict[str, list[dict[str, Any]]] = {"one": [], "many": []}
+    windows: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     block = s.block_sizes[0]
     try:
         for case, (extra, who) in cases.items():
-            d = daemons[case] = Daemon(groups, tmp / f"arenas-{case}", gib, extra)
+            d = daemons[case] = Daemon(groups, tmp / f"part{part}-{case}", gib, extra)
             d.start()
             blocks = fill(d, gib, (block,), who)
             per_put = max(1, PUT_BYTES // block)          # fill's batches, each Put as the next tenant
             keys[case] = {t: [k for n, (k, _) in enumerate(blocks) if (n // per_put) % len(who) == j][:CLIENT_KEYS]
                           for j, t in enumerate(who)}
-        rounds = max(2, s.upgrades)
-        for r in range(rounds):
-            for case in (("one", "many") if r % 2 == 0 else ("many", "one")):
+        order = list(cases)
+        for r in range(max(2, s.upgrades)):
+            for case in (order if r % 2 == 0 else order[::-1]):
                 d, who = daemons[case], cases[case][1]
-                load = start_load(d.target, keys[case], block, tmp, f"arenas-{case}-{r}", who)
+                load = start_load(d.target, keys[case], block, tmp, f"part{part}-{case}-{r}", who)
                 try:
                     time.sleep(QUIET_S / 2)
                     answer, t0, t1, t2 = d.upgrade()
@@ -1078,12 +1082,22 @@ def bench_arenas(groups: Groups, tmp: Path, gib: float, s: Settings, tenants: in
                 w = window(result["records"], t0, end)
                 w.update(handover_s=answer["elapsed_s"], wrong=result["wrong"])
                 windows[case].append(w)
-                progress(f"  part 4, {'one arena' if case == 'one' else f'{tenants} arenas'}, round {r + 1}: "
-                         f"longest call {w['max_s'] * 1e3:.0f} ms, handover {answer['elapsed_s']:.3f} s, "
-                         f"failed {w['failed']}, wrong {result['wrong']}")
+                progress(f"  part {part}, {label[case]}, round {r + 1}: longest call {w['max_s'] * 1e3:.0f} ms, "
+                         f"handover {answer['elapsed_s']:.3f} s, failed {w['failed']}, wrong {result['wrong']}")
     finally:
         for d in daemons.values():
             d.stop()
+    return windows
+
+
+def bench_arenas(groups: Groups, tmp: Path, gib: float, s: Settings, tenants: int) -> tuple[list[Row], dict[str, Any]]:
+    """Part 4 (issue 61): the longest call during an upgrade of a daemon whose RAM tier is
+    ``tenants`` tenants' arenas (each filled with a share of the blocks, every client a
+    tenant's) against one arena (no tenants)."""
+    names = [f"t{j}" for j in range(tenants)]
+    cases = {"one": ([], [""]), "many": ([f"tenants.uids={{ {', '.join(f'{n} = [{70000 + j}]' for j, n in enumerate(names))} }}"],
+                                         names)}
+    windows = upgrade_turns(groups, tmp, gib, s, cases, 4, {"one": "one arena", "many": f"{tenants} arenas"})
     many = max(w["max_s"] for w in windows["many"])
     one = max(w["max_s"] for w in windows["one"])
     failed = sum(w["failed"] + w["wrong"] for ws in windows.values() for w in ws)
@@ -1096,11 +1110,65 @@ def bench_arenas(groups: Groups, tmp: Path, gib: float, s: Settings, tenants: in
     return rows, {"windows": windows}
 
 
+@contextlib.contextmanager
+def hugetlbfs_dir(tmp: Path, gib: float) -> Any:
+    """A directory on hugetlbfs with room for an arena of ``gib`` and its slot directory (the
+    pool grown for the run and put back after), or None where this machine cannot have one."""
+    pool = Path("/proc/sys/vm/nr_hugepages")
+    mount = tmp / "hugetlbfs"
+    if os.geteuid() != 0 or not pool.exists():
+        yield None
+        return
+    before = int(pool.read_text())
+    try:
+        pool.write_text(str(before + int(gib * GiB * 1.02) // (2 * MiB) + 8))
+        mount.mkdir()
+        subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", str(mount)], check=True,
+                       capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        progress(f"  no hugetlbfs here ({exc}): part 5 without it")
+        pool.write_text(str(before))
+        yield None
+        return
+    try:
+        yield mount / "arena"
+    finally:
+        subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+        pool.write_text(str(before))
+
+
+def bench_backings(groups: Groups, tmp: Path, gib: float, s: Settings) -> tuple[list[Row], dict[str, Any]]:
+    """Part 5 (issue 62): the longest call during an upgrade with the arena in files (kv.arena =
+    "file": a tmpfs, as a Kubernetes pod keeps it, and hugetlbfs where this machine has huge
+    pages) against the memfd of today's upgrade."""
+    shm = Path(tempfile.mkdtemp(prefix="kvcbench-arena-", dir="/dev/shm"))
+    try:
+        with hugetlbfs_dir(tmp, gib) as huge:
+            cases = {"memfd": ([], [""]), "tmpfs": (['kv.arena="file"', f'kv.arena_dir="{shm / "arena"}"'], [""])}
+            if huge is not None:
+                cases["hugetlbfs"] = (['kv.arena="file"', f'kv.arena_dir="{huge}"'], [""])
+            label = {"memfd": "memfd", "tmpfs": "files on tmpfs", "hugetlbfs": "files on hugetlbfs"}
+            windows = upgrade_turns(groups, tmp, gib, s, cases, 5, label)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    memfd = max(w["max_s"] for w in windows["memfd"])
+    rows = []
+    for case in [c for c in windows if c != "memfd"]:
+        longest = max(w["max_s"] for w in windows[case])
+        failed = sum(w["failed"] + w["wrong"] for w in windows[case])
+        rows.append(Row(5, f"longest call during an upgrade, arena {label[case]}", "s", longest, "a memfd arena",
+                        memfd, False, f"<= {ARENA_UPGRADE_TARGET:g}x, 0 failed",
+                        longest <= ARENA_UPGRADE_TARGET * memfd and not failed, {"windows": windows[case]}))
+    return rows, {"windows": windows}
+
+
 TITLES = {
     1: "1. kvcached upgrade under load ({clients} gRPC client processes, Get/Put of resident {kib} KiB blocks); lower is better",
     2: "2. Crash (SIGKILL) and restart with systemd's fd store (stand-in): every RAM block checked; lower is better",
     3: "3. Hit rate of the Mooncake conversation trace, first minute after a crash (trace time compressed); higher is better",
     4: "4. kvcached upgrade with tenants' arenas (each client a tenant's) against one arena; lower is better",
+    5: "5. kvcached upgrade with the arena in files (kv.arena = \"file\", as a Kubernetes pod keeps it) against a memfd; "
+       "lower is better",
 }
 
 
@@ -1133,7 +1201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test (about a minute): arenas 0.25 and 1 GiB, "
                                                              "one upgrade each, crash at trace time 300 s")
-    parser.add_argument("--parts", default="1234", help="which parts to run, e.g. 3 (default 1234; 1 includes 2)")
+    parser.add_argument("--parts", default="12345", help="which parts to run, e.g. 3 (default 12345; 1 includes 2)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--logs", metavar="DIR", help="keep the daemons' logs in DIR")
     parser.add_argument("--trace", default=str(TRACE), help=f"the Mooncake trace (default {TRACE})")
@@ -1178,6 +1246,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r4, d4 = bench_arenas(groups, tmp, gib, s, ARENA_TENANTS)
                     rows += r4
                     details["arenas"] = d4
+                if "5" in args.parts:
+                    gib = min(s.arenas[-1], ARENA_GIB)
+                    progress(f"part 5: upgrades with the arena in files against a memfd, {gib:g} GiB")
+                    r5, d5 = bench_backings(groups, tmp, gib, s)
+                    rows += r5
+                    details["backings"] = d5
                 if "3" in args.parts:
                     r, n, d = bench_trace(groups, tmp, s, Path(args.trace), logs)
                     rows += r

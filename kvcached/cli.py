@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--takeover", action="store_true",
                    help="take over from the daemon running on this configuration: its RAM tier and listening "
                         "sockets, with no gap for clients (docs/operations.md)")
+    p.add_argument("--rolling", action="store_true",
+                   help="take over from a daemon running on this configuration if one answers, else start on its "
+                        "own; after handing over, wait for SIGTERM (a Kubernetes pod's rolling update: "
+                        "docs/kubernetes.md)")
 
     p = sub.add_parser("upgrade", help="replace the running daemon with the code installed now, keeping its RAM "
                                        "tier and sockets (docs/operations.md)")
@@ -137,7 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     setup_logging(config.log.level, config.log.format)
     argv = [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]]
-    return serve(config, reload=lambda: _load(args), takeover=args.takeover, argv=argv)
+    return serve(config, reload=lambda: _load(args), takeover=args.takeover, rolling=args.rolling, argv=argv)
 
 
 def _upgrade(args: argparse.Namespace) -> int:

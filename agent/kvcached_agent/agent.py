@@ -105,7 +105,10 @@ class Agent:
 
     def _attach(self, client: AgentClient) -> None:
         size = client.welcome.arena_bytes
-        self._map = mmap.mmap(client.arena_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # MAP_NORESERVE: an arena on hugetlbfs reserves no huge pages for the whole mapping (the
+        # daemon's slab allocator bounds what is used; docs/kubernetes.md, "Sizing").
+        self._map = mmap.mmap(client.arena_fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_NORESERVE", 0),
+                              mmap.PROT_READ | mmap.PROT_WRITE)
         try:            # huge pages where the kernel's shmem THP setting allows (as the daemon asks)
             self._map.madvise(mmap.MADV_HUGEPAGE)
         except (OSError, AttributeError, ValueError):

@@ -7,8 +7,10 @@ a frame that breaks the framing, and when an agent has sent nothing for three he
 intervals (a hung or stopped engine must not keep its slots). Every ending releases what the
 agent held (AgentSession.close).
 
-The socket is created with the configured mode and group before it listens, so there is no
-moment when anyone else may connect. Requests that never wait (lookups, events, releases) are
+Besides the agent socket, where the kernel's word on the process (uid, gid) names its tenant,
+a tenant may have agent sockets of its own (tenants.agent_sockets): whoever connects through one
+is that tenant. Each socket is created with the configured mode and group before it listens, so
+there is no moment when anyone else may connect. Requests that never wait (lookups, events, releases) are
 answered inline, in order; allocations (write-back back-pressure), commits and loads (checksums,
 the SSD, promotions), and lookups of many digests (done a slice at a time,
 kvcached.api.slices) run as tasks and answer when done (each reply carries its request id).
@@ -33,7 +35,7 @@ from kvcached.tenants import TenantMap
 from kvcached.tiers.ram import RamFull
 from kvcached_agent import protocol as p
 
-__all__ = ["AgentServer"]
+__all__ = ["AgentServer", "listener_name"]
 
 log = logging.getLogger("kvcached.agent")
 
@@ -43,17 +45,28 @@ _HIGH_WATER = 4 << 20      # reply bytes buffered for an agent that does not rea
 MAX_IN_FLIGHT = 64         # waiting requests (Allocate, Commit, Load) of one agent: stop reading past it
 
 
+def listener_name(tenant: str | None) -> str:
+    """The name of an agent socket in an upgrade's handover: "agent" for the agent socket,
+    "agent:NAME" for tenant NAME's own (tenants.agent_sockets)."""
+    return "agent" if tenant is None else f"agent:{tenant}"
+
+
 class AgentServer:
     def __init__(self, store: Store, path: str, *, arena_for: Callable[[str], list[int]], arena_bytes: int,
                  mode: int = 0o660, gid: int = -1, heartbeat_s: float = 5.0, max_agents: int = 256,
-                 tenants: TenantMap | None = None) -> None:
-        """``arena_for``: the files a tenant's agents are handed (by Tenant.tag): its arena and
-        its slab generations, the only memory they get (kvcached.tiers.arenas)."""
+                 tenants: TenantMap | None = None, tenant_sockets: dict[str, str] | None = None) -> None:
+        """``path``: the agent socket ("": none); ``tenant_sockets``: tenants' own agent
+        sockets, by tenant name. ``arena_for``: the files a tenant's agents are handed (by
+        Tenant.tag): its arena and its slab generations, the only memory they get
+        (kvcached.tiers.arenas)."""
         self.store = store
         #: Who each connecting process is (kvcached.tenants); None: everyone the default tenant.
         self.tenants = tenants
         self.refused_no_tenant = 0         # Hellos refused: their process maps to no tenant
         self.path = path
+        #: Socket path by the tenant it is bound to (None: the tenant is named by uid and gid).
+        self.paths: dict[str | None, str] = {None: path} if path else {}
+        self.paths.update((tenant, p) for tenant, p in (tenant_sockets or {}).items())
         self.arena_for = arena_for
         self.arena_bytes = arena_bytes
         self.mode = mode
@@ -62,38 +75,45 @@ class AgentServer:
         self.max_agents = max_agents
         self.connections: set[AgentConnection] = set()
         self._sessions = count(1)
-        self._server: asyncio.base_events.Server | None = None
+        self._servers: dict[str | None, asyncio.base_events.Server] = {}
         self._watchdog: asyncio.Task[None] | None = None
 
     def next_session(self) -> int:
         """A new agent session's number (unique while this daemon runs)."""
         return next(self._sessions)
 
-    async def start(self, fd: int | None = None) -> None:
-        """Bind (mode and group set before listen), listen, start the heartbeat watchdog. With
-        ``fd``: accept on that listening socket instead (a predecessor's, passed at an upgrade:
-        kvcached.lifecycle.handover), which this server then owns."""
+    async def start(self, passed: Callable[[str], int | None] | None = None) -> None:
+        """Bind each socket (mode and group set before listen), listen, start the heartbeat
+        watchdog. A socket ``passed`` names (by :func:`listener_name`) is accepted on as it is
+        instead: a predecessor's, passed at an upgrade (kvcached.lifecycle.handover), which this
+        server then owns. OSError names the path that failed."""
+        for tenant, path in self.paths.items():
+            fd = passed(listener_name(tenant)) if passed is not None else None
+            try:
+                self._servers[tenant] = await self._listen(path, fd, tenant)
+            except OSError as exc:
+                raise OSError(exc.errno, f"{path}: {exc.strerror or exc}") from None
+        self._watchdog = asyncio.create_task(self._watch(), name="agent-watchdog")
+
+    async def _listen(self, path: str, fd: int | None, tenant: str | None) -> asyncio.base_events.Server:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if fd is None else socket.socket(fileno=fd)
         try:
             if fd is None:
-                sock.bind(self.path)
-                os.chmod(self.path, self.mode)
+                sock.bind(path)
+                os.chmod(path, self.mode)
                 if self.gid >= 0:
-                    os.chown(self.path, -1, self.gid)
+                    os.chown(path, -1, self.gid)
                 sock.listen(128)
             sock.setblocking(False)
-            self._server = await asyncio.get_running_loop().create_unix_server(
-                lambda: AgentConnection(self), sock=sock)
+            return await asyncio.get_running_loop().create_unix_server(lambda: AgentConnection(self, tenant), sock=sock)
         except BaseException:
             sock.close()
             raise
-        self._watchdog = asyncio.create_task(self._watch(), name="agent-watchdog")
 
     @property
-    def listening_fd(self) -> int:
-        """The listening socket (what an upgrade passes to the successor)."""
-        assert self._server is not None and self._server.sockets
-        return self._server.sockets[0].fileno()
+    def listening_fds(self) -> dict[str, int]:
+        """The listening sockets by :func:`listener_name` (what an upgrade passes to the successor)."""
+        return {listener_name(tenant): server.sockets[0].fileno() for tenant, server in self._servers.items()}
 
     async def stop(self) -> None:
         """Stop accepting, end every connection (releasing what each agent held). A listening
@@ -101,15 +121,15 @@ class AgentServer:
         successor's to accept."""
         if self._watchdog is not None:
             self._watchdog.cancel()
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers.values():
+            server.close()
         tasks = [t for conn in self.connections for t in conn.tasks]
         for conn in list(self.connections):
             conn.end("daemon stopping", p.ErrorCode.UNAVAILABLE)
         if tasks:       # commits and loads under way finish (and release) before the tiers close
             await asyncio.wait(tasks, timeout=10.0)
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in self._servers.values():
+            await server.wait_closed()
 
     async def _watch(self) -> None:
         """End connections that have been silent for three heartbeat intervals."""
@@ -132,8 +152,9 @@ class AgentServer:
 class AgentConnection(asyncio.Protocol):
     """One agent's connection: Hello first, then requests and events until it ends."""
 
-    def __init__(self, server: AgentServer) -> None:
+    def __init__(self, server: AgentServer, bound: str | None = None) -> None:
         self.server = server
+        self.bound = bound          # the tenant whose own socket this came through (None: by uid and gid)
         self.decoder = p.FrameDecoder()
         self.session: AgentSession | None = None
         self.transport: asyncio.Transport | None = None
@@ -269,7 +290,15 @@ class AgentConnection(asyncio.Protocol):
             self.end(f"{server.max_agents} agents are connected already (agent.max_agents)",
                      p.ErrorCode.RESOURCE_EXHAUSTED, request_id)
             return
-        tenant = server.tenants.resolve(self.peer.uid, self.peer.gid) if server.tenants is not None else None
+        if self.bound is not None and server.tenants is not None:
+            tenant = server.tenants.through_socket(self.bound, self.peer.uid, self.peer.gid)
+            if tenant is None:
+                server.refused_no_tenant += 1
+                self.end(f"Hello refused: uid {self.peer.uid} or gid {self.peer.gid} names another tenant than "
+                         f"{self.bound}, whose socket this is (tenants.agent_sockets)", p.ErrorCode.HANDSHAKE, request_id)
+                return
+        else:
+            tenant = server.tenants.resolve(self.peer.uid, self.peer.gid) if server.tenants is not None else None
         if server.tenants is not None and tenant is None:
             server.refused_no_tenant += 1
             self.end(f"Hello refused: uid {self.peer.uid} and gid {self.peer.gid} name no tenant (tenants.uids, "

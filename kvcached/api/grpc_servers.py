@@ -40,7 +40,7 @@ from kvcached.tenants import TenantMap
 from kvcached.tenants.socket_acl import admit_only
 from kvcached.v1 import kvcache_pb2, kvcache_pb2_grpc
 
-__all__ = ["GrpcServers", "SERVICE_NAME", "ADMIN_SERVICE_NAME"]
+__all__ = ["GrpcServers", "LIVENESS_SERVICE", "SERVICE_NAME", "ADMIN_SERVICE_NAME"]
 
 # What an unauthenticated sender may make the read-only listener's HTTP/2 transport hold. Its
 # requests are small (kvcached.api.request_size), so a fixed receive window (64 KiB a stream:
@@ -53,6 +53,7 @@ READ_ONLY_HTTP2 = [("grpc.http2.bdp_probe", 0), ("grpc.max_concurrent_streams", 
 log = logging.getLogger("kvcached.daemon")
 
 SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KvCache"].full_name
+LIVENESS_SERVICE = "kvcached.liveness"      # Kubernetes' liveness probe (kvcached.lifecycle.linger says why)
 ADMIN_SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
@@ -74,6 +75,7 @@ class GrpcServers:
         self.read_only: grpc.aio.Server | None = None
         self.services: list[KvCacheService] = []
         self.tenant_servers: list[grpc.aio.Server] = []
+        self.health_server: grpc.aio.Server | None = None
         self.ports: dict[str, int] = {}
         self.own_sockets: list[tuple[str, int]] = []
 
@@ -113,6 +115,8 @@ class GrpcServers:
                 read_only, self._tls_credentials(require_client_auth=False) if cfg.grpc.tls else None,
                 predecessor_ports, renames, gid, read_only=True,
                 callers=Unauthenticated(self.tenants, self.refusals) if self.tenants else None)
+        if cfg.grpc.health_listen:
+            self.health_server = await self._health_server(parse_listen(cfg.grpc.health_listen), predecessor_ports)
         for name, path in cfg.tenants.sockets.items():
             tenant = self.tenants.named(name) if self.tenants else None
             assert tenant is not None, name          # the configuration checks each names a uid or gid
@@ -123,7 +127,7 @@ class GrpcServers:
 
     async def serving(self) -> None:
         """Health: SERVING, for the server and each service."""
-        for name in ("", SERVICE_NAME, ADMIN_SERVICE_NAME):
+        for name in ("", SERVICE_NAME, ADMIN_SERVICE_NAME, LIVENESS_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def set_store(self, store: Store) -> None:
@@ -136,9 +140,27 @@ class GrpcServers:
         ``graceful_health``, health says NOT_SERVING first."""
         if graceful_health:
             await self.health.enter_graceful_shutdown()
-        for server in (self.full, self.read_only, *self.tenant_servers):
+        for server in (self.full, self.read_only, self.health_server, *self.tenant_servers):
             if server is not None:
                 await server.stop(grace_s)
+
+    async def _health_server(self, address: ListenAddress, predecessor_ports: dict[str, int] | None) -> grpc.aio.Server:
+        """grpc.health.v1 alone, plaintext (grpc.health_listen: Kubernetes' gRPC probes on the
+        pod's address): it tells whether the daemon serves, and nothing of what it holds. Held at
+        the gate like every call at a takeover, so a successor is not ready before it serves."""
+        server = grpc.aio.server(interceptors=[self.gate] if self.gate else None, options=[("grpc.so_reuseport", 1)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        key = f"grpc.health_listen {address.text}"
+        if predecessor_ports is None:
+            check_tcp_port_free(address.host or "", address.port or 0, key)
+        port = server.add_insecure_port(f"{address.host}:{(predecessor_ports or {}).get(address.text, address.port)}"
+                                        if not address.port else address.text)
+        if port == 0:
+            raise StartupError(f"{key}: cannot listen (address in use?)")
+        self.ports[address.text] = port
+        log.info("grpc health listening", extra=fields(listen=f"{address.host}:{port}"))
+        await server.start()
+        return server
 
     def _callers(self, cfg: Config) -> Callers | None:
         if self.tenants is None:

@@ -261,7 +261,7 @@ def _check_tenants(config: Config, unix_paths: list[str]) -> None:
     no one else), each tenant socket has a path of its own, and certificates name tenants only
     where gRPC sees certificates (grpc.tls), and there are no more tenants than RAM arenas."""
     t = config.tenants
-    named = {*t.uids, *t.gids, *t.certs, t.default} - {"", "default"}
+    named = {*t.uids, *t.gids, *t.certs, *t.agent_sockets, t.default} - {"", "default"}
     if len(named) > MAX_TENANTS:
         raise ConfigError("tenants.uids", f"{len(named)} tenants are configured; each has a RAM arena of its own, and "
                           f"a daemon keeps at most {MAX_TENANTS} besides the default tenant's")
@@ -290,6 +290,11 @@ def _check_tenants(config: Config, unix_paths: list[str]) -> None:
                               "would admit no one")
         if os.path.abspath(path) in taken:
             raise ConfigError(key, f"{path} is also the agent socket or a gRPC listener; each socket needs its own path")
+    taken += [os.path.abspath(p) for p in t.sockets.values()]
+    for name, path in t.agent_sockets.items():
+        if os.path.abspath(path) in taken:
+            raise ConfigError(f"tenants.agent_sockets.{name}", f"{path} is also the agent socket, a gRPC listener or a "
+                              "tenant's gRPC socket; each socket needs its own path")
     _check_shares(config, "RAM", t.ram_shares, config.ram_bytes)
     if t.ssd_shares and not config.kv.ssd_gib:
         raise ConfigError("tenants.ssd_shares", "is set but the SSD tier is off (kv.ssd_gib = 0)")
@@ -310,7 +315,7 @@ def _check_shares(config: Config, tier: str, shares: dict[str, float | int], cap
     """Shares name configured tenants and add up to no more than the tier."""
     t = config.tenants
     key, size_key = f"{tier.lower()}_shares", f"kv.{tier.lower()}_gib"
-    named = {*t.uids, *t.gids, *t.certs} | ({t.default} if t.default else set())
+    named = {*t.uids, *t.gids, *t.certs, *t.agent_sockets} | ({t.default} if t.default else set())
     for name in shares:
         if name not in named:
             raise ConfigError(f"tenants.{key}.{name}", f"no tenant called {name} is configured (tenants.uids, "

@@ -35,6 +35,7 @@ from kvcached.config.values import (
     unix_path_or_empty,
     zmq_endpoint_or_empty,
 )
+from kvcached.host.shared_memory import ARENA_BACKINGS
 from kvcached.policies.admission import ADMISSION_POLICIES
 from kvcached.policies.prefetch import PREFETCH_POLICIES
 from kvcached.policies.slru import MAX_RATIO
@@ -50,6 +51,11 @@ __all__ = ["AgentSection", "ClusterSection", "EventsSection", "GrpcSection", "Kv
 class KvSection:
     ram_gib: float = setting("Size of the shared-memory RAM arena that holds block bytes, GiB.", 1.0, positive, (int, float))
     max_block_mib: float = setting("Largest block payload accepted, MiB; also the arena's slab size.", 16.0, positive, (int, float))
+    arena: str = setting("Where the RAM tier's arenas live: memfd (anonymous memory; kept across a crash by systemd's fd "
+                         "store) or file (files in arena_dir on a tmpfs or hugetlbfs mount, kept across a crash and a "
+                         "pod's replacement wherever the mount outlives the process).", "memfd", one_of(*ARENA_BACKINGS))
+    arena_dir: str = setting("Directory of the arena files under arena = file: a tmpfs or hugetlbfs mount, the daemon's "
+                             "alone (0700).", "var/arena", path)
     ram_policy: str = setting("Eviction policy of the RAM tier (registry key).", "slru")
     slru_ratio: float = setting("Age ratio of the slru policy: a block used once is evicted at 1/ratio of the age a "
                              "reused block may reach (1: plain LRU); 0 tunes it online.", 0.0,
@@ -121,6 +127,8 @@ class GrpcSection:
     tls_cert: str = setting("PEM certificate of the TCP listeners (tls = true); \"\": quic.cert.", "")
     tls_key: str = setting("PEM private key of tls_cert; \"\": quic.key.", "")
     tls_ca: str = setting("PEM CA that signs the clients' certificates; \"\": quic.ca (the cluster CA).", "")
+    health_listen: str = setting("A plaintext gRPC listener HOST:PORT serving the standard health service alone "
+                                 "(grpc.health.v1: Kubernetes' gRPC probes); \"\": none.", "", host_port_or_empty)
     read_only_listen: list[str] = setting("TCP listeners for read-only calls by anyone who reaches them (TLS without client "
                                        "certificates when tls = true).", [], _tcp_listen_list)
     insecure: bool = setting("Allow plaintext TCP listeners on non-loopback addresses (read-only calls only).", False)
@@ -301,6 +309,12 @@ class TenantsSection:
                                       "\"/run/kvcached/alice.sock\" }. The kernel admits only the tenant's uids and "
                                       "gids (the socket's ACL) and every call on it acts as that tenant.", {},
                                       tenant_sockets, dict)
+    agent_sockets: dict[str, str] = setting("Agent sockets bound to one tenant each: { alice = "
+                                            "\"/run/kvcached/tenants/alice/agent.sock\" }. An agent that connects "
+                                            "through one is that tenant (one whose uid or gid names another tenant is "
+                                            "refused); mode and group as agent.mode and agent.group. In Kubernetes each "
+                                            "socket's directory is mounted into its tenant's pods alone.", {},
+                                            tenant_sockets, dict)
     certs: dict[str, list[str]] = setting("Tenants by client certificate on mutual-TLS gRPC listeners (grpc.tls): "
                                           "{ alice = [\"alice-engine\"] }, names as cert_field says. {}: every "
                                           "certificate the CA signed is the operator's, as before tenants.", {},

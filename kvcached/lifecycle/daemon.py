@@ -54,6 +54,7 @@ from kvcached.lifecycle.handover import (
     HandoverServer,
     handover_path,
 )
+from kvcached.lifecycle.linger import linger
 from kvcached.lifecycle.opening import open_index, open_ssd, prepare_state_dirs
 from kvcached.lifecycle.succession import (
     Succession,
@@ -95,9 +96,10 @@ INDEX_CHECK_S = 1.0        # how often an unwritable index is asked to recover (
 
 class Daemon:
     def __init__(self, config: Config, reload: Callable[[], Config] | None = None, *, takeover: bool = False,
-                 argv: list[str] | None = None) -> None:
+                 rolling: bool = False, argv: list[str] | None = None) -> None:
         """``takeover``: start by taking over from the daemon running on this configuration
-        (kvcached.lifecycle.handover); ``argv``: this process's command line, which an upgrade runs again
+        (kvcached.lifecycle.handover); ``rolling``: do so if one answers, else start on its own
+        (``serve --rolling``: a Kubernetes pod's rolling update); ``argv``: this process's command line, which an upgrade runs again
         with ``--takeover`` (None: upgrades are refused)."""
         self.config = config
         self._load_config = reload
@@ -125,6 +127,7 @@ class Daemon:
         self._inherited_fds: dict[str, int] = {}          # passed by an upgrade's predecessor
         self._trusted_arena = False                       # a clean handover: its directory is true as passed
         self._takeover = takeover
+        self._rolling = rolling
         self._gate: Gate | None = None                    # gRPC calls held until the successor serves
         self._handover: HandoverServer | None = None
         self._winding: asyncio.Future[None] | None = None   # the wind-down, once (a stop, or a handover)
@@ -146,15 +149,16 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.config
         listeners = cfg.listeners
-        agent_gid = group_id(cfg.agent.group, "agent.group") if cfg.agent.socket else -1
+        agent_sockets = [cfg.agent.socket] * bool(cfg.agent.socket) + list(cfg.tenants.agent_sockets.values())
+        agent_gid = group_id(cfg.agent.group, "agent.group") if agent_sockets else -1
         grpc_gid = group_id(cfg.grpc.socket_group, "grpc.socket_group")   # before any listener: fail early
         # Sockets first: a directory shared with the state (var/ of the default configuration)
         # is then created searchable for the sockets' clients; the state under it stays 0700.
         # A successor takes them over from the daemon that owns them instead.
-        takeover = await begin_takeover(cfg) if self._takeover else None
+        takeover = await begin_takeover(cfg, if_running=not self._takeover) if self._takeover or self._rolling else None
         if takeover is None:
-            if cfg.agent.socket:
-                claim_unix_socket(cfg.agent.socket, cfg.agent.mode_bits, agent_gid)
+            for path in agent_sockets:
+                claim_unix_socket(path, cfg.agent.mode_bits, agent_gid)
             for address in listeners:
                 if address.unix_path:
                     claim_unix_socket(address.unix_path, cfg.socket_mode_bits, grpc_gid)
@@ -196,7 +200,7 @@ class Daemon:
                            ssd_order=ssd_order, rebuild_ssd_order=ssd_order is not None,   # after the reconcile
                            adoption=self.adoption, mirror_pulls=kv.mirror_pulls,
                            prefetch=make_prefetch_policy(kv.prefetch_policy, kv.prefetch_timeout_ms / 1000),
-                           timed_tiers=(["gpu"] * bool(cfg.agent.socket) + ["ram"] + ["ssd"] * bool(self.ssd)   # read latencies
+                           timed_tiers=(["gpu"] * bool(agent_sockets) + ["ram"] + ["ssd"] * bool(self.ssd)   # read latencies
                                         + ["peer"] * peer_tier) if cfg.metrics.listen else (),
                            count_tenants=self.tenants.several, ssd_shares=ssd_shares(cfg),
                            curve_keys=kv.curve_sample_keys if kv.curves else 0, hash_threads=cpu_threads(kv.hash_threads),
@@ -218,17 +222,17 @@ class Daemon:
             self.grpc = GrpcServers(cfg, self, self.store, self.started_at, tenants=self.tenants)
             await self.grpc.start(listeners, grpc_gid)
         self.grpc.set_store(self.store)        # built before the store when listening beside a predecessor
-        if cfg.agent.socket:
+        if agent_sockets:
             self.agents = AgentServer(self.store, cfg.agent.socket, arena_for=ram.agent_fds, arena_bytes=ram.arenas.size,
                                       mode=cfg.agent.mode_bits, gid=agent_gid, heartbeat_s=cfg.agent.heartbeat_s,
-                                      max_agents=cfg.agent.max_agents, tenants=self.tenants)
+                                      max_agents=cfg.agent.max_agents, tenants=self.tenants,
+                                      tenant_sockets=cfg.tenants.agent_sockets)
             try:
-                await self.agents.start(passed("agent"))
+                await self.agents.start(passed)
             except OSError as exc:
-                raise StartupError(f"agent.socket {cfg.agent.socket}: {exc.strerror or exc}") from None
-            self._own_sockets.append((cfg.agent.socket, os.stat(cfg.agent.socket).st_ino))
-            log.info("agent socket listening", extra=fields(path=cfg.agent.socket, mode=cfg.agent.mode,
-                                                            group=cfg.agent.group or None))
+                raise StartupError(f"agent socket {exc.strerror or exc}") from None
+            self._own_sockets += [(path, os.stat(path).st_ino) for path in agent_sockets]
+            log.info("agent sockets listening", extra=fields(paths=",".join(agent_sockets), mode=cfg.agent.mode))
         if cfg.metrics.listen:
             from kvcached.api.metrics import start_metrics
             try:
@@ -496,9 +500,11 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeover: bool = False,
-          argv: list[str] | None = None) -> int:
+          rolling: bool = False, argv: list[str] | None = None) -> int:
     """Run the daemon in this process on uvloop; returns the exit code. ``reload`` reads the
-    configuration again (SIGHUP); ``takeover`` and ``argv``: see :class:`Daemon`."""
+    configuration again (SIGHUP); ``takeover``, ``rolling`` and ``argv``: see :class:`Daemon`.
+    With ``rolling``, a daemon that handed over waits for SIGTERM before it exits: a pod's
+    container that exits is started again, and it is the pod's deletion that ends it."""
     import uvloop
 
     set_daemon_umask()      # what this process creates is private whatever umask it was started under
@@ -506,18 +512,20 @@ def serve(config: Config, reload: Callable[[], Config] | None = None, *, takeove
         log.warning("mallopt unavailable (not glibc?): large calls will page-fault their buffers")
     tune_switch_interval()   # a worker thread running Python holds the event loop's callbacks 0.5 ms, not 5
 
-    async def main() -> tuple[int, dict[str, int]]:
-        daemon = Daemon(config, reload, takeover=takeover, argv=argv)
+    async def main() -> tuple[int, dict[str, int], bool]:
+        daemon = Daemon(config, reload, takeover=takeover, rolling=rolling, argv=argv)
         await daemon.run()
-        return daemon.exit_code, daemon.succession.restart_with
+        return daemon.exit_code, daemon.succession.restart_with, daemon.succession.handed_over
 
     try:
-        code, restart_with = uvloop.run(main())
+        code, restart_with, handed_over = uvloop.run(main())
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return 1
     if restart_with and argv is not None:
         exec_with_fds([a for a in argv if a != "--takeover"], restart_with)
+    elif rolling and handed_over and code == 0:
+        uvloop.run(linger(config))
     return code
 
 

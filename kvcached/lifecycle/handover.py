@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-__all__ = ["HandoverBroken", "HandoverServer", "Takeover", "handover_path", "request_upgrade", "tcp_migrate_req",
-           "wait_gone", "MAX_FDS"]
+__all__ = ["HandoverBroken", "HandoverServer", "Takeover", "handover_path", "network_namespace", "request_upgrade",
+           "tcp_migrate_req", "wait_gone", "MAX_FDS"]
 
 log = logging.getLogger("kvcached.handover")
 
@@ -67,6 +67,16 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
     return int(pid), int(uid)
+
+
+def network_namespace() -> str:
+    """This process's network namespace, as an identity two processes can compare: a successor
+    in another one (a Kubernetes pod's, at a rolling update) binds network listeners of its own."""
+    try:
+        info = os.stat("/proc/self/ns/net")
+    except OSError:
+        return ""
+    return f"{info.st_dev}:{info.st_ino}"
 
 
 def tcp_migrate_req() -> bool:

@@ -25,15 +25,17 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
 
 from kvcached import __version__
-from kvcached.api.agent_server import AgentServer
+from kvcached.api.agent_server import AgentServer, listener_name
 from kvcached.api.grpc_servers import GrpcServers
 from kvcached.config import Config
 from kvcached.host.logs import fields
 from kvcached.host.process import StartupError, shmem_huge_pages
+from kvcached.host.shared_memory import SharedFiles, shared_files
 from kvcached.lifecycle.handover import (
     HandoverBroken,
     Takeover,
     handover_path,
+    network_namespace,
     send_files,
     send_released,
     tcp_migrate_req,
@@ -90,8 +92,19 @@ def open_arenas(cfg: Config, notifier: Notifier, inherited: dict[str, int], trus
     order (kvcached.tiers.arenas: a predecessor's numbering is kept); new ones otherwise.
     ``tags``: the tenants configured (Tenant.tag; "" the default's alone: one arena). Either way
     every arena and the directory go into the fd store, and so does each arena made later
-    (docs/operations.md)."""
+    (docs/operations.md). With ``kv.arena = "file"`` the arenas are files in ``kv.arena_dir``
+    instead: those a previous process left there are taken up when nothing was passed (a crash,
+    a pod replaced), every block checked, and the fd store is not needed."""
     geometry = SlabAllocator.geometry(cfg.ram_bytes, cfg.max_block_bytes)
+    try:
+        files = shared_files(cfg.kv.arena, cfg.kv.arena_dir)
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"kv.arena_dir: {exc}") from None
+    if cfg.ram_bytes % files.page_bytes:
+        raise StartupError(f"kv.ram_gib: {cfg.ram_bytes} bytes is not a whole number of the huge pages of "
+                           f"{cfg.kv.arena_dir} ({files.page_bytes} bytes)")
+    if not inherited and files.persistent:
+        inherited = files.left([SLOTS_FD_NAME] + [fd_name(owner) for owner in range(256)])
     if any(tag != "" for tag in tags) and shmem_huge_pages() in ("never", "deny"):
         log.warning("tenants' arenas pass memory between them in 4 KiB pages (about 1 ms a MiB, ten times what "
                     "huge pages cost): set /sys/kernel/mm/transparent_hugepage/shmem_enabled to advise "
@@ -103,22 +116,24 @@ def open_arenas(cfg: Config, notifier: Notifier, inherited: dict[str, int], trus
         log.warning("file descriptor passed at start not used", extra=fields(name=name))
         os.close(fd)
     passed = set(arena_fds)
-    directory, adopted, owners, entries = _take_up(cfg, geometry, slots_fd, arena_fds, tags)
+    directory, adopted, owners, entries = _take_up(cfg, geometry, slots_fd, arena_fds, tags, files)
     for owner in passed - set(adopted):        # not taken up: systemd must not keep its memory
         notifier.notify(fdstoreremove=1, fdname=fd_name(owner))
+        files.drop(fd_name(owner))
     if directory is None:
-        directory = SlotDirectory.create(geometry)
+        directory = SlotDirectory.create(geometry, SLOTS_FD_NAME, files)
         notifier.notify(fdstoreremove=1, fdname=SLOTS_FD_NAME)   # an unusable one left there
-    arenas = Arenas(cfg.ram_bytes, adopted)
+    arenas = Arenas(cfg.ram_bytes, adopted, files)
 
     def store(owner: int, arena: SharedArena) -> None:
         notifier.notify(fdstoreremove=1, fdname=fd_name(owner))  # a stale one of that name
         notifier.store_fd(fd_name(owner), arena.fd)
 
-    notifier.store_fd(SLOTS_FD_NAME, directory.fd)      # systemd keeps one copy of a file it holds already
-    for owner, arena in arenas.items():
-        notifier.store_fd(fd_name(owner), arena.fd)
-    arenas.on_made.append(store)
+    if not files.persistent:       # files in kv.arena_dir outlive the process by themselves
+        notifier.store_fd(SLOTS_FD_NAME, directory.fd)      # systemd keeps one copy of a file it holds already
+        for owner, arena in arenas.items():
+            notifier.store_fd(fd_name(owner), arena.fd)
+        arenas.on_made.append(store)
     arenas.get(0)          # the default tenant's, always: a successor takes up the arenas only with it
     if entries:
         log.info("RAM arenas taken over from the previous process", extra=fields(
@@ -127,7 +142,7 @@ def open_arenas(cfg: Config, notifier: Notifier, inherited: dict[str, int], trus
 
 
 def _take_up(cfg: Config, geometry: Geometry, slots_fd: int | None, arena_fds: dict[int, int],
-             tags: Sequence[str]) -> tuple[SlotDirectory | None, dict[int, SharedArena], list[str], list[SlotEntry]]:
+             tags: Sequence[str], files: SharedFiles) -> tuple[SlotDirectory | None, dict[int, SharedArena], list[str], list[SlotEntry]]:
     """The predecessor's directory, the arenas of it this configuration keeps (by owner), the
     owners' tags in id order and the directory's committed entries; (None, {}, [], []) where
     nothing usable was passed. A version-1 directory's entries go into a new directory."""
@@ -139,7 +154,7 @@ def _take_up(cfg: Config, geometry: Geometry, slots_fd: int | None, arena_fds: d
             os.close(fd)
         return None, {}, [], []
     try:
-        directory = SlotDirectory.adopt(slots_fd, geometry)
+        directory = SlotDirectory.adopt(slots_fd, geometry, files.page_bytes)
     except (ValueError, OSError) as exc:
         log.warning("the RAM arena left by the previous process does not fit this configuration: "
                     "starting with an empty RAM tier", extra=fields(reason=str(exc)))
@@ -155,7 +170,7 @@ def _take_up(cfg: Config, geometry: Geometry, slots_fd: int | None, arena_fds: d
         try:
             if owner >= len(owners) or owners[owner].startswith("\x00gone"):
                 raise ValueError("its tenant is no longer configured")
-            SharedArena.check_adoptable(fd, cfg.ram_bytes)
+            files.check(fd, cfg.ram_bytes)
             adopted[owner] = SharedArena(cfg.ram_bytes, fd_name(owner), fd=fd)
         except (ValueError, OSError) as exc:
             log.warning("an arena left by the previous process is not taken up: its blocks are dropped",
@@ -169,7 +184,8 @@ def _take_up(cfg: Config, geometry: Geometry, slots_fd: int | None, arena_fds: d
     entries = list(directory.committed_entries())
     if directory.version < VERSION:         # one arena's directory: its entries go into a new one
         directory.close()
-        directory = SlotDirectory.create(geometry)
+        files.drop(SLOTS_FD_NAME)
+        directory = SlotDirectory.create(geometry, SLOTS_FD_NAME, files)
         directory.name_owner(0, "")
         for e in entries:
             directory.reserved(e.slot, e.key, e.length, e.cls, e.owner)
@@ -183,16 +199,22 @@ def passed_arenas(take: Callable[[str], int | None]) -> dict[str, int]:
     return {name: fd for name in names if (fd := take(name)) is not None}
 
 
-async def begin_takeover(config: Config) -> Takeover | None:
+async def begin_takeover(config: Config, *, if_running: bool = False) -> Takeover | None:
     """Ask the daemon running on ``config`` to hand over (kvcached.lifecycle.handover). None if it went
-    away before it passed anything: this process then starts on its own."""
+    away before it passed anything, or (``if_running``: ``serve --rolling``) if none answers:
+    this process then starts on its own."""
     takeover = Takeover(handover_path(config.kv.index_dir))
+    if if_running and not takeover.path.exists():
+        return None
     log.info("asking the running daemon to hand over", extra=fields(socket=str(takeover.path)))
     try:
         await takeover.begin(__version__)
     except HandoverBroken as exc:
         connected = takeover.sock is not None
         takeover.close()
+        if not connected and if_running:
+            log.info("no daemon to take over from: starting on its own", extra=fields(reason=str(exc)))
+            return None
         if not connected:
             raise StartupError(f"--takeover: {exc}") from None
         log.warning("the daemon being taken over went away before it passed anything: starting on its own",
@@ -227,9 +249,11 @@ class Succession:
         try:
             assert d.arenas is not None and d.slot_directory is not None
             own = {SLOTS_FD_NAME: d.slot_directory.fd, **{fd_name(o): a.fd for o, a in d.arenas.items()}}
-            info: dict[str, Any] = {"grpc_tcp": d.grpc.ports if d.grpc is not None else {}}
+            info: dict[str, Any] = {"grpc_tcp": d.grpc.ports if d.grpc is not None else {},
+                                    "netns": network_namespace()}
             if d.agents is not None:
-                own["agent"], info["agent"] = d.agents.listening_fd, cfg.agent.socket
+                own.update(d.agents.listening_fds)
+                info["agent"], info["agent_sockets"] = cfg.agent.socket, cfg.tenants.agent_sockets
             if d.metrics_server is not None:
                 own["metrics"], info["metrics"] = d.metrics_server.socket.fileno(), cfg.metrics.listen
             if d.peers is not None:
@@ -323,9 +347,14 @@ def nothing_passed(name: str) -> None:
 
 def same_listeners(info: dict[str, Any], config: Config) -> dict[str, bool]:
     """Which of a predecessor's listening sockets (kvcached.lifecycle.handover: ``info`` says where each
-    listens) this configuration listens on too, by name."""
+    listens) this configuration listens on too, by name. Its network sockets only where it runs in
+    this network namespace: a Kubernetes pod's successor is another pod, with an address of its own."""
     q = config.quic
-    quic = bool(q.listen) and info.get("quic") == q.listen
+    here = info.get("netns", network_namespace()) == network_namespace()
+    quic = here and bool(q.listen) and info.get("quic") == q.listen
+    theirs = info.get("agent_sockets", {})
     return {"agent": bool(config.agent.socket) and info.get("agent") == config.agent.socket,
-            "metrics": bool(config.metrics.listen) and info.get("metrics") == config.metrics.listen,
+            **{listener_name(t): theirs.get(t) == path for t, path in config.tenants.agent_sockets.items()},
+            **{listener_name(t): False for t in theirs if t not in config.tenants.agent_sockets},
+            "metrics": here and bool(config.metrics.listen) and info.get("metrics") == config.metrics.listen,
             "quic": quic, "lane": quic and info.get("lane") == q.lane}

@@ -20,7 +20,8 @@ def tenants_for(config: Config) -> TenantMap:
     missing; ``kv.index_dir``/tenants.key by default). OSError if the key file is unfit."""
     t = config.tenants
     path = t.key_file or os.path.join(config.kv.index_dir, KEY_FILE)
-    return TenantMap(load_key(path), default=t.default, uids=t.uids, gids=t.gids, certs=t.certs)
+    return TenantMap(load_key(path), default=t.default, uids=t.uids, gids=t.gids, certs=t.certs,
+                     sockets=list(t.agent_sockets))
 
 
 def ram_shares(config: Config, capacity: int) -> dict[str, int]:

@@ -81,12 +81,13 @@ class Tenant:
 
 class TenantMap:
     """The tenant of each connecting process, by uid first, then gid, then the default (None:
-    refused). ``secret``: the daemon's tenant key (KEY_BYTES), from which each tenant's scope is
+    refused), or by the tenant's own agent socket it came through (``sockets``: their tenants).
+    ``secret``: the daemon's tenant key (KEY_BYTES), from which each tenant's scope is
     derived; the same secret and names give the same addresses on every node of a cluster."""
 
     def __init__(self, secret: bytes, *, default: str = DEFAULT, uids: Mapping[str, Sequence[int]] | None = None,
                  gids: Mapping[str, Sequence[int]] | None = None,
-                 certs: Mapping[str, Sequence[str]] | None = None) -> None:
+                 certs: Mapping[str, Sequence[str]] | None = None, sockets: Sequence[str] = ()) -> None:
         if len(secret) != KEY_BYTES:
             raise ValueError(f"the tenant key is {len(secret)} bytes, not {KEY_BYTES}")
         self._secret = secret
@@ -94,6 +95,8 @@ class TenantMap:
         self._by_uid = {uid: self._tenant(name) for name, ids in (uids or {}).items() for uid in ids}
         self._by_gid = {gid: self._tenant(name) for name, ids in (gids or {}).items() for gid in ids}
         self._by_cert = {n: self._tenant(name) for name, names in (certs or {}).items() for n in names}
+        for name in sockets:          # tenants named by the agent socket their engines connect through
+            self._tenant(name)
         self.default = self._tenant(default) if default else None
 
     def _tenant(self, name: str) -> Tenant:
@@ -107,6 +110,14 @@ class TenantMap:
         """The tenant of a process running as ``uid`` and ``gid``; None if none is named and
         there is no default (the connection is refused)."""
         return self._by_uid.get(uid) or self._by_gid.get(gid) or self.default
+
+    def through_socket(self, name: str, uid: int, gid: int) -> Tenant | None:
+        """The tenant of a process that connected through tenant ``name``'s own agent socket
+        (tenants.agent_sockets): that tenant, unless its uid or gid names another (None: refused;
+        a socket mounted where it should not be is no way into another tenant's blocks)."""
+        tenant = self._tenants[name]
+        named = self._by_uid.get(uid) or self._by_gid.get(gid)
+        return tenant if named is None or named is tenant else None
 
     def by_certificate(self, names: Sequence[str]) -> Tenant | None:
         """The tenant the first of a client certificate's ``names`` that tenants.certs maps

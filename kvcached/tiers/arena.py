@@ -1,6 +1,7 @@
 """The shared-memory arena that holds every RAM-tier byte.
 
-One memfd (anonymous, sealed against resizing) of ``size`` bytes, mapped shared. Agents in
+One file of ``size`` bytes (a memfd sealed against resizing, or a file on tmpfs or hugetlbfs:
+kvcached.host.shared_memory), mapped shared. Agents in
 engine processes receive the same file descriptor over the agent socket (SCM_RIGHTS) and map it
 too, so block bytes move between GPU and arena without crossing any socket. Pages are allocated
 lazily by the kernel as slots are first written.
@@ -8,14 +9,16 @@ lazily by the kernel as slots are first written.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 
+from kvcached.host.shared_memory import MemfdFiles
+
 __all__ = ["SharedArena", "advise_huge_pages"]
 
-
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# No huge pages reserved for the whole mapping at once on hugetlbfs (there, each tenant's arena
+# would reserve the tier's size): the slab allocator bounds what all arenas hold together.
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_NORESERVE", 0)
 
 
 def advise_huge_pages(mapping: mmap.mmap) -> None:
@@ -31,23 +34,20 @@ def advise_huge_pages(mapping: mmap.mmap) -> None:
 
 
 class SharedArena:
-    """A ``size``-byte shared mapping backed by a memfd: a new one, or with ``fd`` the memfd a
-    predecessor left (systemd's file descriptor store, an upgrade's handover; see
-    :meth:`check_adoptable`). The arena owns ``fd`` once constructed."""
+    """A ``size``-byte shared mapping of ``fd``: a file a predecessor left (systemd's file
+    descriptor store, an upgrade's handover, a file-backed arena's directory), or one new from
+    kvcached.host.shared_memory (``adopted=False``); without ``fd`` a new memfd. The arena owns
+    ``fd`` once constructed."""
 
-    def __init__(self, size: int, name: str = "kvcached-arena", fd: int | None = None) -> None:
+    def __init__(self, size: int, name: str = "kvcached-arena", fd: int | None = None, *,
+                 adopted: bool | None = None) -> None:
         if size <= 0:
             raise ValueError(f"arena size must be positive, got {size}")
         self.size = size
-        self.adopted = fd is not None
-        self.fd = fd if fd is not None else os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.adopted = fd is not None if adopted is None else adopted
+        self.fd = fd if fd is not None else MemfdFiles().make(name, size)
         try:
-            if fd is None:
-                os.ftruncate(self.fd, size)
-                # No one (daemon bug or agent) may shrink the file under a live mapping: that
-                # would turn reads of the tail into SIGBUS.
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
-            self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map = mmap.mmap(self.fd, size, MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
             advise_huge_pages(self._map)
         except BaseException:
             if fd is None:
@@ -59,15 +59,7 @@ class SharedArena:
     def check_adoptable(fd: int, size: int) -> None:
         """ValueError unless ``fd`` is a sealed memfd of exactly ``size`` bytes (an arena of this
         configuration: another ``kv.ram_gib`` starts clean)."""
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as exc:
-            raise ValueError(f"not a sealed memfd ({exc.strerror})") from None
-        if seals & SEALS != SEALS:
-            raise ValueError("the memfd is not sealed against resizing")
-        have = os.fstat(fd).st_size
-        if have != size:
-            raise ValueError(f"the arena is {have} bytes; this configuration wants {size}")
+        MemfdFiles().check(fd, size)
 
     @property
     def inode(self) -> int:

@@ -28,6 +28,7 @@ import mmap
 import os
 from typing import Callable, Iterator
 
+from kvcached.host.shared_memory import MemfdFiles, SharedFiles
 from kvcached.tiers.arena import SharedArena
 from kvcached.tiers.ram_errors import RamFull
 from kvcached.tiers.ram_shares import OVERFLOW, RamShares
@@ -86,10 +87,13 @@ class SlabGenerations:
 
 
 class Arenas:
-    """The arenas of a tier of ``size`` bytes, by owner id (0..255)."""
+    """The arenas of a tier of ``size`` bytes, by owner id (0..255), new ones made as ``files``
+    (``kv.arena``; memfds by default)."""
 
-    def __init__(self, size: int, adopted: dict[int, SharedArena] | None = None) -> None:
+    def __init__(self, size: int, adopted: dict[int, SharedArena] | None = None,
+                 files: SharedFiles | None = None) -> None:
         self.size = size
+        self.files = files if files is not None else MemfdFiles()
         self._arenas: dict[int, SharedArena] = dict(adopted or {})
         self._generations: dict[int, SlabGenerations] = {}
         self._slab_bytes = 0             # slabs change owner: each arena has its generations (see track)
@@ -109,7 +113,8 @@ class Arenas:
         """Owner ``owner``'s arena, made now if it has none yet."""
         arena = self._arenas.get(owner)
         if arena is None:
-            arena = self._arenas[owner] = SharedArena(self.size, fd_name(owner))
+            name = fd_name(owner)
+            arena = self._arenas[owner] = SharedArena(self.size, name, self.files.make(name, self.size), adopted=False)
             for listener in self.on_made:
                 listener(owner, arena)
         if self._slab_bytes and owner not in self._generations:

@@ -33,7 +33,6 @@ over). Agents never receive this file: only the daemon writes it.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import struct
@@ -41,6 +40,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import blake3
+
+from kvcached.host.shared_memory import MemfdFiles, SharedFiles
 
 __all__ = ["SlotDirectory", "SlotEntry", "Geometry", "FREE", "WRITING", "DIRTY", "CLEAN", "OWNERS", "owner_digest"]
 
@@ -103,7 +104,8 @@ class SlotDirectory:
         self._lengths_at = self._classes_at + _align(2 * n)
         self._keys_at = self._lengths_at + 8 * n
         self.size = self._keys_at + KEY_BYTES * n
-        self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # The whole file: on hugetlbfs it is whole huge pages, and only a whole one unmaps.
+        self._map = mmap.mmap(fd, max(self.size, os.fstat(fd).st_size), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         view = memoryview(self._map)
         self._view = view
         self._table = view[self._table_at:self._states_at]
@@ -114,12 +116,11 @@ class SlotDirectory:
         self._keys = view[self._keys_at:self._keys_at + KEY_BYTES * n]
 
     @classmethod
-    def create(cls, geometry: Geometry, name: str = "kvcached-slots") -> "SlotDirectory":
-        """A new, empty directory in a new memfd (sealed against resizing, like the arena)."""
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    def create(cls, geometry: Geometry, name: str = "kvcached-slots", files: SharedFiles | None = None) -> "SlotDirectory":
+        """A new, empty directory in a new file of ``files`` (kv.arena: by default a memfd sealed
+        against resizing, like the arena)."""
+        fd = (files if files is not None else MemfdFiles()).make(name, cls._size_for(geometry))
         try:
-            os.ftruncate(fd, cls._size_for(geometry))
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             directory = cls(fd, geometry)
         except BaseException:
             os.close(fd)
@@ -129,11 +130,12 @@ class SlotDirectory:
         return directory
 
     @classmethod
-    def adopt(cls, fd: int, geometry: Geometry) -> "SlotDirectory":
+    def adopt(cls, fd: int, geometry: Geometry, page_bytes: int = 1) -> "SlotDirectory":
         """The directory a predecessor left in memfd ``fd``, if it describes ``geometry``;
         ValueError (saying why) otherwise. ``fd`` is owned by the result; on error the caller
         still owns it. A version-1 directory is read as one arena, owner 0's (:attr:`version`
-        says so: read its entries, then write a new one)."""
+        says so: read its entries, then write a new one). ``page_bytes``: the file's size is
+        rounded up to a multiple of it (hugetlbfs: kvcached.host.shared_memory)."""
         have = os.fstat(fd).st_size
         if have < HEADER.size:
             raise ValueError(f"the slot directory is {have} bytes: no header")
@@ -141,7 +143,7 @@ class SlotDirectory:
         if magic != MAGIC or version not in (1, VERSION):
             raise ValueError(f"not a slot directory of version 1 or {VERSION} (magic {magic!r}, version {version})")
         found = Geometry(arena, slab, slots)
-        if found != geometry or have != cls._size_for(geometry, version):
+        if found != geometry or have != -(-cls._size_for(geometry, version) // page_bytes) * page_bytes:
             raise ValueError(f"the slot directory describes another arena ({found}); this one is {geometry}")
         return cls(fd, geometry, version)
 

@@ -126,11 +126,16 @@ def log_lines(daemon: DaemonProcess, msg: str) -> list[str]:
 class Worker:
     """An agent_worker.py process: one JSON command per line in, one JSON answer per line out."""
 
-    def __init__(self, daemon: DaemonProcess, agent_id: str, *args: str, use_torch: bool = False) -> None:
+    def __init__(self, daemon: DaemonProcess, agent_id: str, *args: str, use_torch: bool = False,
+                 socket_path: str = "", prefix: list[str] | None = None) -> None:
+        """``socket_path``: the agent socket (default: the daemon's); ``prefix``: what the worker runs
+        under (a pod: tests/pods.py), where its pid is another than the one the test sees."""
         self.agent_id = agent_id
         self.stderr_path = daemon.state / f"worker-{agent_id}-{time.monotonic_ns()}.err"
         err = open(self.stderr_path, "wb")
-        cmd = [sys.executable, str(WORKER), agent_socket(daemon), agent_id, *args] + (["--torch"] if use_torch else [])
+        cmd = [*(prefix or []), sys.executable, str(WORKER), socket_path or agent_socket(daemon), agent_id, *args] + (
+            ["--torch"] if use_torch else [])
+        self.in_pod = prefix is not None
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         err.close()
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -159,7 +164,7 @@ class Worker:
     def ready(self, timeout: float = 60.0) -> "Worker":
         hello = self.reply(timeout)
         assert hello["ok"], hello
-        assert hello["pid"] == self.pid
+        assert hello["pid"] == self.pid or self.in_pod
         self.session = hello["session"]
         return self
 

@@ -115,3 +115,32 @@ def test_a_damaged_or_open_tenant_key_stops_the_start_with_a_clear_error(make_da
     key.chmod(0o600)
     d.start()                                                # waits until it serves
     assert d.proc.poll() is None and key.read_bytes() == secret, "the key is used as it is"
+
+
+def test_a_tenants_own_agent_socket_names_it_whatever_the_uid(
+        make_daemon: Any, users: Callable[[], tuple[int, int]], socket_dir: Path, tmp_path: Path) -> None:
+    """tenants.agent_sockets (pods of two teams, one uid: docs/kubernetes.md): a connection through
+    a tenant's own socket is that tenant; one whose uid the configuration maps to another tenant
+    is refused there, and the shared socket still names tenants by uid."""
+    (a_uid, a_gid), (x_uid, x_gid) = users(), users()
+    shared = socket_dir / "agent.sock"
+    alice_sock, bob_sock = socket_dir / "alice.sock", socket_dir / "bob.sock"
+    d = make_daemon(f'agent.socket="{shared}"', 'agent.mode="0666"', f"tenants.uids={{ alice = [{a_uid}] }}",
+                    f'tenants.agent_sockets={{ alice = "{alice_sock}", bob = "{bob_sock}" }}', 'tenants.default=""',
+                    state=tmp_path)
+    with connect(alice_sock, "warm") as agent:     # imports what the children use, before they fork
+        agent.lookup([a.digest for a in agent.addresses(agent.hash_tokens(TOKENS))])
+    # One uid (x) that names no tenant, on both tenants' sockets: each is the socket's tenant.
+    alice = as_user(x_uid, x_gid, saver(alice_sock, 3))
+    assert alice.get("ok", {}).get("stored") == 4, alice
+    bob = as_user(x_uid, x_gid, reader(bob_sock))
+    assert bob.get("ok") == {"longest": 0, "loaded": 0, "bytes": [0]}, f"bob's socket found alice's blocks: {bob}"
+    again = as_user(x_uid, x_gid, reader(alice_sock))
+    assert again.get("ok") == {"longest": 4, "loaded": 4, "bytes": [3]}, again
+    # alice's uid on bob's socket: refused (a socket mounted where it should not be opens no other tenant's blocks).
+    refused = as_user(a_uid, a_gid, reader(bob_sock))
+    assert "error" in refused and "names another tenant than bob" in refused["error"], refused
+    # alice's uid on the shared socket: alice, by uid.
+    by_uid = as_user(a_uid, a_gid, reader(shared))
+    assert by_uid.get("ok") == {"longest": 4, "loaded": 4, "bytes": [3]}, by_uid
+    assert d.stop() == 0
