@@ -46,15 +46,15 @@ def main() -> int:
     run("mount", "--make-rprivate", "/")
     os.makedirs(root, exist_ok=True)
     run("mount", "-t", "tmpfs", "-o", "mode=0755", "pod-root", root)
-    for path in spec["image"]:
-        bind(path, root + path, read_only=True)
     os.makedirs(root + "/dev", exist_ok=True)
     run("mount", "-t", "tmpfs", "-o", "mode=0755", "pod-dev", root + "/dev")
-    for name in DEVICES:
-        bind(f"/dev/{name}", f"{root}/dev/{name}", read_only=False)
-    for path in ("/dev/shm", "/tmp"):
+    for path in ("/dev/shm", "/tmp"):          # first: the image may lie under /tmp (a checkout there)
         os.makedirs(root + path, exist_ok=True)
         run("mount", "-t", "tmpfs", "-o", "mode=1777", "pod-tmp", root + path)
+    for name in DEVICES:
+        bind(f"/dev/{name}", f"{root}/dev/{name}", read_only=False)
+    for path in spec["image"]:
+        bind(path, root + path, read_only=True)
     os.makedirs(root + "/proc", exist_ok=True)
     run("mount", "-t", "proc", "proc", root + "/proc")
     for host, inside, read_only in spec["volumes"]:

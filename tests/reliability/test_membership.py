@@ -64,6 +64,9 @@ def _timed_gets(d: DaemonProcess, data: dict[BlockAddress, bytes], per_get: int)
     return times, misses
 
 
+ROUND_PAIRS = 3
+
+
 @pytest.mark.slow
 def test_unproven_registrations_are_no_members_and_cost_nothing(cluster: Cluster, tmp_path: Path) -> None:
     """Three daemons, then two registrations written into etcd by hand among them, at a real
@@ -80,7 +83,7 @@ def test_unproven_registrations_are_no_members_and_cost_nothing(cluster: Cluster
              "node-y": Registrar(tmp_path / "another-ca").value(Member("node-y", "127.0.0.1", quic_port, quic_port),
                                                                 PREFIX, 1)}
     medians: dict[str, list[float]] = {"without": [], "with": []}
-    for round_, phase in enumerate(("without", "with", "without", "with")):
+    for round_, phase in enumerate(("without", "with") * ROUND_PAIRS):
         refused_before = stats(b).cluster.registrations_refused
         _write_registrations(cluster, fakes if phase == "with" else dict.fromkeys(fakes))
         if phase == "with":
@@ -97,13 +100,16 @@ def test_unproven_registrations_are_no_members_and_cost_nothing(cluster: Cluster
         assert misses == 0, f"{phase}: {misses} misses"
         assert after.locate_failures == before.locate_failures, f"{phase}: Locates failed"
         medians[phase].append(statistics.median(times))
-    ratio = sum(medians["with"]) / sum(medians["without"])
-    report("unproven-registrations", members=len(names), unproven=len(fakes), rounds=4, gets_each=24,
+    # Each "with" round against the "without" round just before it, and the middle one of those
+    # ratios: a burst of load from outside (another test, another process) lands in one pair and
+    # moves one ratio, not the verdict (a sum over the rounds let one slow round decide it).
+    ratio = statistics.median(w / wo for w, wo in zip(medians["with"], medians["without"]))
+    report("unproven-registrations", members=len(names), unproven=len(fakes), rounds=2 * ROUND_PAIRS, gets_each=24,
            median_ms_without=",".join(f"{m * 1000:.2f}" for m in medians["without"]),
            median_ms_with=",".join(f"{m * 1000:.2f}" for m in medians["with"]), ratio=round(ratio, 2))
     assert ratio < 1.5, f"a Get's median with the unproven registrations is {ratio:.2f}x the one without"
     refusals = stats(b).cluster.registrations_refused
-    assert refusals >= 4 and members(b) == set(names)
+    assert refusals >= 2 * ROUND_PAIRS and members(b) == set(names)
     assert not any(p.name in fakes for p in stats(b).peers)       # never dialled
 
 
