@@ -230,7 +230,7 @@ NAME=kvcached-smoke-$$
 podman run -d --name "$NAME" --network=none $RUN_OPTS --user 0:0 --cap-drop=ALL \
     --read-only --security-opt no-new-privileges --tmpfs /tmp \
     --tmpfs /var/lib/kvcached:mode=0700 --tmpfs /run/kvcached:mode=0755 \
-    -v "$WORK/etc:/etc/kvcached:ro" "$IMAGE" serve --config /etc/kvcached/kvcached.toml > /dev/null
+    -v "$WORK/etc:/etc/kvcached:ro" "$IMAGE" serve --config /etc/kvcached/kvcached.toml --rolling > /dev/null
 trap 'podman rm -f "$NAME" > /dev/null 2>&1 || true; rm -rf "$WORK"' EXIT
 ready=0
 for _ in $(seq 1 60); do
