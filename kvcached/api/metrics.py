@@ -15,7 +15,7 @@ import threading
 from typing import Any, Iterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler
 
-from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -513,6 +513,7 @@ def start_metrics(listen: str, store: Store, fd: int | None = None, loop_lag: Lo
     address = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))
+    ProcessCollector(registry=registry)      # process_cpu_seconds_total and the rest: what the curves' share is of
     if loop_lag is not None:
         registry.register(LoopLagCollector(loop_lag))
     if keeper is not None:
