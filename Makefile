@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/kvcached/v1/*.proto)
 PROTO_OUT := kvcached/v1/kvcache_pb2.py
 
-.PHONY: install nixl setup run lint test test-unit test-integration test-reliability soak test-engines engines-venv test-e2e e2e-venv bench proto clean system-deps certs
+.PHONY: install nixl gpu-wheels setup run lint test test-unit test-integration test-reliability soak test-engines engines-venv test-e2e e2e-venv bench proto clean system-deps certs
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -150,6 +150,20 @@ system-deps:
 		echo "installing:$$missing"; \
 		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \
 	fi
+
+# The GPU check's packages (bench/gpu_check.sh): wheels of the daemon's dependencies that the
+# device image lacks, for its Python (GPU_PYTHON), at this venv's versions, in .whl/ (ignored;
+# the device tool carries it, 64 MiB at most). kvcached/v1 (make install) travels beside it.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := grpcio-reflection grpcio-health-checking rocksdict blake3 aioquic pylsqpack pyopenssl \
+	service-identity pyasn1 pyasn1-modules cryptography etcd3aio pyzmq msgspec
+gpu-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl \
+		$$($(PY) -m pip freeze | grep -i -E '^($(shell echo $(GPU_WHEELS) | tr ' ' '|'))==')
+	du -sh .whl
 
 # BENCH_ARGS go to bench_core.py; SSD_BENCH_ARGS to bench_ssd.py (default: --quick if BENCH_ARGS has it).
 # bench_agent.py and gpu_copy.py (which only says it skipped where CUDA is missing) get --quick if BENCH_ARGS has it.
