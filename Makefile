@@ -137,7 +137,8 @@ soak: install system-deps
 
 # System packages (Debian): redis-server (bench_core.py's Redis baseline), fio (bench_ssd.py's
 # disk baseline), prometheus for promtool (tests check /metrics and deploy/*.yml with it) and
-# systemd for systemd-analyze (tests verify deploy/kvcached.service). One apt-get update, then
+# systemd for systemd-analyze (tests verify deploy/kvcached.service), iproute2 and util-linux for
+# the tests' network namespaces and pods (ip, unshare, nsenter). One apt-get update, then
 # only the missing ones are installed.
 system-deps:
 	@missing=""; \
@@ -146,6 +147,8 @@ system-deps:
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
 	command -v etcd >/dev/null || missing="$$missing etcd-server"; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	command -v nsenter >/dev/null || missing="$$missing util-linux"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
 		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \
