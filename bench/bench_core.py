@@ -138,6 +138,14 @@ def read_status() -> dict[str, int]:
     return out
 
 
+def log_tail(log: Path, lines: int = 15) -> str:
+    """The last ``lines`` of a process's log ("" if it cannot be read)."""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def proc_times(pid: int) -> tuple[float, float, int]:
     """(user s, system s, minor page faults) of process ``pid`` so far."""
     with open(f"/proc/{pid}/stat") as f:
@@ -165,10 +173,7 @@ class Proc:
         return self.proc.poll() is None
 
     def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log, lines)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

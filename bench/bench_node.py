@@ -88,7 +88,7 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_core import CONFIG, KiB, MiB, Proc, Row, print_fitted, proc_times, progress, size_name, wait_grpc  # noqa: E402
+from bench_core import CONFIG, KiB, MiB, Proc, Row, log_tail, print_fitted, proc_times, progress, size_name, wait_grpc  # noqa: E402
 
 BATCH = 64
 LOOKUP_DIGESTS = 32
@@ -385,10 +385,7 @@ class Child:
         return line
 
     def tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log, lines)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
