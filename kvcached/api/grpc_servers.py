@@ -153,8 +153,7 @@ class GrpcServers:
         key = f"grpc.health_listen {address.text}"
         if predecessor_ports is None:
             check_tcp_port_free(address.host or "", address.port or 0, key)
-        port = server.add_insecure_port(f"{address.host}:{(predecessor_ports or {}).get(address.text, address.port)}"
-                                        if not address.port else address.text)
+        port = server.add_insecure_port(f"{address.host}:{address.port or (predecessor_ports or {}).get(address.text, 0)}")
         if port == 0:
             raise StartupError(f"{key}: cannot listen (address in use?)")
         self.ports[address.text] = port

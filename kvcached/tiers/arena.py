@@ -55,12 +55,6 @@ class SharedArena:
             raise
         self.view = memoryview(self._map)
 
-    @staticmethod
-    def check_adoptable(fd: int, size: int) -> None:
-        """ValueError unless ``fd`` is a sealed memfd of exactly ``size`` bytes (an arena of this
-        configuration: another ``kv.ram_gib`` starts clean)."""
-        MemfdFiles().check(fd, size)
-
     @property
     def inode(self) -> int:
         return os.fstat(self.fd).st_ino

@@ -91,10 +91,9 @@ def test_curves_of_a_cyclic_stream(make_daemon: Any, tmp_path: Path) -> None:
     assert all(p.hit_rate <= p.min_hit_rate <= 1.0 for p in points.values())
     assert ram[1.0].min_hit_rate > 0.2, "MIN keeps half the loop at 1x"
     # One key in 8 of 8,192 at the cap; the CPU budget (1% of the daemon's, the default a user
-    # runs) may cut the rate where the machine is busy (loaded runs measured 404 and 174 keys):
-    # the sample then holds the keys its rate says (a spatial sample: about rate x 8,192), and
-    # the figures stand on fewer keys and must say so in their error, never be off by more.
-    least = 500 if curves.rate_limited_by == "cap" else max(64, curves.sampling_rate * KEYS / 2)
+    # runs) may cut the rate where the machine is busy (a loaded CI run measured 404 keys): the
+    # figures then stand on fewer keys and must say so in their error, never be off by more.
+    least = 500 if curves.rate_limited_by == "cap" else 200
     assert all(p.window_keys > least and p.window_uses >= p.window_keys and p.error <= curves.accuracy
                for p in points.values()), [(k, p.window_keys, p.error, curves.rate_limited_by) for k, p in points.items()]
     assert 0 < curves.busy_seconds < 60 and 0 < curves.min_busy_seconds < 60, "what they took is counted"

@@ -319,3 +319,24 @@ def test_a_killed_daemon_pod_is_replaced_and_its_ram_tier_checked(node: Node, po
     pods.append(alice)
     got = alice.call("load", blocks=saved, **shape)
     assert got["loaded"] == 11 and got["missing"] == [3] and got["bad"] == [], got
+
+
+def test_an_arena_directory_that_cannot_hold_the_tier_stops_the_start(make_daemon: Any, tmp_path: Path,
+                                                                      node: Node) -> None:
+    """kv.arena = "file" on a disk (the pages would be written to it) and on another user's
+    directory: the daemon does not start, says why in one line, and leaves what is there alone."""
+    disk = tmp_path / "on-disk"
+    d = make_daemon('kv.arena="file"', f'kv.arena_dir="{disk}"', "kv.ssd_gib=0", start=False)
+    d.start(wait=False)
+    assert d.proc is not None and d.proc.wait(20) != 0
+    assert "kv.arena_dir" in d.log() and "not tmpfs or hugetlbfs" in d.log() and "Traceback" not in d.log()
+    theirs = node.arena / "theirs"
+    theirs.mkdir()
+    (theirs / "kvcached-arena").write_bytes(b"someone else's")
+    os.chown(theirs, 1000, 1000)
+    (tmp_path / "b").mkdir()
+    d = make_daemon('kv.arena="file"', f'kv.arena_dir="{theirs}"', "kv.ssd_gib=0", state=tmp_path / "b", start=False)
+    d.start(wait=False)
+    assert d.proc is not None and d.proc.wait(20) != 0
+    assert "belongs to uid 1000" in d.log() and "Traceback" not in d.log()
+    assert (theirs / "kvcached-arena").read_bytes() == b"someone else's"

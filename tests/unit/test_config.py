@@ -498,6 +498,15 @@ def test_bad_agent_keys(override: str, key: str, problem: str) -> None:
     (["grpc.tls=true", 'grpc.tls_cert="/nonexistent/c.pem"', 'grpc.tls_key="/nonexistent/k.pem"',
       'grpc.tls_ca="/nonexistent/ca.pem"'], "grpc.tls_cert", "no such readable file: /nonexistent/c.pem"),
     (['grpc.listen=["unix:var/a.sock", "10.1.2.3:7401"]'], "grpc.listen", "plaintext gRPC on the non-loopback"),
+    (['grpc.health_listen="unix:var/h.sock"'], "grpc.health_listen", "not a Unix socket"),
+    (['kv.arena="shm"'], "kv.arena", "memfd, file"),
+    (['kv.arena_dir=""'], "kv.arena_dir", "must be a path"),
+    (['agent.socket="var/a.sock"', 'tenants.agent_sockets={ alice = "var/a.sock" }'], "tenants.agent_sockets.alice",
+     "also the agent socket"),
+    (['tenants.sockets={ alice = "var/t.sock" }', "tenants.uids={ alice = [1001] }",
+      'tenants.agent_sockets={ alice = "var/t.sock" }'], "tenants.agent_sockets.alice", "tenant's gRPC socket"),
+    (['tenants.agent_sockets={ alice = "var/a.sock", bob = "var/a.sock" }'], "tenants.agent_sockets", "var/a.sock"),
+    (['tenants.agent_sockets={ "Al ice" = "var/a.sock" }'], "tenants.agent_sockets", "tenant name"),
 ])
 def test_bad_grpc_security_keys(overrides: list[str], key: str, problem: str) -> None:
     assert_error(config_error(*overrides), key, problem)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from kvcached.host.shared_memory import MemfdFiles
 from kvcached.lifecycle.systemd import LISTEN_FDS_START, listen_fds
 from kvcached.policies.clock import ClockPolicy
 from kvcached.tiers.arena import SharedArena
@@ -52,7 +53,7 @@ def test_the_directory_follows_the_tier_and_a_successor_places_the_same_blocks()
 
     # a successor over the same memfds (as systemd's fd store or a handover passes them)
     geometry = SlabAllocator.geometry(ARENA, SLAB)
-    SharedArena.check_adoptable(os.dup(arena.fd), ARENA)
+    MemfdFiles().check(os.dup(arena.fd), ARENA)
     successor = SharedArena(ARENA, fd=os.dup(arena.fd))
     directory = SlotDirectory.adopt(os.dup(ram.directory.fd), geometry)
     ram2 = RamTier(successor, SLAB, ClockPolicy(), directory)
@@ -95,10 +96,10 @@ def test_adopt_checks_geometry_and_kind() -> None:
     with pytest.raises(ValueError, match="not a slot directory"):
         SlotDirectory.adopt(other, geometry)
     with pytest.raises(ValueError, match="not sealed"):
-        SharedArena.check_adoptable(other, 8192)
+        MemfdFiles().check(other, 8192)
     os.close(other)
     with pytest.raises(ValueError, match="wants"):
-        SharedArena.check_adoptable(SharedArena(ARENA).fd, 2 * ARENA)
+        MemfdFiles().check(SharedArena(ARENA).fd, 2 * ARENA)
     directory.close()
 
 
