@@ -4,6 +4,7 @@ the real tools (promtool, systemd-analyze) against real daemon processes."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -28,6 +29,23 @@ def tool(name: str) -> str:
 
 
 def free_tcp_port() -> int:
+    """A TCP port free on every address now, below the kernel's ephemeral range: the kernel hands
+    ephemeral ports to outgoing connections (every test's clients, on two workers), so a port
+    picked there could be taken between the pick and the daemon's bind (seen: "Address already
+    in use" for a 0.0.0.0 listener)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
