@@ -494,6 +494,31 @@ def hash_us(block: int, threads: int = 1) -> float:
     return best / BATCH * 1e6
 
 
+def index_write_us(directory: Path, records: int = 64 * 400) -> float:
+    """CPU us of the calling thread per key an index write costs here: the daemon's own
+    BlockIndex (RocksDB, its options), 64 records a write, then the 64 tombstones that patch
+    them, as a saved block and its eviction write; best of 3 passes over ``records`` keys."""
+    from kvcached.index import BlockIndex, BlockRecord, Tier
+
+    index = BlockIndex(directory / "index-cost")
+    try:
+        best = float("inf")
+        for _ in range(3):
+            keys = [os.urandom(32) for _ in range(records)]
+            batches = [[(k, BlockRecord(k, 0, MODEL, 65536, k, 1.0, 1.0, Tier.RAM).encode()) for k in keys[i:i + BATCH]]
+                       for i in range(0, records, BATCH)]
+            tombstones = [[(k, raw[:1] + b"\0" + raw[2:]) for k, raw in batch] for batch in batches]
+            t0 = time.thread_time()
+            for batch in batches:
+                index.write(batch, watch=False)
+            for batch in tombstones:
+                index.write(batch, watch=False)
+            best = min(best, time.thread_time() - t0)
+        return best / (2 * records) * 1e6
+    finally:
+        index.close()
+
+
 def bench_size(block: int, counts: Sequence[int], s: Settings) -> dict[str, Any]:
     from bench_agent import start_echo
     from bench_core import GrpcBackend
@@ -513,7 +538,8 @@ def bench_size(block: int, counts: Sequence[int], s: Settings) -> dict[str, Any]
             fill = fill_arena(tmp / "agent.sock", block, s.ram_gib)
             names = sorted({t[0] for t in thread_cpu(pid).values()})
             out: dict[str, Any] = {"block": block, "hash_threads": hash_threads, "fill_gbps": fill,
-                                   "daemon_threads": names, "hash_us_1thread": hash_us(block), "groups": {}}
+                                   "daemon_threads": names, "hash_us_1thread": hash_us(block),
+                                   "index_us_per_key": index_write_us(tmp), "groups": {}}
             if not any(n.startswith(HASH_THREADS) for n in names):
                 progress(f"warning: no hashing thread named {HASH_THREADS} in the daemon: {names}")
             for count in counts:
@@ -687,6 +713,9 @@ def notes_for(res: dict[str, Any], cost: dict[str, dict[str, Any]]) -> list[str]
             f"{res['hash_threads']}; blocks refused by Allocate in the save phases: {refused}; daemon CPU while the "
             f"baselines ran (no agent traffic): {cost['save']['daemon_idle_cpu_per_s'] * 1e3:.0f} ms/s",
             f"{block}: daemon CPU per block saved by thread name (us): {split}",
+            f"{block}: an index write costs {res['index_us_per_key']:.2f} us of the writer's thread a key here (RocksDB, "
+            f"the daemon's options, 64 keys a write); a saved block writes 2 keys (its record, its victim's tombstone): "
+            f"{2 * res['index_us_per_key']:.2f} us of the save's event loop figure",
             f"{block}: other processes used {other_s:.1f} CPU-s during the {clocked:.0f} s of phases "
             f"({other_s / clocked:.0%} of one core)" + ("; the figures are disturbed by them" if other_s / clocked > 0.1 else "")]
 

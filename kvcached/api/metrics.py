@@ -62,6 +62,14 @@ class StoreCollector(Collector):
                                   "without a restart", value=index.recoveries)
         yield CounterMetricFamily("kvcached_index_write_failures", "Index writes that failed, or were refused while "
                                   "the index could not be written", value=index.write_failures)
+        cache = index.cache
+        yield GaugeMetricFamily("kvcached_index_cached_records", "Live index records held in memory, as last written "
+                                "(reads of them skip RocksDB)", value=len(cache))
+        reads = CounterMetricFamily("kvcached_index_cached_reads", "Index record reads by whether the record cache "
+                                    "answered them", labels=["result"])
+        reads.add_metric(["hit"], cache.hits)
+        reads.add_metric(["miss"], cache.misses)
+        yield reads
         yield GaugeMetricFamily("kvcached_agents_connected", "Agents connected on the agent socket", value=s["agents"])
         yield GaugeMetricFamily("kvcached_agent_held_bytes", "Arena bytes held by agents and streams (reserved or pinned)",
                                 value=s["held_bytes"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from typing import Any, Callable, Iterable, Iterator, cast
 
 from rocksdict import Rdict, WriteBatch
@@ -57,6 +58,7 @@ from kvcached.index.format import (
     writable_tiers_for,
 )
 from kvcached.index.presence import PresenceFeed, TierFeed
+from kvcached.index.record_cache import CACHED_RECORDS, RecordCache
 
 __all__ = ["FOREIGN", "BlockIndex"]
 
@@ -73,11 +75,17 @@ class BlockIndex:
     #: Where writes that change a block's tier set are recorded (KV events); None: nowhere.
     tier_feed: TierFeed | None = None
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], cached_records: int = CACHED_RECORDS) -> None:
         """Open (creating it if need be) the index at ``path``; raises IndexError_ if it cannot
-        be opened: another daemon holds it, it is unreadable, or has another schema version."""
+        be opened: another daemon holds it, it is unreadable, or has another schema version.
+        ``cached_records``: how many live records the reads find in memory at most
+        (kvcached.index.record_cache; the daemon sizes it by its RAM tier)."""
         self._database = IndexDatabase(path)
         self.path = self._database.path
+        #: The records most recently written, as RocksDB holds them: reads of live blocks
+        #: (checksums, owners, the records evictions patch) skip RocksDB.
+        self.cache = RecordCache(cached_records)
+        self._writing = threading.Lock()     # a write and its cache update, one writer at a time
 
     @property
     def _blocks(self) -> Rdict:
@@ -124,17 +132,30 @@ class BlockIndex:
     # -- point operations ---------------------------------------------------------------------
 
     def get(self, key: bytes) -> BlockRecord | None:
-        raw = self._blocks.get(key)
+        raw = self.raw(key)
         return None if raw is None else BlockRecord.decode(raw)
 
     def raw(self, key: bytes) -> bytes | None:
         """The stored bytes of ``key``'s record (None if absent); read-only, thread-safe."""
-        return self._blocks.get(key)
+        raw = self.cache.get(key)
+        return raw if raw is not None else self._blocks.get(key)
 
     def raw_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """The raw records of ``keys`` in one multi-get (None where absent): for hot loops that
-        read a few fields (kvcached.index.format.raw_ssd_view) instead of decoding records. rocksdict's stubs
-        type a multi-get key list as a list of its key union, which a list[bytes] is not."""
+        """The raw records of ``keys`` (None where absent): from the record cache, the others in
+        one multi-get; for hot loops that read a few fields (kvcached.index.format.raw_ssd_view)
+        instead of decoding records."""
+        found, missing = self.cache.many(keys)
+        if not missing:
+            return found
+        if len(missing) == len(keys):
+            return self._read_many(keys)
+        for i, raw in zip(missing, self._read_many([keys[i] for i in missing])):
+            found[i] = raw
+        return found
+
+    def _read_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """One RocksDB multi-get. rocksdict's stubs type a multi-get key list as a list of its
+        key union, which a list[bytes] is not."""
         return cast("list[bytes | None]", self._blocks[cast(Any, keys)])
 
     def get_many(self, keys: list[bytes]) -> list[BlockRecord | None]:
@@ -189,14 +210,12 @@ class BlockIndex:
         for key, record in puts:
             raw = record if isinstance(record, bytes) else record.encode()
             batch.put(key, raw)
-            if watching:
-                written_keys.append(key)
-                written.append(raw)
+            written_keys.append(key)
+            written.append(raw)
             n += 1
         for key in deletes:
             batch.delete(key)
-            if watching:
-                deleted.append(key)
+            deleted.append(key)
             n += 1
         for entry in queue:
             batch.put(entry, b"", column_family=db.ssd_age_handle)
@@ -214,7 +233,9 @@ class BlockIndex:
             return
         before = self._before(written_keys + deleted, known) if watching and (written or deleted) else []
         try:
-            db.commit(batch, sync)
+            with self._writing:
+                db.commit(batch, sync)
+                self.cache.written(zip(written_keys, written), deleted)
         except IndexUnwritable:
             del batch             # see IndexDatabase.commit: this frame lives on in the traceback
             raise
@@ -425,4 +446,5 @@ class BlockIndex:
     def close(self) -> None:
         """Flush and close; the object is unusable afterwards. An index that cannot be written
         is closed without a flush (its WAL holds every write that succeeded)."""
+        self.cache.clear()
         self._database.close()

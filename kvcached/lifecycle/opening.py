@@ -15,6 +15,7 @@ from kvcached.host.process import StartupError
 from kvcached.index import BlockIndex, IndexError_
 from kvcached.index.boot import reconcile_at_boot
 from kvcached.index.presence import TierFeed
+from kvcached.index.record_cache import cached_records
 from kvcached.tiers.ssd import SsdTier
 
 __all__ = ["prepare_state_dirs", "open_index", "open_ssd", "SSD_DIR_LEVELS"]
@@ -71,7 +72,7 @@ def open_index(config: Config, status: Callable[..., object], ram_kept: set[byte
     ``tier_feed`` (KV events), the reconcile's changes of tiers are recorded in it."""
     cfg = config
     try:
-        index = BlockIndex(cfg.kv.index_dir)
+        index = BlockIndex(cfg.kv.index_dir, cached_records(cfg.ram_bytes))
     except IndexError_ as exc:
         raise StartupError(str(exc)) from None
     index.tier_feed = tier_feed
