@@ -53,6 +53,7 @@ from kvcached.index.format import (
     record_route,
     record_tenant,
     tiers_for,
+    tombstone_of,
     wire_key_of,
     with_route,
     writable_tiers_for,
@@ -300,12 +301,7 @@ class BlockIndex:
                 continue
             if read is not None:
                 read[key] = raw
-            patched = bytearray(raw)
-            patched[TIERS_AT] &= keep
-            if not patched[TIERS_AT]:
-                patched[REASON_AT] = why
-                F64.pack_into(patched, GONE_AT_AT, now)
-            out.append((key, bytes(patched)))
+            out.append((key, tombstone_of(raw, why, now, keep)))
         return out
 
     def with_tier(self, keys: list[bytes], tier: Tier) -> list[tuple[bytes, bytes]]:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 __all__ = [
     "AGE", "CHECKSUM_AT", "DIGEST_AT", "F64", "FLAGS_AT", "FOREIGN", "GONE_AT_AT", "LAST_SEEN_AT", "LAYER_AT", "NBYTES_AT",
     "RECORD", "REASON_AT", "ROUTED", "SCHEMA_VERSION", "TENANTED", "TIERS_AT", "U64", "BlockRecord", "GoneReason",
-    "Tier", "checksum_for", "is_expired_tombstone", "is_present", "owned_by", "queue_entry", "queue_time", "raw_ssd_view",
-    "record_model", "record_route", "record_tenant", "split_tail", "tiers_for", "wire_key_of", "with_route",
-    "writable_tiers_for"
+    "Tier", "checksum_for", "encode_record", "is_expired_tombstone", "is_present", "owned_by", "queue_entry", "queue_time", "raw_ssd_view",
+    "record_model", "record_route", "record_tenant", "split_tail", "tiers_for", "tombstone_of", "wire_key_of",
+    "with_route", "writable_tiers_for"
 ]
 
 SCHEMA_VERSION = 1
@@ -181,6 +181,27 @@ def _tail(model: str, route: bytes, tenant: str) -> tuple[int, bytes]:
     return flags | TENANTED, bytes([len(name)]) + name + tail
 
 
+def encode_record(digest: bytes, layer: int, model: str, nbytes: int, checksum: bytes, created: float,
+                  last_seen: float, tiers: int = 1, route: bytes = b"", tenant: str = "", gone_reason: int = 0,
+                  gone_at: float = 0.0) -> bytes:
+    """The bytes of a record of these fields (what BlockRecord(...).encode() gives), without
+    making the record: the hot paths that store a block write its record straight away."""
+    flags, tail = _tail(model, route, tenant)
+    return RECORD.pack(SCHEMA_VERSION, tiers, gone_reason, flags, layer, nbytes, created, last_seen, gone_at, checksum,
+                       digest) + tail
+
+
+def tombstone_of(raw: bytes, reason: int, now: float, keep_tiers: int = 0) -> bytes:
+    """``raw`` (a readable record) with its tiers masked by ``keep_tiers``: left in none, it
+    becomes a tombstone, gone for ``reason`` at ``now``."""
+    patched = bytearray(raw)
+    patched[TIERS_AT] &= keep_tiers
+    if not patched[TIERS_AT]:
+        patched[REASON_AT] = reason
+        F64.pack_into(patched, GONE_AT_AT, now)
+    return bytes(patched)
+
+
 @dataclass(frozen=True, slots=True)
 class BlockRecord:
     digest: bytes
@@ -201,9 +222,8 @@ class BlockRecord:
         return self.tiers != Tier.NONE
 
     def encode(self) -> bytes:
-        flags, tail = _tail(self.model, self.route, self.tenant)
-        return RECORD.pack(SCHEMA_VERSION, int(self.tiers), int(self.gone_reason), flags, self.layer, self.nbytes,
-                           self.created, self.last_seen, self.gone_at, self.checksum, self.digest) + tail
+        return encode_record(self.digest, self.layer, self.model, self.nbytes, self.checksum, self.created,
+                             self.last_seen, int(self.tiers), self.route, self.tenant, int(self.gone_reason), self.gone_at)
 
     @classmethod
     def decode(cls, raw: bytes) -> "BlockRecord":

@@ -26,6 +26,7 @@ from typing import Callable
 
 from kvcached.errors import Unavailable
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, IndexUnwritable, Tier
+from kvcached.index.format import is_present, tombstone_of
 from kvcached.policies import KeyedPolicy
 from kvcached.store.routes import RouteKeys
 from kvcached.tiers.ram import RamBlock, RamTier
@@ -45,7 +46,7 @@ class RecordLedger:
         self.index = index
         self.clock = clock
         self.routes = routes                           # engine keys held for blocks being recorded
-        self._pending: dict[bytes, BlockRecord] = {}   # records of the request in progress
+        self._pending: dict[bytes, BlockRecord | bytes] = {}   # records (or their bytes) of the request in progress
         self._evicted: set[bytes] = set()              # evicted during it, index not yet told
         self._touched: set[bytes] = set()              # used since the last flush_last_seen
         self.ssd_losses = 0                            # SSD copies lost or records deleted, ever
@@ -54,8 +55,9 @@ class RecordLedger:
         for blocks in self.ram.take_evicted():
             self._ram_evicted(blocks)
 
-    def stage(self, key: bytes, record: BlockRecord) -> None:
-        """``record`` goes to the index with this request's commit."""
+    def stage(self, key: bytes, record: BlockRecord | bytes) -> None:
+        """``record`` (or its bytes: kvcached.index.format.encode_record) goes to the index
+        with this request's commit."""
         self._take_evictions()
         self._pending[key] = record
 
@@ -83,7 +85,9 @@ class RecordLedger:
             key = block.key
             self._touched.discard(key)
             record = self._pending.get(key)
-            if record is not None:          # stored earlier in this very batch
+            if isinstance(record, bytes):   # stored earlier in this very batch
+                self._pending[key] = tombstone_of(record, GoneReason.EVICTED, now)
+            elif record is not None:
                 self._pending[key] = record.gone(GoneReason.EVICTED, now)
             else:
                 self._evicted.add(key)
@@ -94,7 +98,8 @@ class RecordLedger:
         If the index cannot be written, the request's new blocks leave RAM again (what the
         index does not know must not be served) and Unavailable says so."""
         self._take_evictions()
-        new_keys = [key for key, record in self._pending.items() if record.present]
+        new_keys = [key for key, record in self._pending.items()
+                    if (is_present(record) if isinstance(record, bytes) else record.present)]
         puts: list[tuple[bytes, BlockRecord | bytes]] = list(self._pending.items())
         evicted, self._evicted = list(self._evicted), set()
         self._pending.clear()

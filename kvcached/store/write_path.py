@@ -28,6 +28,7 @@ from typing import Sequence
 
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from kvcached.index import BlockRecord, Tier
+from kvcached.index.format import encode_record
 from kvcached.policies.admission import AdmissionPolicy, AlwaysAdmit
 from kvcached.store.inflight import release_view
 from kvcached.store.parts import Room, StoreParts, tiers_for_writer
@@ -44,6 +45,7 @@ __all__ = ["DIRTY_WAIT_S", "MAX_MODEL_BYTES", "WritePath"]
 log = logging.getLogger("kvcached.store")
 
 MAX_MODEL_BYTES = 256        # a model label is a name, not a payload
+RAM = int(Tier.RAM)          # a plain int: enum conversions cost a record each on the hot path
 
 
 class WritePath(Room):
@@ -286,7 +288,7 @@ class WritePath(Room):
         refused for lack of room."""
         hashing = self.inflight.hashing
         while self.inflight.hashing_bytes > self.ram.capacity // 4 and hashing:
-            await asyncio.wait({id(f): f for f in hashing.values()}.values(), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(set(hashing.values()), return_when=asyncio.FIRST_COMPLETED)
         if self.mover is not None and not self.settings.writes.synchronous:
             await self.policy.throttle_dirty()
 
@@ -377,9 +379,9 @@ class WritePath(Room):
                 continue
             self.ram.unpin(block)
             if checksums is not None:
-                self.ledger.stage(block.key, BlockRecord(address.digest, address.layer, model, block.length,
-                                                         checksums[i], now, now, Tier.RAM,
-                                                         route=self.ledger.route_of(address), tenant=tenant))
+                self.ledger.stage(block.key, encode_record(address.digest, address.layer, model, block.length,
+                                                           checksums[i], now, now, RAM, self.ledger.route_of(address),
+                                                           tenant))
                 self.counters.puts += 1
                 self.counters.put_bytes += block.length
                 stored, stored_bytes = stored + 1, stored_bytes + block.length
