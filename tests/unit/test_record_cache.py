@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 
 from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
-from kvcached.index.format import checksum_for, tiers_for
+from kvcached.index.format import checksum_for, encode_record, tiers_for, tombstone_of
 from kvcached.index.record_cache import CACHED_RECORDS, RecordCache, cached_records
 from kvcached_agent.address import BlockAddress
 
@@ -126,3 +127,25 @@ def test_a_writer_thread_and_the_loop_never_leave_an_older_record_cached(tmp_pat
             assert cached is None or [cached] == stored(index, [key])
     finally:
         index.close()
+
+
+def test_records_written_as_bytes_are_the_records_encoded() -> None:
+    """format.encode_record (an agent's saves write it) gives BlockRecord.encode's bytes, and
+    format.tombstone_of the bytes of BlockRecord.gone, on random fields."""
+    rng = random.Random(7)
+    for _ in range(200):
+        fields = dict(digest=rng.randbytes(32), layer=rng.randrange(1 << 32), model=rng.choice(["m", "llama-3-8b", "é"]),
+                      nbytes=rng.randrange(1, 1 << 30), checksum=rng.randbytes(32), created=rng.random() * 1e9,
+                      last_seen=rng.random() * 1e9, route=rng.choice([b"", rng.randbytes(rng.randrange(1, 40))]),
+                      tenant=rng.choice(["", "t1", "team-b"]))
+        rec = BlockRecord(fields["digest"], fields["layer"], fields["model"], fields["nbytes"], fields["checksum"],
+                          fields["created"], fields["last_seen"], Tier.RAM, route=fields["route"], tenant=fields["tenant"])
+        raw = encode_record(fields["digest"], fields["layer"], fields["model"], fields["nbytes"], fields["checksum"],
+                            fields["created"], fields["last_seen"], int(Tier.RAM), fields["route"], fields["tenant"])
+        assert raw == rec.encode()
+        now = rng.random() * 1e9
+        assert tombstone_of(raw, int(GoneReason.EVICTED), now) == rec.gone(GoneReason.EVICTED, now).encode()
+        both = encode_record(fields["digest"], fields["layer"], fields["model"], fields["nbytes"], fields["checksum"],
+                             fields["created"], fields["last_seen"], int(Tier.RAM | Tier.SSD), fields["route"],
+                             fields["tenant"])
+        assert tombstone_of(both, int(GoneReason.EVICTED), now, int(Tier.SSD)) == replace(rec, tiers=Tier.SSD).encode()
