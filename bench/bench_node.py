@@ -519,6 +519,27 @@ def index_write_us(directory: Path, records: int = 64 * 400) -> float:
         index.close()
 
 
+def codec_us_per_digest(calls: int = 20_000) -> float:
+    """CPU us per digest the agent protocol's own Python costs a 32-digest Lookup here: the
+    frame read (FrameDecoder), decoded, and its LookupResult encoded; best of 3."""
+    from kvcached_agent import protocol as p
+    from kvcached_agent.address import CROSS_LAYER
+
+    frame = p.encode(p.Lookup(CROSS_LAYER, [os.urandom(32) for _ in range(LOOKUP_DIGESTS)]), 7)
+    decoder = p.FrameDecoder()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            decoder.feed(frame)
+            got = decoder.next_frame()
+            assert got is not None
+            p.decode(got)
+            p.encode(p.LookupResult(LOOKUP_DIGESTS, 0, LOOKUP_DIGESTS, 0, 0), got.request_id)
+        best = min(best, time.thread_time() - t0)
+    return best / calls / LOOKUP_DIGESTS * 1e6
+
+
 def bench_size(block: int, counts: Sequence[int], s: Settings) -> dict[str, Any]:
     from bench_agent import start_echo
     from bench_core import GrpcBackend
@@ -539,7 +560,8 @@ def bench_size(block: int, counts: Sequence[int], s: Settings) -> dict[str, Any]
             names = sorted({t[0] for t in thread_cpu(pid).values()})
             out: dict[str, Any] = {"block": block, "hash_threads": hash_threads, "fill_gbps": fill,
                                    "daemon_threads": names, "hash_us_1thread": hash_us(block),
-                                   "index_us_per_key": index_write_us(tmp), "groups": {}}
+                                   "index_us_per_key": index_write_us(tmp), "codec_us_per_digest": codec_us_per_digest(),
+                                   "groups": {}}
             if not any(n.startswith(HASH_THREADS) for n in names):
                 progress(f"warning: no hashing thread named {HASH_THREADS} in the daemon: {names}")
             for count in counts:
@@ -716,6 +738,11 @@ def notes_for(res: dict[str, Any], cost: dict[str, dict[str, Any]]) -> list[str]
             f"{block}: an index write costs {res['index_us_per_key']:.2f} us of the writer's thread a key here (RocksDB, "
             f"the daemon's options, 64 keys a write); a saved block writes 2 keys (its record, its victim's tombstone): "
             f"{2 * res['index_us_per_key']:.2f} us of the save's event loop figure",
+            f"{block}: the agent protocol's own Python (frame read, Lookup decoded, answer encoded) costs "
+            f"{res['codec_us_per_digest']:.3f} us a digest of a {LOOKUP_DIGESTS}-digest Lookup here; with the echo "
+            f"server's {cost['lookup']['echo_us_per_frame'] * cost['lookup']['frames_per_unit']:.3f} us that is "
+            f"{res['codec_us_per_digest'] + cost['lookup']['echo_us_per_frame'] * cost['lookup']['frames_per_unit']:.3f}"
+            " us a digest before any lookup work",
             f"{block}: other processes used {other_s:.1f} CPU-s during the {clocked:.0f} s of phases "
             f"({other_s / clocked:.0%} of one core)" + ("; the figures are disturbed by them" if other_s / clocked > 0.1 else "")]
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import re
 import struct
 from array import array
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import blake3
@@ -148,25 +147,51 @@ def index_key_of_wire(wire: bytes) -> bytes:
     return hasher.digest()
 
 
-@dataclass(frozen=True, slots=True)
 class BlockAddress:
-    """Where a KV block lives in the cache: its chained digest and its layer."""
+    """Where a KV block lives in the cache: its chained digest and its layer. Immutable; equal
+    (and hashed) by digest and layer.
 
+    Made for every block of every request an agent sends (a daemon answering eight engines makes
+    hundreds of thousands a second), so it is a plain slotted class, not a dataclass: half the
+    cost of one (bench/bench_node.py, the daemon's CPU per block)."""
+
+    __slots__ = ("digest", "layer", "key")
     digest: bytes
-    layer: int = CROSS_LAYER
+    layer: int
     #: The 32-byte index key (layer hashed into the digest), computed once.
-    key: bytes = field(init=False, repr=False, compare=False)
+    key: bytes
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.digest, bytes):
-            raise ValueError(f"digest must be bytes, got {type(self.digest).__name__}")
-        if isinstance(self.layer, bool) or not isinstance(self.layer, int):
-            raise ValueError(f"layer must be an integer, got {self.layer!r}")
-        if len(self.digest) != DIGEST_BYTES:
-            raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(self.digest)}")
-        if not 0 <= self.layer <= CROSS_LAYER:
-            raise ValueError(f"layer must be in 0..{CROSS_LAYER}, got {self.layer}")
-        object.__setattr__(self, "key", index_key(self.digest, self.layer))
+    def __init__(self, digest: bytes, layer: int = CROSS_LAYER) -> None:
+        if type(digest) is not bytes or len(digest) != DIGEST_BYTES or type(layer) is not int \
+                or not 0 <= layer <= CROSS_LAYER:
+            _check_address(digest, layer)       # raises, but for subclasses of bytes and int
+        hasher = _KEY_HASHER.copy()
+        hasher.update(digest + _U32.pack(layer))
+        init = object.__setattr__
+        init(self, "digest", digest)
+        init(self, "layer", layer)
+        init(self, "key", hasher.digest())
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a BlockAddress cannot be changed (tried to set {name!r})")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a BlockAddress cannot be changed (tried to delete {name!r})")
+
+    def __reduce__(self) -> tuple[type[BlockAddress], tuple[bytes, int]]:
+        return BlockAddress, (self.digest, self.layer)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not BlockAddress:
+            return NotImplemented
+        assert isinstance(other, BlockAddress)
+        return self.digest == other.digest and self.layer == other.layer
+
+    def __hash__(self) -> int:
+        return hash((self.digest, self.layer))
+
+    def __repr__(self) -> str:
+        return f"BlockAddress(digest={self.digest!r}, layer={self.layer!r})"
 
     @property
     def is_cross_layer(self) -> bool:
@@ -188,6 +213,19 @@ class BlockAddress:
         if not _DECIMAL.fullmatch(layer):
             raise ValueError(f"layer must be a decimal number or 'x', got {layer!r}")
         return cls(digest, int(layer))
+
+
+def _check_address(digest: object, layer: object) -> None:
+    """Raise ValueError for what cannot be a block address (a subclass of bytes or int that is
+    one passes)."""
+    if not isinstance(digest, bytes):
+        raise ValueError(f"digest must be bytes, got {type(digest).__name__}")
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise ValueError(f"layer must be an integer, got {layer!r}")
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(digest)}")
+    if not 0 <= layer <= CROSS_LAYER:
+        raise ValueError(f"layer must be in 0..{CROSS_LAYER}, got {layer}")
 
 
 def addresses(digests: Iterable[bytes], layer: int = CROSS_LAYER) -> list[BlockAddress]:

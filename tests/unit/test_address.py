@@ -399,6 +399,33 @@ def test_block_address_defaults_and_key() -> None:
     assert len({BlockAddress(d, 3), BlockAddress(d, 3)}) == 1
 
 
+def test_block_address_is_immutable_and_survives_copies() -> None:
+    """A plain slotted class (it is made per block on the hot paths): frozen, pickled and
+    copied as itself, equal by digest and layer only, and it takes subclasses of bytes and int
+    as the dataclass it replaced did, refusing what that refused."""
+    import copy
+    import pickle
+
+    class Digest(bytes):
+        pass
+
+    class Layer(int):
+        pass
+
+    d = bytes(range(32))
+    a = BlockAddress(d, 7)
+    for change in (lambda: setattr(a, "layer", 8), lambda: setattr(a, "key", b""), lambda: delattr(a, "digest")):
+        with pytest.raises(AttributeError):
+            change()
+    for twin in (pickle.loads(pickle.dumps(a)), copy.copy(a), copy.deepcopy(a), BlockAddress(Digest(d), Layer(7))):
+        assert twin == a and hash(twin) == hash(a) and twin.key == a.key == index_key(d, 7)
+    assert a != (d, 7) and a != BlockAddress(d, 8) and a != BlockAddress(bytes(32), 7)
+    assert repr(a) == f"BlockAddress(digest={d!r}, layer=7)"
+    for digest, layer in ((bytearray(d), 7), ("x" * 32, 7), (d, True), (d, 7.0), (d, "7")):
+        with pytest.raises(ValueError):
+            BlockAddress(digest, layer)     # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("length", [0, 16, 31, 33, 64])
 def test_block_address_rejects_digest_length(length: int) -> None:
     with pytest.raises(ValueError):
