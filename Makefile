@@ -6,10 +6,11 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/kvcached/v1/*.proto)
 PROTO_OUT := kvcached/v1/kvcache_pb2.py
+COMPILED := $(VENV)/.compiled
 
 .PHONY: install nixl gpu-wheels setup run lint test test-unit test-integration test-reliability soak test-engines engines-venv test-e2e e2e-venv bench proto clean system-deps certs
 
-install: $(STAMP) $(PROTO_OUT)
+install: $(STAMP) $(PROTO_OUT) $(COMPILED)
 
 # The environments build side by side (make setup), but their editable installs of this tree
 # write its *.egg-info folders: one at a time.
@@ -22,6 +23,12 @@ $(STAMP): pyproject.toml agent/pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(EDITABLE) $(PIP) install --quiet -e ./agent -e '.[dev]'
+	touch $@ $(COMPILED)
+
+# The daemon's C extension (setup.py: kvcached/host/_short_hash.c) is built in place by the
+# editable install above, with the system's gcc and Python's headers; again when its source changes.
+$(COMPILED): setup.py kvcached/host/_short_hash.c | $(STAMP)
+	$(EDITABLE) $(PIP) install --quiet --no-deps -e .
 	touch $@
 
 # NIXL for the peer tier's NIXL lane ([quic] lane = "nixl"; requirements-nixl.txt says why --no-deps).

@@ -172,6 +172,24 @@ class BlockAddress:
         init(self, "layer", layer)
         init(self, "key", hasher.digest())
 
+    @classmethod
+    def with_key(cls, digest: bytes, layer: int, key: bytes) -> BlockAddress:
+        """The address of (``digest``, ``layer``) whose index key the caller has computed by
+        the same derivation (:func:`index_key`): the daemon hashes a whole request's keys in one
+        call (kvcached.host.short_hash). The digest and layer are checked as by the
+        constructor; the key is taken as given (32 bytes)."""
+        if type(digest) is not bytes or len(digest) != DIGEST_BYTES or type(layer) is not int \
+                or not 0 <= layer <= CROSS_LAYER:
+            _check_address(digest, layer)
+        if len(key) != DIGEST_BYTES:
+            raise ValueError(f"an index key is {DIGEST_BYTES} bytes, got {len(key)}")
+        self = object.__new__(cls)
+        init = object.__setattr__
+        init(self, "digest", digest)
+        init(self, "layer", layer)
+        init(self, "key", key)
+        return self
+
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a BlockAddress cannot be changed (tried to set {name!r})")
 

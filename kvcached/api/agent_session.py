@@ -19,6 +19,7 @@ from typing import Iterator, Sequence, TypeGuard, TypeVar, Union, cast
 
 from kvcached.api.slices import SLICE, lookup_in_slices, plan_in_slices, present_in_slices
 from kvcached.errors import DataLoss, FailedPrecondition, InvalidArgument, KvError, NotFound, ResourceExhausted, Unavailable
+from kvcached.host import short_hash
 from kvcached.host.pace import TokenBucket
 from kvcached.policies.load_cost import LoadPlan
 from kvcached.store import CommitOutcome, Miss, Pinned, Presence, SlotRefusal, Store
@@ -221,7 +222,8 @@ class AgentSession:
             return p.Error(error_code(exc), str(exc))
 
     def _allocate(self, message: p.Allocate) -> p.Slots:
-        addresses = [BlockAddress(digest, layer) for digest, layer, _ in message.entries]
+        entries_in = message.entries
+        addresses = short_hash.addresses([e[0] for e in entries_in], [e[1] for e in entries_in])
         results = self.store.reserve([(a, length) for a, (_, _, length) in zip(addresses, message.entries)], self._tag)
         entries: list[tuple[int, int, int]] = []
         for address, result in zip(addresses, results):
@@ -240,7 +242,8 @@ class AgentSession:
         return p.Committed([p.Status.UNKNOWN_HANDLE if w is None else _COMMIT_STATUS[next(results)] for w in found])
 
     async def _load(self, message: p.Load) -> p.Loaded:
-        addresses = [BlockAddress(digest, layer) for digest, layer in message.entries]
+        entries_in = message.entries
+        addresses = short_hash.addresses([e[0] for e in entries_in], [e[1] for e in entries_in])
         results = await self.store.pin(addresses, allow_partial=True, tenant=self._tag)
         entries: list[tuple[int, int, int, int]] = []
         for result in results:

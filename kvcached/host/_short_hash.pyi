@@ -1,0 +1,6 @@
+"""Types of the C extension kvcached/host/_short_hash.c (see kvcached/host/short_hash.py)."""
+
+from typing import Sequence
+
+def hash(data: bytes, key: bytes | None = None, context: bytes | None = None) -> bytes: ...
+def index_keys(context: bytes, digests: Sequence[bytes], layer: int | Sequence[int]) -> list[bytes]: ...
