@@ -336,6 +336,9 @@ class Store:
     def unpin(self, pinned: Pinned) -> None:
         self.reader.unpin(pinned)
 
+    def unpin_many(self, pins: Sequence[Pinned]) -> None:
+        self.reader.unpin_many(pins)
+
     def lookup(self, digests: Sequence[bytes], layer: int, agent: int | None = None,
                tenant: str | None = "") -> LookupResult:
         self._settle_chain(digests, layer)

@@ -139,18 +139,20 @@ class ReadPath(Room):
                 f"readers would pin {inflight.held_bytes + wanted} bytes, over half the RAM tier "
                 f"({inflight.max_held_bytes} bytes; {inflight.held_bytes} pinned now): fetch fewer blocks per stream")
         out: list[Pinned | Miss] = []
+        pin, on_hit = self.ram.pin, self.writer.on_hit
         for address, block, checksum in entries:
             if block is None or not checksum:
                 out.append(self.miss_of(address, tenant) if block is None else self._foreign(address) if checksum == FOREIGN
                            else Miss(address, self.ledger.drop_unindexed(block)))
-                self.counters.misses += 1
                 continue
-            self.ram.pin(block)
+            pin(block)
             inflight.held_bytes += block.length
-            self.writer.on_hit(block)
-            self.counters.hits += 1
-            self.counters.hit_bytes += block.length
+            on_hit(block)
             out.append(Pinned(address, block, checksum))
+        counters = self.counters
+        counters.misses += len(missing)
+        counters.hits += len(out) - len(missing)
+        counters.hit_bytes += wanted
         self.tally.read(tenant, len(out) - len(missing), wanted, len(missing))
         self._count_read(len(addresses), len(addresses) - len(missing), reached, started)
         return out
@@ -167,6 +169,25 @@ class ReadPath(Room):
     def unpin(self, pinned: Pinned) -> None:
         self.unpin_block(pinned.block)
         self.inflight.held_bytes -= pinned.block.length
+
+    def unpin_many(self, pins: Sequence[Pinned]) -> None:
+        """:meth:`unpin` of each of ``pins`` (an agent's Release), in one pass. Every one is
+        released even if one fails; the first error is raised after."""
+        unpin = self.unpin if self.pulls.transient else None
+        ram_unpin, inflight = self.ram.unpin, self.inflight
+        first: Exception | None = None
+        for pinned in pins:
+            try:
+                if unpin is not None:
+                    unpin(pinned)
+                else:
+                    block = pinned.block
+                    ram_unpin(block)
+                    inflight.held_bytes -= block.length
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def unpin_block(self, block: RamBlock) -> None:
         """Release one pin; a pulled block held only to be read once goes when its last

@@ -201,6 +201,21 @@ def test_pin_and_unpin(store: Store) -> None:
     assert pinned.block.refs == 0
 
 
+def test_unpin_many_releases_every_pin_even_past_a_bad_one(store: Store) -> None:
+    """An agent's Release gives back its loads in one pass (Store.unpin_many): a pin released
+    twice raises, after every other one was released and the held bytes counted down."""
+    store.put([item(1), item(2), item(3)])
+    pins = [p for p in store.pin([address(1), address(2), address(3)]) if isinstance(p, Pinned)]
+    assert store.pinned_bytes == 3 * 4 * KIB
+    store.unpin(pins[1])
+    with pytest.raises(ValueError, match="not pinned"):
+        store.unpin_many(pins)
+    assert [p.block.refs for p in pins] == [0, 0, 0] and store.pinned_bytes == 0
+    again = [p for p in store.pin([address(1), address(3)]) if isinstance(p, Pinned)]
+    store.unpin_many(again)
+    assert [p.block.refs for p in again] == [0, 0] and store.pinned_bytes == 0
+
+
 def test_pin_batch_misses(store: Store) -> None:
     store.put([item(1), item(3)])
     with pytest.raises(NotFound, match=f"block {address(2)}: unknown block"):
