@@ -498,7 +498,8 @@ def index_write_us(directory: Path, records: int = 64 * 400) -> float:
     """CPU us of the calling thread per key an index write costs here: the daemon's own
     BlockIndex (RocksDB, its options), 64 records a write, then the 64 tombstones that patch
     them, as a saved block and its eviction write; best of 3 passes over ``records`` keys."""
-    from kvcached.index import BlockIndex, BlockRecord, Tier
+    from kvcached.index import BlockIndex, BlockRecord, GoneReason, Tier
+    from kvcached.index.format import tombstone_of
 
     index = BlockIndex(directory / "index-cost")
     try:
@@ -507,7 +508,7 @@ def index_write_us(directory: Path, records: int = 64 * 400) -> float:
             keys = [os.urandom(32) for _ in range(records)]
             batches = [[(k, BlockRecord(k, 0, MODEL, 65536, k, 1.0, 1.0, Tier.RAM).encode()) for k in keys[i:i + BATCH]]
                        for i in range(0, records, BATCH)]
-            tombstones = [[(k, raw[:1] + b"\0" + raw[2:]) for k, raw in batch] for batch in batches]
+            tombstones = [[(k, tombstone_of(raw, int(GoneReason.EVICTED), 2.0)) for k, raw in batch] for batch in batches]
             t0 = time.thread_time()
             for batch in batches:
                 index.write(batch, watch=False)
@@ -517,6 +518,28 @@ def index_write_us(directory: Path, records: int = 64 * 400) -> float:
         return best / (2 * records) * 1e6
     finally:
         index.close()
+
+
+def index_keys_us(requests: int = 2_000) -> tuple[float, float]:
+    """CPU us per block a request's index keys cost here (kvcached.host.short_hash: 64 digests
+    at one layer), (compiled in one call, one BlockAddress each as before it): best of 3 each,
+    interleaved. The compiled side is the blake3 package's where the extension is not built."""
+    from kvcached.host import short_hash
+    from kvcached_agent.address import CROSS_LAYER, BlockAddress
+
+    digests = [os.urandom(32) for _ in range(BATCH)]
+    layers = [CROSS_LAYER] * BATCH
+    best = [float("inf"), float("inf")]
+    for _ in range(3):
+        for side in (0, 1):
+            t0 = time.thread_time()
+            for _ in range(requests):
+                if side == 0:
+                    short_hash.addresses(digests, layers)
+                else:
+                    [BlockAddress(d, layer) for d, layer in zip(digests, layers)]
+            best[side] = min(best[side], time.thread_time() - t0)
+    return best[0] / requests / BATCH * 1e6, best[1] / requests / BATCH * 1e6
 
 
 def codec_us_per_digest(calls: int = 20_000) -> float:
@@ -561,6 +584,7 @@ def bench_size(block: int, counts: Sequence[int], s: Settings) -> dict[str, Any]
             out: dict[str, Any] = {"block": block, "hash_threads": hash_threads, "fill_gbps": fill,
                                    "daemon_threads": names, "hash_us_1thread": hash_us(block),
                                    "index_us_per_key": index_write_us(tmp), "codec_us_per_digest": codec_us_per_digest(),
+                                   "index_keys_us": index_keys_us(),
                                    "groups": {}}
             if not any(n.startswith(HASH_THREADS) for n in names):
                 progress(f"warning: no hashing thread named {HASH_THREADS} in the daemon: {names}")
@@ -743,6 +767,9 @@ def notes_for(res: dict[str, Any], cost: dict[str, dict[str, Any]]) -> list[str]
             f"server's {cost['lookup']['echo_us_per_frame'] * cost['lookup']['frames_per_unit']:.3f} us that is "
             f"{res['codec_us_per_digest'] + cost['lookup']['echo_us_per_frame'] * cost['lookup']['frames_per_unit']:.3f}"
             " us a digest before any lookup work",
+            f"{block}: a request's addresses (64 index keys) cost {res['index_keys_us'][0]:.2f} us a block hashed in one "
+            f"compiled call (kvcached.host.short_hash), {res['index_keys_us'][1]:.2f} us one BlockAddress each: "
+            f"{res['index_keys_us'][0] / res['index_keys_us'][1]:.2f}x",
             f"{block}: other processes used {other_s:.1f} CPU-s during the {clocked:.0f} s of phases "
             f"({other_s / clocked:.0%} of one core)" + ("; the figures are disturbed by them" if other_s / clocked > 0.1 else "")]
 

@@ -152,8 +152,9 @@ class BlockAddress:
     (and hashed) by digest and layer.
 
     Made for every block of every request an agent sends (a daemon answering eight engines makes
-    hundreds of thousands a second), so it is a plain slotted class, not a dataclass: half the
-    cost of one (bench/bench_node.py, the daemon's CPU per block)."""
+    hundreds of thousands a second), so it is a plain slotted class, not a frozen dataclass,
+    whose init and checks cost more; most of what remains is the key's BLAKE3 call, which the
+    daemon makes for a whole request at once (:meth:`with_key`)."""
 
     __slots__ = ("digest", "layer", "key")
     digest: bytes

@@ -222,9 +222,9 @@ class AgentSession:
             return p.Error(error_code(exc), str(exc))
 
     def _allocate(self, message: p.Allocate) -> p.Slots:
-        entries_in = message.entries
-        addresses = short_hash.addresses([e[0] for e in entries_in], [e[1] for e in entries_in])
-        results = self.store.reserve([(a, length) for a, (_, _, length) in zip(addresses, message.entries)], self._tag)
+        asked = message.entries
+        addresses = short_hash.addresses([e[0] for e in asked], [e[1] for e in asked])
+        results = self.store.reserve([(a, e[2]) for a, e in zip(addresses, asked)], self._tag)
         entries: list[tuple[int, int, int]] = []
         for address, result in zip(addresses, results):
             if isinstance(result, SlotRefusal):
@@ -242,8 +242,8 @@ class AgentSession:
         return p.Committed([p.Status.UNKNOWN_HANDLE if w is None else _COMMIT_STATUS[next(results)] for w in found])
 
     async def _load(self, message: p.Load) -> p.Loaded:
-        entries_in = message.entries
-        addresses = short_hash.addresses([e[0] for e in entries_in], [e[1] for e in entries_in])
+        asked = message.entries
+        addresses = short_hash.addresses([e[0] for e in asked], [e[1] for e in asked])
         results = await self.store.pin(addresses, allow_partial=True, tenant=self._tag)
         entries: list[tuple[int, int, int, int]] = []
         for result in results:

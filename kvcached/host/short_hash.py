@@ -2,11 +2,11 @@
 
 Every Allocate and Load an agent sends names its blocks by (digest, layer), and the daemon
 stores them under the index key, a BLAKE3 of the two (kvcached_agent.address.index_key). Through
-the blake3 package each key costs ~1.1-1.4 us, nearly all of it the call's overhead: with
-BlockAddress's own work, ~2.4 us a block of every request (bench/bench_node.py measures the
-daemon's CPU per block). :func:`addresses` hashes a request's keys in one call of the daemon's
-C extension (kvcached/host/_short_hash.c, built by ``make install``), ~0.1 us a key, and makes
-the addresses from them.
+the blake3 package each key is a call of its own, most of it the call's overhead.
+:func:`addresses` hashes a request's keys in one call of the daemon's C extension
+(kvcached/host/_short_hash.c, built by ``make install``) and makes the addresses from them:
+bench/bench_node.py prints what a 64-block request's addresses cost a block both ways, in the
+same run (about 0.57x of one BlockAddress each here).
 
 The extension is optional: where it was not built (no C compiler), :data:`COMPILED` is False
 and the same keys come from the blake3 package (:func:`reference_index_keys`), which

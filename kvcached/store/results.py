@@ -37,7 +37,7 @@ class Fetched:
 
 class Pinned(NamedTuple):
     """A block held for a reader: its bytes stay put until :meth:`Store.unpin`. A named tuple,
-    not a frozen dataclass: one is made per block loaded, and it costs half as much."""
+    not a frozen dataclass: one is made per block loaded, and its init is the cheaper."""
 
     address: BlockAddress
     block: RamBlock
