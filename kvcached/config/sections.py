@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvcached.codecs import CODECS
 from kvcached.config.values import (
     between,
     certificate_names,
@@ -85,6 +86,11 @@ class KvSection:
     ssd_commit_ms: float = setting("Longest wait to gather a group commit (ssd_durability = batch), ms.", 10.0,
                                 between(0, 1000, " ms"), (int, float))
     ssd_direct_io: str = setting("O_DIRECT for SSD reads and writes: auto, on or off.", "auto", one_of("auto", "on", "off"))
+    ssd_codec: str = setting("What SSD block files hold (docs/codecs.md): none (the payload as it is) or a lossless "
+                             "codec: planes-zstd (16-bit KV's bytes split into planes, then zstd).", "none",
+                             one_of("none", *sorted(CODECS)))
+    ssd_codec_margin: float = setting("Least fraction of a block ssd_codec must save; a block it shrinks less is stored "
+                                      "raw.", 0.1, between(0, 0.9), (int, float))
     ssd_io_threads: int = setting("Threads doing SSD I/O (blocks in flight at once).", 8, between(1, 256), int)
     hash_threads: int = setting("Threads checksumming saved blocks (BLAKE3; 0: one per CPU this daemon may run on, "
                                 "16 at most).", 0, between(0, 256, zero="0 (one per CPU, 16 at most)"), int)
@@ -327,6 +333,9 @@ class TenantsSection:
         "RAM each tenant keeps for itself, a fraction of kv.ram_gib (0.25) or bytes (1073741824): { alice = 0.5 }. "
         "Unused room is lent; a tenant over its share evicts its own blocks first and never another's within its "
         "share. {}: no shares.", {}, tenant_shares, dict)
+    seal_ssd: bool = setting("Seal every SSD block file with AES-256-GCM under a key of its tenant's own, derived from "
+                             "key_file (docs/codecs.md): a disk without that file, or another tenant's key, reads "
+                             "nothing.", False)
     ssd_shares: dict[str, float | int] = setting(
         "SSD each tenant keeps for itself, a fraction of kv.ssd_gib (0.25) or bytes of block files: { alice = 0.5 }. "
         "Unused room is lent; eviction for room takes only blocks of tenants over their shares. {}: no shares.", {},

@@ -190,7 +190,7 @@ class Daemon:
         self.index, self.index_reconcile = open_index(
             cfg, self.notifier.status, self.adoption.placed_keys if self.adoption else frozenset(),
             reconcile=not self._trusted_arena, tier_feed=self.events.feed if self.events else None)
-        self.ssd = open_ssd(cfg)
+        self.ssd = open_ssd(cfg, self.tenants)
         ssd_order = make_keyed_policy(kv.ssd_policy, settings) if self.ssd and kv.ssd_policy != "lru" else None
         peer_tier = bool(cfg.quic.listen or cfg.quic.peers)
         self.store = Store(ram, self.index, ssd=self.ssd, write_policy=make_write_policy(kv.write_policy, kv.write_through_threshold),

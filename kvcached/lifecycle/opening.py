@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from kvcached.codecs import SEAL_PURPOSE, Sealer, StoredForm, codec_named
 from kvcached.config import Config
 from kvcached.host.fsmodes import UnsafeDirectory, check_state_dir, make_dirs
 from kvcached.host.logs import fields
@@ -16,6 +17,7 @@ from kvcached.index import BlockIndex, IndexError_
 from kvcached.index.boot import reconcile_at_boot
 from kvcached.index.presence import TierFeed
 from kvcached.index.record_cache import cached_records
+from kvcached.tenants import TenantMap
 from kvcached.tiers.ssd import SsdTier
 
 __all__ = ["prepare_state_dirs", "open_index", "open_ssd", "SSD_DIR_LEVELS"]
@@ -47,14 +49,22 @@ def prepare_state_dirs(config: Config) -> None:
                         extra=fields(key=key, directories=", ".join(tightened)))
 
 
-def open_ssd(config: Config) -> SsdTier | None:
-    """The SSD tier of ``[kv] ssd_*`` opened (None: ``ssd_gib`` 0); StartupError saying why it cannot be."""
+def open_ssd(config: Config, tenants: TenantMap | None = None) -> SsdTier | None:
+    """The SSD tier of ``[kv] ssd_*`` opened (None: ``ssd_gib`` 0), its blocks stored as
+    ``kv.ssd_codec`` and ``tenants.seal_ssd`` say (sealing needs ``tenants``, whose key it derives
+    each tenant's from); StartupError saying why it cannot be."""
     kv = config.kv
     if kv.ssd_gib == 0:
         return None
+    sealer = None
+    if config.tenants.seal_ssd:
+        if tenants is None:
+            raise StartupError("tenants.seal_ssd needs the tenant key (tenants.key_file)")
+        sealer = Sealer(lambda tag: tenants.derived_key(SEAL_PURPOSE, tag))
+    form = StoredForm(codec_named(kv.ssd_codec), kv.ssd_codec_margin, sealer)
     ssd = SsdTier(kv.ssd_dir, config.ssd_bytes, durability=kv.ssd_durability,  # type: ignore[arg-type]
                   commit_s=kv.ssd_commit_ms / 1000, direct_io=kv.ssd_direct_io,  # type: ignore[arg-type]
-                  threads=kv.ssd_io_threads)
+                  threads=kv.ssd_io_threads, form=form)
     try:
         ssd.open()
     except OSError as exc:

@@ -111,7 +111,7 @@ class SsdMover(Room):
             try:
                 started = time.perf_counter()
                 problems: list[ReadProblem | None] = await self.ssd.read_many(
-                    [(b.key, header_of(r), v) for (r, b, _), v in zip(mine, views)])
+                    [(b.key, header_of(r), v, r.tenant) for (r, b, _), v in zip(mine, views)])
                 self.delivery.took("ssd", sum(r.nbytes for (r, _, _), p in zip(mine, problems) if p is None),
                                    time.perf_counter() - started)
             except Exception as exc:     # the reads themselves failed (not a bad file): every one is a miss

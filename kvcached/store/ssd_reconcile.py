@@ -29,7 +29,7 @@ from typing import Callable
 
 from kvcached.index import BlockIndex, IndexUnwritable, Tier, queue_entry, raw_ssd_view, record_tenant
 from kvcached.tiers.ssd import SsdTier
-from kvcached.tiers.ssd_format import HeaderError, file_bytes
+from kvcached.tiers.ssd_format import HeaderError
 from kvcached.tiers.ssd_usage import TenantUse
 from kvcached_agent.address import index_key
 
@@ -113,8 +113,8 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
             problem = "no index record claims it"
         elif ssd.path_of(key, header.digest, header.layer) != entry.path:
             problem = "it lies under another block's name"
-        elif size != file_bytes(view[1]):
-            problem = f"file is {size} bytes, expected {file_bytes(view[1])}"
+        elif size != header.file_size:
+            problem = f"file is {size} bytes, expected {header.file_size}"
         else:
             problem = header.disagreement(view[4], view[5], view[1], view[3])
         if problem is None:
@@ -143,15 +143,16 @@ def reconcile_ssd(index: BlockIndex, ssd: SsdTier, stop: Callable[[], bool] = la
         report.records += 1
         progress("index", report.records)
         path = ssd.path_of(key, view[4], view[5])
-        if os.path.exists(path):
+        size = _file_size(path)
+        if size >= 0:        # a coded block's file is its own size: counted as it is
             report.on_ssd += 1
             report.on_ssd_bytes += view[1]
-            report.on_ssd_file_bytes += file_bytes(view[1])
+            report.on_ssd_file_bytes += size
             tenant = record_tenant(raw)
             use = report.by_tenant.get(tenant)
             if use is None:
                 use = report.by_tenant[tenant] = TenantUse()
-            use.add(1, view[1], file_bytes(view[1]))
+            use.add(1, view[1], size)
         elif not ssd.is_fresh(path):
             report.lost.append(key)
     report.elapsed_s = round(time.monotonic() - t0, 3)
@@ -180,3 +181,11 @@ def _remove(ssd: SsdTier, path: str) -> None:
         pass
     except OSError as exc:     # a directory under a block's name, no permission: say so, go on
         log.error("cannot remove from the SSD directory", extra={"fields": {"file": path, "error": str(exc)}})
+
+
+def _file_size(path: str) -> int:
+    """The size of ``path`` (-1: there is no such file)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1

@@ -124,6 +124,13 @@ class TenantMap:
         belongs to, else the default; None: refused."""
         return next((self._by_cert[n] for n in names if n in self._by_cert), self.default)
 
+    def derived_key(self, purpose: str, tag: str) -> bytes:
+        """A 32-byte key of tenant ``tag``'s own ("" the default tenant) for ``purpose`` (a
+        fixed text naming what it keys), derived from the daemon's tenant key: BLAKE3's
+        key-derivation mode, so keys for different purposes or tenants say nothing of each
+        other or of the tenant key."""
+        return blake3.blake3(self._secret + tag.encode(), derive_key_context=f"kvcached 2026-12-07 {purpose}").digest()
+
     def named(self, name: str) -> Tenant | None:
         """The configured tenant called ``name`` (None: the configuration names no such tenant)."""
         return self._tenants.get(name)

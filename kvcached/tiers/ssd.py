@@ -46,20 +46,23 @@ from typing import Awaitable, Callable, Iterator, Literal
 
 import blake3
 
+from kvcached.codecs import StoredForm, UnpackError
 from kvcached.host.fsmodes import make_dirs
 from kvcached.tiers.ssd_errors import SsdFull, SsdTooLarge, SsdWriteError
 from kvcached.tiers.ssd_format import HEADER_BYTES, SUFFIX, TMP_MARK, BlockHeader, HeaderError, block_dir, block_name, file_bytes, padded
-from kvcached.tiers.ssd_io import fsync_dir, preadv_all, probe_direct, subdirs, unlink_all, unlink_quietly
+from kvcached.tiers.ssd_io import fsync_dir, preadv_all, probe_direct, subdirs, unlink_all_sized, unlink_sized
 from kvcached.tiers.ssd_publish import BlockPublisher, Durability, PageBuffers, SsdWrite
 from kvcached.tiers.ssd_usage import SsdCounters, SsdSpace, SsdUsage, TenantUse
 
 __all__ = ["SsdTier", "SsdWrite", "SsdWriteError", "SsdFull", "SsdTooLarge", "SsdSpace", "Durability", "DirectIo",
-           "IO_ERROR", "ReadFault", "ReadProblem", "SsdVictim"]
+           "IO_ERROR", "ReadFault", "ReadProblem", "SsdRead", "SsdVictim"]
 
 log = logging.getLogger("kvcached.ssd")
 
 #: A block file to remove: (index key, its header, its tenant's tag).
 SsdVictim = tuple[bytes, BlockHeader, str]
+#: A block to read: (index key, its header as the index knows it, its arena slot[, its tenant's tag]).
+SsdRead = tuple[bytes, BlockHeader, memoryview] | tuple[bytes, BlockHeader, memoryview, str]
 
 DirectIo = Literal["auto", "on", "off"]
 QUARANTINE_KEEP = 100            # newest quarantined files kept for inspection
@@ -96,7 +99,7 @@ class SsdTier:
     are read by the store's metrics."""
 
     def __init__(self, directory: str, capacity: int, *, durability: Durability = "batch", commit_s: float = 0.01,
-                 direct_io: DirectIo = "auto", threads: int = 8) -> None:
+                 direct_io: DirectIo = "auto", threads: int = 8, form: StoredForm | None = None) -> None:
         self.directory = os.path.abspath(directory)
         self.blocks_dir = os.path.join(self.directory, "blocks")
         self.quarantine_dir = os.path.join(self.directory, "quarantine")
@@ -111,8 +114,10 @@ class SsdTier:
         self._removing: dict[str, asyncio.Future[None]] = {}   # names being unlinked or quarantined
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvcached-ssd")
         self._buffers = PageBuffers()
+        self.form = form if form is not None else StoredForm()      # what blocks become on disk (kvcached.codecs)
         self._publisher = BlockPublisher(self.blocks_dir, self.boot_token, self.usage, self.counters, self._pool,
-                                         self._buffers, durability=durability, commit_s=commit_s, threads=threads)
+                                         self._buffers, self.form, durability=durability, commit_s=commit_s,
+                                         threads=threads)
 
     # -- what it holds (SsdUsage's counts) --------------------------------------------------------
 
@@ -225,21 +230,22 @@ class SsdTier:
 
     # -- reading ------------------------------------------------------------------------------
 
-    async def read_into(self, key: bytes, header: BlockHeader, dest: memoryview) -> ReadProblem | None:
-        """Read the block described by ``header`` (what the index says it is) into ``dest``
-        (its arena slot, at least :func:`padded` bytes) and verify it. None when the bytes in
-        ``dest[:length]`` are the block; else the :class:`ReadProblem`."""
-        return (await self.read_many([(key, header, dest)]))[0]
+    async def read_into(self, key: bytes, header: BlockHeader, dest: memoryview, tenant: str = "") -> ReadProblem | None:
+        """Read the block described by ``header`` (what the index says it is; ``tenant``'s, whose
+        key opens it if sealed) into ``dest`` (its arena slot, at least :func:`padded` bytes) and
+        verify it. None when the bytes in ``dest[:length]`` are the block; else the
+        :class:`ReadProblem`. A coded or sealed file is unpacked by what its own header says."""
+        return (await self.read_many([(key, header, dest, tenant)]))[0]
 
-    async def read_many(self, reads: list[tuple[bytes, BlockHeader, memoryview]]) -> list[ReadProblem | None]:
+    async def read_many(self, reads: list[SsdRead]) -> list[ReadProblem | None]:
         """:meth:`read_into` for a batch, split into one job per I/O thread."""
         loop = asyncio.get_running_loop()
-        jobs = [(self.path_of(k, h.digest, h.layer), h, d) for k, h, d in reads]
+        jobs = [(self.path_of(r[0], r[1].digest, r[1].layer), r[1], r[2], r[3] if len(r) > 3 else "") for r in reads]
         per_job = -(-len(jobs) // self.threads) if jobs else 1
         chunks = await asyncio.gather(*(loop.run_in_executor(self._pool, self._read_chunk, jobs[i:i + per_job])
                                         for i in range(0, len(jobs), per_job)))
         problems = [p for chunk in chunks for p in chunk]
-        for (_, header, _), problem in zip(reads, problems):
+        for (_, header, _, _), problem in zip(jobs, problems):
             if problem is None:
                 self.counters.reads += 1
                 self.counters.read_bytes += header.length
@@ -249,10 +255,10 @@ class SsdTier:
                 self.counters.corrupt += 1
         return problems
 
-    def _read_chunk(self, jobs: list[tuple[str, BlockHeader, memoryview]]) -> list[ReadProblem | None]:
-        return [self._read_verify(path, header, dest) for path, header, dest in jobs]
+    def _read_chunk(self, jobs: list[tuple[str, BlockHeader, memoryview, str]]) -> list[ReadProblem | None]:
+        return [self._read_verify(path, header, dest, tenant) for path, header, dest, tenant in jobs]
 
-    def _read_verify(self, path: str, want: BlockHeader, dest: memoryview) -> ReadProblem | None:
+    def _read_verify(self, path: str, want: BlockHeader, dest: memoryview, tenant: str) -> ReadProblem | None:
         n = want.length
         size = padded(n)
         if len(dest) < size:
@@ -267,17 +273,24 @@ class SsdTier:
         body = dest[:size]
         try:
             actual = os.fstat(fd).st_size
-            if actual != file_bytes(n):
-                return ReadProblem(ReadFault.DAMAGED, f"file is {actual} bytes, expected {file_bytes(n)} (truncated or torn)")
-            got = preadv_all(fd, [head, body], file_bytes(n))
-            if got != file_bytes(n):
-                return ReadProblem(ReadFault.DAMAGED, f"short read: {got} of {file_bytes(n)} bytes")
+            # A plain file (the payload as it is) is read in one call, straight into its slot; a
+            # coded or sealed one has its stored form's first pages there too, and the rest after.
+            got = preadv_all(fd, [head, body], min(actual, file_bytes(n)))
             try:
-                problem = BlockHeader.decode(head).disagreement(want.digest, want.layer, n, want.checksum)
+                found = BlockHeader.decode(head)
+                problem = found.disagreement(want.digest, want.layer, n, want.checksum)
             except HeaderError as exc:
                 problem = str(exc)
             if problem is not None:
                 return ReadProblem(ReadFault.DAMAGED, problem)
+            if actual != found.file_size:
+                return ReadProblem(ReadFault.DAMAGED, f"file is {actual} bytes, expected {found.file_size} (truncated or torn)")
+            if got != min(actual, file_bytes(n)):
+                return ReadProblem(ReadFault.DAMAGED, f"short read: {got} of {min(actual, file_bytes(n))} bytes")
+            if not found.plain:
+                problem = self._unpack(fd, found, body, got - HEADER_BYTES, tenant)
+                if problem is not None:
+                    return ReadProblem(ReadFault.DAMAGED, problem)
             if blake3.blake3(body[:n]).digest() != want.checksum:
                 return ReadProblem(ReadFault.DAMAGED, "payload does not match its BLAKE3 checksum")
             return None
@@ -287,31 +300,59 @@ class SsdTier:
             os.close(fd)
             body.release()
 
+    def _unpack(self, fd: int, found: BlockHeader, body: memoryview, have: int, tenant: str) -> str | None:
+        """Thread: the stored form of a coded or sealed block, whose first ``have`` bytes are in
+        ``body``, gathered (the rest read from the file) and unpacked into ``body[:length]``;
+        None, or why it cannot be (the file is damaged or not this tenant's)."""
+        stored = found.stored_length
+        scratch = self._buffers.scratch(padded(stored))
+        have = min(have, stored)
+        scratch[:have] = body[:have]
+        if have < stored:
+            rest = padded(stored) - have
+            view = memoryview(scratch)[have:have + rest]
+            try:
+                got = preadv_all(fd, [view], rest, HEADER_BYTES + have)
+            finally:
+                view.release()
+            if got != rest:
+                return f"short read of the stored form: {have + got} of {padded(stored)} bytes"
+        view = memoryview(scratch)[:stored]
+        out = body[:found.length]
+        try:
+            self.form.unpack(found.codec, found.nonce, view, out, tenant, found.identity())
+        except UnpackError as exc:
+            return f"stored form does not unpack: {exc}"
+        finally:
+            view.release()
+            out.release()
+        return None
+
     # -- removal ------------------------------------------------------------------------------
 
     async def remove_many(self, items: list[SsdVictim]) -> int:
-        """Unlink the files of these blocks (accounting them out, each under its tenant);
-        returns how many existed."""
+        """Unlink the files of these blocks (accounting them out, each under its tenant, by the
+        size its file had); returns how many existed."""
         paths = [(self.path_of(k, h.digest, h.layer), h.length, tenant) for k, h, tenant in items]
         with self._removing_paths([p for p, _, _ in paths]):
-            gone = await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all, [p for p, _, _ in paths])
-        for (path, size, tenant), existed in zip(paths, gone):
+            sizes = await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all_sized, [p for p, _, _ in paths])
+        for (path, length, tenant), size in zip(paths, sizes):
             self.usage.touched(path)
-            if existed:
-                self.usage.removed(size, tenant)
+            if size >= 0:
+                self.usage.removed(length, tenant, size)
                 self.counters.removed += 1
-        return sum(gone)
+        return sum(size >= 0 for size in sizes)
 
     def remove_now(self, key: bytes, header: BlockHeader, tenant: str = "") -> bool:
         """Unlink one block's file, ``tenant``'s, on the calling thread (Delete: one unlink is
         cheap)."""
         path = self.path_of(key, header.digest, header.layer)
         self.usage.touched(path)
-        existed = unlink_quietly(path)
-        if existed:
-            self.usage.removed(header.length, tenant)
+        size = unlink_sized(path)
+        if size >= 0:
+            self.usage.removed(header.length, tenant, size)
             self.counters.removed += 1
-        return existed
+        return size >= 0
 
     def held_by_tenant(self, tenant: str) -> tuple[int, int]:
         """(blocks, payload bytes) of ``tenant``'s on the tier (a tenant tag)."""
@@ -324,25 +365,27 @@ class SsdTier:
         self.usage.touched(path)
         log.error("corrupt SSD block quarantined", extra={"fields": {"key": key.hex(), "file": path, "problem": why}})
         with self._removing_paths([path]):
-            moved = await asyncio.get_running_loop().run_in_executor(self._pool, self._quarantine_file, path)
-        if moved:
-            self.usage.removed(header.length, tenant)
+            size = await asyncio.get_running_loop().run_in_executor(self._pool, self._quarantine_file, path)
+        if size >= 0:
+            self.usage.removed(header.length, tenant, size)
 
-    def _quarantine_file(self, path: str) -> bool:
+    def _quarantine_file(self, path: str) -> int:
+        """Thread: move the file aside; the size it had (-1: there was none)."""
         target = os.path.join(self.quarantine_dir, f"{os.path.basename(path)}.{os.getpid()}-{time.time_ns()}")
         try:
+            size = os.stat(path).st_size
             os.rename(path, target)
         except FileNotFoundError:
-            return False
+            return -1
         except OSError:
-            return unlink_quietly(path)
+            return unlink_sized(path)
         try:
             names = sorted(os.scandir(self.quarantine_dir), key=lambda e: e.stat().st_mtime_ns)
             for entry in names[:max(0, len(names) - QUARANTINE_KEEP)]:
-                unlink_quietly(entry.path)
+                unlink_sized(entry.path)
         except OSError:
             pass
-        return True
+        return size
 
     @contextlib.contextmanager
     def _removing_paths(self, paths: list[str]) -> Iterator[None]:

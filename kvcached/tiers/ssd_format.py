@@ -22,6 +22,21 @@ Header (little-endian; the rest of the page is zero)::
     64  32s payload checksum (BLAKE3-256 of the payload bytes)
     96  16s header checksum (BLAKE3-256 of bytes 0..96, first 16 bytes)
 
+Version 2 (a block stored in another form than its payload: coded, sealed or both; a plain
+block is still written as version 1, so that an older kvcached reads it) adds, before the header
+checksum, which moves to offset 128::
+
+    96  u8  codec (kvcached.codecs: 0 raw)
+    97  u8  sealed (1: AES-256-GCM under the tenant's key, kvcached.codecs.seal)
+    98  6s  zero
+    104 u64 stored length (bytes of the stored form after the header page)
+    112 12s nonce (sealed; else zero)
+    124 4s  zero
+    128 16s header checksum (BLAKE3-256 of bytes 0..128, first 16 bytes)
+
+The payload checksum is always the payload's own (the decoded bytes), so it guards a coded block
+exactly as a raw one.
+
 A header that fails its own checksum, or disagrees with the index record, means the file is not
 the block the index describes; a payload that fails the payload checksum is corrupt. Either way
 the block is never served.
@@ -35,18 +50,22 @@ from dataclasses import dataclass
 
 import blake3
 
-__all__ = ["PAGE", "HEADER_BYTES", "MAGIC", "FORMAT_VERSION", "SUFFIX", "BlockHeader", "HeaderError",
+__all__ = ["PAGE", "HEADER_BYTES", "MAGIC", "FORMAT_VERSION", "STORED_VERSION", "SUFFIX", "BlockHeader", "HeaderError",
            "block_dir", "block_name", "file_bytes", "padded", "leaf_dirs", "parse_name"]
 
 PAGE = 4096
 HEADER_BYTES = PAGE
 MAGIC = b"KVCBLK\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1            # a plain block (its payload as it is)
+STORED_VERSION = 2            # a coded or sealed block
 SUFFIX = ".kvb"
 TMP_MARK = ".tmp-"           # <name>.tmp-<boot token>-<n>: a write not yet published
 _FIXED = struct.Struct("<8sHHIQd32s32s")
-_CHECKED = _FIXED.size       # 96: bytes covered by the header checksum
+_CHECKED = _FIXED.size       # 96: bytes covered by the header checksum (version 1)
+_STORED = struct.Struct("<BB6xQ12s4x")    # version 2's fields after the fixed ones
+_CHECKED_V2 = _CHECKED + _STORED.size     # 128
 _HEADER_SUM = 16
+NONCE_BYTES = 12
 
 
 class HeaderError(ValueError):
@@ -91,33 +110,71 @@ def leaf_dirs() -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
+    """A block file's header: what the block is (digest, layer, payload length and checksum,
+    created) and, for a coded or sealed block, how it is stored (``codec``, the stored form's
+    length ``stored``, the seal's ``nonce``; defaults: a plain block)."""
+
     digest: bytes
     layer: int
     length: int
     checksum: bytes
     created: float
+    codec: int = 0
+    stored: int = -1          # -1: the payload's own length (a plain block)
+    nonce: bytes = b""        # b"": not sealed
+
+    @property
+    def stored_length(self) -> int:
+        """Bytes of the stored form after the header page."""
+        return self.length if self.stored < 0 else self.stored
+
+    @property
+    def plain(self) -> bool:
+        """Whether the file holds the payload as it is (version 1)."""
+        return self.codec == 0 and not self.nonce and self.stored_length == self.length
+
+    @property
+    def file_size(self) -> int:
+        """The size of this block's file."""
+        return HEADER_BYTES + padded(self.stored_length)
+
+    def identity(self) -> bytes:
+        """What the block is, as bytes (a seal's associated data: a sealed form moved under
+        another block's name does not open)."""
+        return self.digest + struct.pack("<IQ", self.layer, self.length) + self.checksum
 
     def encode(self) -> bytes:
-        """The whole 4096-byte header page."""
-        fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.layer, self.length, self.created,
-                            self.digest, self.checksum)
-        return fixed + blake3.blake3(fixed).digest()[:_HEADER_SUM] + bytes(HEADER_BYTES - _CHECKED - _HEADER_SUM)
+        """The whole 4096-byte header page (version 1 for a plain block, else 2)."""
+        plain = self.plain
+        fixed = _FIXED.pack(MAGIC, FORMAT_VERSION if plain else STORED_VERSION, HEADER_BYTES, self.layer, self.length,
+                            self.created, self.digest, self.checksum)
+        if not plain:
+            fixed += _STORED.pack(self.codec, 1 if self.nonce else 0, self.stored_length, self.nonce.ljust(NONCE_BYTES, b"\0"))
+        return fixed + blake3.blake3(fixed).digest()[:_HEADER_SUM] + bytes(HEADER_BYTES - len(fixed) - _HEADER_SUM)
 
     @classmethod
     def decode(cls, page: bytes | bytearray | memoryview | mmap.mmap) -> "BlockHeader":
         if len(page) < _CHECKED + _HEADER_SUM:
             raise HeaderError(f"header is {len(page)} bytes, shorter than {_CHECKED + _HEADER_SUM}")
-        fixed = bytes(page[:_CHECKED])
-        magic, version, header_bytes, layer, length, created, digest, checksum = _FIXED.unpack(fixed)
+        magic, version, header_bytes, layer, length, created, digest, checksum = _FIXED.unpack(bytes(page[:_CHECKED]))
         if magic != MAGIC:
             raise HeaderError(f"bad magic {magic!r}: not a kvcached block file")
-        if version != FORMAT_VERSION:
-            raise HeaderError(f"format version {version}; this kvcached reads {FORMAT_VERSION}")
-        if bytes(page[_CHECKED:_CHECKED + _HEADER_SUM]) != blake3.blake3(fixed).digest()[:_HEADER_SUM]:
+        if version not in (FORMAT_VERSION, STORED_VERSION):
+            raise HeaderError(f"format version {version}; this kvcached reads {FORMAT_VERSION} and {STORED_VERSION}")
+        checked = _CHECKED if version == FORMAT_VERSION else _CHECKED_V2
+        if len(page) < checked + _HEADER_SUM:
+            raise HeaderError(f"header is {len(page)} bytes, shorter than {checked + _HEADER_SUM}")
+        fixed = bytes(page[:checked])
+        if bytes(page[checked:checked + _HEADER_SUM]) != blake3.blake3(fixed).digest()[:_HEADER_SUM]:
             raise HeaderError("header checksum mismatch (damaged header)")
         if header_bytes != HEADER_BYTES:
             raise HeaderError(f"header size {header_bytes}; expected {HEADER_BYTES}")
-        return cls(digest, layer, length, checksum, created)
+        if version == FORMAT_VERSION:
+            return cls(digest, layer, length, checksum, created)
+        codec, sealed, stored, nonce = _STORED.unpack_from(fixed, _CHECKED)
+        if sealed not in (0, 1):
+            raise HeaderError(f"sealed flag {sealed} is neither 0 nor 1")
+        return cls(digest, layer, length, checksum, created, codec, stored, nonce if sealed else b"")
 
     def disagreement(self, digest: bytes, layer: int, length: int, checksum: bytes) -> str | None:
         """Why this header does not describe that block (None: it does)."""

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 __all__ = ["fsync_dir", "preadv_all", "probe_direct", "pwritev_all", "rename_all", "remaining", "subdirs", "unlink_all",
-           "unlink_quietly"]
+           "unlink_all_sized", "unlink_quietly", "unlink_sized"]
 
 PAGE = 4096
 
@@ -74,13 +74,13 @@ def pwritev_all(fd: int, parts: list[Any], total: int) -> None:
         done += n
 
 
-def preadv_all(fd: int, parts: list[Any], total: int) -> int:
-    """Bytes read into ``parts`` from offset 0, up to ``total`` (fewer only at end of file)."""
-    done = os.preadv(fd, parts, 0)
+def preadv_all(fd: int, parts: list[Any], total: int, offset: int = 0) -> int:
+    """Bytes read into ``parts`` from ``offset``, up to ``total`` (fewer only at end of file)."""
+    done = os.preadv(fd, parts, offset)
     while 0 < done < total:
         rest = remaining(parts, done)
         try:
-            n = os.preadv(fd, rest, done)
+            n = os.preadv(fd, rest, offset + done)
         finally:
             for view in rest:
                 view.release()
@@ -119,3 +119,18 @@ def unlink_quietly(path: str) -> bool:
 
 def unlink_all(paths: list[str]) -> list[bool]:
     return [unlink_quietly(p) for p in paths]
+
+
+def unlink_sized(path: str) -> int:
+    """Unlink ``path``; the size it had (-1: there was none). A block file's size is the one
+    true count of what it held on disk (a coded block's is its own)."""
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+        return size
+    except FileNotFoundError:
+        return -1
+
+
+def unlink_all_sized(paths: list[str]) -> list[int]:
+    return [unlink_sized(p) for p in paths]

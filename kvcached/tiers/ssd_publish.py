@@ -34,9 +34,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvcached.codecs import StoredForm
 from kvcached.host.fsmodes import make_dirs
 from kvcached.tiers.ssd_errors import SsdFull, SsdWriteError, write_error
-from kvcached.tiers.ssd_format import HEADER_BYTES, PAGE, TMP_MARK, BlockHeader, file_bytes
+from kvcached.tiers.ssd_format import HEADER_BYTES, PAGE, TMP_MARK, BlockHeader, file_bytes, padded
 from kvcached.tiers.ssd_io import fsync_dir, pwritev_all, rename_all, unlink_quietly
 from kvcached.tiers.ssd_usage import SsdCounters, SsdUsage
 
@@ -67,16 +68,26 @@ class _Written:
     write: SsdWrite
     tmp: str
     final: str
+    size: int                 # the file's bytes (a coded block's are its own)
     future: asyncio.Future[None] = field(repr=False)
 
 
 class PageBuffers(threading.local):
     """Per-thread page-aligned buffers (anonymous mmaps are page aligned, as O_DIRECT needs):
-    a header page, and a bounce page for a payload's last partial page."""
+    a header page, a bounce page for a payload's last partial page, and a scratch area for
+    stored forms (coded or sealed blocks), grown to the largest asked for."""
 
     def __init__(self) -> None:
         self.header = mmap.mmap(-1, HEADER_BYTES)
         self.tail = mmap.mmap(-1, PAGE)
+        self._scratch = mmap.mmap(-1, PAGE)
+
+    def scratch(self, nbytes: int) -> mmap.mmap:
+        """This thread's scratch area, at least ``nbytes`` long (its contents are not kept)."""
+        if len(self._scratch) < nbytes:
+            self._scratch.close()
+            self._scratch = mmap.mmap(-1, padded(nbytes))
+        return self._scratch
 
 
 class BlockPublisher:
@@ -84,7 +95,7 @@ class BlockPublisher:
     decided by :meth:`SsdTier.open` before the first write."""
 
     def __init__(self, blocks_dir: str, boot_token: str, usage: SsdUsage, counters: SsdCounters,
-                 pool: concurrent.futures.ThreadPoolExecutor, buffers: PageBuffers, *,
+                 pool: concurrent.futures.ThreadPoolExecutor, buffers: PageBuffers, form: StoredForm, *,
                  durability: Durability, commit_s: float, threads: int) -> None:
         self.blocks_dir = blocks_dir
         self.boot_token = boot_token
@@ -94,6 +105,7 @@ class BlockPublisher:
         self.commit_s = commit_s
         self.threads = threads
         self.direct = False
+        self.form = form
         self._pool = pool
         self._buffers = buffers
         self._writing = 0            # blocks whose files are being written now (group commit timing)
@@ -143,10 +155,10 @@ class BlockPublisher:
             out.append(None)
             if self.durability == "batch":
                 fut: asyncio.Future[None] = loop.create_future()
-                self._enqueue(_Written(w, res[0], res[1], fut))
+                self._enqueue(_Written(w, res[0], res[1], res[2], fut))
                 waits.append((len(out) - 1, fut))
             else:
-                self._published(w)
+                self._published(w, res[2])
         for i, fut in waits:
             try:
                 await fut
@@ -163,17 +175,17 @@ class BlockPublisher:
         log.error("SSD write failed", extra={"fields": {"key": w.key.hex(), "error": str(exc)}})
         return SsdWriteError(getattr(exc, "errno", None) or errno.EIO, f"SSD write failed: {exc}")
 
-    def _published(self, w: SsdWrite) -> None:
-        self.usage.added(w.header.length, w.tenant)
+    def _published(self, w: SsdWrite, size: int) -> None:
+        self.usage.added(w.header.length, w.tenant, size)
         self.counters.writes += 1
         self.counters.write_bytes += w.header.length
-        self.counters.file_bytes_written += file_bytes(w.header.length)
+        self.counters.file_bytes_written += size
 
     # -- on the I/O threads -------------------------------------------------------------------
 
-    def _write_files(self, chunk: list[tuple[SsdWrite, str]]) -> list[tuple[str, str] | SsdWriteError]:
-        """Thread: write each block's temporary file; (tmp, final) or the error, per block."""
-        out: list[tuple[str, str] | SsdWriteError] = []
+    def _write_files(self, chunk: list[tuple[SsdWrite, str]]) -> list[tuple[str, str, int] | SsdWriteError]:
+        """Thread: write each block's temporary file; (tmp, final, file bytes) or the error, per block."""
+        out: list[tuple[str, str, int] | SsdWriteError] = []
         for w, final in chunk:
             try:
                 out.append(self._write_one(w, final))
@@ -181,11 +193,15 @@ class BlockPublisher:
                 out.append(exc)
         return out
 
-    def _write_one(self, w: SsdWrite, final: str) -> tuple[str, str]:
+    def _write_one(self, w: SsdWrite, final: str) -> tuple[str, str, int]:
         """Thread: write the temporary file and, unless the mode is ``none``, fsync it. Mode
         ``always`` then renames it and fsyncs the directory; mode ``none`` renames it; mode
-        ``batch`` leaves rename and directory fsync to the group commit."""
+        ``batch`` leaves rename and directory fsync to the group commit. A block the tier's
+        :class:`StoredForm` codes or seals is written in that form."""
         tmp = f"{final}{TMP_MARK}{self.boot_token}-{next(self._tmp_serial)}"   # unique: two writes never share one
+        packed = None if self.form.plain else self.form.pack(w.payload, w.tenant, w.header.identity())
+        if packed is not None:
+            return self._write_packed(w, final, tmp, packed.codec, packed.nonce, packed.data)
         bufs = self._buffers
         bufs.header[:] = w.header.encode()
         n = w.header.length
@@ -198,12 +214,30 @@ class BlockPublisher:
                 tail[:n - whole] = w.payload[whole:n]
                 tail[n - whole:] = bytes(PAGE - (n - whole))
                 parts.append(tail)
-            self._write_file(final, tmp, parts, n)
+            self._write_file(final, tmp, parts, file_bytes(n))
         finally:
             body.release()     # no view of the arena may outlive the call (a traceback would keep it)
-        return tmp, final
+        return tmp, final, file_bytes(n)
 
-    def _write_file(self, final: str, tmp: str, parts: list[Any], n: int) -> None:
+    def _write_packed(self, w: SsdWrite, final: str, tmp: str, codec: int, nonce: bytes, data: bytes) -> tuple[str, str, int]:
+        """Thread: :meth:`_write_one` of a coded or sealed block (its stored form ``data``),
+        through the thread's page-aligned scratch area, zero-padded to a whole page."""
+        header = BlockHeader(w.header.digest, w.header.layer, w.header.length, w.header.checksum, w.header.created,
+                             codec, len(data), nonce)
+        bufs = self._buffers
+        bufs.header[:] = header.encode()
+        size = padded(len(data))
+        scratch = bufs.scratch(size)
+        scratch[:len(data)] = data
+        scratch[len(data):size] = bytes(size - len(data))
+        body = memoryview(scratch)[:size]
+        try:
+            self._write_file(final, tmp, [bufs.header, body], header.file_size)
+        finally:
+            body.release()
+        return tmp, final, header.file_size
+
+    def _write_file(self, final: str, tmp: str, parts: list[Any], total: int) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
         try:
             try:
@@ -215,7 +249,7 @@ class BlockPublisher:
             raise write_error(exc, tmp) from None
         try:
             try:
-                pwritev_all(fd, parts, file_bytes(n))
+                pwritev_all(fd, parts, total)
                 if self.durability != "none":
                     os.fsync(fd)
             finally:
@@ -278,7 +312,7 @@ class BlockPublisher:
         for (d, members), synced in zip(dirs.items(), dir_syncs):
             for g in members:
                 if synced is None:
-                    self._published(g.write)
+                    self._published(g.write, g.size)
                     if not g.future.done():
                         g.future.set_result(None)
                 else:   # the names may not be durable: discard them, never fsync again

@@ -105,17 +105,19 @@ class SsdUsage:
 
     # -- counting -------------------------------------------------------------------------------
 
-    def added(self, nbytes: int, tenant: str = "") -> None:
-        """A block of ``nbytes`` payload bytes, ``tenant``'s, was published."""
-        self._account(nbytes, +1, tenant)
+    def added(self, nbytes: int, tenant: str = "", size: int | None = None) -> None:
+        """A block of ``nbytes`` payload bytes, ``tenant``'s, was published in a file of
+        ``size`` bytes (None: a plain block's, :func:`file_bytes`)."""
+        self._account(nbytes, +1, tenant, size)
 
-    def removed(self, nbytes: int, tenant: str = "") -> None:
-        """A published block of ``nbytes`` payload bytes, ``tenant``'s, is gone (unlinked or
-        quarantined)."""
-        self._account(nbytes, -1, tenant)
+    def removed(self, nbytes: int, tenant: str = "", size: int | None = None) -> None:
+        """A published block of ``nbytes`` payload bytes, ``tenant``'s, in a file of ``size``
+        bytes (None: a plain block's) is gone (unlinked or quarantined)."""
+        self._account(nbytes, -1, tenant, size)
 
-    def _account(self, nbytes: int, sign: int, tenant: str) -> None:
-        size = file_bytes(nbytes)
+    def _account(self, nbytes: int, sign: int, tenant: str, size: int | None) -> None:
+        if size is None:
+            size = file_bytes(nbytes)
         self.used_bytes = max(0, self.used_bytes + sign * size)
         self.payload_bytes = max(0, self.payload_bytes + sign * nbytes)
         self.blocks = max(0, self.blocks + sign)
