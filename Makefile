@@ -25,9 +25,9 @@ $(STAMP): pyproject.toml agent/pyproject.toml
 	$(EDITABLE) $(PIP) install --quiet -e ./agent -e '.[dev]'
 	touch $@ $(COMPILED)
 
-# The daemon's C extension (setup.py: kvcached/host/_short_hash.c) is built in place by the
-# editable install above, with the system's gcc and Python's headers; again when its source changes.
-$(COMPILED): setup.py kvcached/host/_short_hash.c | $(STAMP)
+# The daemon's C extensions (setup.py: kvcached/host/_short_hash.c, kvcached/codecs/_planes.c) are built in place by the
+# editable install above, with the system's gcc and Python's headers; again when their sources change.
+$(COMPILED): setup.py kvcached/host/_short_hash.c kvcached/codecs/_planes.c | $(STAMP)
 	$(EDITABLE) $(PIP) install --quiet --no-deps -e .
 	touch $@
 

@@ -14,17 +14,55 @@ Stored form (little-endian)::
 Plane ``i`` holds byte ``i`` of every element (little-endian: plane 1 is the high bytes). The
 decoded bytes are the payload bit for bit. A payload whose length is not a whole number of
 elements is not encoded (stored raw).
+
+Splitting and merging the planes is a strided copy that numpy does at a few hundred MB/s; the
+daemon's C extension kvcached/codecs/_planes.c (built by ``make install``, optional) does it at
+memory speed, and :func:`reference_split` and :func:`reference_merge` (numpy) are what it is
+tested against and what runs where it was not built.
 """
 
 from __future__ import annotations
 
+import importlib
 import struct
 import threading
-from typing import Any
+from types import ModuleType
+from typing import Any, Sequence
 
 from kvcached.codecs.base import CodecError, register
 
-__all__ = ["BytePlanes", "PLANES_ZSTD"]
+__all__ = ["BytePlanes", "COMPILED", "PLANES_ZSTD", "reference_merge", "reference_split"]
+
+
+def _compiled() -> ModuleType | None:
+    try:
+        return importlib.import_module("kvcached.codecs._planes")
+    except ImportError:          # not built: numpy does the same, slower
+        return None
+
+
+_planes = _compiled()
+COMPILED = _planes is not None
+
+
+def reference_split(payload: memoryview, width: int) -> bytes:
+    """The planes of ``payload`` (whole ``width``-byte elements), plane 0 first, by numpy."""
+    import numpy as np
+
+    return np.ascontiguousarray(np.frombuffer(payload, np.uint8).reshape(-1, width).T).tobytes()
+
+
+def reference_merge(planes: Sequence[bytes | memoryview], width: int, out: memoryview) -> None:
+    """Interleave ``planes`` (each len(out) / width bytes) into ``out``, by numpy."""
+    import numpy as np
+
+    dest = np.frombuffer(out, np.uint8).reshape(-1, width)
+    for i, plane in enumerate(planes):
+        dest[:, i] = np.frombuffer(plane, np.uint8)
+
+
+_split = _planes.split if _planes is not None else reference_split
+_merge = _planes.merge if _planes is not None else reference_merge
 
 _HEAD = struct.Struct("<B")
 _PLANE = struct.Struct("<BI")
@@ -34,15 +72,13 @@ ZSTD_LEVEL = 1
 
 
 class _Contexts(threading.local):
-    """zstd contexts are not thread-safe: one pair per I/O thread. numpy and zstandard are
-    imported with the first block coded: a daemon whose SSD tier stores blocks raw never
-    imports them (tests/unit/test_startup_imports.py)."""
+    """zstd contexts are not thread-safe: one pair per I/O thread. zstandard is imported with the
+    first block coded: a daemon whose SSD tier stores blocks raw never imports it
+    (tests/unit/test_startup_imports.py)."""
 
     def __init__(self) -> None:
-        import numpy
         import zstandard
 
-        self.np: Any = numpy
         self.zstd: Any = zstandard
         self.compress = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self.decompress = zstandard.ZstdDecompressor()
@@ -68,27 +104,27 @@ class BytePlanes:
         n, width = len(payload), self.width
         if n == 0 or n % width:
             return None
-        ctx = self._contexts
-        np = ctx.np
-        planes = np.frombuffer(payload, np.uint8).reshape(-1, width).T
-        zstd = ctx.compress
-        heads, bodies = [_HEAD.pack(width)], []
+        zstd = self._contexts.compress
+        split = memoryview(_split(payload, width))
+        size = n // width
+        heads: list[bytes | memoryview] = [_HEAD.pack(width)]
+        bodies: list[bytes | memoryview] = []
         for i in range(width):
-            plane = np.ascontiguousarray(planes[i])
+            plane = split[i * size:(i + 1) * size]
             packed = zstd.compress(plane) if self._pays(plane, margin) else None
-            if packed is not None and len(packed) < plane.nbytes:
+            if packed is not None and len(packed) < size:
                 heads.append(_PLANE.pack(ZSTD_PLANE, len(packed)))
                 bodies.append(packed)
             else:
-                heads.append(_PLANE.pack(RAW_PLANE, plane.nbytes))
-                bodies.append(plane.tobytes())
+                heads.append(_PLANE.pack(RAW_PLANE, size))
+                bodies.append(plane)
         stored = b"".join(heads + bodies)
         return stored if len(stored) <= n * (1.0 - margin) else None
 
-    def _pays(self, plane: Any, margin: float) -> bool:
+    def _pays(self, plane: memoryview, margin: float) -> bool:
         """Whether a sample of ``plane`` shrinks by ``margin`` under zstd (a small plane is tried whole)."""
         sample = plane[:SAMPLE_BYTES]
-        return len(self._contexts.compress.compress(sample)) <= sample.nbytes * (1.0 - margin)
+        return len(self._contexts.compress.compress(sample)) <= len(sample) * (1.0 - margin)
 
     def decode(self, stored: memoryview, out: memoryview) -> None:
         n, width = len(out), self.width
@@ -99,8 +135,8 @@ class BytePlanes:
             raise CodecError(f"stored form does not start with a {width}-plane table")
         elements = n // width
         ctx = self._contexts
-        np, zstandard = ctx.np, ctx.zstd
-        dest = np.frombuffer(out, np.uint8).reshape(-1, width)
+        zstandard = ctx.zstd
+        planes: list[bytes | memoryview] = []
         at = table
         for i in range(width):
             mode, size = _PLANE.unpack_from(stored, _HEAD.size + i * _PLANE.size)
@@ -121,9 +157,10 @@ class BytePlanes:
                 raise CodecError(f"plane {i} has unknown mode {mode}")
             if len(plane) != elements:
                 raise CodecError(f"plane {i} holds {len(plane)} bytes, not {elements}")
-            dest[:, i] = np.frombuffer(plane, np.uint8)
+            planes.append(plane)
         if at != len(stored):
             raise CodecError(f"{len(stored) - at} bytes past the last plane")
+        _merge(planes, width, out)
 
 
 PLANES_ZSTD = register(BytePlanes("planes-zstd", 1, 2))

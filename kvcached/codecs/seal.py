@@ -1,7 +1,8 @@
 """Sealing at rest: AES-256-GCM under a key of each tenant's own.
 
-A sealed block's stored form is its ciphertext with GCM's 16-byte tag; the nonce (12 random bytes,
-new for every file written) is kept beside it, in the file's header. The associated data is what
+A sealed block's stored form is its ciphertext, as long as what was sealed; the nonce (12 random
+bytes, new for every file written) and GCM's 16-byte tag are kept beside it, in the file's header,
+so sealing adds nothing to a block's file. The associated data is what
 the block is (its digest, layer, length, payload checksum and codec, laid out by the caller), so
 a sealed form moved under another block's name, or opened with another tenant's key, fails its
 tag: it is refused, never served. Random 96-bit nonces stay safe well past 2**32 files written
@@ -44,17 +45,23 @@ class Sealer:
             cipher = self._ciphers[tenant] = AESGCM(self._key_of(tenant))
         return cipher
 
-    def seal(self, tenant: str, data: bytes | memoryview, associated: bytes) -> tuple[bytes, bytes]:
-        """(nonce, ciphertext with tag) of ``data`` under ``tenant``'s key."""
+    def seal(self, tenant: str, data: bytes | memoryview, associated: bytes) -> tuple[bytes, bytes, memoryview]:
+        """(nonce, tag, ciphertext) of ``data`` under ``tenant``'s key; the ciphertext is as
+        long as ``data``."""
         nonce = os.urandom(NONCE_BYTES)
-        return nonce, self._cipher(tenant).encrypt(nonce, data, associated)
+        sealed = memoryview(self._cipher(tenant).encrypt(nonce, data, associated))
+        return nonce, bytes(sealed[-TAG_BYTES:]), sealed[:-TAG_BYTES]
 
-    def open(self, tenant: str, nonce: bytes, sealed: bytes | memoryview, associated: bytes) -> bytes:
+    def open(self, tenant: str, nonce: bytes, tag: bytes, sealed: bytes | memoryview, associated: bytes) -> bytes:
         """The data ``sealed`` holds; SealError when it does not open under ``tenant``'s key
-        with that associated data (another tenant's block, a damaged or moved file)."""
-        if len(nonce) != NONCE_BYTES or len(sealed) < TAG_BYTES:
-            raise SealError("sealed form too short or nonce missing")
+        with that nonce, tag and associated data (another tenant's block, a damaged or moved
+        file). Nothing of the data is returned unless it opens."""
+        if len(nonce) != NONCE_BYTES or len(tag) != TAG_BYTES:
+            raise SealError("the seal's nonce or tag is missing")
+        whole = bytearray(len(sealed) + TAG_BYTES)
+        whole[:len(sealed)] = sealed
+        whole[len(sealed):] = tag
         try:
-            return self._cipher(tenant).decrypt(nonce, sealed, associated)
+            return self._cipher(tenant).decrypt(nonce, whole, associated)
         except InvalidTag:
             raise SealError("the sealed block does not open under its tenant's key (another tenant's, or damaged)") from None

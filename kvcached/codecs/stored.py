@@ -21,11 +21,13 @@ UnpackError = (CodecError, SealError)     # what unpacking a damaged or foreign 
 
 @dataclass(frozen=True, slots=True)
 class Packed:
-    """A payload's stored form: ``codec`` its code (RAW: none), ``nonce`` b"" unless sealed."""
+    """A payload's stored form: ``codec`` its code (RAW: none); ``nonce`` and ``tag`` b"" unless
+    sealed."""
 
     codec: int
     nonce: bytes
-    data: bytes
+    tag: bytes
+    data: bytes | memoryview
 
 
 class StoredForm:
@@ -52,11 +54,12 @@ class StoredForm:
             if data is not None:
                 code = self.codec.code
         if self.sealer is None:
-            return None if data is None else Packed(code, b"", data)
-        nonce, sealed = self.sealer.seal(tenant, payload if data is None else data, identity + bytes([code]))
-        return Packed(code, nonce, sealed)
+            return None if data is None else Packed(code, b"", b"", data)
+        nonce, tag, sealed = self.sealer.seal(tenant, payload if data is None else data, identity + bytes([code]))
+        return Packed(code, nonce, tag, sealed)
 
-    def unpack(self, codec: int, nonce: bytes, stored: memoryview, out: memoryview, tenant: str, identity: bytes) -> None:
+    def unpack(self, codec: int, nonce: bytes, tag: bytes, stored: memoryview, out: memoryview, tenant: str,
+               identity: bytes) -> None:
         """Write the payload of a stored form into ``out`` (exactly the payload's length).
         Raises CodecError or SealError (both in :data:`UnpackError`) for a form that does not
         unpack; a sealed form needs this tier's sealer (the key), whatever sealing is set to now."""
@@ -64,7 +67,7 @@ class StoredForm:
         if nonce:
             if self.sealer is None:
                 raise SealError("the block is sealed and this daemon has no sealing key set up (tenants.seal_ssd)")
-            data = self.sealer.open(tenant, nonce, stored, identity + bytes([codec]))
+            data = self.sealer.open(tenant, nonce, tag, stored, identity + bytes([codec]))
         if codec == RAW:
             if len(data) != len(out):
                 raise CodecError(f"raw stored form of {len(data)} bytes for a payload of {len(out)}")

@@ -320,7 +320,7 @@ class SsdTier:
         view = memoryview(scratch)[:stored]
         out = body[:found.length]
         try:
-            self.form.unpack(found.codec, found.nonce, view, out, tenant, found.identity())
+            self.form.unpack(found.codec, found.nonce, found.tag, view, out, tenant, found.identity())
         except UnpackError as exc:
             return f"stored form does not unpack: {exc}"
         finally:

@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvcached.codecs import StoredForm
+from kvcached.codecs import Packed, StoredForm
 from kvcached.host.fsmodes import make_dirs
 from kvcached.tiers.ssd_errors import SsdFull, SsdWriteError, write_error
 from kvcached.tiers.ssd_format import HEADER_BYTES, PAGE, TMP_MARK, BlockHeader, file_bytes, padded
@@ -201,7 +201,7 @@ class BlockPublisher:
         tmp = f"{final}{TMP_MARK}{self.boot_token}-{next(self._tmp_serial)}"   # unique: two writes never share one
         packed = None if self.form.plain else self.form.pack(w.payload, w.tenant, w.header.identity())
         if packed is not None:
-            return self._write_packed(w, final, tmp, packed.codec, packed.nonce, packed.data)
+            return self._write_packed(w, final, tmp, packed)
         bufs = self._buffers
         bufs.header[:] = w.header.encode()
         n = w.header.length
@@ -219,11 +219,12 @@ class BlockPublisher:
             body.release()     # no view of the arena may outlive the call (a traceback would keep it)
         return tmp, final, file_bytes(n)
 
-    def _write_packed(self, w: SsdWrite, final: str, tmp: str, codec: int, nonce: bytes, data: bytes) -> tuple[str, str, int]:
-        """Thread: :meth:`_write_one` of a coded or sealed block (its stored form ``data``),
+    def _write_packed(self, w: SsdWrite, final: str, tmp: str, packed: Packed) -> tuple[str, str, int]:
+        """Thread: :meth:`_write_one` of a coded or sealed block (its stored form ``packed``),
         through the thread's page-aligned scratch area, zero-padded to a whole page."""
+        data = packed.data
         header = BlockHeader(w.header.digest, w.header.layer, w.header.length, w.header.checksum, w.header.created,
-                             codec, len(data), nonce)
+                             packed.codec, len(data), packed.nonce, packed.tag)
         bufs = self._buffers
         bufs.header[:] = header.encode()
         size = padded(len(data))

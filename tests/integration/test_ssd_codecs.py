@@ -96,3 +96,21 @@ def test_another_tenant_key_or_a_flipped_byte_reads_nothing(make_daemon, tmp_pat
         assert c.stats().ssd_corrupt == len(addrs) - 1
     assert len(os.listdir(tmp_path / "ssd" / "quarantine")) == len(addrs)
     assert "Traceback" not in d.log()
+
+
+def test_the_same_ssd_bytes_hold_more_blocks_coded(make_daemon, tmp_path: Path) -> None:
+    """kv.ssd_gib counts files at their real size: with the codec on, the capacity eviction
+    keeps as many more blocks as the codec saves (at least 1.25x on KV-like blocks)."""
+    capacity = 8 << 20
+    d = make_daemon(*SMALL_RAM, 'kv.write_policy="write_through"', 'kv.ssd_codec="planes-zstd"',
+                    f"kv.ssd_gib={capacity / (1 << 30)}")
+    data = kv_blocks(240, seed=2)
+    raw_fit = capacity // file_bytes(64 * KIB)
+    with d.client() as c:
+        wait_for(lambda: c.stats().ssd_reconciled, text="reconcile")
+        put_all(c, data)
+        wait_for(lambda: ssd_stats(c).reserved_bytes <= capacity, text="the tier back within its capacity")
+        held = ssd_stats(c).blocks
+    files = list((tmp_path / "ssd" / "blocks").rglob("*.kvb"))
+    assert len(files) == held and sum(f.stat().st_size for f in files) <= capacity
+    assert held >= 1.25 * raw_fit, f"{held} coded blocks in {capacity} bytes; {raw_fit} raw ones fit"

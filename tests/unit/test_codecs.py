@@ -16,7 +16,7 @@ import blake3
 import numpy as np
 import pytest
 
-from kvcached.codecs import CODECS, RAW, CodecError, Sealer, SealError, StoredForm, UnpackError, codec_coded, codec_named
+from kvcached.codecs import CODECS, RAW, CodecError, Sealer, SealError, StoredForm, UnpackError, codec_coded, codec_named, planes
 from kvcached.codecs.planes import PLANES_ZSTD
 from kvcached.index import BlockIndex
 from kvcached.index.format import BlockRecord, Tier
@@ -95,22 +95,54 @@ def test_damaged_stored_forms_raise_codec_error_only() -> None:
         PLANES_ZSTD.decode(memoryview(stored), memoryview(bytearray(len(data) // 2)))
 
 
+def test_the_compiled_planes_are_built_and_match_numpy() -> None:
+    assert planes.COMPILED, "make install builds kvcached/codecs/_planes.c (gcc and Python's headers are here)"
+    compiled = planes._compiled()
+    assert compiled is not None
+    rng = random.Random(5)
+    for _ in range(200):
+        width = rng.randint(1, 8)
+        n = width * rng.randrange(0, 3000)
+        data = os.urandom(n)
+        split = compiled.split(memoryview(data), width)
+        assert split == planes.reference_split(memoryview(data), width)
+        size = n // width
+        parts = [memoryview(split)[i * size:(i + 1) * size] for i in range(width)]
+        out, ref = bytearray(n), bytearray(n)
+        compiled.merge(parts, width, memoryview(out))
+        planes.reference_merge(parts, width, memoryview(ref))
+        assert out == ref == data
+    for bad in ((b"abc", 2), (b"ab", 0), (b"ab" * 8, 9)):
+        with pytest.raises(ValueError):
+            compiled.split(*bad)
+    with pytest.raises(ValueError):
+        compiled.merge([b"ab", b"a"], 2, bytearray(4))
+    with pytest.raises(ValueError):
+        compiled.merge([b"ab"], 2, bytearray(4))
+    with pytest.raises(TypeError):
+        compiled.merge([b"ab", b"ab"], 2, b"read-only")
+
+
 # -- sealing ---------------------------------------------------------------------------------------
 
 
 def test_seal_opens_only_for_its_tenant_and_identity() -> None:
     sealer = Sealer(keys_of)
-    nonce, sealed = sealer.seal("alice", b"secret bytes" * 100, b"id-1")
-    assert b"secret bytes" not in sealed and len(sealed) == 1200 + 16
-    assert sealer.open("alice", nonce, sealed, b"id-1") == b"secret bytes" * 100
+    nonce, tag, sealed = sealer.seal("alice", b"secret bytes" * 100, b"id-1")
+    assert b"secret bytes" not in bytes(sealed) and len(sealed) == 1200 and len(tag) == 16
+    assert sealer.open("alice", nonce, tag, sealed, b"id-1") == b"secret bytes" * 100
     with pytest.raises(SealError, match="another tenant"):
-        sealer.open("bob", nonce, sealed, b"id-1")
+        sealer.open("bob", nonce, tag, sealed, b"id-1")
     with pytest.raises(SealError):
-        sealer.open("alice", nonce, sealed, b"id-2")            # moved under another block's name
+        sealer.open("alice", nonce, tag, sealed, b"id-2")            # moved under another block's name
     flipped = bytearray(sealed)
     flipped[7] ^= 0x01
     with pytest.raises(SealError):
-        sealer.open("alice", nonce, bytes(flipped), b"id-1")
+        sealer.open("alice", nonce, tag, bytes(flipped), b"id-1")
+    with pytest.raises(SealError):
+        sealer.open("alice", nonce, bytes(16), sealed, b"id-1")
+    with pytest.raises(SealError, match="missing"):
+        sealer.open("alice", nonce, b"", sealed, b"id-1")
     assert sealer.seal("alice", b"x", b"")[0] != sealer.seal("alice", b"x", b"")[0]     # a new nonce each time
 
 
@@ -126,14 +158,17 @@ def test_stored_form_round_trip(codec: object, sealed: bool) -> None:
     assert packed is not None and packed.codec == (RAW if codec is None else PLANES_ZSTD.code)
     assert bool(packed.nonce) == sealed
     out = bytearray(len(data))
-    form.unpack(packed.codec, packed.nonce, memoryview(packed.data), memoryview(out), "alice", b"identity")
+    form.unpack(packed.codec, packed.nonce, packed.tag, memoryview(packed.data), memoryview(out), "alice", b"identity")
     assert bytes(out) == data
     if sealed:
+        assert len(packed.data) == (len(data) if codec is None else len(PLANES_ZSTD.encode(memoryview(data), 0.1) or b""))
+        out[:] = bytes(len(out))
         with pytest.raises(UnpackError):
-            form.unpack(packed.codec, packed.nonce, memoryview(packed.data), memoryview(out), "bob", b"identity")
+            form.unpack(packed.codec, packed.nonce, packed.tag, memoryview(packed.data), memoryview(out), "bob", b"identity")
+        assert bytes(out) == bytes(len(out)), "nothing of a block that does not open reaches the slot"
         with pytest.raises(SealError, match="no sealing key"):
-            StoredForm(codec).unpack(packed.codec, packed.nonce, memoryview(packed.data), memoryview(out), "alice",   # type: ignore[arg-type]
-                                     b"identity")
+            StoredForm(codec).unpack(packed.codec, packed.nonce, packed.tag, memoryview(packed.data),  # type: ignore[arg-type]
+                                     memoryview(out), "alice", b"identity")
 
 
 def test_stored_form_refuses_a_bad_margin() -> None:
@@ -147,11 +182,11 @@ def test_stored_form_refuses_a_bad_margin() -> None:
 def test_plain_blocks_keep_version_1_and_stored_ones_round_trip() -> None:
     plain = BlockHeader(b"\x01" * 32, 7, 12345, b"\x02" * 32, 5.0)
     assert plain.plain and plain.encode()[8] == 1 and plain.file_size == file_bytes(12345)
-    coded = BlockHeader(b"\x01" * 32, 7, 12345, b"\x02" * 32, 5.0, PLANES_ZSTD.code, 6000, b"\x09" * 12)
+    coded = BlockHeader(b"\x01" * 32, 7, 12345, b"\x02" * 32, 5.0, PLANES_ZSTD.code, 6000, b"\x09" * 12, b"\x07" * 16)
     page = coded.encode()
     assert page[8] == 2 and BlockHeader.decode(page) == coded and not coded.plain
     assert coded.file_size == HEADER_BYTES + padded(6000)
-    for offset in (96, 97, 104, 112, 127, 130):
+    for offset in (96, 97, 104, 112, 127, 130, 143, 150):
         bad = bytearray(page)
         bad[offset] ^= 0x04
         with pytest.raises(HeaderError):
@@ -222,10 +257,12 @@ def test_coded_and_sealed_files_read_back_exact_and_count_their_own_size(tmp_pat
     sizes = [os.path.getsize(tier.path_of(w.key, w.header.digest, w.header.layer)) for w in ws]
     assert tier.used_bytes == sum(sizes) and tier.payload_bytes == sum(SIZES)
     assert sum(sizes) < sum(file_bytes(n) for n in SIZES)         # the KV-like blocks shrank
-    for w in ws:       # what is on disk says how it is stored; a sealed file shows none of its bytes
+    for i, w in enumerate(ws):       # what is on disk says how it is stored; a sealed file shows none of its bytes
         raw = Path(tier.path_of(w.key, w.header.digest, w.header.layer)).read_bytes()
         found = BlockHeader.decode(raw[:HEADER_BYTES])
         assert bool(found.nonce) == sealed
+        if i % 3 == 0:         # random bytes: stored raw, and a seal adds nothing to the file
+            assert found.codec == 0 and len(raw) == file_bytes(w.header.length)
         if sealed and w.header.length >= 64:
             assert bytes(w.payload[:64]) not in raw
     reader = _tier(tmp_path / "ssd", StoredForm(None, 0.1, sealer), direct)   # reads by the header, whatever its own codec
