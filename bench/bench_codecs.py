@@ -3,7 +3,8 @@
     .venv/bin/python bench/bench_codecs.py [--corpus DIR] [--dir PATH] [--quick] [--json PATH]
 
 For 64 KiB and 1 MiB blocks, each stored form (docs/codecs.md): raw, ``planes-zstd``, sealed
-(AES-256-GCM, tenants.seal_ssd) and both, written through ``SsdTier.write_many`` (durability
+(AES-256-GCM, tenants.seal_ssd), both, and ``auto`` (planes-zstd where it pays, as measured by
+the form itself over the rounds, as a daemon's does over its life), written through ``SsdTier.write_many`` (durability
 ``batch``, the default kv.ssd_io_threads) and read back through ``read_many`` (O_DIRECT where the
 filesystem allows it, each block verified against its checksum, one in eight compared with its
 source), the forms interleaved in every round. Printed: each form's GB/s of payload against raw
@@ -41,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import KiB, MiB, Row, print_fitted, progress, size_name  # noqa: E402
 from bench_ssd import Arena, kv_read, kv_write, make_blocks, slot_sums  # noqa: E402
 
-from kvcached.codecs import Sealer, StoredForm, codec_named  # noqa: E402
+from kvcached.codecs import Sealer, StoredForm, codec_named, stored_form  # noqa: E402
+from kvcached.codecs.choice import HYSTERESIS  # noqa: E402
 from kvcached.tiers.ssd import SsdTier  # noqa: E402
 
 SIZES = (64 * KiB, 1 * MiB)
@@ -49,7 +51,8 @@ BATCH = {64 * KiB: 256, 1 * MiB: 64}      # blocks per write_many: one write-bac
 THREADS = 8                                # kv.ssd_io_threads' default
 SEAL_TARGET = 0.9
 CAPACITY_TARGET = 1.25
-FORMS = ("raw", "planes-zstd", "sealed", "planes-zstd+sealed")
+FORMS = ("raw", "planes-zstd", "sealed", "planes-zstd+sealed", "auto")
+AUTO_TARGET = 0.9          # auto, end to end (a write and a read) against raw: never slower beyond the spread
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,10 @@ QUICK = Settings(rounds=1, total={64 * KiB: 16 * MiB, 1 * MiB: 64 * MiB}, source
 
 
 def form_of(name: str) -> StoredForm:
-    codec = codec_named("planes-zstd") if name.startswith("planes-zstd") else None
     sealer = Sealer(lambda tag: bytes(32)) if name.endswith("sealed") else None
-    return StoredForm(codec, 0.1, sealer)
+    if name == "auto":
+        return stored_form("auto", 0.1, None)
+    return StoredForm(codec_named("planes-zstd") if name.startswith("planes-zstd") else None, 0.1, sealer)
 
 
 def fill(source: Arena, corpus: str | None) -> str:
@@ -93,11 +97,12 @@ def fill(source: Arena, corpus: str | None) -> str:
     return "SYNTHETIC bf16 normals (no --corpus): the ratios say little of real KV"
 
 
-def one_pass(directory: Path, form_name: str, size: int, total: int, source: Arena, dest: Arena,
+def one_pass(directory: Path, form: StoredForm, size: int, total: int, source: Arena, dest: Arena,
              sums: list[bytes]) -> dict[str, float]:
-    """Write ``total`` bytes of blocks in form ``form_name``, read them back; GB/s each way and file bytes a block."""
+    """Write ``total`` bytes of blocks in ``form``, read them back; GB/s each way, end to end
+    (total bytes / the write's and the read's seconds) and file bytes a block."""
     shutil.rmtree(directory, ignore_errors=True)
-    tier = SsdTier(str(directory), 1 << 50, durability="batch", threads=THREADS, form=form_of(form_name))
+    tier = SsdTier(str(directory), 1 << 50, durability="batch", threads=THREADS, form=form)
     tier.open()
     tier.reconciled(0, 0, 0)
     blocks = make_blocks(size, total // size, source, sums)
@@ -110,22 +115,24 @@ def one_pass(directory: Path, form_name: str, size: int, total: int, source: Are
         finally:
             await tier.close()
     wrote, read = asyncio.run(run())
-    out = {"write": total / wrote / 1e9, "read": total / read / 1e9, "file_bytes": tier.used_bytes / len(blocks)}
+    out = {"write": total / wrote / 1e9, "read": total / read / 1e9, "end to end": total / (wrote + read) / 1e9,
+           "file_bytes": tier.used_bytes / len(blocks)}
     shutil.rmtree(directory, ignore_errors=True)
     return out
 
 
-def bench_size(size: int, s: Settings, base: Path, corpus: str | None) -> tuple[list[Row], str]:
+def bench_size(size: int, s: Settings, base: Path, corpus: str | None) -> tuple[list[Row], str, str]:
     slots = s.source // size
     source = Arena(size, slots)
     what = fill(source, corpus)
     sums = slot_sums(source, size)
     dest = Arena(size, BATCH[size])
     per: dict[str, list[dict[str, float]]] = {f: [] for f in FORMS}
+    forms = {name: form_of(name) for name in FORMS}     # kept over the rounds: auto learns as a daemon's does
     try:
         for r in range(s.rounds):
             for name in FORMS:
-                res = one_pass(base / f"{name}-{size}", name, size, s.total[size], source, dest, sums)
+                res = one_pass(base / f"{name}-{size}", forms[name], size, s.total[size], source, dest, sums)
                 per[name].append(res)
                 progress(f"{size_name(size)} round {r + 1} {name}: write {res['write']:.2f} GB/s, read "
                          f"{res['read']:.2f} GB/s, {res['file_bytes'] / 1024:.0f} KiB a file")
@@ -135,9 +142,10 @@ def bench_size(size: int, s: Settings, base: Path, corpus: str | None) -> tuple[
     rows = []
     raw = per["raw"]
     for name in FORMS[1:]:
-        for op in ("write", "read"):
+        for op in ("write", "read", "end to end"):
             ratios = [p[op] / q[op] for p, q in zip(per[name], raw)]
-            target = SEAL_TARGET if name == "sealed" else None
+            target = SEAL_TARGET if name == "sealed" and op != "end to end" else (
+                AUTO_TARGET if name == "auto" and op == "end to end" else None)
             ratio = statistics.median(ratios)
             rows.append(Row(1, f"{op} {size_name(size)}, {name}", "GB/s", statistics.median(p[op] for p in per[name]),
                             f"raw, {op}", statistics.median(q[op] for q in raw), True,
@@ -148,7 +156,12 @@ def bench_size(size: int, s: Settings, base: Path, corpus: str | None) -> tuple[
         rows.append(Row(2, f"{size_name(size)}, {name}", "blocks", gain, "raw", 1.0, True,
                         f">= {CAPACITY_TARGET}x" if codec else "", (gain >= CAPACITY_TARGET) if codec else None,
                         {}, gain))
-    return rows, what
+    choice = forms["auto"].choice
+    value = choice.saving_over_cost() if choice is not None else None
+    note = (f"note: {size_name(size)}: auto after the rounds is {'coding' if choice and choice.coding else 'storing raw'}: "
+            f"disk seconds it saves / coding seconds = {value:.2f} (it codes above {HYSTERESIS}, stops below "
+            f"{1 / HYSTERESIS:.2f})" if value is not None else f"note: {size_name(size)}: auto measured nothing")
+    return rows, what, note
 
 
 def fmt(value: float, unit: str) -> str:
@@ -168,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-codecs-", dir=root))
     t0 = time.monotonic()
     rows: list[Row] = []
-    whats = []
+    whats, notes = [], []
     try:
         for size in SIZES:
-            got, what = bench_size(size, s, base, args.corpus)
+            got, what, note = bench_size(size, s, base, args.corpus)
             rows += got
             whats.append(what)
+            notes.append(note)
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
@@ -185,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                  "round; payload GB/s",
               2: "2. Blocks the same SSD bytes hold in each form (raw file bytes a block / the form's)"}
     print_fitted(rows, header, titles, fmt, ["ratio = form / raw; figure 1: median over rounds of the ratio within a "
-                                             "round."])
+                                             "round; end to end = bytes / (write seconds + read seconds).", *notes])
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
     return 0

@@ -187,7 +187,9 @@ class StoreCollector(Collector):
                 ("ssd_budget_declined", "ssd_budget_declined",
                  "Blocks the SSD write budget kept off SSD (kv.ssd_write_budget_gib)"),
                 ("selective_written", "held_written",
-                 "Blocks write_through_selective sent to SSD once their hits passed the threshold")):
+                 "Blocks write_through_selective sent to SSD once their hits passed the threshold"),
+                ("ssd_coded_writes", "ssd_coded", "SSD block files written in a codec's form (kv.ssd_codec)"),
+                ("ssd_sealed_writes", "ssd_sealed", "SSD block files written sealed (tenants.seal_ssd)")):
             yield CounterMetricFamily(f"kvcached_{name}", doc, value=s[key])
         if "ssd_budget_remaining_bytes" in s:
             yield GaugeMetricFamily("kvcached_ssd_write_budget_remaining_bytes", "Bytes the SSD tier may still write "
@@ -195,6 +197,10 @@ class StoreCollector(Collector):
                                     value=s["ssd_budget_remaining_bytes"])
         yield GaugeMetricFamily("kvcached_ssd_file_bytes", "Bytes of SSD block files (headers and padding included)",
                                 value=s["ssd_file_bytes"])
+        if "ssd_codec_saving_milli" in s:
+            yield GaugeMetricFamily("kvcached_ssd_codec_saving_ratio", "kv.ssd_codec auto: disk seconds coding saves / "
+                                    "coding seconds, a block written and read once (codes above 1.2, stops below 0.83)",
+                                    value=s["ssd_codec_saving_milli"] / 1000)
         yield GaugeMetricFamily("kvcached_ssd_reconciled", "1 once the boot reconcile of the SSD tier has finished",
                                 value=s["ssd_reconciled"])
 

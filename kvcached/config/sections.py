@@ -86,9 +86,10 @@ class KvSection:
     ssd_commit_ms: float = setting("Longest wait to gather a group commit (ssd_durability = batch), ms.", 10.0,
                                 between(0, 1000, " ms"), (int, float))
     ssd_direct_io: str = setting("O_DIRECT for SSD reads and writes: auto, on or off.", "auto", one_of("auto", "on", "off"))
-    ssd_codec: str = setting("What SSD block files hold (docs/codecs.md): none (the payload as it is) or a lossless "
-                             "codec: planes-zstd (16-bit KV's bytes split into planes, then zstd).", "none",
-                             one_of("none", *sorted(CODECS)))
+    ssd_codec: str = setting("What SSD block files hold (docs/codecs.md): none (the payload as it is), a lossless "
+                             "codec: planes-zstd (16-bit KV's bytes split into planes, then zstd), or auto (planes-zstd "
+                             "where the read time it saves beats its decoding, measured on this disk and these cores).",
+                             "none", one_of("none", "auto", *sorted(CODECS)))
     ssd_codec_margin: float = setting("Least fraction of a block ssd_codec must save; a block it shrinks less is stored "
                                       "raw.", 0.1, between(0, 0.9), (int, float))
     ssd_io_threads: int = setting("Threads doing SSD I/O (blocks in flight at once).", 8, between(1, 256), int)

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from kvcached.codecs import SEAL_PURPOSE, Sealer, StoredForm, codec_named
+from kvcached.codecs import SEAL_PURPOSE, Sealer, stored_form
 from kvcached.config import Config
 from kvcached.host.fsmodes import UnsafeDirectory, check_state_dir, make_dirs
 from kvcached.host.logs import fields
@@ -61,7 +61,7 @@ def open_ssd(config: Config, tenants: TenantMap | None = None) -> SsdTier | None
         if tenants is None:
             raise StartupError("tenants.seal_ssd needs the tenant key (tenants.key_file)")
         sealer = Sealer(lambda tag: tenants.derived_key(SEAL_PURPOSE, tag))
-    form = StoredForm(codec_named(kv.ssd_codec), kv.ssd_codec_margin, sealer)
+    form = stored_form(kv.ssd_codec, kv.ssd_codec_margin, sealer)
     ssd = SsdTier(kv.ssd_dir, config.ssd_bytes, durability=kv.ssd_durability,  # type: ignore[arg-type]
                   commit_s=kv.ssd_commit_ms / 1000, direct_io=kv.ssd_direct_io,  # type: ignore[arg-type]
                   threads=kv.ssd_io_threads, form=form)

@@ -53,7 +53,11 @@ def stats_table(ram: RamTier, index: BlockIndex, c: Counters, gpu: GpuView, infl
             "ssd_no_space": sc.no_space, "ssd_missing": sc.missing, "ssd_group_commits": sc.group_commits,
             "ssd_reconciled": int(ssd_reconciled), "ssd_io_threads": ssd.threads,
             "ssd_budget_declined": c.ssd_budget_declined, "held_written": c.held_written,
+            "ssd_coded": sc.coded, "ssd_sealed": sc.sealed,
         }
+        choice = ssd.form.choice
+        if choice is not None and (value := choice.saving_over_cost()) is not None:
+            out["ssd_codec_saving_milli"] = round(value * 1000)        # the stats are integers
         if not ssd_budget.unlimited:
             out["ssd_budget_remaining_bytes"] = ssd_budget.remaining(clock())
     return out

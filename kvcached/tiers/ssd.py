@@ -275,7 +275,9 @@ class SsdTier:
             actual = os.fstat(fd).st_size
             # A plain file (the payload as it is) is read in one call, straight into its slot; a
             # coded or sealed one has its stored form's first pages there too, and the rest after.
+            started = time.perf_counter()
             got = preadv_all(fd, [head, body], min(actual, file_bytes(n)))
+            self.form.read(got, time.perf_counter() - started)      # what coding would save a part of (kv.ssd_codec auto)
             try:
                 found = BlockHeader.decode(head)
                 problem = found.disagreement(want.digest, want.layer, n, want.checksum)
@@ -311,10 +313,12 @@ class SsdTier:
         if have < stored:
             rest = padded(stored) - have
             view = memoryview(scratch)[have:have + rest]
+            started = time.perf_counter()
             try:
                 got = preadv_all(fd, [view], rest, HEADER_BYTES + have)
             finally:
                 view.release()
+            self.form.read(got, time.perf_counter() - started)
             if got != rest:
                 return f"short read of the stored form: {have + got} of {padded(stored)} bytes"
         view = memoryview(scratch)[:stored]

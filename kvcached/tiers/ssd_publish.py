@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -223,6 +224,10 @@ class BlockPublisher:
         """Thread: :meth:`_write_one` of a coded or sealed block (its stored form ``packed``),
         through the thread's page-aligned scratch area, zero-padded to a whole page."""
         data = packed.data
+        if packed.codec:
+            self.counters.coded += 1         # on an I/O thread: a lost increment under a race is the worst case
+        if packed.nonce:
+            self.counters.sealed += 1
         header = BlockHeader(w.header.digest, w.header.layer, w.header.length, w.header.checksum, w.header.created,
                              packed.codec, len(data), packed.nonce, packed.tag)
         bufs = self._buffers
@@ -250,9 +255,11 @@ class BlockPublisher:
             raise write_error(exc, tmp) from None
         try:
             try:
+                started = time.perf_counter()
                 pwritev_all(fd, parts, total)
                 if self.durability != "none":
                     os.fsync(fd)
+                self.form.wrote(total, time.perf_counter() - started)    # what coding would save a part of
             finally:
                 os.close(fd)
             if self.durability != "batch":

@@ -63,6 +63,8 @@ class SsdCounters:
     missing: int = 0
     removed: int = 0
     group_commits: int = 0
+    coded: int = 0                    # blocks published in a codec's form (kv.ssd_codec)
+    sealed: int = 0                   # blocks published sealed (tenants.seal_ssd)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import urllib.request
 from pathlib import Path
 
 import blake3
@@ -17,7 +18,7 @@ from kvcached.tiers.ssd_format import HEADER_BYTES, BlockHeader, file_bytes
 from kvcached_agent.address import BlockAddress
 
 from .conftest import wait_for
-from .test_ssd import SMALL_RAM, file_of, put_all, ssd_stats
+from .test_ssd import SMALL_RAM, _free_port, file_of, put_all, ssd_stats
 
 KIB = 1 << 10
 CODED = ('kv.write_policy="write_through"', 'kv.ssd_codec="planes-zstd"', "tenants.seal_ssd=true")
@@ -34,11 +35,14 @@ def kv_blocks(n: int, size: int = 64 * KIB, seed: int = 0) -> dict[BlockAddress,
 
 
 def test_coded_sealed_blocks_are_smaller_unreadable_on_disk_and_exact_after_restarts(make_daemon, tmp_path: Path) -> None:
-    d = make_daemon(*SMALL_RAM, *CODED)
+    port = _free_port()
+    d = make_daemon(*SMALL_RAM, *CODED, f'metrics.listen="127.0.0.1:{port}"')
     data = kv_blocks(40)
     with d.client() as c:
         put_all(c, data)
         assert ssd_stats(c).blocks == len(data)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "kvcached_ssd_coded_writes_total 40.0" in text and "kvcached_ssd_sealed_writes_total 40.0" in text
     files = {a: file_of(tmp_path, a).read_bytes() for a in data}
     for a, raw in files.items():
         header = BlockHeader.decode(raw[:HEADER_BYTES])
@@ -114,3 +118,30 @@ def test_the_same_ssd_bytes_hold_more_blocks_coded(make_daemon, tmp_path: Path) 
     files = list((tmp_path / "ssd" / "blocks").rglob("*.kvb"))
     assert len(files) == held and sum(f.stat().st_size for f in files) <= capacity
     assert held >= 1.25 * raw_fit, f"{held} coded blocks in {capacity} bytes; {raw_fit} raw ones fit"
+
+
+def test_auto_measures_what_coding_saves_and_serves_exact(make_daemon, tmp_path: Path) -> None:
+    """kv.ssd_codec = "auto": the first blocks are coded (the probe), the reads and writes of
+    the tier measure the disk, and the gauge says what coding saves against what it costs;
+    whichever way it decides, every block comes back exact."""
+    port = _free_port()
+    d = make_daemon(*SMALL_RAM, 'kv.write_policy="write_through"', 'kv.ssd_codec="auto"',
+                    f'metrics.listen="127.0.0.1:{port}"')
+    data = kv_blocks(60, seed=3)
+    with d.client() as c:
+        put_all(c, data)
+        d.stop()
+    d.start()                    # an empty RAM tier: every block read from its file
+    with d.client() as c:
+        found, _ = c.get(list(data))
+        assert {f.address: f.payload for f in found} == data
+    d.stop()
+    d.start()                    # the choice starts afresh: the first writes are coded again
+    with d.client() as c:
+        put_all(c, kv_blocks(8, seed=4))
+        found, _ = c.get(list(data)[:8])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    coded = [line for line in text.splitlines() if line.startswith("kvcached_ssd_coded_writes_total")]
+    assert coded and float(coded[0].split()[-1]) >= 1, "the probe codes the first block"
+    assert "kvcached_ssd_codec_saving_ratio" in text
+    assert "Traceback" not in d.log()
