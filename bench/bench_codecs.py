@@ -62,7 +62,7 @@ class Settings:
     source: int                 # bytes of source payloads
 
 
-FULL = Settings(rounds=3, total={64 * KiB: 128 * MiB, 1 * MiB: 512 * MiB}, source=256 * MiB)
+FULL = Settings(rounds=5, total={64 * KiB: 128 * MiB, 1 * MiB: 512 * MiB}, source=256 * MiB)
 QUICK = Settings(rounds=1, total={64 * KiB: 16 * MiB, 1 * MiB: 64 * MiB}, source=64 * MiB)
 
 
@@ -131,7 +131,9 @@ def bench_size(size: int, s: Settings, base: Path, corpus: str | None) -> tuple[
     forms = {name: form_of(name) for name in FORMS}     # kept over the rounds: auto learns as a daemon's does
     try:
         for r in range(s.rounds):
-            for name in FORMS:
+            # each round starts at another form: a filesystem that slows as a round creates and
+            # deletes files (ext4's recently freed inodes) must not always weigh on the same ones
+            for name in FORMS[r % len(FORMS):] + FORMS[:r % len(FORMS)]:
                 res = one_pass(base / f"{name}-{size}", forms[name], size, s.total[size], source, dest, sums)
                 per[name].append(res)
                 progress(f"{size_name(size)} round {r + 1} {name}: write {res['write']:.2f} GB/s, read "
@@ -193,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     header = (f"kvcached codec benchmark{' (quick)' if args.quick else ''}: {os.cpu_count()} CPUs, Python "
               f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M:%S')}, {time.monotonic() - t0:.0f} s\n"
-              f"payloads: {whats[0]}\nsettings: {s.rounds} round(s), {THREADS} I/O threads, durability batch, "
-              f"codec margin 0.1; block files under {base}")
+              f"payloads: {whats[0]}\nsettings: {s.rounds} round(s), each starting at the next form, {THREADS} I/O "
+              f"threads, durability batch, codec margin 0.1; block files under {base}")
     titles = {1: "1. SSD tier write and read (write_many, read_many verified) of each stored form against raw, same "
                  "round; payload GB/s",
               2: "2. Blocks the same SSD bytes hold in each form (raw file bytes a block / the form's)"}

@@ -15,10 +15,10 @@ tenant's tag, so the disk alone, without that key file, opens nothing. No I/O he
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 __all__ = ["NONCE_BYTES", "SEAL_PURPOSE", "TAG_BYTES", "SealError", "Sealer"]
 
@@ -32,36 +32,43 @@ class SealError(ValueError):
 
 
 class Sealer:
-    """Seals and opens stored forms under ``key_of(tenant tag)`` (32 bytes), one cipher per
-    tenant kept. Safe to call from several threads at once."""
+    """Seals and opens stored forms under ``key_of(tenant tag)`` (32 bytes), one key schedule per
+    tenant kept. Both write into a buffer the caller gives (the tier's scratch area, or the
+    arena slot itself: GCM is a stream cipher, so the output may be the input's own memory): a
+    block is encrypted or decrypted in one pass, with no copy and no allocation of its size.
+    The cipher runs without the GIL. Safe to call from several threads at once."""
 
     def __init__(self, key_of: Callable[[str], bytes]) -> None:
         self._key_of = key_of
-        self._ciphers: dict[str, AESGCM] = {}
+        self._keys: dict[str, algorithms.AES] = {}
 
-    def _cipher(self, tenant: str) -> AESGCM:
-        cipher = self._ciphers.get(tenant)
-        if cipher is None:
-            cipher = self._ciphers[tenant] = AESGCM(self._key_of(tenant))
-        return cipher
+    def _key(self, tenant: str) -> algorithms.AES:
+        key = self._keys.get(tenant)
+        if key is None:
+            key = self._keys[tenant] = algorithms.AES(self._key_of(tenant))
+        return key
 
-    def seal(self, tenant: str, data: bytes | memoryview, associated: bytes) -> tuple[bytes, bytes, memoryview]:
-        """(nonce, tag, ciphertext) of ``data`` under ``tenant``'s key; the ciphertext is as
-        long as ``data``."""
+    def seal_into(self, tenant: str, data: Any, associated: bytes, out: Any) -> tuple[bytes, bytes]:
+        """Write the ciphertext of ``data`` (as long as it) under ``tenant``'s key into ``out``
+        (at least as long); returns (nonce, tag)."""
         nonce = os.urandom(NONCE_BYTES)
-        sealed = memoryview(self._cipher(tenant).encrypt(nonce, data, associated))
-        return nonce, bytes(sealed[-TAG_BYTES:]), sealed[:-TAG_BYTES]
+        encryptor = Cipher(self._key(tenant), modes.GCM(nonce)).encryptor()
+        encryptor.authenticate_additional_data(associated)
+        encryptor.update_into(data, out)
+        encryptor.finalize()
+        return nonce, encryptor.tag
 
-    def open(self, tenant: str, nonce: bytes, tag: bytes, sealed: bytes | memoryview, associated: bytes) -> bytes:
-        """The data ``sealed`` holds; SealError when it does not open under ``tenant``'s key
-        with that nonce, tag and associated data (another tenant's block, a damaged or moved
-        file). Nothing of the data is returned unless it opens."""
+    def open_into(self, tenant: str, nonce: bytes, tag: bytes, sealed: Any, associated: bytes, out: Any) -> None:
+        """Write the data ``sealed`` holds into ``out`` (at least as long; it may be ``sealed``'s
+        own memory); SealError when it does not open under ``tenant``'s key with that nonce, tag
+        and associated data (another tenant's block, a damaged or moved file): ``out`` then
+        holds bytes that must not be used (with another tenant's key, noise)."""
         if len(nonce) != NONCE_BYTES or len(tag) != TAG_BYTES:
             raise SealError("the seal's nonce or tag is missing")
-        whole = bytearray(len(sealed) + TAG_BYTES)
-        whole[:len(sealed)] = sealed
-        whole[len(sealed):] = tag
+        decryptor = Cipher(self._key(tenant), modes.GCM(nonce, tag)).decryptor()
+        decryptor.authenticate_additional_data(associated)
+        decryptor.update_into(sealed, out)
         try:
-            return self._cipher(tenant).decrypt(nonce, whole, associated)
+            decryptor.finalize()
         except InvalidTag:
             raise SealError("the sealed block does not open under its tenant's key (another tenant's, or damaged)") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from kvcached.codecs.base import RAW, Codec, CodecError, codec_coded, codec_named
 from kvcached.codecs.choice import CodecChoice
@@ -26,13 +27,13 @@ UnpackError = (CodecError, SealError)     # what unpacking a damaged or foreign 
 
 @dataclass(frozen=True, slots=True)
 class Packed:
-    """A payload's stored form: ``codec`` its code (RAW: none); ``nonce`` and ``tag`` b"" unless
-    sealed."""
+    """A payload's stored form, the first ``length`` bytes of the buffer :meth:`StoredForm.pack`
+    was given: ``codec`` its code (RAW: none); ``nonce`` and ``tag`` b"" unless sealed."""
 
     codec: int
     nonce: bytes
     tag: bytes
-    data: bytes | memoryview
+    length: int
 
 
 class StoredForm:
@@ -65,9 +66,10 @@ class StoredForm:
         """Whether every block is stored as it is (no codec, no sealing)."""
         return self.codec is None and self.sealer is None
 
-    def pack(self, payload: memoryview, tenant: str, identity: bytes) -> Packed | None:
+    def pack(self, payload: memoryview, tenant: str, identity: bytes, buffer: Callable[[int], Any]) -> Packed | None:
         """The stored form of ``payload`` (``tenant``'s; ``identity``: what the block is, bound
-        into a seal), or None when it is stored as it is (raw and unsealed)."""
+        into a seal), written into ``buffer(n)`` (a writable buffer of at least n bytes); None
+        when it is stored as it is (raw and unsealed: nothing written)."""
         code, data = RAW, None
         if self.codec is not None and (self.choice is None or self.choice.code_next()):
             started = time.perf_counter()
@@ -77,29 +79,50 @@ class StoredForm:
             if self.choice is not None:
                 self.choice.encoded(len(payload), None if data is None else len(data), time.perf_counter() - started)
         if self.sealer is None:
-            return None if data is None else Packed(code, b"", b"", data)
-        nonce, tag, sealed = self.sealer.seal(tenant, payload if data is None else data, identity + bytes([code]))
-        return Packed(code, nonce, tag, sealed)
+            if data is None:
+                return None
+            buffer(len(data))[:len(data)] = data
+            return Packed(code, b"", b"", len(data))
+        source = payload if data is None else data
+        nonce, tag = self.sealer.seal_into(tenant, source, identity + bytes([code]), buffer(len(source)))
+        return Packed(code, nonce, tag, len(source))
 
     def unpack(self, codec: int, nonce: bytes, tag: bytes, stored: memoryview, out: memoryview, tenant: str,
-               identity: bytes) -> None:
-        """Write the payload of a stored form into ``out`` (exactly the payload's length).
-        Raises CodecError or SealError (both in :data:`UnpackError`) for a form that does not
-        unpack; a sealed form needs this tier's sealer (the key), whatever sealing is set to now."""
-        data: bytes | memoryview = stored
+               identity: bytes, spare: Callable[[int], Any]) -> None:
+        """Write the payload of a stored form into ``out`` (exactly the payload's length), with
+        ``spare(n)`` (a writable buffer of at least n bytes, not ``stored``'s) for a sealed and
+        coded form's plain text. ``stored`` may share memory with ``out`` only when sealed: a
+        sealed raw form is opened in place, a sealed coded one into ``spare`` before it is
+        decoded. Raises CodecError or SealError (both in :data:`UnpackError`) for a form that
+        does not unpack, ``out`` then holding bytes that must not be used; a sealed form needs
+        this tier's sealer (the key), whatever sealing is set to now."""
+        data: memoryview = stored
+        opened = None
         if nonce:
             if self.sealer is None:
                 raise SealError("the block is sealed and this daemon has no sealing key set up (tenants.seal_ssd)")
-            data = self.sealer.open(tenant, nonce, tag, stored, identity + bytes([codec]))
-        if codec == RAW:
-            if len(data) != len(out):
-                raise CodecError(f"raw stored form of {len(data)} bytes for a payload of {len(out)}")
-            out[:] = data
-            return
-        started = time.perf_counter()
-        codec_coded(codec).decode(memoryview(data), out)
-        if self.choice is not None:
-            self.choice.decoded(len(out), time.perf_counter() - started)
+            associated = identity + bytes([codec])
+            if codec == RAW:
+                if len(stored) != len(out):
+                    raise CodecError(f"sealed raw form of {len(stored)} bytes for a payload of {len(out)}")
+                self.sealer.open_into(tenant, nonce, tag, stored, associated, out)
+                return
+            plain = spare(len(stored))
+            self.sealer.open_into(tenant, nonce, tag, stored, associated, plain)
+            data = opened = memoryview(plain)[:len(stored)]
+        try:
+            if codec == RAW:
+                if len(data) != len(out):
+                    raise CodecError(f"raw stored form of {len(data)} bytes for a payload of {len(out)}")
+                out[:] = data
+                return
+            started = time.perf_counter()
+            codec_coded(codec).decode(data, out)
+            if self.choice is not None:
+                self.choice.decoded(len(out), time.perf_counter() - started)
+        finally:
+            if opened is not None:
+                opened.release()
 
 
 def stored_form(codec: str, margin: float, sealer: Sealer | None) -> StoredForm:

@@ -304,31 +304,36 @@ class SsdTier:
 
     def _unpack(self, fd: int, found: BlockHeader, body: memoryview, have: int, tenant: str) -> str | None:
         """Thread: the stored form of a coded or sealed block, whose first ``have`` bytes are in
-        ``body``, gathered (the rest read from the file) and unpacked into ``body[:length]``;
-        None, or why it cannot be (the file is damaged or not this tenant's)."""
+        ``body``, unpacked into ``body[:length]``; None, or why it cannot be (the file is damaged
+        or not this tenant's). A sealed form read whole is opened where it lies (its plain text
+        goes to a scratch area first); any other is gathered into the thread's scratch area (the
+        rest read from the file), since a codec cannot decode in place."""
         stored = found.stored_length
-        scratch = self._buffers.scratch(padded(stored))
         have = min(have, stored)
-        scratch[:have] = body[:have]
-        if have < stored:
-            rest = padded(stored) - have
-            view = memoryview(scratch)[have:have + rest]
-            started = time.perf_counter()
-            try:
-                got = preadv_all(fd, [view], rest, HEADER_BYTES + have)
-            finally:
-                view.release()
-            self.form.read(got, time.perf_counter() - started)
-            if got != rest:
-                return f"short read of the stored form: {have + got} of {padded(stored)} bytes"
-        view = memoryview(scratch)[:stored]
+        if found.nonce and have == stored:
+            source = body[:stored]
+        else:
+            scratch = self._buffers.scratch(padded(stored))
+            scratch[:have] = body[:have]
+            if have < stored:
+                rest = padded(stored) - have
+                view = memoryview(scratch)[have:have + rest]
+                started = time.perf_counter()
+                try:
+                    got = preadv_all(fd, [view], rest, HEADER_BYTES + have)
+                finally:
+                    view.release()
+                self.form.read(got, time.perf_counter() - started)
+                if got != rest:
+                    return f"short read of the stored form: {have + got} of {padded(stored)} bytes"
+            source = memoryview(scratch)[:stored]
         out = body[:found.length]
         try:
-            self.form.unpack(found.codec, found.nonce, found.tag, view, out, tenant, found.identity())
+            self.form.unpack(found.codec, found.nonce, found.tag, source, out, tenant, found.identity(), self._buffers.plain)
         except UnpackError as exc:
             return f"stored form does not unpack: {exc}"
         finally:
-            view.release()
+            source.release()
             out.release()
         return None
 

@@ -82,13 +82,22 @@ class PageBuffers(threading.local):
         self.header = mmap.mmap(-1, HEADER_BYTES)
         self.tail = mmap.mmap(-1, PAGE)
         self._scratch = mmap.mmap(-1, PAGE)
+        self._plain = mmap.mmap(-1, PAGE)
 
     def scratch(self, nbytes: int) -> mmap.mmap:
-        """This thread's scratch area, at least ``nbytes`` long (its contents are not kept)."""
+        """This thread's scratch area for stored forms, at least ``nbytes`` long (its contents
+        are not kept; no view of it may outlive the call that asked)."""
         if len(self._scratch) < nbytes:
             self._scratch.close()
             self._scratch = mmap.mmap(-1, padded(nbytes))
         return self._scratch
+
+    def plain(self, nbytes: int) -> mmap.mmap:
+        """A second such area, for a sealed form's plain text while the stored form is read."""
+        if len(self._plain) < nbytes:
+            self._plain.close()
+            self._plain = mmap.mmap(-1, padded(nbytes))
+        return self._plain
 
 
 class BlockPublisher:
@@ -200,7 +209,7 @@ class BlockPublisher:
         ``batch`` leaves rename and directory fsync to the group commit. A block the tier's
         :class:`StoredForm` codes or seals is written in that form."""
         tmp = f"{final}{TMP_MARK}{self.boot_token}-{next(self._tmp_serial)}"   # unique: two writes never share one
-        packed = None if self.form.plain else self.form.pack(w.payload, w.tenant, w.header.identity())
+        packed = None if self.form.plain else self.form.pack(w.payload, w.tenant, w.header.identity(), self._buffers.scratch)
         if packed is not None:
             return self._write_packed(w, final, tmp, packed)
         bufs = self._buffers
@@ -221,21 +230,19 @@ class BlockPublisher:
         return tmp, final, file_bytes(n)
 
     def _write_packed(self, w: SsdWrite, final: str, tmp: str, packed: Packed) -> tuple[str, str, int]:
-        """Thread: :meth:`_write_one` of a coded or sealed block (its stored form ``packed``),
-        through the thread's page-aligned scratch area, zero-padded to a whole page."""
-        data = packed.data
+        """Thread: :meth:`_write_one` of a coded or sealed block, its stored form ``packed`` in
+        the thread's page-aligned scratch area, zero-padded to a whole page there."""
         if packed.codec:
             self.counters.coded += 1         # on an I/O thread: a lost increment under a race is the worst case
         if packed.nonce:
             self.counters.sealed += 1
         header = BlockHeader(w.header.digest, w.header.layer, w.header.length, w.header.checksum, w.header.created,
-                             packed.codec, len(data), packed.nonce, packed.tag)
+                             packed.codec, packed.length, packed.nonce, packed.tag)
         bufs = self._buffers
         bufs.header[:] = header.encode()
-        size = padded(len(data))
+        size = padded(packed.length)
         scratch = bufs.scratch(size)
-        scratch[:len(data)] = data
-        scratch[len(data):size] = bytes(size - len(data))
+        scratch[packed.length:size] = bytes(size - packed.length)
         body = memoryview(scratch)[:size]
         try:
             self._write_file(final, tmp, [bufs.header, body], header.file_size)

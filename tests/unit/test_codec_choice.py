@@ -65,10 +65,12 @@ def test_auto_form_codes_and_reports_its_costs() -> None:
     import numpy as np
     values = (np.random.default_rng(0).standard_normal(1 << 15) * 0.5).astype(np.float32)
     data = (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    packed = form.pack(memoryview(data), "", b"id")
+    area = bytearray(len(data))
+    packed = form.pack(memoryview(data), "", b"id", lambda n: area)
     assert packed is not None and form.choice.ratio is not None and form.choice.ratio > 1.25
     out = bytearray(len(data))
-    form.unpack(packed.codec, packed.nonce, packed.tag, memoryview(packed.data), memoryview(out), "", b"id")
+    form.unpack(packed.codec, packed.nonce, packed.tag, memoryview(area)[:packed.length], memoryview(out), "", b"id",
+                bytearray)
     assert bytes(out) == data and form.choice.decode_per_byte is not None
     form.read(1 << 20, 0.001)
     form.wrote(1 << 20, 0.002)

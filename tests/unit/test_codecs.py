@@ -10,7 +10,7 @@ import mmap
 import os
 import random
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import blake3
 import numpy as np
@@ -126,24 +126,48 @@ def test_the_compiled_planes_are_built_and_match_numpy() -> None:
 # -- sealing ---------------------------------------------------------------------------------------
 
 
+class Buffers:
+    """Grown-on-demand buffers, as the SSD tier's per-thread scratch areas."""
+
+    def __init__(self) -> None:
+        self.areas: dict[str, bytearray] = {}
+
+    def area(self, name: str) -> Callable[[int], bytearray]:
+        def get(n: int) -> bytearray:
+            if len(self.areas.get(name, b"")) < n:
+                self.areas[name] = bytearray(n)
+            return self.areas[name]
+        return get
+
+
+def _open(sealer: Sealer, tenant: str, nonce: bytes, tag: bytes, sealed: bytes, identity: bytes) -> bytes:
+    out = bytearray(len(sealed))
+    sealer.open_into(tenant, nonce, tag, sealed, identity, out)
+    return bytes(out[:len(sealed)])
+
+
 def test_seal_opens_only_for_its_tenant_and_identity() -> None:
     sealer = Sealer(keys_of)
-    nonce, tag, sealed = sealer.seal("alice", b"secret bytes" * 100, b"id-1")
-    assert b"secret bytes" not in bytes(sealed) and len(sealed) == 1200 and len(tag) == 16
-    assert sealer.open("alice", nonce, tag, sealed, b"id-1") == b"secret bytes" * 100
+    data = b"secret bytes" * 100
+    out = bytearray(len(data))
+    nonce, tag = sealer.seal_into("alice", data, b"id-1", out)
+    sealed = bytes(out[:len(data)])
+    assert b"secret bytes" not in sealed and len(tag) == 16
+    assert _open(sealer, "alice", nonce, tag, sealed, b"id-1") == data
     with pytest.raises(SealError, match="another tenant"):
-        sealer.open("bob", nonce, tag, sealed, b"id-1")
+        _open(sealer, "bob", nonce, tag, sealed, b"id-1")
     with pytest.raises(SealError):
-        sealer.open("alice", nonce, tag, sealed, b"id-2")            # moved under another block's name
+        _open(sealer, "alice", nonce, tag, sealed, b"id-2")            # moved under another block's name
     flipped = bytearray(sealed)
     flipped[7] ^= 0x01
     with pytest.raises(SealError):
-        sealer.open("alice", nonce, tag, bytes(flipped), b"id-1")
+        _open(sealer, "alice", nonce, tag, bytes(flipped), b"id-1")
     with pytest.raises(SealError):
-        sealer.open("alice", nonce, bytes(16), sealed, b"id-1")
+        _open(sealer, "alice", nonce, bytes(16), sealed, b"id-1")
     with pytest.raises(SealError, match="missing"):
-        sealer.open("alice", nonce, b"", sealed, b"id-1")
-    assert sealer.seal("alice", b"x", b"")[0] != sealer.seal("alice", b"x", b"")[0]     # a new nonce each time
+        _open(sealer, "alice", nonce, b"", sealed, b"id-1")
+    again = bytearray(len(data))
+    assert sealer.seal_into("alice", data, b"id-1", again)[0] != nonce and again[:len(data)] != out[:len(data)]
 
 
 @pytest.mark.parametrize("codec", [None, PLANES_ZSTD])
@@ -151,24 +175,35 @@ def test_seal_opens_only_for_its_tenant_and_identity() -> None:
 def test_stored_form_round_trip(codec: object, sealed: bool) -> None:
     form = StoredForm(codec, 0.1, Sealer(keys_of) if sealed else None)       # type: ignore[arg-type]
     data = kv_like(65536, 4)
-    packed = form.pack(memoryview(data), "alice", b"identity")
+    bufs = Buffers()
+    packed = form.pack(memoryview(data), "alice", b"identity", bufs.area("stored"))
     if codec is None and not sealed:
-        assert packed is None and form.plain
+        assert packed is None and form.plain and not bufs.areas
         return
     assert packed is not None and packed.codec == (RAW if codec is None else PLANES_ZSTD.code)
     assert bool(packed.nonce) == sealed
+    stored = bytes(bufs.areas["stored"][:packed.length])
     out = bytearray(len(data))
-    form.unpack(packed.codec, packed.nonce, packed.tag, memoryview(packed.data), memoryview(out), "alice", b"identity")
+    form.unpack(packed.codec, packed.nonce, packed.tag, memoryview(stored), memoryview(out), "alice", b"identity",
+                bufs.area("plain"))
     assert bytes(out) == data
     if sealed:
-        assert len(packed.data) == (len(data) if codec is None else len(PLANES_ZSTD.encode(memoryview(data), 0.1) or b""))
+        assert packed.length == (len(data) if codec is None else len(PLANES_ZSTD.encode(memoryview(data), 0.1) or b""))
         out[:] = bytes(len(out))
         with pytest.raises(UnpackError):
-            form.unpack(packed.codec, packed.nonce, packed.tag, memoryview(packed.data), memoryview(out), "bob", b"identity")
-        assert bytes(out) == bytes(len(out)), "nothing of a block that does not open reaches the slot"
+            form.unpack(packed.codec, packed.nonce, packed.tag, memoryview(stored), memoryview(out), "bob", b"identity",
+                        bufs.area("plain"))
+        assert data[:4096] not in bytes(out), "another tenant's key opens nothing of the block"
         with pytest.raises(SealError, match="no sealing key"):
-            StoredForm(codec).unpack(packed.codec, packed.nonce, packed.tag, memoryview(packed.data),  # type: ignore[arg-type]
-                                     memoryview(out), "alice", b"identity")
+            StoredForm(codec).unpack(packed.codec, packed.nonce, packed.tag, memoryview(stored),  # type: ignore[arg-type]
+                                     memoryview(out), "alice", b"identity", bufs.area("plain"))
+        # opened where it lies: the stored form and the payload's slot the same memory
+        slot = bytearray(max(len(stored), len(data)))
+        slot[:len(stored)] = stored
+        view = memoryview(slot)
+        form.unpack(packed.codec, packed.nonce, packed.tag, view[:len(stored)], view[:len(data)], "alice", b"identity",
+                    bufs.area("plain"))
+        assert bytes(slot[:len(data)]) == data
 
 
 def test_stored_form_refuses_a_bad_margin() -> None:
