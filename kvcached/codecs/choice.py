@@ -11,6 +11,9 @@ spends per payload byte coding, all measured on the tier's own threads under the
 a fast NVMe drive makes the disk cheaper than the codec, and coding stops; a slow or busy disk
 makes it pay. The ratio is measured on the blocks coded.
 
+Until a coded block has been read back (a tier that is mostly written), the read terms are
+unknown and the decision goes by the write's alone: disk seconds saved writing against encoding.
+
 While coding does not pay, one block in :data:`SAMPLE_EVERY` is still coded (a few percent of
 the writes), so the ratio and the decode cost stay measured and coding starts again when the
 disk slows. Before anything is measured, blocks are coded (the probe that measures). The
@@ -71,14 +74,16 @@ class CodecChoice:
                 self.encode_per_byte = self._average(self.encode_per_byte, seconds / nbytes)
 
     def saving_over_cost(self) -> float | None:
-        """Disk seconds saved per byte / coding seconds per byte, a block written and read once
-        (None: not all measured yet)."""
+        """Disk seconds saved per byte / coding seconds per byte, a block written and read once;
+        the write's alone until a coded block has been read (None: not even that measured yet)."""
         read, write, ratio = self.read_per_byte, self.write_per_byte, self.ratio
         encode, decode = self.encode_per_byte, self.decode_per_byte
-        if read is None or write is None or ratio is None or encode is None or decode is None:
+        if write is None or ratio is None or encode is None:
             return None
-        saved = (read + write) * (1.0 - 1.0 / max(ratio, 1.0))
-        return saved / (encode + decode)
+        kept = 1.0 - 1.0 / max(ratio, 1.0)
+        if read is None or decode is None:
+            return write * kept / encode
+        return (read + write) * kept / (encode + decode)
 
     def code_next(self) -> bool:
         """Whether to code the next block written."""

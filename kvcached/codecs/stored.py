@@ -37,18 +37,25 @@ class Packed:
 
 
 class StoredForm:
-    """The codec (None: raw) and sealer (None: no sealing) of a cold tier; with ``choice``, the
-    codec is used only where it pays (``kv.ssd_codec = "auto"``), and the tier reports its reads'
-    times here (:meth:`read`) for the choice to weigh."""
+    """The codec (None: raw) and sealer of a cold tier. ``sealer`` opens sealed files whatever
+    ``seal`` says (a daemon that stops sealing still reads what it sealed); ``seal`` says whether
+    new ones are sealed. With ``choice``, the codec is used only where it pays (``kv.ssd_codec =
+    "auto"``), and the tier reports its I/O times here (:meth:`read`, :meth:`wrote`) for the
+    choice to weigh. ``granule``: the tier stores in whole units of it (the SSD's pages), so a
+    coded form must save the margin in those units, not in bytes that padding gives back."""
 
     def __init__(self, codec: Codec | None = None, margin: float = 0.1, sealer: Sealer | None = None,
-                 choice: CodecChoice | None = None) -> None:
+                 choice: CodecChoice | None = None, *, seal: bool | None = None, granule: int = 1) -> None:
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"codec margin {margin} is not a fraction in [0, 1)")
+        if seal and sealer is None:
+            raise ValueError("sealing new blocks needs a sealer (the tenant key)")
         self.codec = codec
         self.margin = margin
         self.sealer = sealer
+        self.seal = sealer is not None if seal is None else seal
         self.choice = choice
+        self.granule = granule
 
     def read(self, nbytes: int, seconds: float) -> None:
         """The tier read ``nbytes`` of a block file from the disk in ``seconds`` (what coding
@@ -63,8 +70,11 @@ class StoredForm:
 
     @property
     def plain(self) -> bool:
-        """Whether every block is stored as it is (no codec, no sealing)."""
-        return self.codec is None and self.sealer is None
+        """Whether every new block is stored as it is (no codec, no sealing)."""
+        return self.codec is None and not self.seal
+
+    def _whole(self, nbytes: int) -> int:
+        return -(-nbytes // self.granule) * self.granule
 
     def pack(self, payload: memoryview, tenant: str, identity: bytes, buffer: Callable[[int], Any]) -> Packed | None:
         """The stored form of ``payload`` (``tenant``'s; ``identity``: what the block is, bound
@@ -74,11 +84,14 @@ class StoredForm:
         if self.codec is not None and (self.choice is None or self.choice.code_next()):
             started = time.perf_counter()
             data = self.codec.encode(payload, self.margin)
+            if data is not None and self._whole(len(data)) > self._whole(len(payload)) * (1.0 - self.margin):
+                data = None          # saves less than the margin once padded: not worth a decode at every read
             if data is not None:
                 code = self.codec.code
             if self.choice is not None:
-                self.choice.encoded(len(payload), None if data is None else len(data), time.perf_counter() - started)
-        if self.sealer is None:
+                stored = None if data is None else self._whole(len(data)) * len(payload) // self._whole(len(payload))
+                self.choice.encoded(len(payload), stored, time.perf_counter() - started)
+        if not self.seal or self.sealer is None:
             if data is None:
                 return None
             buffer(len(data))[:len(data)] = data
@@ -125,9 +138,10 @@ class StoredForm:
                 opened.release()
 
 
-def stored_form(codec: str, margin: float, sealer: Sealer | None) -> StoredForm:
+def stored_form(codec: str, margin: float, sealer: Sealer | None, *, seal: bool = False, granule: int = 1) -> StoredForm:
     """The stored form ``kv.ssd_codec`` names: "none", a codec's name, or :data:`AUTO`
-    (:data:`AUTO_CODEC` where it pays); KeyError for a name no codec has."""
+    (:data:`AUTO_CODEC` where it pays), new blocks sealed if ``seal``; KeyError for a name no
+    codec has."""
     if codec == AUTO:
-        return StoredForm(codec_named(AUTO_CODEC), margin, sealer, CodecChoice())
-    return StoredForm(codec_named(codec), margin, sealer)
+        return StoredForm(codec_named(AUTO_CODEC), margin, sealer, CodecChoice(), seal=seal, granule=granule)
+    return StoredForm(codec_named(codec), margin, sealer, seal=seal, granule=granule)

@@ -19,6 +19,7 @@ from kvcached.index.presence import TierFeed
 from kvcached.index.record_cache import cached_records
 from kvcached.tenants import TenantMap
 from kvcached.tiers.ssd import SsdTier
+from kvcached.tiers.ssd_format import PAGE
 
 __all__ = ["prepare_state_dirs", "open_index", "open_ssd", "SSD_DIR_LEVELS"]
 
@@ -56,12 +57,15 @@ def open_ssd(config: Config, tenants: TenantMap | None = None) -> SsdTier | None
     kv = config.kv
     if kv.ssd_gib == 0:
         return None
+    # The sealer opens sealed files whatever tenants.seal_ssd says now (turning sealing off must
+    # not make what was sealed unreadable); the setting decides whether new files are sealed.
     sealer = None
-    if config.tenants.seal_ssd:
-        if tenants is None:
-            raise StartupError("tenants.seal_ssd needs the tenant key (tenants.key_file)")
-        sealer = Sealer(lambda tag: tenants.derived_key(SEAL_PURPOSE, tag))
-    form = stored_form(kv.ssd_codec, kv.ssd_codec_margin, sealer)
+    if tenants is not None:
+        key_map = tenants
+        sealer = Sealer(lambda tag: key_map.derived_key(SEAL_PURPOSE, tag))
+    if config.tenants.seal_ssd and sealer is None:
+        raise StartupError("tenants.seal_ssd needs the tenant key (tenants.key_file)")
+    form = stored_form(kv.ssd_codec, kv.ssd_codec_margin, sealer, seal=config.tenants.seal_ssd, granule=PAGE)
     ssd = SsdTier(kv.ssd_dir, config.ssd_bytes, durability=kv.ssd_durability,  # type: ignore[arg-type]
                   commit_s=kv.ssd_commit_ms / 1000, direct_io=kv.ssd_direct_io,  # type: ignore[arg-type]
                   threads=kv.ssd_io_threads, form=form)

@@ -26,8 +26,10 @@ were evicted (something else fills the disk). A block that meets a full disk whi
 is written once more after the caller's forced eviction (``make_room``), and only its final
 outcome counts.
 
-Reads and writes use O_DIRECT with page-aligned buffers where the filesystem supports it (the
-payload goes straight between the file and its arena slot), buffered I/O otherwise. All I/O runs
+Reads and writes use O_DIRECT with page-aligned buffers where the filesystem supports it (a
+plain block's payload goes straight between the file and its arena slot; a coded or sealed one,
+kvcached.codecs, through a per-thread scratch area, a sealed raw one opened in place in its
+slot), buffered I/O otherwise. All I/O runs
 on a thread pool, so many blocks are in flight at once; the event loop only schedules.
 """
 
@@ -298,6 +300,9 @@ class SsdTier:
             return None
         except OSError as exc:
             return ReadProblem(ReadFault.IO_ERROR, f"{IO_ERROR}: read failed: {exc.strerror or exc}")
+        except Exception as exc:        # not the file's fault that we know of (memory, say): a miss, the file kept
+            log.exception("SSD read failed", extra={"fields": {"file": path}})
+            return ReadProblem(ReadFault.IO_ERROR, f"{IO_ERROR}: read failed: {exc!r}")
         finally:
             os.close(fd)
             body.release()

@@ -24,16 +24,16 @@ Header (little-endian; the rest of the page is zero)::
 
 Version 2 (a block stored in another form than its payload: coded, sealed or both; a plain
 block is still written as version 1, so that an older kvcached reads it) adds, before the header
-checksum, which moves to offset 144::
+checksum, which moves to offset 160::
 
     96  u8  codec (kvcached.codecs: 0 raw)
     97  u8  sealed (1: AES-256-GCM under the tenant's key, kvcached.codecs.seal)
     98  6s  zero
-    104 u64 stored length (bytes of the stored form after the header page)
-    112 12s nonce (sealed; else zero)
-    124 16s the seal's tag (sealed; else zero): kept here, a sealed block's file is no bigger
-    140 4s  zero
-    144 16s header checksum (BLAKE3-256 of bytes 0..144, first 16 bytes)
+    104 u64 stored length (bytes of the stored form after the header page; at most the length)
+    112 28s the seal: a 16-byte salt (the file's key), then a 12-byte nonce (sealed; else zero)
+    140 16s the seal's tag (sealed; else zero): kept here, a sealed block's file is no bigger
+    156 4s  zero
+    160 16s header checksum (BLAKE3-256 of bytes 0..160, first 16 bytes)
 
 The payload checksum is always the payload's own (the decoded bytes), so it guards a coded block
 exactly as a raw one.
@@ -63,10 +63,10 @@ SUFFIX = ".kvb"
 TMP_MARK = ".tmp-"           # <name>.tmp-<boot token>-<n>: a write not yet published
 _FIXED = struct.Struct("<8sHHIQd32s32s")
 _CHECKED = _FIXED.size       # 96: bytes covered by the header checksum (version 1)
-_STORED = struct.Struct("<BB6xQ12s16s4x")    # version 2's fields after the fixed ones
-_CHECKED_V2 = _CHECKED + _STORED.size        # 144
+_STORED = struct.Struct("<BB6xQ28s16s4x")    # version 2's fields after the fixed ones
+_CHECKED_V2 = _CHECKED + _STORED.size        # 160
 _HEADER_SUM = 16
-NONCE_BYTES = 12
+SEAL_BYTES = 28              # salt and nonce (kvcached.codecs.seal)
 TAG_BYTES = 16
 
 
@@ -123,7 +123,7 @@ class BlockHeader:
     created: float
     codec: int = 0
     stored: int = -1          # -1: the payload's own length (a plain block)
-    nonce: bytes = b""        # b"": not sealed
+    nonce: bytes = b""        # the seal (salt and nonce); b"": not sealed
     tag: bytes = b""          # the seal's tag (sealed)
 
     @property
@@ -152,7 +152,7 @@ class BlockHeader:
         fixed = _FIXED.pack(MAGIC, FORMAT_VERSION if plain else STORED_VERSION, HEADER_BYTES, self.layer, self.length,
                             self.created, self.digest, self.checksum)
         if not plain:
-            fixed += _STORED.pack(self.codec, 1 if self.nonce else 0, self.stored_length, self.nonce.ljust(NONCE_BYTES, b"\0"),
+            fixed += _STORED.pack(self.codec, 1 if self.nonce else 0, self.stored_length, self.nonce.ljust(SEAL_BYTES, b"\0"),
                                   self.tag.ljust(TAG_BYTES, b"\0"))
         return fixed + blake3.blake3(fixed).digest()[:_HEADER_SUM] + bytes(HEADER_BYTES - len(fixed) - _HEADER_SUM)
 
@@ -178,6 +178,8 @@ class BlockHeader:
         codec, sealed, stored, nonce, tag = _STORED.unpack_from(fixed, _CHECKED)
         if sealed not in (0, 1):
             raise HeaderError(f"sealed flag {sealed} is neither 0 nor 1")
+        if stored > length:      # a stored form is never longer than its payload (a forged one must not size a read)
+            raise HeaderError(f"stored length {stored} is more than the payload's {length}")
         return cls(digest, layer, length, checksum, created, codec, stored, nonce if sealed else b"", tag if sealed else b"")
 
     def disagreement(self, digest: bytes, layer: int, length: int, checksum: bytes) -> str | None:

@@ -49,6 +49,7 @@ log = logging.getLogger("kvcached.ssd")
 Durability = Literal["always", "batch", "none"]
 GROUP_MAX_FILES = 256            # a batch group commits at this many files without waiting
 GROUP_MAX_BYTES = 256 << 20      # ... or this many bytes
+CODED, SEALED = 1, 2             # how a written file holds its block (counted once it is published)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class _Written:
     tmp: str
     final: str
     size: int                 # the file's bytes (a coded block's are its own)
+    form: int                 # CODED | SEALED: how the file holds the block
     future: asyncio.Future[None] = field(repr=False)
 
 
@@ -165,10 +167,10 @@ class BlockPublisher:
             out.append(None)
             if self.durability == "batch":
                 fut: asyncio.Future[None] = loop.create_future()
-                self._enqueue(_Written(w, res[0], res[1], res[2], fut))
+                self._enqueue(_Written(w, res[0], res[1], res[2], res[3], fut))
                 waits.append((len(out) - 1, fut))
             else:
-                self._published(w, res[2])
+                self._published(w, res[2], res[3])
         for i, fut in waits:
             try:
                 await fut
@@ -185,25 +187,31 @@ class BlockPublisher:
         log.error("SSD write failed", extra={"fields": {"key": w.key.hex(), "error": str(exc)}})
         return SsdWriteError(getattr(exc, "errno", None) or errno.EIO, f"SSD write failed: {exc}")
 
-    def _published(self, w: SsdWrite, size: int) -> None:
+    def _published(self, w: SsdWrite, size: int, form: int) -> None:
         self.usage.added(w.header.length, w.tenant, size)
+        self.counters.coded += bool(form & CODED)
+        self.counters.sealed += bool(form & SEALED)
         self.counters.writes += 1
         self.counters.write_bytes += w.header.length
         self.counters.file_bytes_written += size
 
     # -- on the I/O threads -------------------------------------------------------------------
 
-    def _write_files(self, chunk: list[tuple[SsdWrite, str]]) -> list[tuple[str, str, int] | SsdWriteError]:
-        """Thread: write each block's temporary file; (tmp, final, file bytes) or the error, per block."""
-        out: list[tuple[str, str, int] | SsdWriteError] = []
+    def _write_files(self, chunk: list[tuple[SsdWrite, str]]) -> list[tuple[str, str, int, int] | SsdWriteError]:
+        """Thread: write each block's temporary file; (tmp, final, file bytes, form) or the
+        error, per block: whatever goes wrong with one block (its coding too) is that block's."""
+        out: list[tuple[str, str, int, int] | SsdWriteError] = []
         for w, final in chunk:
             try:
                 out.append(self._write_one(w, final))
             except SsdWriteError as exc:
                 out.append(exc)
+            except Exception as exc:        # not the disk's: a codec's or the seal's failure, say
+                log.exception("SSD write failed", extra={"fields": {"key": w.key.hex()}})
+                out.append(SsdWriteError(errno.EIO, f"SSD write failed: {exc!r}"))
         return out
 
-    def _write_one(self, w: SsdWrite, final: str) -> tuple[str, str, int]:
+    def _write_one(self, w: SsdWrite, final: str) -> tuple[str, str, int, int]:
         """Thread: write the temporary file and, unless the mode is ``none``, fsync it. Mode
         ``always`` then renames it and fsyncs the directory; mode ``none`` renames it; mode
         ``batch`` leaves rename and directory fsync to the group commit. A block the tier's
@@ -227,15 +235,11 @@ class BlockPublisher:
             self._write_file(final, tmp, parts, file_bytes(n))
         finally:
             body.release()     # no view of the arena may outlive the call (a traceback would keep it)
-        return tmp, final, file_bytes(n)
+        return tmp, final, file_bytes(n), 0
 
-    def _write_packed(self, w: SsdWrite, final: str, tmp: str, packed: Packed) -> tuple[str, str, int]:
+    def _write_packed(self, w: SsdWrite, final: str, tmp: str, packed: Packed) -> tuple[str, str, int, int]:
         """Thread: :meth:`_write_one` of a coded or sealed block, its stored form ``packed`` in
         the thread's page-aligned scratch area, zero-padded to a whole page there."""
-        if packed.codec:
-            self.counters.coded += 1         # on an I/O thread: a lost increment under a race is the worst case
-        if packed.nonce:
-            self.counters.sealed += 1
         header = BlockHeader(w.header.digest, w.header.layer, w.header.length, w.header.checksum, w.header.created,
                              packed.codec, packed.length, packed.nonce, packed.tag)
         bufs = self._buffers
@@ -248,7 +252,7 @@ class BlockPublisher:
             self._write_file(final, tmp, [bufs.header, body], header.file_size)
         finally:
             body.release()
-        return tmp, final, header.file_size
+        return tmp, final, header.file_size, (CODED if packed.codec else 0) | (SEALED if packed.nonce else 0)
 
     def _write_file(self, final: str, tmp: str, parts: list[Any], total: int) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
@@ -327,7 +331,7 @@ class BlockPublisher:
         for (d, members), synced in zip(dirs.items(), dir_syncs):
             for g in members:
                 if synced is None:
-                    self._published(g.write, g.size)
+                    self._published(g.write, g.size, g.form)
                     if not g.future.done():
                         g.future.set_result(None)
                 else:   # the names may not be durable: discard them, never fsync again

@@ -27,6 +27,21 @@ def test_codes_until_measured() -> None:
     assert choice.saving_over_cost() is None and all(choice.code_next() for _ in range(100))
 
 
+def test_a_tier_never_read_decides_by_its_writes() -> None:
+    """No coded block read back yet: the write's terms alone decide (a write-heavy tier on a
+    fast disk stops coding; on a slow one it keeps on)."""
+    fast, slow = CodecChoice(), CodecChoice()
+    for _ in range(200):
+        fast.wrote(1 << 20, (1 << 20) / 6e9)
+        slow.wrote(1 << 20, (1 << 20) / 0.1e9)
+        for choice in (fast, slow):
+            choice.encoded(1 << 20, int((1 << 20) / 1.46), (1 << 20) / 0.6e9)
+    assert fast.decode_per_byte is None and fast.saving_over_cost() is not None
+    fast.code_next()
+    slow.code_next()
+    assert not fast.coding and slow.coding
+
+
 @pytest.mark.parametrize("disk_gbs, codec_gbs, ratio, pays", [
     (0.5, 1.5, 1.46, True),      # a slow disk: saving a third of 2 ms/MiB beats 0.7 ms/MiB of coding
     (6.0, 1.5, 1.46, False),     # a fast NVMe drive: the disk is cheaper than the codec

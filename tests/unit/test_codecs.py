@@ -166,6 +166,9 @@ def test_seal_opens_only_for_its_tenant_and_identity() -> None:
         _open(sealer, "alice", nonce, bytes(16), sealed, b"id-1")
     with pytest.raises(SealError, match="missing"):
         _open(sealer, "alice", nonce, b"", sealed, b"id-1")
+    with pytest.raises(SealError):             # another salt: another file's key
+        _open(sealer, "alice", bytes(16) + nonce[16:], tag, sealed, b"id-1")
+    assert len(nonce) == 28
     again = bytearray(len(data))
     assert sealer.seal_into("alice", data, b"id-1", again)[0] != nonce and again[:len(data)] != out[:len(data)]
 
@@ -209,6 +212,30 @@ def test_stored_form_round_trip(codec: object, sealed: bool) -> None:
 def test_stored_form_refuses_a_bad_margin() -> None:
     with pytest.raises(ValueError, match="margin"):
         StoredForm(PLANES_ZSTD, 1.0)
+    with pytest.raises(ValueError, match="sealer"):
+        StoredForm(None, 0.1, None, seal=True)
+
+
+def test_a_saving_that_padding_gives_back_is_stored_raw() -> None:
+    """4 KiB of KV codes to less in bytes, but not in whole pages: stored raw, no decode to pay."""
+    data = kv_like(4096, 6)
+    assert PLANES_ZSTD.encode(memoryview(data), 0.1) is not None
+    paged = StoredForm(PLANES_ZSTD, 0.1, granule=4096)
+    assert paged.pack(memoryview(data), "", b"id", bytearray) is None
+    assert StoredForm(PLANES_ZSTD, 0.1).pack(memoryview(data), "", b"id", bytearray) is not None
+
+
+def test_turning_sealing_off_still_opens_what_was_sealed() -> None:
+    data = kv_like(65536, 7)
+    sealer = Sealer(keys_of)
+    area = bytearray(len(data))
+    packed = StoredForm(None, 0.1, sealer, seal=True).pack(memoryview(data), "", b"id", lambda n: area)
+    assert packed is not None and packed.nonce
+    off = StoredForm(None, 0.1, sealer, seal=False)
+    assert off.plain and off.pack(memoryview(data), "", b"id", bytearray) is None     # new blocks plain
+    out = bytearray(len(data))
+    off.unpack(packed.codec, packed.nonce, packed.tag, memoryview(area), memoryview(out), "", b"id", bytearray)
+    assert bytes(out) == data
 
 
 # -- the header ------------------------------------------------------------------------------------
@@ -217,15 +244,18 @@ def test_stored_form_refuses_a_bad_margin() -> None:
 def test_plain_blocks_keep_version_1_and_stored_ones_round_trip() -> None:
     plain = BlockHeader(b"\x01" * 32, 7, 12345, b"\x02" * 32, 5.0)
     assert plain.plain and plain.encode()[8] == 1 and plain.file_size == file_bytes(12345)
-    coded = BlockHeader(b"\x01" * 32, 7, 12345, b"\x02" * 32, 5.0, PLANES_ZSTD.code, 6000, b"\x09" * 12, b"\x07" * 16)
+    coded = BlockHeader(b"\x01" * 32, 7, 12345, b"\x02" * 32, 5.0, PLANES_ZSTD.code, 6000, b"\x09" * 28, b"\x07" * 16)
     page = coded.encode()
     assert page[8] == 2 and BlockHeader.decode(page) == coded and not coded.plain
     assert coded.file_size == HEADER_BYTES + padded(6000)
-    for offset in (96, 97, 104, 112, 127, 130, 143, 150):
+    for offset in (96, 97, 104, 112, 127, 130, 143, 150, 159, 165):
         bad = bytearray(page)
         bad[offset] ^= 0x04
         with pytest.raises(HeaderError):
             BlockHeader.decode(bad)
+    forged = BlockHeader(b"\x01" * 32, 7, 12345, b"\x02" * 32, 5.0, PLANES_ZSTD.code, 1 << 40)
+    with pytest.raises(HeaderError, match="more than the payload"):      # a forged size never sizes a read
+        BlockHeader.decode(forged.encode())
 
 
 # -- real block files ------------------------------------------------------------------------------
@@ -370,3 +400,37 @@ def test_boot_reconcile_adopts_coded_files_at_their_own_size(tmp_path: Path, sou
         assert report.adopted_file_bytes == files and report.on_ssd_file_bytes == files
     finally:
         index.close()
+
+
+class _FailsOnZeros:
+    """planes-zstd, except that it fails (as a bug in a codec would) on a block of zeros."""
+
+    name, code = "test-fails", PLANES_ZSTD.code
+
+    def encode(self, payload: memoryview, margin: float) -> bytes | None:
+        if not any(payload[:64]):
+            raise RuntimeError("codec bug")
+        return PLANES_ZSTD.encode(payload, margin)
+
+    def decode(self, stored: memoryview, out: memoryview) -> None:
+        PLANES_ZSTD.decode(stored, out)
+
+
+def test_a_block_whose_coding_fails_fails_alone(tmp_path: Path, source: memoryview) -> None:
+    tier = _tier(tmp_path / "ssd", StoredForm(_FailsOnZeros(), 0.1))       # type: ignore[arg-type]
+    ws = _writes(source, [65536, 65536, 65536])
+    source[(1 << 20):(1 << 20) + 65536] = bytes(65536)                    # block 1: zeros
+    ws[1] = SsdWrite(ws[1].key, BlockHeader(ws[1].header.digest, 1, 65536, blake3.blake3(bytes(65536)).digest(), 1.5),
+                     ws[1].payload)
+
+    async def write() -> list[object]:
+        try:
+            return await tier.write_many(ws)      # type: ignore[return-value]
+        finally:
+            await tier.close()
+    results = asyncio.run(write())
+    assert results[0] is None and results[2] is None and "codec bug" in str(results[1])
+    assert tier.blocks == 2 and tier.counters.write_errors == 1 and tier.counters.coded == 1
+    assert not [p for p in (tmp_path / "ssd" / "blocks").rglob("*") if ".tmp-" in p.name]
+    for w in ws:           # the logged traceback holds the failed write's frames, and so its view
+        w.payload.release()
