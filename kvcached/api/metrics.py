@@ -323,6 +323,12 @@ def _quic_server_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         for reason in ("source_limit", "full", "displaced", "timeout"):
             limited.add_metric([reason], stats["lane_limited"].get(reason, 0))
         yield limited
+        for key, doc in (("lane_coded_pulls", "Pulls this daemon asked for coded for the wire ([quic] link_codec)"),
+                         ("lane_coded_blocks", "Blocks this daemon sent peers coded for the wire (the rest of a "
+                          "coded pull's blocks went raw: the codec did not shrink them)"),
+                         ("lane_coded_saved_bytes", "Bytes that coding for the wire kept off the links this daemon "
+                          "sends on")):
+            yield CounterMetricFamily(f"kvcached_{key}", doc, value=stats[key])
 
 
 def _nixl_metrics(stats: dict[str, int]) -> Iterator[Metric]:

@@ -190,6 +190,11 @@ class QuicSection:
                      "certificates) or mac (plain TCP, keyed BLAKE3 seals with a key granted over QUIC: "
                      "authenticated, not encrypted, for a fabric nobody else can read); QUIC where the lane "
                      "cannot be had. quic: no lane.", "tls", one_of("tls", "mac", "quic"))
+    link_codec: str = setting("Blocks pulled over a lane coded for the wire (docs/codecs.md): auto (planes-zstd where "
+                              "it measures faster than raw from that peer: a link slower than the codec), none, or a "
+                              "codec asked for on every pull (planes-zstd). The holder sends raw each block the codec "
+                              "does not shrink; lossless, so a pulled block is the same bytes either way.", "auto",
+                              one_of("none", "auto", *sorted(CODECS)))
     lane_stripes: int = setting("Lane connections one large pull (16 blocks or more) is split over at once. 1 "
                              "(no striping) measured fastest on 2 cores; more may pay on hosts with many.", 1,
                              between(1, 16), int)

@@ -306,7 +306,7 @@ class Daemon:
             options=QuicOptions(q.max_datagram_size, int(q.max_data_mib * (1 << 20)),
                                 int(q.max_stream_data_mib * (1 << 20))),
             pull_timeout_s=q.pull_timeout_s, hedge_s=q.hedge_ms / 1000, fail_limit=q.fail_limit, lane=q.lane,
-            lane_stripes=q.lane_stripes, lane_max_connections=q.lane_max_connections,
+            lane_stripes=q.lane_stripes, lane_max_connections=q.lane_max_connections, link_codec=q.link_codec,
             backoff_s=q.backoff_s, backoff_max_s=q.backoff_max_s, max_payload=self.config.max_block_bytes,
             limits=HandshakeLimits(q.retry, q.max_handshakes, q.max_handshakes_per_source, q.max_connections,
                                    q.handshake_timeout_s, q.stateless_replies_per_s),

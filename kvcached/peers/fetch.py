@@ -13,10 +13,12 @@ asked. The caller bounds the whole fetch by its deadline; everything here is the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from kvcached.codecs import codec_coded
 from kvcached.peers import protocol as p
 from kvcached.peers.directory import wire_key
 from kvcached.peers.lane_client import LaneClient
@@ -165,7 +167,12 @@ class Fetch:
             lane_keys = keys
 
             async def over_lane(lane: LaneClient, key: tuple[bytes, bytes] | None, setup_s: float) -> bool:
-                await lane.pull([split(k) for k in lane_keys], lane_sink, key, setup_s, self.tenant)
+                started = links.clock()
+                codec = await lane.pull([split(k) for k in lane_keys], lane_sink, key, setup_s, self.tenant,
+                                        links.coding.codec_for(name))
+                await lane_sink.settled()
+                links.coding.took(name, bool(codec), lane_sink.arrived_bytes, links.clock() - started)
+                links.coding.coded_pulls += bool(codec)
                 return True
 
             # Half of what is left for opening a lane: a lane that cannot be had leaves QUIC the rest.
@@ -201,17 +208,21 @@ class Fetch:
 
 
 class _Sink(PullSink):
-    """Answers of one pull from one peer: payloads into reserved slots, checked on arrival."""
+    """Answers of one pull from one peer: payloads into reserved slots, checked on arrival. A
+    payload that came coded is decoded into its slot and checked on a worker thread (codec work
+    stays off the event loop); its slot goes back only once that thread is done with it."""
 
     def __init__(self, fetch: Fetch, peer: str, keys: set[bytes]) -> None:
         self.fetch, self.peer, self.keys = fetch, peer, keys
         self.open: dict[bytes, tuple[Any, memoryview]] = {}   # reserved, payload not all in
+        self.decoding: dict[bytes, asyncio.Future[bool]] = {}  # coded payloads being decoded and checked
+        self.arrived_bytes = 0                                 # of the blocks that arrived verified
         self.closed = False
 
     def slot(self, block: p.Block) -> memoryview | None:
         key = wire_key(block.digest, block.layer)
         fetch = self.fetch
-        if self.closed or key not in self.keys or key in fetch.got or key in self.open:
+        if self.closed or key not in self.keys or key in fetch.got or key in self.open or key in self.decoding:
             return None
         if block.payload_length > fetch.settings.max_payload:
             return None
@@ -227,8 +238,29 @@ class _Sink(PullSink):
         # from the peer's sending process and the loop's reads (no benchmark measures it).
         key = wire_key(block.digest, block.layer)
         handle, view = self.open.pop(key)
+        self._settle(key, block, handle, key not in self.fetch.got and block.verify(view[:block.payload_length]))
+
+    def arrived_coded(self, block: p.Block, coded: memoryview) -> None:
+        key = wire_key(block.digest, block.layer)
+        handle, view = self.open.pop(key)
+        if key in self.fetch.got:
+            self.fetch.abort(handle)
+            return
+        future = asyncio.get_running_loop().run_in_executor(None, _decoded, block, coded, view[:block.payload_length])
+        self.decoding[key] = future
+        future.add_done_callback(functools.partial(self._decoded, key, block, handle))
+
+    def _decoded(self, key: bytes, block: p.Block, handle: Any, future: "asyncio.Future[bool]") -> None:
+        del self.decoding[key]
+        good = not future.cancelled() and future.exception() is None and future.result()
+        if self.closed:                  # the fetch is over: the slot goes back now that no thread writes it
+            self.fetch.abort(handle)
+            return
+        self._settle(key, block, handle, good)
+
+    def _settle(self, key: bytes, block: p.Block, handle: Any, good: bool) -> None:
         fetch, counters = self.fetch, self.fetch.counters
-        if key in fetch.got or not block.verify(view[:block.payload_length]):
+        if key in fetch.got or not good:
             if key not in fetch.got:
                 counters.corrupt += 1
                 log.warning("pulled block failed its checksum; dropped",
@@ -237,14 +269,33 @@ class _Sink(PullSink):
             return
         counters.pulled += 1
         counters.pulled_bytes += block.payload_length
+        self.arrived_bytes += block.payload_length
         fetch.got[key] = (fetch.wanted[key], handle, block)
+
+    async def settled(self) -> None:
+        """Until every coded payload that arrived is decoded and checked (a cancel of the caller
+        does not stop the threads: their slots go back as each ends)."""
+        while self.decoding:
+            await asyncio.shield(asyncio.gather(*self.decoding.values(), return_exceptions=True))
 
     def missed(self, miss: p.Miss) -> None:
         pass                     # another holder is asked in the next round, if there is one
 
     def close(self) -> None:
-        """No more answers are taken; slots whose payload did not all arrive are given back."""
+        """No more answers are taken; slots whose payload did not all arrive are given back (a
+        slot still being decoded into, as its thread ends)."""
         self.closed = True
         for handle, _ in self.open.values():
             self.fetch.abort(handle)
         self.open.clear()
+
+
+def _decoded(block: p.Block, coded: memoryview, out: memoryview) -> bool:
+    """A worker thread's part of a coded arrival: ``coded`` decoded into ``out`` with the
+    block's codec, and whether ``out`` is then the block its head announces. A payload that
+    does not decode (damaged, or not what its head says) is a failed checksum."""
+    try:
+        codec_coded(block.codec).decode(coded, out)
+    except Exception:            # a codec refusing its input, whatever it raises: the copy is bad, not the daemon
+        return False
+    return block.verify(out)

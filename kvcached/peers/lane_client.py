@@ -45,6 +45,7 @@ class LaneClient:
         self._ids = RequestIds()
         self._opening = asyncio.Semaphore(MAX_OPENING)
         self.refused = 0           # servers that did not prove the key, frames whose seal failed
+        self.uncoded = False       # the peer answered a CodedPull UNKNOWN_TYPE (it predates them)
 
     async def _connect(self, key: tuple[bytes, bytes] | None, setup_s: float | None) -> LaneConnection:
         """A new lane, proved both ways, within ``setup_s`` (at most ``connect_timeout_s``):
@@ -104,19 +105,36 @@ class LaneClient:
 
     async def pull(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
                    key: tuple[bytes, bytes] | None = None, setup_s: float | None = None,
-                   tenant: str = "") -> None:
+                   tenant: str = "", codec: int = 0) -> int:
         """As :meth:`PeerClientProtocol.pull`: answers go to ``sink`` as they arrive; returns once
         every entry is answered. ``tenant``: whose blocks they are (the Pull names it). ``key``:
         the (key id, key) granted over QUIC (``mac`` mode); ``setup_s``: the most a new
-        connection may take to open (module docstring).
+        connection may take to open (module docstring). ``codec``: ask for the blocks coded
+        with it (a CodedPull; coded payloads go to ``sink.arrived_coded``); a peer that
+        predates coded pulls is asked again plainly, and never coded again. Returns the codec
+        the pull asked for in the end (0: none).
         OSError (a timeout too), PeerRefused or PeerGone where the lane cannot be had (the caller
         pulls over QUIC instead); PeerGone, ProtocolError or MacRefused as it breaks."""
+        if codec and self.uncoded:
+            codec = 0
+        try:
+            await self._pull_striped(addresses, sink, key, setup_s, tenant, codec)
+        except p.ProtocolError as exc:
+            if not codec or exc.code != p.ErrorCode.UNKNOWN_TYPE:
+                raise
+            self.uncoded = True          # the holder predates coded pulls: it answered before sending a block
+            codec = 0
+            await self._pull_striped(addresses, sink, key, setup_s, tenant, codec)
+        return codec
+
+    async def _pull_striped(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
+                            key: tuple[bytes, bytes] | None, setup_s: float | None, tenant: str, codec: int) -> None:
         n = min(self.stripes, len(addresses) // STRIPE_MIN) if len(addresses) >= 2 * STRIPE_MIN else 1
         if n <= 1:
-            await self._pull_one(addresses, sink, key, setup_s, tenant)
+            await self._pull_one(addresses, sink, key, setup_s, tenant, codec)
             return
         size = -(-len(addresses) // n)
-        parts = [asyncio.ensure_future(self._pull_one(addresses[i:i + size], sink, key, setup_s, tenant))
+        parts = [asyncio.ensure_future(self._pull_one(addresses[i:i + size], sink, key, setup_s, tenant, codec))
                  for i in range(0, len(addresses), size)]
         try:
             done, pending = await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
@@ -129,11 +147,11 @@ class LaneClient:
                 raise part.exception()  # type: ignore[misc]
 
     async def _pull_one(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
-                        key: tuple[bytes, bytes] | None, setup_s: float | None, tenant: str) -> None:
+                        key: tuple[bytes, bytes] | None, setup_s: float | None, tenant: str, codec: int) -> None:
         conn = await self._take(key, setup_s)
         done = False
         try:
-            await self._pull_on(conn, p.pull_of(addresses, self.max_payload, tenant), sink)
+            await self._pull_on(conn, p.pull_of(addresses, self.max_payload, tenant, codec), sink, codec)
             done = True
         except m.MacRefused:
             self.refused += 1
@@ -196,9 +214,10 @@ class LaneClient:
                                   f"{len(addresses)} addresses")
         return [tuple(h) for h in got[0].holders]
 
-    async def _pull_on(self, conn: LaneConnection, request: p.AnyPull, sink: PullSink) -> None:
+    async def _pull_on(self, conn: LaneConnection, request: p.AnyPull, sink: PullSink, codec: int) -> None:
         request_id = self._ids.next()
-        answers = PullAnswers(self.peer, conn.decoder, sink, request_id=request_id, expected=len(request.addresses))
+        answers = PullAnswers(self.peer, conn.decoder, sink, request_id=request_id, expected=len(request.addresses),
+                              codec=codec)
 
         def on_event(item: st.Event) -> None:
             message = answers.take(item)

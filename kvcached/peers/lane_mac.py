@@ -184,8 +184,6 @@ def _frame_bytes(item: p.Frame | st.BlockHeader | st.BlocksHeader) -> bytes:
     head the decoder took encodes back to the bytes it came from)."""
     if isinstance(item, st.BlockHeader):
         return p.encode(item.block, item.request_id)
-    if isinstance(item, st.BlocksHeader):
-        return p.HEADER.pack(len(item.body), p.VERSION, p.Blocks.TYPE, 0, item.request_id) + item.body
     return p.HEADER.pack(len(item.body), p.VERSION, item.type, 0, item.request_id) + item.body
 
 

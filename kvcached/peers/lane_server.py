@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, cast
 
+from kvcached.codecs import Codec, CodecError, codec_coded
 from kvcached.peers import lane_mac as m
 from kvcached.peers import protocol as p
 from kvcached.peers import stream as st
@@ -54,7 +55,7 @@ BACKLOG = 1024                 # the listen queue: a flood of connects must not 
 ACCEPT_PAUSE_S = 1.0           # accepting pauses this long after an error (out of file descriptors)
 REFUSAL_LOG_S = 10.0           # refused handshakes are logged at most once this often (a flood would flood the log)
 # A lane carries pulls (any tenant's) and Locates; the rest goes over QUIC.
-_LANE_REQUESTS = frozenset({p.Pull.TYPE, p.TenantPull.TYPE, p.Locate.TYPE})
+_LANE_REQUESTS = frozenset({p.Pull.TYPE, p.TenantPull.TYPE, p.CodedPull.TYPE, p.Locate.TYPE})
 
 
 @dataclass
@@ -63,6 +64,8 @@ class LaneCounters:
     bad_seals: int = 0         # mac lanes ended for a frame whose seal was missing or wrong
     stalled: int = 0           # answers given up: the client stopped reading for STALL_S
     served_pulls: int = 0      # pulls answered over lanes
+    coded_blocks: int = 0      # blocks sent coded (answering CodedPulls)
+    coded_saved_bytes: int = 0 # bytes that coding kept off the wire
 
 
 class LaneServer:
@@ -286,17 +289,20 @@ class LaneServer:
         if isinstance(message, p.Locate):
             conn.write_frame(p.encode(self.handler.answer_locate(peer, message), frame.request_id))
             return
-        assert isinstance(message, (p.Pull, p.TenantPull))
+        assert isinstance(message, (p.Pull, p.TenantPull, p.CodedPull))
         self.counters.served_pulls += 1
+        codec = _link_codec(message.codec) if isinstance(message, p.CodedPull) else None
         # Pinned and sent a part at a time: the first payloads are on their way (the puller
-        # reading and checking them) while the next part is pinned.
+        # reading and checking them) while the next part is pinned (and coded).
         sender = _Sender(conn)
         try:
             rows = message.addresses
             for at in range(0, len(rows), SERVE_PART):
-                answers = await self.handler.pull(peer, message.part(rows[at:at + SERVE_PART]))
+                answers: Sequence[Answer] = await self.handler.pull(peer, message.part(rows[at:at + SERVE_PART]))
                 try:
-                    pieces = _answer_pieces(answers, frame.request_id, conn.sealed)
+                    if codec is not None:
+                        answers = await _coded(answers, codec, self.counters)
+                    pieces = _answer_pieces(answers, frame.request_id, conn.sealed, coded=codec is not None)
                 except BaseException:            # a head that cannot be encoded: unpin the part, end the lane
                     for answer in answers:
                         if not isinstance(answer, p.Miss):
@@ -370,21 +376,75 @@ class _Sender:
 
 
 SERVE_PART = 16                # entries of a Pull pinned at a time: sent before the next are pinned
+LINK_MARGIN = 0.05             # a block coding shrinks by less than this goes raw: not worth the puller's decode
+
+Answer = tuple[p.Block, "memoryview | bytes", Callable[[], None]] | p.Miss
 
 
-def _answer_pieces(answers: Sequence[tuple[p.Block, memoryview, Callable[[], None]] | p.Miss],
-                   request_id: int, sealed: Callable[[bytes], bytes]
-                   ) -> list[tuple[bytes | memoryview, Callable[[], None] | None]]:
+def _link_codec(code: int) -> Codec | None:
+    """The codec a CodedPull asks for; None (every block raw, in CodedBlocks) where this daemon
+    does not know it."""
+    try:
+        return codec_coded(code)
+    except CodecError:
+        return None
+
+
+def _encoded(codec: Codec, payload: memoryview | bytes) -> bytes | None:
+    """A worker thread's part of a coded answer: the payload's coded form, or None to send it raw."""
+    try:
+        return codec.encode(memoryview(payload), LINK_MARGIN)
+    except Exception:            # a codec that cannot take this payload: it goes raw, as one that does not pay
+        return None
+
+
+async def _coded(answers: Sequence[Answer], codec: Codec, counters: LaneCounters) -> list[Answer]:
+    """A part of a CodedPull's answers, each block coded on a worker thread (all of the part at
+    once) where that shrinks it, and unpinned as soon as its coded copy is made (a raw one stays
+    pinned until sent). The threads read pinned blocks: a cancel waits for them before the
+    caller unpins anything."""
+    loop = asyncio.get_running_loop()
+    blocks = [answer for answer in answers if not isinstance(answer, p.Miss)]
+    jobs = asyncio.gather(*(loop.run_in_executor(None, _encoded, codec, payload) for _, payload, _ in blocks))
+    try:
+        coded = iter(await asyncio.shield(jobs))
+    except asyncio.CancelledError:
+        await asyncio.gather(jobs, return_exceptions=True)
+        raise
+    out: list[Answer] = []
+    for answer in answers:
+        if isinstance(answer, p.Miss):
+            out.append(answer)
+            continue
+        form = next(coded)
+        head, payload, release = answer
+        if form is None:
+            out.append(answer)
+            continue
+        release()
+        counters.coded_blocks += 1
+        counters.coded_saved_bytes += head.payload_length - len(form)
+        out.append((dataclasses.replace(head, codec=codec.code, wire_length=len(form)), form, _nothing))
+    return out
+
+
+def _nothing() -> None:
+    pass
+
+
+def _answer_pieces(answers: Sequence[Answer], request_id: int, sealed: Callable[[bytes], bytes], *,
+                   coded: bool = False) -> list[tuple[bytes | memoryview, Callable[[], None] | None]]:
     """A part of a Pull's answers (SERVE_PART entries at most, so a Blocks frame's body stays
     small) as the bytes that go on the lane, in order: each run of blocks served as one Blocks
-    frame (``sealed``: after its Seal on a ``mac`` lane) and then their payloads, each with the
-    release that unpins it; each Miss as its own frame."""
+    frame (``coded``: a CodedBlocks frame; ``sealed``: after its Seal on a ``mac`` lane) and then
+    their payloads, each with the release that unpins it; each Miss as its own frame."""
     pieces: list[tuple[bytes | memoryview, Callable[[], None] | None]] = []
-    run: list[tuple[p.Block, memoryview, Callable[[], None]]] = []
+    run: list[tuple[p.Block, memoryview | bytes, Callable[[], None]]] = []
+    frame = p.CodedBlocks if coded else p.Blocks
 
     def end_run() -> None:
         if run:
-            pieces.append((sealed(p.encode(p.Blocks([head for head, _, _ in run]), request_id)), None))
+            pieces.append((sealed(p.encode(frame([head for head, _, _ in run]), request_id)), None))
             pieces.extend((payload, release) for _, payload, release in run)
             run.clear()
 

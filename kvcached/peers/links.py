@@ -30,6 +30,7 @@ from kvcached.peers.directory import PeerHealth
 from kvcached.peers.lane import LANE_MODES
 from kvcached.peers.lane_client import LaneClient
 from kvcached.peers.lane_mac import MacRefused
+from kvcached.peers.link_coding import link_coding
 from kvcached.peers.nixl_pull import NixlPuller
 from kvcached.peers.quic import PeerClientProtocol
 from kvcached.peers.session import PeerGone
@@ -61,6 +62,7 @@ class LinkSettings:
     lane: str = "tls"
     lane_retry_s: float = 30.0
     lane_stripes: int = 1
+    link_codec: str = "auto"                   # kvcached.peers.link_coding: "auto", "none" or a codec's name
 
 
 @dataclass
@@ -119,6 +121,8 @@ class PeerLinks:
         self.on_connected = on_connected or _nothing
         self.links: dict[str, PeerLink] = {}
         self.counters = PeerCounters()
+        #: Whether each pull asks for its blocks coded for the wire ([quic] link_codec).
+        self.coding = link_coding(settings.link_codec, clock)
         #: Where this daemon pulls over NIXL ([quic] nixl): its NixlPuller (set by the peer tier).
         self.nixl: NixlPuller | None = None
         self._tasks: set[asyncio.Task[Any]] = set()

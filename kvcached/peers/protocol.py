@@ -4,6 +4,9 @@ Plain classes, no sockets: :func:`encode` turns a message into bytes, :class:`Fr
 turns an ordered byte stream into events, :func:`decode` turns a frame into a message. Any
 ordered byte stream carries it: one QUIC stream per request, or one bulk-lane connection (TCP,
 kvcached.peers.lane) for many requests in turn (request ids, not streams, pair answers with requests).
+The pull messages (Pull, TenantPull, CodedPull; Block, Blocks, CodedBlocks, Miss) are
+kvcached.peers.protocol_pulls', the NIXL lane's kvcached.peers.protocol_nixl's: this module
+re-exports both and holds the registry of every message type.
 docs/peer-protocol.md specifies the same bytes; the unit tests pin them byte for byte. This
 protocol is versioned apart from the agent protocol (kvcached_agent.protocol): they share the
 addressing, the payload checksum and the framing (kvcached_agent.framing), never a message type,
@@ -52,16 +55,25 @@ from kvcached.peers.frames import (
     text_body,
 )
 from kvcached.peers.protocol_nixl import NixlAgent, NixlDone, NixlOpen, NixlPull, NixlSpan, NixlSpans
-from kvcached_agent.address import DIGEST_BYTES
+from kvcached.peers.protocol_pulls import (
+    AnyPull,
+    Block,
+    Blocks,
+    CodedBlocks,
+    CodedPull,
+    Miss,
+    Pull,
+    TenantPull,
+    pull_of,
+)
 from kvcached_agent.framing import HEADER, BodyReader, Frame, ProtocolError
 from kvcached_agent.framing import frame as frame_bytes
-from kvcached_agent.integrity import CHECKSUM_BYTES, payload_checksum
 
 __all__ = [
     "VERSION", "HEADER", "MAX_BODY", "MAX_BATCH", "MAX_TEXT", "MAX_PAYLOAD", "ErrorCode", "MissReason",
     "ProtocolError", "encode", "decode", "Message", "Frame",
-    "Pull", "TenantPull", "AnyPull", "pull_of", "Exists", "LaneOpen", "Locate", "Announce", "Drop", "Snapshot", "Block",
-    "Blocks", "Miss", "ExistsResult",
+    "Pull", "TenantPull", "CodedPull", "AnyPull", "pull_of", "Exists", "LaneOpen", "Locate", "Announce", "Drop", "Snapshot", "Block",
+    "Blocks", "CodedBlocks", "Miss", "ExistsResult",
     "Located", "LaneKey", "MAX_HOLDERS", "MAX_NAMES",
     "Seal", "Error", "NixlOpen", "NixlAgent", "NixlPull", "NixlSpan", "NixlSpans", "NixlDone",
     "REQUESTS", "EVENTS", "EARLY_DATA_TYPES", "STATE_CHANGING", "allowed_as_early_data",
@@ -69,78 +81,6 @@ __all__ = [
 
 
 # -- requests --------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Pull:
-    """Send these blocks: (digest, layer), the default tenant's. Answered entry by entry, in
-    this order, by one Block or one Miss each (or by an Error that ends the request); a block
-    that is another tenant's is a Miss (NOT_FOUND). Idempotent. :func:`pull_of` gives the Pull
-    for any tenant: a :class:`TenantPull` names one."""
-
-    TYPE: ClassVar[int] = 0x01
-    addresses: Sequence[tuple[bytes, int]]
-    max_payload: int = MAX_PAYLOAD      # larger payloads are answered Miss(TOO_LARGE)
-    FIXED: ClassVar[struct.Struct] = struct.Struct("<Q")
-
-    @property
-    def tenant(self) -> str:
-        """Whose blocks these are (a tenant's name; "": the default tenant's)."""
-        return ""
-
-    def part(self, addresses: Sequence[tuple[bytes, int]]) -> "Pull":
-        """The same request for ``addresses`` (a part of it)."""
-        return Pull(addresses, self.max_payload)
-
-    def encode_body(self) -> bytes:
-        if not 0 < self.max_payload <= MAX_PAYLOAD:
-            raise ValueError(f"Pull: max_payload {self.max_payload} is outside 1..{MAX_PAYLOAD}")
-        return self.FIXED.pack(self.max_payload) + addresses_body(self.addresses, "Pull")
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "Pull":
-        (max_payload,) = r.unpack(cls.FIXED)
-        if not 0 < max_payload <= MAX_PAYLOAD:
-            raise ProtocolError(ErrorCode.MALFORMED, f"Pull: max_payload {max_payload} is outside 1..{MAX_PAYLOAD}")
-        return cls(r.entries(ADDRESS), max_payload)
-
-
-@dataclass(frozen=True, slots=True)
-class TenantPull:
-    """A Pull of one tenant's blocks (docs/security.md): the tenant's name, then a Pull's body.
-    The holder answers a block whose record names another tenant as it answers a block never
-    stored. A type of its own, so the default tenant's Pull is the same bytes as before tenants,
-    and a daemon that predates them refuses a tenant's (UNKNOWN_TYPE) instead of serving it."""
-
-    TYPE: ClassVar[int] = 0x05
-    addresses: Sequence[tuple[bytes, int]]
-    max_payload: int = MAX_PAYLOAD
-    tenant: str = ""
-
-    def part(self, addresses: Sequence[tuple[bytes, int]]) -> "TenantPull":
-        return TenantPull(addresses, self.max_payload, self.tenant)
-
-    def encode_body(self) -> bytes:
-        if not self.tenant:
-            raise ValueError("TenantPull: no tenant (the default tenant's blocks go in a Pull)")
-        return text_body(self.tenant, "tenant") + Pull(self.addresses, self.max_payload).encode_body()
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "TenantPull":
-        tenant = r.text("tenant")
-        if not tenant:
-            raise ProtocolError(ErrorCode.MALFORMED, "TenantPull: no tenant")
-        pull = Pull.decode_body(r)
-        return cls(pull.addresses, pull.max_payload, tenant)
-
-
-AnyPull = Union[Pull, TenantPull]
-
-
-def pull_of(addresses: Sequence[tuple[bytes, int]], max_payload: int = MAX_PAYLOAD, tenant: str = "") -> AnyPull:
-    """The request for ``tenant``'s blocks at ``addresses``: a Pull for the default tenant, a
-    TenantPull for any other."""
-    return TenantPull(addresses, max_payload, tenant) if tenant else Pull(addresses, max_payload)
-
 
 @dataclass(frozen=True, slots=True)
 class Exists:
@@ -245,90 +185,6 @@ class Snapshot:
 
 
 # -- answers ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """One pulled block's head; exactly ``payload_length`` raw payload bytes follow the frame's
-    body on the stream. :func:`encode` gives the head only: the sender writes the payload after
-    it as it is (no copy into a frame), the receiver gets it through :class:`FrameDecoder`."""
-
-    TYPE: ClassVar[int] = 0x81
-    digest: bytes
-    layer: int
-    model: str
-    payload_length: int
-    checksum: bytes                 # BLAKE3-256 of the payload (kvcached_agent.integrity)
-    FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIQ{CHECKSUM_BYTES}s")
-
-    @classmethod
-    def of(cls, digest: bytes, layer: int, model: str, payload: bytes | bytearray | memoryview) -> "Block":
-        """The head for ``payload`` (its length and checksum computed here)."""
-        return cls(digest, layer, model, len(payload), payload_checksum(payload))
-
-    def verify(self, payload: bytes | bytearray | memoryview) -> bool:
-        """Whether ``payload`` is the one this head announces (length and checksum)."""
-        return len(payload) == self.payload_length and payload_checksum(payload) == self.checksum
-
-    def encode_body(self) -> bytes:
-        if not 0 < self.payload_length <= MAX_PAYLOAD:
-            raise ValueError(f"Block: payload_length {self.payload_length} is outside 1..{MAX_PAYLOAD}")
-        if len(self.checksum) != CHECKSUM_BYTES:
-            raise ValueError(f"Block: the checksum is {len(self.checksum)} bytes, not {CHECKSUM_BYTES}")
-        return (self.FIXED.pack(digest_body(self.digest, "Block"), self.layer, self.payload_length, self.checksum)
-                + text_body(self.model, "model"))
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "Block":
-        digest, layer, length, checksum = r.unpack(cls.FIXED)
-        if not 0 < length <= MAX_PAYLOAD:
-            code = ErrorCode.MALFORMED if length == 0 else ErrorCode.TOO_LARGE
-            raise ProtocolError(code, f"Block: payload_length {length} is outside 1..{MAX_PAYLOAD}")
-        return cls(digest, layer, r.text("model"), length, checksum)
-
-
-@dataclass(frozen=True, slots=True)
-class Miss:
-    """One entry of a Pull that is not sent, and why (a :class:`MissReason`)."""
-
-    TYPE: ClassVar[int] = 0x82
-    digest: bytes
-    layer: int
-    reason: int
-    FIXED: ClassVar[struct.Struct] = struct.Struct(f"<{DIGEST_BYTES}sIB")
-
-    def encode_body(self) -> bytes:
-        return self.FIXED.pack(digest_body(self.digest, "Miss"), self.layer, self.reason)
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "Miss":
-        return cls(*r.unpack(cls.FIXED))
-
-
-@dataclass(frozen=True, slots=True)
-class Blocks:
-    """The heads of several pulled blocks in one frame (consecutive answers of one Pull); their
-    payloads follow the frame's body back to back, in the order of the heads, each exactly its
-    head's ``payload_length`` bytes. What a Block frame is for one block, for a run of them: a
-    sender answering many hits at once sends (and a ``mac`` lane seals) one frame, not one per
-    block. :func:`encode` gives the heads only; the sender writes the payloads after them."""
-
-    TYPE: ClassVar[int] = 0x85
-    heads: Sequence[Block]
-
-    def encode_body(self) -> bytes:
-        if not self.heads:
-            raise ValueError("Blocks: at least one head")
-        return count_body(len(self.heads), "Blocks") + b"".join(head.encode_body() for head in self.heads)
-
-    @classmethod
-    def decode_body(cls, r: BodyReader) -> "Blocks":
-        (n,) = r.unpack(U32)
-        if n == 0:
-            raise ProtocolError(ErrorCode.MALFORMED, "Blocks: no heads")
-        if n > MAX_BATCH:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"Blocks: {n} heads, over the limit of {MAX_BATCH}")
-        return cls(tuple(Block.decode_body(r) for _ in range(n)))
-
 
 @dataclass(frozen=True, slots=True)
 class ExistsResult:
@@ -463,8 +319,9 @@ class Error:
         return cls(code, r.text("message"))
 
 
-Message = Union[Pull, TenantPull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located,
-                LaneKey, Seal, Error, NixlOpen, NixlAgent, NixlPull, NixlSpans, NixlDone]
+Message = Union[Pull, TenantPull, CodedPull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, CodedBlocks, Miss,
+                ExistsResult, Located, LaneKey, Seal, Error, NixlOpen, NixlAgent, NixlPull, NixlSpans, NixlDone]
+
 
 class _Decodable(Protocol):
     """A message class as the decoder sees it: its type byte and how its body is read."""
@@ -476,17 +333,18 @@ class _Decodable(Protocol):
 
 
 MESSAGES: dict[int, type[_Decodable]] = {cls.TYPE: cls for cls in (
-    Pull, TenantPull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, Miss, ExistsResult, Located, LaneKey, Seal,
-    Error, NixlOpen, NixlAgent, NixlPull, NixlSpans, NixlDone)}
+    Pull, TenantPull, CodedPull, Exists, LaneOpen, Locate, Announce, Drop, Snapshot, Block, Blocks, CodedBlocks, Miss, ExistsResult,
+    Located, LaneKey, Seal, Error, NixlOpen, NixlAgent, NixlPull, NixlSpans, NixlDone)}
 #: What one daemon sends another unasked; the rest are answers (and Seal, which is neither).
-REQUESTS = frozenset({Pull.TYPE, TenantPull.TYPE, Exists.TYPE, LaneOpen.TYPE, Locate.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE,
+REQUESTS = frozenset({Pull.TYPE, TenantPull.TYPE, CodedPull.TYPE, Exists.TYPE, LaneOpen.TYPE, Locate.TYPE, Announce.TYPE,
+                      Drop.TYPE, Snapshot.TYPE,
                       NixlOpen.TYPE, NixlPull.TYPE, NixlDone.TYPE})
 #: Requests that get no answer (unless an Error).
 EVENTS = frozenset({Announce.TYPE, Drop.TYPE, Snapshot.TYPE, NixlDone.TYPE})
 #: Requests that may arrive as 0-RTT early data. Early data can be replayed by anyone who
 #: recorded it (RFC 8446 section 8, RFC 9001 section 9.2), so only requests that change
 #: nothing (idempotent: a replay costs bytes, not correctness) are taken from it.
-EARLY_DATA_TYPES = frozenset({Pull.TYPE, TenantPull.TYPE, Exists.TYPE, Locate.TYPE})
+EARLY_DATA_TYPES = frozenset({Pull.TYPE, TenantPull.TYPE, CodedPull.TYPE, Exists.TYPE, Locate.TYPE})
 #: Requests that change state at the receiver (what it believes the sender holds, the lane keys
 #: it granted): never taken as early data.
 STATE_CHANGING = frozenset({LaneOpen.TYPE, Announce.TYPE, Drop.TYPE, Snapshot.TYPE, NixlOpen.TYPE, NixlPull.TYPE,

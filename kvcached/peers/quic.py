@@ -37,6 +37,9 @@ from kvcached.peers.tls import PeerAuth, PeerRefused, ServerTickets
 __all__ = ["PeerServerProtocol", "PeerClientProtocol", "REFUSED", "REQUEST_BODY", "PeerGone", "PeerHandler",
            "PullAnswers", "PullSink"]
 
+# A coded pull goes over a lane only (its codec work is the lane server's): QUIC carries the rest.
+_QUIC_REQUESTS = p.REQUESTS - {p.CodedPull.TYPE}
+
 log = logging.getLogger("kvcached.peers")
 
 REFUSED = 0x101          # application close code: mutual TLS failed (the reason phrase says why)
@@ -201,7 +204,7 @@ class PeerServerProtocol(QuicConnectionProtocol):
 
     def _request(self, peer: str, sid: int, frame: p.Frame) -> None:
         try:
-            message = take_request(frame, early=not self.verified)
+            message = take_request(frame, early=not self.verified, carries=_QUIC_REQUESTS, where="QUIC")
         except p.ProtocolError as exc:
             self._error(sid, frame.request_id, exc.code, str(exc))
             return

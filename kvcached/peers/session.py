@@ -70,6 +70,13 @@ class PullSink(abc.ABC):
     def missed(self, miss: p.Miss) -> None:
         """The peer does not send this one."""
 
+    def arrived_coded(self, block: p.Block, coded: memoryview) -> None:
+        """The payload of ``block`` came coded with ``block.codec`` and is all in ``coded``: the
+        sink decodes it into the buffer :meth:`slot` gave (``block.payload_length`` bytes) and
+        checks it, as it checks what :meth:`arrived` says is in. Only answers to a CodedPull
+        come coded; a sink that never asks for them need not take them."""
+        raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a coded payload answers only a coded pull")
+
 
 class PullAnswers:
     """The answers to one request as its decoder hands them out, whatever carries them (a QUIC
@@ -78,13 +85,19 @@ class PullAnswers:
 
     With ``request_id``, an answer with another id is refused (an Error with id 0, about the
     whole stream, is taken); with ``expected`` (the Pull's entry count), anything after the
-    last entry's answer is refused. ProtocolError either way: the carrier ends the request."""
+    last entry's answer is refused. ProtocolError either way: the carrier ends the request.
+
+    With ``codec`` (the request was a CodedPull), CodedBlocks answers are taken: a coded
+    payload is read into a buffer of its own (its wire length, at most the block's, and only
+    for a block the sink gave a slot), then handed to :meth:`PullSink.arrived_coded`. A coded
+    answer to a request that asked for none, or in another codec, is refused."""
 
     def __init__(self, peer: str, decoder: st.FrameDecoder, sink: PullSink | None, *,
-                 request_id: int | None = None, expected: int | None = None) -> None:
+                 request_id: int | None = None, expected: int | None = None, codec: int = 0) -> None:
         self.peer, self.decoder, self.sink = peer, decoder, sink
-        self.request_id, self.expected = request_id, expected
-        self.blocks: deque[tuple[p.Block, bool]] = deque()   # heads whose payload is coming: (head, skipped)
+        self.request_id, self.expected, self.codec = request_id, expected, codec
+        # heads whose payload is coming: (head, skipped, the buffer a coded payload goes into)
+        self.blocks: deque[tuple[p.Block, bool, bytearray | None]] = deque()
         self.answered = 0            # entries answered (Blocks whole, Misses)
 
     @property
@@ -102,15 +115,18 @@ class PullAnswers:
             raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer} sent more than the answer")
         sink = self.sink
         if isinstance(item, st.BlockEnd):
-            block, skipped = self.blocks.popleft()
+            block, skipped, coded = self.blocks.popleft()
             self.answered += 1
             if not skipped and sink is not None:
-                sink.arrived(block)
+                if coded is None:
+                    sink.arrived(block)
+                else:
+                    sink.arrived_coded(block, memoryview(coded))
         elif isinstance(item, st.BlockHeader):
             if sink is None:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "a Block answers only a Pull")
             view = sink.slot(item.block)
-            self.blocks.append((item.block, view is None))
+            self.blocks.append((item.block, view is None, None))
             if view is not None:
                 self.decoder.receive_into(view)
         elif isinstance(item, st.BlocksHeader):
@@ -118,10 +134,17 @@ class PullAnswers:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, "Blocks answer only a Pull")
             if self.expected is not None and self.answered + len(item.blocks) > self.expected:
                 raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer} sent more than the answer")
-            views = [sink.slot(block) for block in item.blocks]
-            self.blocks.extend((block, view is None) for block, view in zip(item.blocks, views))
-            if any(view is not None for view in views):
-                self.decoder.receive_train(views)
+            if item.type == p.CodedBlocks.TYPE and (not self.codec or any(
+                    block.codec not in (0, self.codec) for block in item.blocks)):
+                raise p.ProtocolError(p.ErrorCode.UNEXPECTED, f"{self.peer} sent blocks coded as not asked")
+            targets: list[memoryview | bytearray | None] = []
+            for block in item.blocks:
+                view = sink.slot(block)
+                coded = bytearray(block.wire) if view is not None and block.codec else None
+                self.blocks.append((block, view is None, coded))
+                targets.append(coded if coded is not None else view)
+            if any(target is not None for target in targets):
+                self.decoder.receive_train(targets)
         elif isinstance(item, st.PayloadChunk):
             pass                       # a payload the sink skipped
         else:

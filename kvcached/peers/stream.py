@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterator, NoReturn, Sequence, Union
 
-from kvcached.peers.protocol import LIMITS, MAX_BODY, MAX_PAYLOAD, MAX_TEXT, Block, Blocks, ErrorCode
+from kvcached.peers.protocol import LIMITS, MAX_BODY, MAX_PAYLOAD, MAX_TEXT, Block, Blocks, CodedBlocks, ErrorCode
 from kvcached_agent.framing import HEADER, BodyReader, Frame, ProtocolError, header_problem
 
 __all__ = ["FrameDecoder", "Event", "BlockHeader", "BlocksHeader", "PayloadChunk", "BlockEnd"]
@@ -33,13 +33,14 @@ class BlockHeader:
 
 @dataclass(frozen=True, slots=True)
 class BlocksHeader:
-    """A Blocks frame's heads are in; the payloads of ``blocks`` come next, in order, each ending
-    with a :class:`BlockEnd`: as PayloadChunk events, or into the buffers given to
-    :meth:`FrameDecoder.receive_train`."""
+    """A Blocks (or CodedBlocks) frame's heads are in; the payloads of ``blocks`` come next, in
+    order, each ``block.wire`` bytes and ending with a :class:`BlockEnd`: as PayloadChunk
+    events, or into the buffers given to :meth:`FrameDecoder.receive_train`."""
 
     request_id: int
     blocks: tuple[Block, ...]
     body: bytes                       # the frame's body as it came (a mac lane's seal covers it)
+    type: int = Blocks.TYPE           # Blocks or CodedBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,8 +221,8 @@ class FrameDecoder:
         else:
             return None
         self._frame = None
-        if type_ == Blocks.TYPE:
-            return self._blocks_header(body, request_id)
+        if type_ == Blocks.TYPE or type_ == CodedBlocks.TYPE:
+            return self._blocks_header(body, request_id, type_)
         if type_ != Block.TYPE:
             return Frame(type_, request_id, body)
         reader = BodyReader(body, "Block", LIMITS)
@@ -236,22 +237,23 @@ class FrameDecoder:
         self._request_id, self._remaining, self._in_payload = request_id, block.payload_length, True
         return BlockHeader(request_id, block)
 
-    def _blocks_header(self, body: bytes, request_id: int) -> BlocksHeader:
-        reader = BodyReader(body, "Blocks", LIMITS)
+    def _blocks_header(self, body: bytes, request_id: int, type_: int) -> BlocksHeader:
+        kind = CodedBlocks if type_ == CodedBlocks.TYPE else Blocks
+        reader = BodyReader(body, kind.__name__, LIMITS)
         try:
-            heads = Blocks.decode_body(reader).heads
+            heads = kind.decode_body(reader).heads
             reader.end()
         except ProtocolError as err:     # the payloads' lengths are not known: the framing is lost
             self._fail(err.code, str(err), request_id)
         for head in heads:
             if head.payload_length > self.max_payload:
-                self._fail(ErrorCode.TOO_LARGE, f"Blocks: a payload of {head.payload_length} bytes is over the "
-                           f"limit of {self.max_payload}", request_id)
-        self._request_id, self._remaining, self._in_payload = request_id, heads[0].payload_length, True
-        self._train = deque(head.payload_length for head in heads[1:])
+                self._fail(ErrorCode.TOO_LARGE, f"{kind.__name__}: a payload of {head.payload_length} bytes is over "
+                           f"the limit of {self.max_payload}", request_id)
+        self._request_id, self._remaining, self._in_payload = request_id, heads[0].wire, True
+        self._train = deque(head.wire for head in heads[1:])
         self._views.clear()
         self._train_fresh = True
-        return BlocksHeader(request_id, tuple(heads), body)
+        return BlocksHeader(request_id, tuple(heads), body, type_)
 
     def _payload_event(self) -> PayloadChunk | BlockEnd | None:
         if not self._remaining:

@@ -76,6 +76,7 @@ class PeerSettings:
     lane_retry_s: float = 30.0                 # a lane that could not be had is tried again after this
     lane_stripes: int = 1                      # connections one large pull is split over (1: none)
     lane_max_connections: int = MAX_LANES      # verified lanes this daemon's lane server keeps at once
+    link_codec: str = "auto"                   # lane pulls coded: "auto" (where it measures faster), "none", a codec
     member: str | None = None                  # in a cluster ([cluster] etcd): this daemon's member name
     replicas: int = 2                          # in a cluster: home nodes of each block
     placement_bits: int = 18                   # in a cluster: 2**bits placement buckets
@@ -84,7 +85,7 @@ class PeerSettings:
 
     def links(self) -> LinkSettings:
         return LinkSettings(self.options, self.pull_timeout_s, self.fail_limit, self.backoff_s, self.backoff_max_s,
-                            self.max_payload, self.lane, self.lane_retry_s, self.lane_stripes)
+                            self.max_payload, self.lane, self.lane_retry_s, self.lane_stripes, self.link_codec)
 
 
 class PeerTier(PeerHandler):
@@ -375,7 +376,9 @@ class PeerTier(PeerHandler):
                     link.lane.refused for link in self.links.values() if link.lane is not None),
                     "lane_bad_seals": lanes.counters.bad_seals, "lane_stalled": lanes.counters.stalled,
                     "lane_handshakes": lanes.handshakes, "lane_connections": lanes.lanes,
-                    "lane_limited": dict(lanes.table.refused)}
+                    "lane_limited": dict(lanes.table.refused), "lane_coded_blocks": lanes.counters.coded_blocks,
+                    "lane_coded_saved_bytes": lanes.counters.coded_saved_bytes,
+                    "lane_coded_pulls": self.connections.coding.coded_pulls}
                    if lanes is not None else {})}
 
 
