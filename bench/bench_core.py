@@ -792,6 +792,12 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM ends a benchmark as Ctrl-C does (KeyboardInterrupt), so its ``finally`` blocks stop
+    what it started (daemons, namespaces, temp dirs). For the other benchmarks to call."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvcached core benchmark (figures with same-run baselines)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")

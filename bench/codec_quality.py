@@ -28,6 +28,12 @@ Scalings:
   byte of scale each), so each group's largest value lands near 448.
 - ``block``: one scale per block.
 
+And a control, ``ulp``: each value moved by at most one bf16 step (scaled by a random factor
+within half a step of 1, then rounded to bf16 again): no codec, the smallest change KV can
+undergo (a kernel that sums in another order does as much). Greedy decoding differs under it
+too wherever two tokens are all but tied, so the rows above are read against it: what fp8
+costs is what it loses beyond ``ulp``.
+
 Groups run along the head dimension here. A codec in the daemon sees a block's bytes without
 its layout, so its groups would run along whatever the engine lays out contiguously. This is a
 measurement of the idea, not of a codec that exists: kvcached stores no lossy block yet
@@ -49,6 +55,7 @@ import torch
 
 E4M3_MAX = 448.0
 SCALINGS: dict[str, int | None] = {"none": None, "mx32": 32, "mx128": 128, "block": 0}
+CONTROL = "ulp"                  # a row of its own: no fp8, one bf16 step at most (see the module)
 PROMPT_TOKENS = 256
 HELD_TOKENS = 512
 AGREE_TARGET = 0.9       # of the greedy tokens, on average, before the first difference: a bar for "usable"
@@ -79,6 +86,14 @@ def fp8_roundtrip(x: torch.Tensor, group: int | None) -> torch.Tensor:
     return back.flatten()[:flat.numel()].reshape(x.shape).to(x.dtype)
 
 
+def ulp_noise(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (bf16) with each value scaled by a random factor within half a bf16 step of 1 and
+    rounded to bf16 again: about half the values move by one step, none by more."""
+    step = 2.0 ** -8                    # half of bf16's relative step (7 stored mantissa bits)
+    factor = 1 + (torch.rand(x.shape, generator=generator) * 2 - 1) * step
+    return (x.float() * factor).to(x.dtype)
+
+
 def bytes_ratio(group: int | None) -> float:
     """bf16 bytes / fp8 bytes with one byte of scale per group."""
     if group is None or group == 0:
@@ -86,15 +101,19 @@ def bytes_ratio(group: int | None) -> float:
     return 2.0 / (1.0 + 1.0 / group)
 
 
-def copy_of(cache: Any, group: int | None, lossy: bool = True) -> Any:
-    """A new cache holding ``cache``'s KV: as it is (``lossy`` False), or through fp8 under ``group``."""
+def copy_of(cache: Any, name: str | None) -> Any:
+    """A new cache holding ``cache``'s KV: as it is (``name`` None), through fp8 under the
+    scaling ``name``, or moved by the control (:data:`CONTROL`)."""
     from transformers import DynamicCache
 
+    generator = torch.Generator().manual_seed(0)
     out = DynamicCache()
     for i, layer in enumerate(cache.layers):
         k, v = layer.keys, layer.values
-        if lossy:
-            k, v = fp8_roundtrip(k, group), fp8_roundtrip(v, group)
+        if name == CONTROL:
+            k, v = ulp_noise(k, generator), ulp_noise(v, generator)
+        elif name is not None:
+            k, v = fp8_roundtrip(k, SCALINGS[name]), fp8_roundtrip(v, SCALINGS[name])
         out.update(k.clone(), v.clone(), i)
     return out
 
@@ -141,45 +160,53 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
-    agree: dict[str, list[int]] = {name: [] for name in SCALINGS}
+    forms = [CONTROL, *SCALINGS]
+    agree: dict[str, list[int]] = {name: [] for name in forms}
     prompts = [tok(t)["input_ids"][:PROMPT_TOKENS] for t in texts(args.prompts)]
     samples = []
     for i, ids in enumerate(prompts):
         cache = prefix_cache(model, ids[:-1])
-        exact = greedy(model, copy_of(cache, None, lossy=False), ids[-1], args.tokens)
-        for name, group in SCALINGS.items():
-            got = greedy(model, copy_of(cache, group), ids[-1], args.tokens)
+        exact = greedy(model, copy_of(cache, None), ids[-1], args.tokens)
+        for name in forms:
+            got = greedy(model, copy_of(cache, name), ids[-1], args.tokens)
             agree[name].append(agreed(exact, got))
             if i < 2:
                 samples.append((name, tok.decode(exact), tok.decode(got)))
-        progress(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {agree[n][-1]}" for n in SCALINGS))
-    nll: dict[str, list[float]] = {name: [] for name in ["exact", *SCALINGS]}
-    for i, text in enumerate(texts(args.held, skip=args.prompts)):
+        progress(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {agree[n][-1]}" for n in forms))
+    nll: dict[str, list[float]] = {name: [] for name in ["exact", *forms]}
+    held = texts(args.held, skip=args.prompts)
+    if len(held) < args.held:
+        progress(f"only {len(held)} held texts after the {args.prompts} prompts (of {args.held} asked): the manual "
+                 "has no more long sections")
+    for i, text in enumerate(held):
         ids = tok(text)["input_ids"][:HELD_TOKENS]
         half = len(ids) // 2
         cache = prefix_cache(model, ids[:half - 1])
-        nll["exact"].append(continuation_nll(model, copy_of(cache, None, lossy=False), ids[half - 1], ids[half:]))
-        for name, group in SCALINGS.items():
-            nll[name].append(continuation_nll(model, copy_of(cache, group), ids[half - 1], ids[half:]))
-        progress(f"held text {i + 1}/{args.held}: perplexity exact {math.exp(nll['exact'][-1]):.3f}")
+        nll["exact"].append(continuation_nll(model, copy_of(cache, None), ids[half - 1], ids[half:]))
+        for name in forms:
+            nll[name].append(continuation_nll(model, copy_of(cache, name), ids[half - 1], ids[half:]))
+        progress(f"held text {i + 1}/{len(held)}: perplexity exact {math.exp(nll['exact'][-1]):.3f}")
     ppl = {name: math.exp(statistics.mean(v)) for name, v in nll.items()}
     print(f"lossy fp8 KV against exact KV: {Path(args.model).name} (transformers {__import__('transformers').__version__}, "
           f"torch {torch.__version__}), {len(prompts)} prompts of {PROMPT_TOKENS} tokens, {args.tokens} greedy tokens each, "
-          f"{args.held} held texts of {HELD_TOKENS} tokens, {time.monotonic() - t0:.0f} s")
+          f"{len(held)} held texts of {HELD_TOKENS} tokens, {time.monotonic() - t0:.0f} s")
     print()
     head = ["scaling", "bytes vs bf16", "greedy tokens agreeing (mean / worst)", "prompts agreeing all the way",
             "perplexity (exact: %.3f)" % ppl["exact"], "ratio"]
     rows = []
-    for name, group in SCALINGS.items():
+    for name in forms:
         a = agree[name]
-        rows.append([name, f"{bytes_ratio(group):.2f}x smaller", f"{statistics.mean(a):.1f} / {min(a)} of {args.tokens}",
+        size = "control: 1.00x" if name == CONTROL else f"{bytes_ratio(SCALINGS[name]):.2f}x smaller"
+        rows.append([name, size, f"{statistics.mean(a):.1f} / {min(a)} of {args.tokens}",
                      f"{sum(x == args.tokens for x in a)} of {len(a)}", f"{ppl[name]:.3f}", f"{ppl[name] / ppl['exact']:.4f}x"])
     widths = [max(len(str(c)) for c in col) + 2 for col in zip(head, *rows)]
     for line in [head, *rows]:
         print("  " + "".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
     print()
     print(f"note: 'usable' here would be at least {AGREE_TARGET:.0%} of the greedy tokens agreeing on average and a "
-          "perplexity within 1% of exact; the exact baseline agrees with itself all the way by construction.")
+          "perplexity within 1% of exact; the exact baseline agrees with itself all the way by construction. The "
+          f"'{CONTROL}' row moves KV by one bf16 step at most: greedy divergence it shows too comes from near-ties, "
+          "not from fp8.")
     for name, a, b in samples:
         print(f"sample ({name}): exact: {a[:100]!r}\n{'':>{len(name) + 10}}lossy: {b[:100]!r}")
     if args.json:

@@ -21,6 +21,18 @@ def _tc(ns: str, *args: str) -> None:
     subprocess.run(["ip", "netns", "exec", ns, "tc", *args], check=True, capture_output=True, text=True)
 
 
+TIMER_HZ = 250                 # the kernel timer's ticks a second (CONFIG_HZ of these machines' kernels)
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def rate_bits(rate: str) -> int:
+    """tc's rate ``rate`` ("16mbit", "1gbit") in bits a second."""
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if rate.endswith(unit):
+            return int(float(rate[:-len(unit)]) * _UNITS[unit])
+    raise ValueError(f"a rate in tc's units (bit, kbit, mbit, gbit), not {rate!r}")
+
+
 def netns_usable() -> bool:
     """Root, with the ip tool: namespaces can be made here."""
     return os.geteuid() == 0 and shutil.which("ip") is not None
@@ -63,13 +75,18 @@ class Hosts:
         return ns
 
     def throttle(self, ns: str, rate: str | None) -> None:
-        """What host ``ns`` sends is held to ``rate`` (tc's units: "8mbit"); None lifts it. A
-        token bucket (tc tbf: netem is not in these machines' kernels)."""
+        """What host ``ns`` sends is held to ``rate`` (tc's units: "8mbit", "1gbit"); None lifts
+        it. A token bucket (tc tbf: netem is not in these machines' kernels) whose burst is what
+        the rate sends in one timer tick, at least 16 KiB: tc-tbf(8) asks for a burst of at
+        least rate / HZ, and a smaller one (16 KiB at 1 Gbit/s, a tenth of a tick) holds the
+        rate only by throttling packet by packet, which costs both hosts several times the CPU
+        of the traffic itself (bench_link_codec measured it)."""
         n = list(self.hosts).index(ns) + 2
         if rate is None:
             _tc(ns, "qdisc", "del", "dev", f"{self.tag}i{n}", "root")
         else:
-            _tc(ns, "qdisc", "replace", "dev", f"{self.tag}i{n}", "root", "tbf", "rate", rate, "burst", "16kb",
+            burst = max(16 << 10, rate_bits(rate) // 8 // TIMER_HZ)
+            _tc(ns, "qdisc", "replace", "dev", f"{self.tag}i{n}", "root", "tbf", "rate", rate, "burst", str(burst),
                 "latency", "2s")
 
     def exec(self, ns: str) -> list[str]:

@@ -22,6 +22,7 @@ from kvcached.codecs import codec_coded
 from kvcached.peers import protocol as p
 from kvcached.peers.directory import wire_key
 from kvcached.peers.lane_client import LaneClient
+from kvcached.peers.link_coding import LinkPull
 from kvcached.peers.links import PeerLinks
 from kvcached.peers.locator import Holders
 from kvcached.peers.nixl_pull import NixlUnusable
@@ -167,12 +168,23 @@ class Fetch:
             lane_keys = keys
 
             async def over_lane(lane: LaneClient, key: tuple[bytes, bytes] | None, setup_s: float) -> bool:
-                started = links.clock()
-                codec = await lane.pull([split(k) for k in lane_keys], lane_sink, key, setup_s, self.tenant,
-                                        links.coding.codec_for(name))
-                await lane_sink.settled()
-                links.coding.took(name, bool(codec), lane_sink.arrived_bytes, links.clock() - started)
-                links.coding.coded_pulls += bool(codec)
+                coding = links.coding
+                asked = coding.codec_for(name)
+                on_wire: list[LinkPull] = []       # measured from its first request out (its connection open)
+
+                def out() -> None:
+                    if not on_wire:
+                        on_wire.append(coding.started(name, bool(asked)))
+
+                codec, brought = 0, 0              # a pull that fails measures nothing
+                try:
+                    codec = await lane.pull([split(k) for k in lane_keys], lane_sink, key, setup_s, self.tenant, asked, out)
+                    await lane_sink.settled()
+                    brought = lane_sink.arrived_bytes
+                finally:
+                    if on_wire:
+                        coding.took(on_wire[0], brought, bool(codec))
+                coding.coded_pulls += bool(codec)
                 return True
 
             # Half of what is left for opening a lane: a lane that cannot be had leaves QUIC the rest.

@@ -105,36 +105,38 @@ class LaneClient:
 
     async def pull(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
                    key: tuple[bytes, bytes] | None = None, setup_s: float | None = None,
-                   tenant: str = "", codec: int = 0) -> int:
+                   tenant: str = "", codec: int = 0, on_request: Callable[[], None] | None = None) -> int:
         """As :meth:`PeerClientProtocol.pull`: answers go to ``sink`` as they arrive; returns once
         every entry is answered. ``tenant``: whose blocks they are (the Pull names it). ``key``:
         the (key id, key) granted over QUIC (``mac`` mode); ``setup_s``: the most a new
         connection may take to open (module docstring). ``codec``: ask for the blocks coded
         with it (a CodedPull; coded payloads go to ``sink.arrived_coded``); a peer that
-        predates coded pulls is asked again plainly, and never coded again. Returns the codec
-        the pull asked for in the end (0: none).
+        predates coded pulls is asked again plainly, and never coded again. ``on_request`` is
+        called as each request goes on the wire (its connection open: the time before is not
+        the link's). Returns the codec the pull asked for in the end (0: none).
         OSError (a timeout too), PeerRefused or PeerGone where the lane cannot be had (the caller
         pulls over QUIC instead); PeerGone, ProtocolError or MacRefused as it breaks."""
         if codec and self.uncoded:
             codec = 0
         try:
-            await self._pull_striped(addresses, sink, key, setup_s, tenant, codec)
+            await self._pull_striped(addresses, sink, key, setup_s, tenant, codec, on_request)
         except p.ProtocolError as exc:
             if not codec or exc.code != p.ErrorCode.UNKNOWN_TYPE:
                 raise
             self.uncoded = True          # the holder predates coded pulls: it answered before sending a block
             codec = 0
-            await self._pull_striped(addresses, sink, key, setup_s, tenant, codec)
+            await self._pull_striped(addresses, sink, key, setup_s, tenant, codec, on_request)
         return codec
 
     async def _pull_striped(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
-                            key: tuple[bytes, bytes] | None, setup_s: float | None, tenant: str, codec: int) -> None:
+                            key: tuple[bytes, bytes] | None, setup_s: float | None, tenant: str, codec: int,
+                            on_request: Callable[[], None] | None) -> None:
         n = min(self.stripes, len(addresses) // STRIPE_MIN) if len(addresses) >= 2 * STRIPE_MIN else 1
         if n <= 1:
-            await self._pull_one(addresses, sink, key, setup_s, tenant, codec)
+            await self._pull_one(addresses, sink, key, setup_s, tenant, codec, on_request)
             return
         size = -(-len(addresses) // n)
-        parts = [asyncio.ensure_future(self._pull_one(addresses[i:i + size], sink, key, setup_s, tenant, codec))
+        parts = [asyncio.ensure_future(self._pull_one(addresses[i:i + size], sink, key, setup_s, tenant, codec, on_request))
                  for i in range(0, len(addresses), size)]
         try:
             done, pending = await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
@@ -147,9 +149,12 @@ class LaneClient:
                 raise part.exception()  # type: ignore[misc]
 
     async def _pull_one(self, addresses: Sequence[tuple[bytes, int]], sink: PullSink,
-                        key: tuple[bytes, bytes] | None, setup_s: float | None, tenant: str, codec: int) -> None:
+                        key: tuple[bytes, bytes] | None, setup_s: float | None, tenant: str, codec: int,
+                        on_request: Callable[[], None] | None) -> None:
         conn = await self._take(key, setup_s)
         done = False
+        if on_request is not None:
+            on_request()
         try:
             await self._pull_on(conn, p.pull_of(addresses, self.max_payload, tenant, codec), sink, codec)
             done = True

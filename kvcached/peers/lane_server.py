@@ -298,20 +298,33 @@ class LaneServer:
         try:
             rows = message.addresses
             for at in range(0, len(rows), SERVE_PART):
-                answers: Sequence[Answer] = await self.handler.pull(peer, message.part(rows[at:at + SERVE_PART]))
-                try:
-                    if codec is not None:
-                        answers = await _coded(answers, codec, self.counters)
-                    pieces = _answer_pieces(answers, frame.request_id, conn.sealed, coded=codec is not None)
-                except BaseException:            # a head that cannot be encoded: unpin the part, end the lane
-                    for answer in answers:
-                        if not isinstance(answer, p.Miss):
-                            answer[2]()
-                    raise
-                await sender.send(pieces)
+                answers = await self.handler.pull(peer, message.part(rows[at:at + SERVE_PART]))
+                await self._send_part(sender, answers, codec, frame.request_id)
             await sender.finish()
         finally:
             sender.close()
+
+    async def _send_part(self, sender: "_Sender", answers: Sequence[Answer], codec: Codec | None,
+                         request_id: int) -> None:
+        """A part's answers handed to ``sender``. Coded, a run of CODE_RUN at a time: the next
+        run is coded while the last one goes out. Whatever fails, every block of the part not
+        handed to the sender is unpinned (what it holds, :meth:`_Sender.close` unpins)."""
+        runs = [list(answers)] if codec is None else [list(answers[i:i + CODE_RUN])
+                                                      for i in range(0, len(answers), CODE_RUN)]
+        sent = 0
+        try:
+            for k in range(len(runs)):
+                if codec is not None:
+                    runs[k] = await _coded(runs[k], codec, self.counters)
+                pieces = _answer_pieces(runs[k], request_id, sender.conn.sealed, coded=codec is not None)
+                sent = k + 1                     # the sender holds this run's pins from here
+                await sender.send(pieces)
+        except BaseException:                    # a head that cannot be encoded, the lane gone: unpin the rest
+            for run in runs[sent:]:
+                for answer in run:
+                    if not isinstance(answer, p.Miss):
+                        answer[2]()
+            raise
 
 
 class _Sender:
@@ -377,6 +390,7 @@ class _Sender:
 
 SERVE_PART = 16                # entries of a Pull pinned at a time: sent before the next are pinned
 LINK_MARGIN = 0.05             # a block coding shrinks by less than this goes raw: not worth the puller's decode
+CODE_RUN = 4                   # blocks of a coded pull coded at once (on worker threads), sent as the next are coded
 
 Answer = tuple[p.Block, "memoryview | bytes", Callable[[], None]] | p.Miss
 

@@ -4,40 +4,97 @@ Coding a block for the wire pays on a link slower than the codec and costs on a 
 holder encodes, the wire carries fewer bytes, the puller decodes. Whether it pays with one
 peer depends on that link's rate now, the holder's cores and the puller's, and how well this
 traffic codes, none of which a constant knows. So :class:`LinkCoding` measures what each form
-delivered from each peer: the block bytes a pull brought (decoded) over the seconds it took,
-for pulls of at least :data:`LinkCoding.MIN_BYTES` (smaller ones measure latency, not rate),
-averaged per form. The next pull from that peer takes the form that delivered more, the other
-only once it delivers :data:`LinkCoding.BETTER` times as much (no flapping between two forms
-that are near equal); the form not taken is tried again once its last measurement is
-:data:`LinkCoding.PROBE_S` old, so a link that speeds up or slows down is followed, at the cost
-of one pull in that form per ``PROBE_S``. A peer's first pull is raw (the form that needs no
-holder work); the next large one tries the codec.
+delivers from each peer, and pulls take the form that delivers more.
+
+What a form delivers is measured over a window of its recent pulls, not pull by pull: the block
+bytes they brought over the time at least one of them was in flight (the union of their
+intervals, each from its request on the wire to its last block checked; the time a pull waited
+for a connection to open is not the link's). So pulls that overlap (an engine's load asks its
+next chunk while one is copied) are counted together, as the link carries them, and the size
+of one pull weighs little. A pull that was on the wire at the same time as a pull of the other
+form from the same peer shared the link with it: it is not counted at all (when a probe starts,
+the pulls of the form left are still finishing).
+
+Pulls take one form. Every :data:`LinkCoding.PROBE_S`, once the form taken has moved
+:data:`LinkCoding.PROBE_BYTES`, pulls take the other form until it has moved as much (or
+:data:`LinkCoding.PROBE_MAX_S` passed): a probe. Then the two windows are compared, and the
+other form is taken only if it delivered :data:`LinkCoding.BETTER` times as much (no flapping
+between two forms that are near equal). A probe that changes the form is confirmed at once: the
+form left is probed again, now measured beside the new one's fresh window, since what made it
+look slower may have passed (the first pulls from a peer run on new connections still in TCP's
+slow start and into slots touched for the first time). A peer starts raw (the form that needs
+no holder work), so its first probe tries the codec. A link that slows down or speeds up is
+followed within a probe period, at the cost of one probe's bytes in the worse form per
+``PROBE_S``.
 
 ``always`` (``link_codec`` names a codec) asks for every pull coded; the holder still sends
 raw each block its codec does not shrink. The clock is passed in; the peer tier's fetches
-report what they took (:meth:`LinkCoding.took`).
+report each pull (:meth:`LinkCoding.took`).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kvcached.codecs import AUTO, codec_named
 from kvcached.codecs.stored import AUTO_CODEC
 
-__all__ = ["LinkCoding", "link_coding"]
+__all__ = ["LinkCoding", "LinkPull", "link_coding"]
+
+
+class _Window:
+    """One form's recent pulls from one peer: (start, end, bytes) each, the oldest dropped once
+    the rest hold ``keep`` bytes."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.pulls: deque[tuple[float, float, int]] = deque()
+        self.bytes = 0
+
+    def add(self, start: float, end: float, nbytes: int) -> None:
+        self.pulls.append((start, end, nbytes))
+        self.bytes += nbytes
+        while len(self.pulls) > 1 and self.bytes - self.pulls[0][2] >= self.keep:
+            self.bytes -= self.pulls.popleft()[2]
+
+    def clear(self) -> None:
+        self.pulls.clear()
+        self.bytes = 0
+
+    def rate(self) -> float:
+        """Bytes per second of the time at least one pull was in flight (0: none measured)."""
+        busy, reach = 0.0, float("-inf")
+        for start, end, _ in sorted(self.pulls):
+            if end > reach:
+                busy += end - max(start, reach)
+                reach = end
+        return self.bytes / busy if busy > 0 else 0.0
+
+
+@dataclass(eq=False)
+class LinkPull:
+    """One pull on the wire, from :meth:`LinkCoding.started` to :meth:`LinkCoding.took`."""
+
+    peer: str
+    coded: bool
+    start: float
+    shared: bool = False                 # a pull of the other form was on the wire meanwhile
 
 
 @dataclass
-class _Rates:
-    """One peer: the bytes per second each form delivered lately (True: coded), when each was
-    last measured, and when each was last tried as a probe."""
+class _Link:
+    """One peer: each form's window (True: coded), the form pulls take, and the probe."""
 
-    rate: dict[bool, float] = field(default_factory=dict)
-    measured: dict[bool, float] = field(default_factory=dict)
-    tried: dict[bool, float] = field(default_factory=dict)
-    coded: bool = False                  # the form pulls take now
+    windows: dict[bool, _Window]
+    coded: bool = False
+    probe: bool | None = None            # the form being probed, while a probe runs
+    probe_at: float = 0.0
+    confirming: bool = False             # the probe running confirms a change of form
+    next_probe: float = float("-inf")
+    decisions: list[bool] = field(default_factory=list)   # the form each probe left taken (the latest last)
+    in_flight: dict[bool, set[LinkPull]] = field(default_factory=lambda: {False: set(), True: set()})
 
 
 class LinkCoding:
@@ -45,64 +102,93 @@ class LinkCoding:
     link codec (0: links are never coded); ``always``: ask for it on every pull, measured or
     not; else choose by measurement (the module docstring)."""
 
-    MIN_BYTES = 256 << 10        # a pull smaller than this says little of a link's rate
-    PROBE_S = 30.0               # the form not taken is tried again this often
+    PROBE_BYTES = 16 << 20       # what a form must move before it is compared (a window holds 4x this)
+    PROBE_S = 30.0               # the form not taken is probed again this often
+    PROBE_MAX_S = 5.0            # a probe that has not moved PROBE_BYTES by then is judged on what it has
     BETTER = 1.1                 # the other form must deliver this much more to be taken
-    WEIGHT = 0.5                 # of a new measurement in a form's average
+    DECISIONS = 16               # of each peer's last decisions kept (stats, tests)
 
     def __init__(self, codec: int, clock: Callable[[], float], *, always: bool = False) -> None:
         self.codec, self.clock, self.always = codec, clock, always
-        self._peers: dict[str, _Rates] = {}
+        self._links: dict[str, _Link] = {}
         self.coded_pulls = 0             # pulls that asked for their blocks coded (counted by the fetches)
+
+    def _link(self, peer: str) -> _Link:
+        link = self._links.get(peer)
+        if link is None:
+            keep = 4 * self.PROBE_BYTES
+            link = self._links[peer] = _Link({False: _Window(keep), True: _Window(keep)})
+        return link
 
     def codec_for(self, peer: str) -> int:
         """The codec the next pull from ``peer`` asks for (0: a raw pull)."""
         if not self.codec or self.always:
             return self.codec
-        rates = self._peers.setdefault(peer, _Rates())
-        if False not in rates.rate:
-            return 0                                # measure raw first
-        now = self.clock()
-        other = not rates.coded
-        last = max(rates.measured.get(other, -self.PROBE_S), rates.tried.get(other, -self.PROBE_S))
-        if now - last >= self.PROBE_S:
-            rates.tried[other] = now                # one probe per PROBE_S, however many pulls ask meanwhile
-            return self.codec if other else 0
-        return self.codec if rates.coded else 0
+        link, now = self._link(peer), self.clock()
+        if link.probe is not None and now - link.probe_at > self.PROBE_MAX_S:
+            self._decide(link, now)
+        if link.probe is None and now >= link.next_probe and link.windows[link.coded].bytes >= self.PROBE_BYTES:
+            link.probe, link.probe_at = not link.coded, now
+            link.windows[link.probe].clear()          # what it delivered a probe period ago says nothing now
+        form = link.coded if link.probe is None else link.probe
+        return self.codec if form else 0
 
-    def took(self, peer: str, coded: bool, nbytes: int, seconds: float) -> None:
-        """A pull from ``peer`` (coded or not) brought ``nbytes`` of blocks in ``seconds``."""
-        if not self.codec or self.always or nbytes < self.MIN_BYTES or seconds <= 0:
+    def started(self, peer: str, coded: bool) -> LinkPull:
+        """A pull from ``peer`` in the form ``coded`` goes on the wire now (its connection open);
+        :meth:`took` must follow, whatever becomes of it."""
+        pull = LinkPull(peer, coded, self.clock())
+        if self.codec and not self.always:
+            link = self._link(peer)
+            others = link.in_flight[not coded]
+            if others:
+                pull.shared = True
+                for other in others:
+                    other.shared = True
+            link.in_flight[coded].add(pull)
+        return pull
+
+    def took(self, pull: LinkPull, nbytes: int, coded: bool | None = None) -> None:
+        """``pull`` ended now, having brought ``nbytes`` of blocks (0: it failed) in the form
+        ``coded`` (None: the form it started in; a peer that predates coded pulls is pulled
+        raw, and such a pull measures neither form)."""
+        link = self._links.get(pull.peer)
+        if link is None:
             return
-        rates = self._peers.setdefault(peer, _Rates())
-        now = self.clock()
-        rate = nbytes / seconds
-        before = rates.rate.get(coded)
-        stale = now - rates.measured.get(coded, now) > 2 * self.PROBE_S
-        rates.rate[coded] = rate if before is None or stale else before + self.WEIGHT * (rate - before)
-        rates.measured[coded] = now
-        raw, coded_rate = rates.rate.get(False), rates.rate.get(True)
-        if raw is None or coded_rate is None:
+        link.in_flight[pull.coded].discard(pull)
+        end = self.clock()
+        if nbytes <= 0 or pull.shared or end <= pull.start or (coded is not None and coded != pull.coded):
             return
-        if rates.coded and raw > self.BETTER * coded_rate:
-            rates.coded = False
-        elif not rates.coded and coded_rate > self.BETTER * raw:
-            rates.coded = True
+        window = link.windows[pull.coded]
+        window.add(pull.start, end, nbytes)
+        if link.probe is pull.coded and window.bytes >= self.PROBE_BYTES:
+            self._decide(link, end)
+
+    def _decide(self, link: _Link, now: float) -> None:
+        """End the probe: the probed form is taken if it delivered BETTER times as much."""
+        assert link.probe is not None
+        probed, taken = link.windows[link.probe], link.windows[link.coded]
+        changed = bool(probed.bytes) and probed.rate() > self.BETTER * taken.rate()
+        if changed:
+            link.coded = link.probe
+        confirm = changed and not link.confirming           # the form just left, probed again at once
+        link.probe, link.confirming = None, confirm
+        link.next_probe = now if confirm else now + self.PROBE_S
+        link.decisions = [*link.decisions, link.coded][-self.DECISIONS:]
 
     def rates(self, peer: str) -> dict[str, float]:
         """What each form delivered lately from ``peer`` (bytes per second; a form not measured
         is left out), for stats and tests."""
-        rates = self._peers.get(peer)
-        if rates is None:
+        link = self._links.get(peer)
+        if link is None:
             return {}
-        return {("coded" if coded else "raw"): rate for coded, rate in rates.rate.items()}
+        return {("coded" if coded else "raw"): window.rate() for coded, window in link.windows.items() if window.bytes}
 
     def coded_now(self, peer: str) -> bool:
         """Whether pulls from ``peer`` take the coded form now (probes aside)."""
         if self.always:
             return bool(self.codec)
-        rates = self._peers.get(peer)
-        return rates is not None and rates.coded
+        link = self._links.get(peer)
+        return link is not None and link.coded
 
 
 def link_coding(name: str, clock: Callable[[], float]) -> LinkCoding:

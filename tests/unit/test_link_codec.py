@@ -176,54 +176,139 @@ def test_a_sink_that_asked_for_nothing_coded_refuses_a_coded_payload() -> None:
 # -- the choice of form --------------------------------------------------------------------------
 
 MIB = 1 << 20
+PROBE = LinkCoding.PROBE_BYTES
+N = PROBE // MIB                 # pulls of 1 MiB a probe takes
 
 
-def test_auto_measures_raw_first_then_tries_the_codec_and_keeps_what_delivers_more() -> None:
+def pull(coding: LinkCoding, clock: FakeClock, rate: float, nbytes: int = MIB, peer: str = "b") -> bool:
+    """One pull from ``peer`` in the form ``coding`` asks for, delivering at ``rate`` bytes/s;
+    whether it was coded."""
+    coded = bool(coding.codec_for(peer))
+    on_wire = coding.started(peer, coded)
+    clock.advance(nbytes / rate)
+    coding.took(on_wire, nbytes)
+    return coded
+
+
+def test_a_window_measures_overlapping_pulls_together_and_idle_time_not_at_all() -> None:
+    from kvcached.peers.link_coding import _Window
+
+    window = _Window(keep=100 * MIB)
+    window.add(0.0, 1.0, MIB)                  # two pulls in flight at once: one second of the link
+    window.add(0.5, 1.0, MIB)
+    window.add(5.0, 6.0, 2 * MIB)              # after four idle seconds
+    assert window.rate() == pytest.approx(4 * MIB / 2.0)
+    small = _Window(keep=2 * MIB)              # the oldest dropped once the rest hold ``keep``
+    for i in range(4):
+        small.add(float(i), i + 1.0, MIB)
+    assert small.bytes == 2 * MIB and small.rate() == pytest.approx(MIB)
+
+
+def test_auto_starts_raw_probes_the_codec_and_keeps_what_delivers_more() -> None:
     clock = FakeClock()
     coding = LinkCoding(PLANES.code, clock)
-    assert coding.codec_for("b") == 0                    # nothing measured: raw
-    coding.took("b", False, 4 * MIB, 0.032)              # 125 MB/s: a 1 Gbit link
-    assert coding.codec_for("b") == PLANES.code           # the probe of the other form
-    assert coding.codec_for("b") == 0                    # one probe at a time: the rest stay raw meanwhile
-    coding.took("b", True, 4 * MIB, 0.022)               # coded delivers 1.45x as much
-    assert coding.coded_now("b") and coding.codec_for("b") == PLANES.code
+    forms = [pull(coding, clock, 110e6) for _ in range(N)]         # raw until it has moved PROBE_BYTES
+    assert forms == [False] * N and not coding.coded_now("b")
+    forms = [pull(coding, clock, 150e6) for _ in range(N)]         # then the probe: coded, 1.36x as fast
+    assert forms == [True] * N and coding.coded_now("b")
+    forms = [pull(coding, clock, 110e6) for _ in range(N)]         # the change confirmed: raw probed at once
+    assert forms == [False] * N and coding.coded_now("b")
+    assert all(pull(coding, clock, 150e6) for _ in range(2 * N))       # coded it stays within PROBE_S
     clock.advance(LinkCoding.PROBE_S)
-    assert coding.codec_for("b") == 0                    # raw tried again, once
-    coding.took("b", False, 4 * MIB, 0.030)
-    assert coding.coded_now("b")                          # still the faster: coded stays
+    forms = [pull(coding, clock, 110e6) for _ in range(N)]         # raw probed again, still the slower
+    assert forms == [False] * N and coding.coded_now("b")
+    assert pull(coding, clock, 150e6)
     assert set(coding.rates("b")) == {"raw", "coded"} and coding.rates("nobody") == {}
 
 
-def test_auto_goes_back_to_raw_where_the_link_is_faster_than_the_codec() -> None:
+def test_a_change_made_on_a_cold_start_is_undone_by_its_confirmation() -> None:
+    """The first raw pulls ran on new connections (slow start): the codec's probe looks faster
+    than raw is. Raw, probed again at once, shows it is not; raw is taken back, and that change
+    is not confirmed in turn (the next probe is PROBE_S away)."""
     clock = FakeClock()
     coding = LinkCoding(PLANES.code, clock)
-    coding.codec_for("b")
-    coding.took("b", False, 4 * MIB, 0.004)              # 1 GB/s: loopback
+    for _ in range(N):
+        pull(coding, clock, 0.2e9)                                   # raw, cold
+    assert all(pull(coding, clock, 0.4e9) for _ in range(N))         # the probe: the codec, warm
+    assert coding.coded_now("b")
+    assert not any(pull(coding, clock, 1e9) for _ in range(N))       # the confirmation: raw, warm
+    assert not coding.coded_now("b")
+    assert not any(pull(coding, clock, 1e9) for _ in range(5 * N))      # settled: no probe within PROBE_S
+
+
+def test_a_pull_that_shared_the_link_with_the_other_form_measures_neither() -> None:
+    """When a probe starts, the last pulls of the form left are still on the wire: the first
+    probe pulls share the link with them, and the probe would look slower than it is."""
+    clock = FakeClock()
+    coding = LinkCoding(PLANES.code, clock)
+    for _ in range(N):
+        pull(coding, clock, 100e6)
+    raw_tail = coding.started("b", False)                            # still finishing as the probe starts
     assert coding.codec_for("b") == PLANES.code
-    coding.took("b", True, 4 * MIB, 0.010)               # the codec is the bottleneck
-    assert not coding.coded_now("b")
-    for _ in range(5):
-        assert coding.codec_for("b") == 0                # no probe again within PROBE_S
-    clock.advance(LinkCoding.PROBE_S)
-    assert coding.codec_for("b") == PLANES.code           # then one
+    first = coding.started("b", True)
+    clock.advance(0.02)
+    coding.took(raw_tail, MIB)
+    coding.took(first, MIB)                                          # shared: measures neither form
+    assert coding.rates("b").get("coded") is None and coding.rates("b")["raw"] == pytest.approx(100e6)
+    for _ in range(N):
+        pull(coding, clock, 150e6)                                   # the probe's own pulls decide
+    assert coding.coded_now("b")
+    late = coding.started("b", True)
+    clock.advance(0.001)                                             # 1 GB/s: were it counted, coded would move
+    coding.took(late, MIB, coded=False)                              # pulled raw in the end (an older peer)
+    assert coding.rates("b")["coded"] == pytest.approx(150e6)
 
 
-def test_near_equal_forms_do_not_flap_and_small_pulls_say_nothing() -> None:
+def test_auto_stays_raw_where_the_link_is_faster_than_the_codec() -> None:
     clock = FakeClock()
     coding = LinkCoding(PLANES.code, clock)
-    coding.codec_for("b")
-    coding.took("b", False, LinkCoding.MIN_BYTES - 1, 0.0001)   # too small to tell a rate
-    assert coding.rates("b") == {} and coding.codec_for("b") == 0
-    coding.took("b", False, 4 * MIB, 0.010)
-    coding.codec_for("b")
-    coding.took("b", True, 4 * MIB, 0.0095)              # 5% better: not BETTER
+    for _ in range(N):
+        pull(coding, clock, 1e9)                                     # loopback
+    assert all(pull(coding, clock, 0.4e9) for _ in range(N))         # the probe: the codec is the bottleneck
     assert not coding.coded_now("b")
+    assert not any(pull(coding, clock, 1e9) for _ in range(5 * N))      # no probe again within PROBE_S
+    clock.advance(LinkCoding.PROBE_S)
+    assert pull(coding, clock, 0.4e9)                                # then one
+
+
+def test_a_link_that_slows_down_is_followed_at_the_next_probe() -> None:
+    clock = FakeClock()
+    coding = LinkCoding(PLANES.code, clock)
+    for _ in range(N):
+        pull(coding, clock, 1e9)
+    for _ in range(N):
+        pull(coding, clock, 0.4e9)
+    assert not coding.coded_now("b")
+    clock.advance(LinkCoding.PROBE_S)
+    for _ in range(2 * N):                                               # the link drops to 1 Gbit/s: raw at 0.11 GB/s
+        pull(coding, clock, 0.11e9)
+    assert not coding.coded_now("b")                                 # raw's window still holds the fast pulls
+    clock.advance(LinkCoding.PROBE_S)
+    for _ in range(4 * N):
+        pull(coding, clock, 0.11e9)                                  # ... until they leave it
+    clock.advance(LinkCoding.PROBE_S)
+    assert all(pull(coding, clock, 0.16e9) for _ in range(N))        # the probe: coded, 1.45x
+    assert coding.coded_now("b")
+
+
+def test_near_equal_forms_do_not_flap_and_a_probe_that_moves_nothing_changes_nothing() -> None:
+    clock = FakeClock()
+    coding = LinkCoding(PLANES.code, clock)
+    for _ in range(N):
+        pull(coding, clock, 100e6)
+    for _ in range(N):
+        pull(coding, clock, 105e6)                                   # 5% better: not BETTER
+    assert not coding.coded_now("b")
+    clock.advance(LinkCoding.PROBE_S)
+    assert coding.codec_for("b") == PLANES.code                      # a probe starts; no pull ever ends
+    clock.advance(LinkCoding.PROBE_MAX_S + 1)
+    assert coding.codec_for("b") == 0 and not coding.coded_now("b")  # judged on nothing: the form taken stays
 
 
 def test_none_never_codes_and_a_named_codec_always_does() -> None:
     clock = FakeClock()
     never, always = link_coding("none", clock), link_coding("planes-zstd", clock)
-    always.took("b", True, 4 * MIB, 1.0)
+    always.took(always.started("b", True), 4 * MIB)
     assert never.codec_for("b") == 0 and always.codec_for("b") == PLANES.code and always.coded_now("b")
     assert link_coding("auto", clock).codec == PLANES.code
     with pytest.raises(KeyError):
