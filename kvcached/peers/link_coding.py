@@ -24,8 +24,11 @@ form left is probed again, now measured beside the new one's fresh window, since
 look slower may have passed (the first pulls from a peer run on new connections still in TCP's
 slow start and into slots touched for the first time). A peer starts raw (the form that needs
 no holder work), so its first probe tries the codec. A link that slows down or speeds up is
-followed within a probe period, at the cost of one probe's bytes in the worse form per
-``PROBE_S``.
+followed soon where the form taken shows it (its newest PROBE_BYTES delivering
+:data:`LinkCoding.CHANGE` times more or less than the PROBE_BYTES before them: the other form
+is probed at the next pull, or :data:`LinkCoding.CHANGE_GAP_S` after the last probe), else
+within a probe period; the cost is one probe's bytes in the worse form per ``PROBE_S``, and
+on a link whose rate swings by CHANGE, per ``CHANGE_GAP_S`` at most.
 
 ``always`` (``link_codec`` names a codec) asks for every pull coded; the holder still sends
 raw each block its codec does not shrink. The clock is passed in; the peer tier's fetches
@@ -65,12 +68,38 @@ class _Window:
 
     def rate(self) -> float:
         """Bytes per second of the time at least one pull was in flight (0: none measured)."""
-        busy, reach = 0.0, float("-inf")
-        for start, end, _ in sorted(self.pulls):
-            if end > reach:
-                busy += end - max(start, reach)
-                reach = end
-        return self.bytes / busy if busy > 0 else 0.0
+        return _rate(self.pulls)
+
+    def changed(self, recent: int, factor: float) -> bool:
+        """Whether the newest pulls, ``recent`` bytes or more of them, delivered ``factor``
+        times more or less than the ``recent`` bytes or more before them; if so, the older
+        pulls are dropped (they say nothing of the link now)."""
+        newer: list[tuple[float, float, int]] = []
+        moved = 0
+        for pull in reversed(self.pulls):
+            if moved >= recent:
+                break
+            newer.append(pull)
+            moved += pull[2]
+        older = list(self.pulls)[:len(self.pulls) - len(newer)]
+        if moved < recent or sum(p[2] for p in older) < recent:
+            return False
+        now, before = _rate(newer), _rate(older)
+        if before <= 0 or 1 / factor < now / before < factor:
+            return False
+        for _ in older:
+            self.bytes -= self.pulls.popleft()[2]
+        return True
+
+
+def _rate(pulls: "deque[tuple[float, float, int]] | list[tuple[float, float, int]]") -> float:
+    """The bytes of ``pulls`` over the time at least one of them was in flight (0: no time)."""
+    busy, reach = 0.0, float("-inf")
+    for start, end, _ in sorted(pulls):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return sum(p[2] for p in pulls) / busy if busy > 0 else 0.0
 
 
 @dataclass(eq=False)
@@ -93,6 +122,7 @@ class _Link:
     probe_at: float = 0.0
     confirming: bool = False             # the probe running confirms a change of form
     next_probe: float = float("-inf")
+    decided_at: float = float("-inf")    # when the last probe ended
     decisions: list[bool] = field(default_factory=list)   # the form each probe left taken (the latest last)
     in_flight: dict[bool, set[LinkPull]] = field(default_factory=lambda: {False: set(), True: set()})
 
@@ -106,6 +136,8 @@ class LinkCoding:
     PROBE_S = 30.0               # the form not taken is probed again this often
     PROBE_MAX_S = 5.0            # a probe that has not moved PROBE_BYTES by then is judged on what it has
     BETTER = 1.1                 # the other form must deliver this much more to be taken
+    CHANGE = 1.5                 # the form taken delivering this much more or less than before: probe soon
+    CHANGE_GAP_S = 5.0           # ... but not sooner than this after the last probe (a noisy link's bound)
     DECISIONS = 16               # of each peer's last decisions kept (stats, tests)
 
     def __init__(self, codec: int, clock: Callable[[], float], *, always: bool = False) -> None:
@@ -162,6 +194,10 @@ class LinkCoding:
         window.add(pull.start, end, nbytes)
         if link.probe is pull.coded and window.bytes >= self.PROBE_BYTES:
             self._decide(link, end)
+        elif link.probe is None and pull.coded == link.coded and window.changed(self.PROBE_BYTES, self.CHANGE):
+            # The link changed: whether the other form pays now is probed at once, or once
+            # CHANGE_GAP_S has passed since the last probe (noise must not make probes constant).
+            link.next_probe = min(link.next_probe, max(end, link.decided_at + self.CHANGE_GAP_S))
 
     def _decide(self, link: _Link, now: float) -> None:
         """End the probe: the probed form is taken if it delivered BETTER times as much."""
@@ -171,7 +207,7 @@ class LinkCoding:
         if changed:
             link.coded = link.probe
         confirm = changed and not link.confirming           # the form just left, probed again at once
-        link.probe, link.confirming = None, confirm
+        link.probe, link.confirming, link.decided_at = None, confirm, now
         link.next_probe = now if confirm else now + self.PROBE_S
         link.decisions = [*link.decisions, link.coded][-self.DECISIONS:]
 

@@ -291,6 +291,29 @@ def test_a_link_that_slows_down_is_followed_at_the_next_probe() -> None:
     assert coding.coded_now("b")
 
 
+def test_a_change_of_rate_the_form_taken_shows_is_probed_at_once() -> None:
+    """The throttle lifts while pulls are coded: coded pulls get 2.7x faster (the codec is now
+    the bottleneck). Raw is probed at the next pull, not PROBE_S later, and taken back."""
+    clock = FakeClock()
+    coding = LinkCoding(PLANES.code, clock)
+    for _ in range(N):
+        pull(coding, clock, 110e6)                                   # 1 Gbit/s, raw
+    for _ in range(N):
+        pull(coding, clock, 160e6)                                   # the probe: coded pays
+    for _ in range(N):
+        pull(coding, clock, 110e6)                                   # the confirmation: raw still slower
+    assert coding.coded_now("b")
+    for _ in range(N):
+        assert pull(coding, clock, 160e6)                            # coded, steady: no change
+    forms = [pull(coding, clock, 440e6) for _ in range(N)]          # the throttle lifts: 2.75x
+    assert all(forms)                                                # within CHANGE_GAP_S of the last probe: not yet
+    clock.advance(LinkCoding.CHANGE_GAP_S)
+    assert coding.codec_for("b") == 0                                # then raw probed, not PROBE_S later
+    for _ in range(N):
+        pull(coding, clock, 1e9)
+    assert not coding.coded_now("b")
+
+
 def test_near_equal_forms_do_not_flap_and_a_probe_that_moves_nothing_changes_nothing() -> None:
     clock = FakeClock()
     coding = LinkCoding(PLANES.code, clock)
