@@ -71,12 +71,23 @@ SAMPLE_BYTES = 8192          # of a plane, compressed first: a plane that does n
 # zstd's fast strategy with a 64-entry match table and matches of 7 bytes at least: a plane of KV
 # bytes is literals under a skewed distribution (an exponent byte takes a few values often), with
 # few repeats worth a match, so what shrinks it is zstd's entropy coding of literals, and match
-# search is mostly wasted. Compared ad hoc with level 1 on both planes of 120 blocks of real
-# SmolLM2 KV (bench/kv_corpus.py), one thread: ratio 1.474x against 1.462x, coding 0.60 against
-# 0.36 GB/s, decoding 2.5 against 1.75 GB/s (bench_codecs figure 3 prints the codec's speed).
-# Any zstd frame decodes alike, so blocks coded under level 1 read back unchanged.
+# search is mostly wasted. bench_codecs figure 3 compares the two on the same planes of real KV
+# (docs/codecs.md has the figures). Any zstd frame decodes alike, so blocks coded under level 1
+# read back unchanged.
 ZSTD_PARAMETERS = {"strategy": "fast", "hash_log": 6, "min_match": 7, "search_log": 1, "chain_log": 6,
                    "target_length": 0, "compression_level": 1}
+
+
+def zstd_compressor(level: int | None = None) -> Any:
+    """A zstandard compressor with the codec's settings (:data:`ZSTD_PARAMETERS`), or at a plain
+    ``level`` (bench_codecs compares the two on the same planes)."""
+    import zstandard
+
+    if level is not None:
+        return zstandard.ZstdCompressor(level=level)
+    strategy = getattr(zstandard, f"STRATEGY_{str(ZSTD_PARAMETERS['strategy']).upper()}")
+    return zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+        **dict(ZSTD_PARAMETERS, strategy=strategy)))
 
 
 class _Contexts(threading.local):
@@ -88,8 +99,7 @@ class _Contexts(threading.local):
         import zstandard
 
         self.zstd: Any = zstandard
-        parameters = dict(ZSTD_PARAMETERS, strategy=getattr(zstandard, f"STRATEGY_{str(ZSTD_PARAMETERS['strategy']).upper()}"))
-        self.compress = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(**parameters))
+        self.compress = zstd_compressor()
         self.decompress = zstandard.ZstdDecompressor()
 
 

@@ -396,8 +396,8 @@ Answer = tuple[p.Block, "memoryview | bytes", Callable[[], None]] | p.Miss
 
 
 def _link_codec(code: int) -> Codec | None:
-    """The codec a CodedPull asks for; None (every block raw, in CodedBlocks) where this daemon
-    does not know it."""
+    """The codec a CodedPull asks for; None where this daemon does not know it: the pull is then
+    answered as a Pull is (Blocks frames, every block raw), which the puller takes as well."""
     try:
         return codec_coded(code)
     except CodecError:
@@ -413,8 +413,8 @@ def _encoded(codec: Codec, payload: memoryview | bytes) -> bytes | None:
 
 
 async def _coded(answers: Sequence[Answer], codec: Codec, counters: LaneCounters) -> list[Answer]:
-    """A part of a CodedPull's answers, each block coded on a worker thread (all of the part at
-    once) where that shrinks it, and unpinned as soon as its coded copy is made (a raw one stays
+    """A run of a CodedPull's answers (CODE_RUN at most), each block coded on a worker thread
+    (the whole run at once) where that shrinks it, and unpinned as soon as its coded copy is made (a raw one stays
     pinned until sent). The threads read pinned blocks: a cancel waits for them before the
     caller unpins anything."""
     loop = asyncio.get_running_loop()

@@ -49,22 +49,27 @@ __all__ = ["LinkCoding", "LinkPull", "link_coding"]
 
 class _Window:
     """One form's recent pulls from one peer: (start, end, bytes) each, the oldest dropped once
-    the rest hold ``keep`` bytes."""
+    the rest hold ``keep`` bytes, or once there are ``most`` (each pull's rate and change are
+    worked out over the window on the event loop: its length is what that costs; a peer whose
+    pulls are so small that ``most`` of them hold less than a probe's bytes is never probed,
+    and its pulls stay raw)."""
 
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
+    def __init__(self, keep: int, most: int) -> None:
+        self.keep, self.most = keep, most
         self.pulls: deque[tuple[float, float, int]] = deque()
         self.bytes = 0
+        self.unchecked = 0           # bytes added since :meth:`changed` last looked
 
     def add(self, start: float, end: float, nbytes: int) -> None:
         self.pulls.append((start, end, nbytes))
         self.bytes += nbytes
-        while len(self.pulls) > 1 and self.bytes - self.pulls[0][2] >= self.keep:
+        self.unchecked += nbytes
+        while len(self.pulls) > self.most or (len(self.pulls) > 1 and self.bytes - self.pulls[0][2] >= self.keep):
             self.bytes -= self.pulls.popleft()[2]
 
     def clear(self) -> None:
         self.pulls.clear()
-        self.bytes = 0
+        self.bytes = self.unchecked = 0
 
     def rate(self) -> float:
         """Bytes per second of the time at least one pull was in flight (0: none measured)."""
@@ -73,7 +78,11 @@ class _Window:
     def changed(self, recent: int, factor: float) -> bool:
         """Whether the newest pulls, ``recent`` bytes or more of them, delivered ``factor``
         times more or less than the ``recent`` bytes or more before them; if so, the older
-        pulls are dropped (they say nothing of the link now)."""
+        pulls are dropped (they say nothing of the link now). Looked at once a quarter of
+        ``recent`` came since the last look, so that its cost per pull stays small."""
+        if self.unchecked < recent // 4:
+            return False
+        self.unchecked = 0
         newer: list[tuple[float, float, int]] = []
         moved = 0
         for pull in reversed(self.pulls):
@@ -123,7 +132,6 @@ class _Link:
     confirming: bool = False             # the probe running confirms a change of form
     next_probe: float = float("-inf")
     decided_at: float = float("-inf")    # when the last probe ended
-    decisions: list[bool] = field(default_factory=list)   # the form each probe left taken (the latest last)
     in_flight: dict[bool, set[LinkPull]] = field(default_factory=lambda: {False: set(), True: set()})
 
 
@@ -138,7 +146,7 @@ class LinkCoding:
     BETTER = 1.1                 # the other form must deliver this much more to be taken
     CHANGE = 1.5                 # the form taken delivering this much more or less than before: probe soon
     CHANGE_GAP_S = 5.0           # ... but not sooner than this after the last probe (a noisy link's bound)
-    DECISIONS = 16               # of each peer's last decisions kept (stats, tests)
+    WINDOW_PULLS = 512           # pulls a window keeps at most: what a pull costs the loop stays small
 
     def __init__(self, codec: int, clock: Callable[[], float], *, always: bool = False) -> None:
         self.codec, self.clock, self.always = codec, clock, always
@@ -148,8 +156,8 @@ class LinkCoding:
     def _link(self, peer: str) -> _Link:
         link = self._links.get(peer)
         if link is None:
-            keep = 4 * self.PROBE_BYTES
-            link = self._links[peer] = _Link({False: _Window(keep), True: _Window(keep)})
+            keep, most = 4 * self.PROBE_BYTES, self.WINDOW_PULLS
+            link = self._links[peer] = _Link({False: _Window(keep, most), True: _Window(keep, most)})
         return link
 
     def codec_for(self, peer: str) -> int:
@@ -209,11 +217,10 @@ class LinkCoding:
         confirm = changed and not link.confirming           # the form just left, probed again at once
         link.probe, link.confirming, link.decided_at = None, confirm, now
         link.next_probe = now if confirm else now + self.PROBE_S
-        link.decisions = [*link.decisions, link.coded][-self.DECISIONS:]
 
     def rates(self, peer: str) -> dict[str, float]:
         """What each form delivered lately from ``peer`` (bytes per second; a form not measured
-        is left out), for stats and tests."""
+        is left out), for tests and debugging."""
         link = self._links.get(peer)
         if link is None:
             return {}

@@ -193,15 +193,19 @@ def pull(coding: LinkCoding, clock: FakeClock, rate: float, nbytes: int = MIB, p
 def test_a_window_measures_overlapping_pulls_together_and_idle_time_not_at_all() -> None:
     from kvcached.peers.link_coding import _Window
 
-    window = _Window(keep=100 * MIB)
+    window = _Window(keep=100 * MIB, most=100)
     window.add(0.0, 1.0, MIB)                  # two pulls in flight at once: one second of the link
     window.add(0.5, 1.0, MIB)
     window.add(5.0, 6.0, 2 * MIB)              # after four idle seconds
     assert window.rate() == pytest.approx(4 * MIB / 2.0)
-    small = _Window(keep=2 * MIB)              # the oldest dropped once the rest hold ``keep``
+    small = _Window(keep=2 * MIB, most=100)    # the oldest dropped once the rest hold ``keep``
     for i in range(4):
         small.add(float(i), i + 1.0, MIB)
     assert small.bytes == 2 * MIB and small.rate() == pytest.approx(MIB)
+    short = _Window(keep=100 * MIB, most=3)    # ... or once there are ``most``
+    for i in range(5):
+        short.add(float(i), i + 1.0, MIB)
+    assert len(short.pulls) == 3 and short.bytes == 3 * MIB
 
 
 def test_auto_starts_raw_probes_the_codec_and_keeps_what_delivers_more() -> None:
