@@ -31,9 +31,11 @@ from cryptography.x509.oid import NameOID
 
 from kvcached.api.convert import address_from_pb, address_to_pb
 from kvcached.client import KvCacheClient
+from kvcached.codecs import codec_named
 from kvcached.events.schema import decode_batch
 from kvcached.peers import protocol as pp
 from kvcached.peers.certs import make_cluster
+from kvcached.peers.lane_client import LaneClient
 from kvcached.peers.session import PullSink
 from kvcached.peers.tls import PeerAuth
 from kvcached.v1 import kvcache_pb2 as pb
@@ -244,7 +246,7 @@ def test_a_pull_across_daemons_keeps_the_tenant(tmp_path: Path) -> None:
     """Two daemons sharing the tenant key (as a cluster must): alice's block saved on one is
     found and pulled by alice on the other (over the bulk lane, the Pull naming her), recorded
     there as hers; bob finds nothing. A raw QUIC Pull of her address naming another tenant is a
-    miss, counted."""
+    miss, counted; so is a CodedPull of it over the lane (its tenant check is the Pull's)."""
     key = tmp_path / "tenants.key"
     key.write_bytes(os.urandom(32))
     key.chmod(0o600)
@@ -274,8 +276,10 @@ def test_a_pull_across_daemons_keeps_the_tenant(tmp_path: Path) -> None:
         # the record's tenant as it checks the digest.
         answers = asyncio.run(_raw_pulls(cluster, (stored.digest, stored.layer), ["bob", "", "alice"]))
         assert answers == {"bob": "miss NOT_FOUND", "": "miss NOT_FOUND", "alice": "block"}, answers
+        coded = asyncio.run(_coded_lane_pulls(cluster, (stored.digest, stored.layer), ["bob", "", "alice"]))
+        assert coded == {"bob": "miss NOT_FOUND", "": "miss NOT_FOUND", "alice": "coded block"}, coded
         text = urllib.request.urlopen(f"http://127.0.0.1:{a_metrics}/metrics", timeout=10).read().decode()
-        assert 'kvcached_quic_pulls_other_tenant_total 2.0' in text
+        assert 'kvcached_quic_pulls_other_tenant_total 4.0' in text
     finally:
         cluster.stop()
 
@@ -293,6 +297,9 @@ class _Answers(PullSink):
     def missed(self, miss: pp.Miss) -> None:
         self.got.append(f"miss {pp.MissReason(miss.reason).name}")
 
+    def arrived_coded(self, block: pp.Block, coded: memoryview) -> None:
+        self.got.append("coded block")
+
 
 async def _raw_pulls(cluster: Cluster, row: tuple[bytes, int], tenants: list[str]) -> dict[str, str]:
     """Pull ``row`` from node-a over QUIC as node-b (its certificate), once naming each tenant."""
@@ -306,6 +313,26 @@ async def _raw_pulls(cluster: Cluster, row: tuple[bytes, int], tenants: list[str
         await asyncio.wait_for(peer.pull([row], sink, tenant), 5)
         out[tenant] = " ".join(sink.got)
     peer.close()
+    return out
+
+
+async def _coded_lane_pulls(cluster: Cluster, row: tuple[bytes, int], tenants: list[str]) -> dict[str, str]:
+    """Pull ``row`` from node-a over its TLS lane as node-b, a CodedPull (planes-zstd) naming
+    each tenant in turn."""
+    auth = PeerAuth.from_files(str(cluster.certs / "ca.pem"), str(cluster.certs / "node-b.pem"),
+                               str(cluster.certs / "node-b-key.pem"), ["node-a"])
+    host, port = cluster.addresses["node-a"].rsplit(":", 1)
+    lane = LaneClient(auth, "node-a", (host, int(port)), 1 << 20, mode="tls")
+    codec = codec_named("planes-zstd")
+    assert codec is not None
+    out = {}
+    try:
+        for tenant in tenants:
+            sink = _Answers()
+            assert await asyncio.wait_for(lane.pull([row], sink, tenant=tenant, codec=codec.code), 5) == codec.code
+            out[tenant] = " ".join(sink.got)
+    finally:
+        await lane.close()
     return out
 
 
